@@ -1,0 +1,1 @@
+//! Evaluation: sliding-window perplexity, KV-cached generation, needle-in-a-haystack suites.
