@@ -10,7 +10,7 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
+pub mod eval;
 pub mod model;
 pub mod ops;
-pub mod eval;
 pub mod util;

@@ -13,10 +13,10 @@ use serde::{Deserialize, Serialize};
 
 /// HARPE Table 2 (Lian et al.): the 32 bases of the main results, head order, exact integers.
 pub const TABLE2_BASES: [u64; 32] = [
-    1_000_000, 1_150_000, 1_300_000, 1_450_000, 2_170_000, 2_200_000, 2_230_000, 2_470_000, 2_500_000,
-    2_650_000, 2_680_000, 2_710_000, 2_740_000, 2_800_000, 2_830_000, 2_920_000, 3_010_000, 3_040_000,
-    3_100_000, 3_130_000, 3_160_000, 3_220_000, 3_430_000, 3_460_000, 3_610_000, 3_880_000, 4_090_000,
-    4_150_000, 4_390_000, 4_450_000, 4_510_000, 4_540_000,
+    1_000_000, 1_150_000, 1_300_000, 1_450_000, 2_170_000, 2_200_000, 2_230_000, 2_470_000, 2_500_000, 2_650_000,
+    2_680_000, 2_710_000, 2_740_000, 2_800_000, 2_830_000, 2_920_000, 3_010_000, 3_040_000, 3_100_000, 3_130_000,
+    3_160_000, 3_220_000, 3_430_000, 3_460_000, 3_610_000, 3_880_000, 4_090_000, 4_150_000, 4_390_000, 4_450_000,
+    4_510_000, 4_540_000,
 ];
 
 /// Head order for uniform base sets (spec §1.4).
@@ -178,7 +178,9 @@ impl RopeScheme {
     pub fn validate(&mut self, n_heads: usize, n_kv_heads: usize, head_dim: usize, n_layers: usize) -> Result<()> {
         let pos = |name: &str, v: f64| -> Result<()> {
             if !(v.is_finite() && v > 0.0) {
-                bail!("rope {name} must be a positive finite number, got {v}\nhint: fix the rope section of the config");
+                bail!(
+                    "rope {name} must be a positive finite number, got {v}\nhint: fix the rope section of the config"
+                );
             }
             Ok(())
         };
@@ -234,7 +236,9 @@ impl RopeScheme {
             RopeScheme::Linear { theta, factor } => {
                 one(default_inv_freq(*theta, head_dim).into_iter().map(|f| f / factor).collect())
             }
-            RopeScheme::NtkStatic { theta, factor } => one(default_inv_freq(theta * factor.powf(d / (d - 2.0)), head_dim)),
+            RopeScheme::NtkStatic { theta, factor } => {
+                one(default_inv_freq(theta * factor.powf(d / (d - 2.0)), head_dim))
+            }
             RopeScheme::Dynamic { theta, factor, original_max } => {
                 let l = seq_len.max(*original_max) as f64;
                 let base = theta * ((factor * l / *original_max as f64) - (factor - 1.0)).powf(d / (d - 2.0));
@@ -252,7 +256,8 @@ impl RopeScheme {
                 truncate,
             } => {
                 let extrap = default_inv_freq(*theta, head_dim);
-                let (low, mut high) = yarn_correction_range(*theta, head_dim, *original_max, *beta_fast, *beta_slow, *truncate);
+                let (low, mut high) =
+                    yarn_correction_range(*theta, head_dim, *original_max, *beta_fast, *beta_slow, *truncate);
                 if low == high {
                     high += 0.001;
                 }
@@ -293,9 +298,7 @@ impl RopeScheme {
             }
             RopeScheme::Longrope { theta, short_factor, long_factor, original_max, factor, attention_factor } => {
                 let ext = if seq_len > *original_max { long_factor } else { short_factor };
-                let rows = (0..head_dim / 2)
-                    .map(|j| 1.0 / (ext[j] * theta.powf((2 * j) as f64 / d)))
-                    .collect();
+                let rows = (0..head_dim / 2).map(|j| 1.0 / (ext[j] * theta.powf((2 * j) as f64 / d))).collect();
                 let af = attention_factor.unwrap_or_else(|| {
                     if *factor <= 1.0 {
                         1.0
