@@ -85,14 +85,14 @@ impl LlamaConfig {
         nz("num_attention_heads", self.num_attention_heads)?;
         nz("num_key_value_heads", self.num_key_value_heads)?;
         nz("head_dim", self.head_dim)?;
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "{origin}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})\nhint: GQA needs whole groups",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("{origin}: head_dim {} is odd\nhint: RoPE rotates pairs of dimensions", self.head_dim);
         }
         self.rope
@@ -155,8 +155,7 @@ impl LlamaConfig {
         let hidden_size = usize_of("hidden_size", None)?;
         let num_attention_heads = usize_of("num_attention_heads", None)?;
         let num_key_value_heads = usize_of("num_key_value_heads", Some(num_attention_heads))?;
-        let head_dim =
-            usize_of("head_dim", Some(if num_attention_heads > 0 { hidden_size / num_attention_heads } else { 0 }))?;
+        let head_dim = usize_of("head_dim", Some(hidden_size.checked_div(num_attention_heads).unwrap_or(0)))?;
         let max_position_embeddings = usize_of("max_position_embeddings", Some(2048))?;
         let eos_token_id = match obj.get("eos_token_id") {
             None | Some(Value::Null) => vec![],

@@ -6,6 +6,7 @@ pub mod config;
 pub mod inspect;
 pub mod llama;
 pub mod rope;
+pub mod testing;
 pub mod weights;
 
 pub use llama::Llama;

@@ -53,8 +53,11 @@ pub fn read_safetensors(file: &Path, dtype: DType, device: &Device) -> Result<Ha
     Ok(out)
 }
 
+/// Tensor name -> shard file name, as in `model.safetensors.index.json`.
+pub type WeightMap = BTreeMap<String, String>;
+
 /// The weight files of a model directory: single `model.safetensors` or an index with shards.
-pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, String>>)> {
+pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
