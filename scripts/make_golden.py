@@ -189,6 +189,10 @@ def main():
     golden_case("default", base_config())
     golden_case("harpe", base_config(), harpe=HARPE_BASES,
                 rope_scaling_json={"rope_type": "harpe", "head_bases": HARPE_BASES})
+    # MHA with tied embeddings and four per-head bases (the paper's Llama-2 layout, scaled down)
+    mha = [10000.0, 50000.0, 200000.0, 1000000.0]
+    golden_case("harpe_mha_tied", base_config(num_key_value_heads=4, tie_word_embeddings=True), harpe=mha,
+                rope_scaling_json={"rope_type": "harpe", "head_bases": mha})
     # classic schemes: logits only, transformers-4 config form
     golden_case("linear", base_config(rope_scaling={"rope_type": "linear", "factor": 4.0}), grads=False,
                 rope_scaling_json={"rope_type": "linear", "factor": 4.0})

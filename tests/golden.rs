@@ -78,6 +78,13 @@ fn per_head_bases_match_patched_transformers() {
 }
 
 #[test]
+fn mha_tied_embeddings_with_per_head_bases_match() {
+    let m = check_logits("harpe_mha_tied");
+    assert!(m.cfg.tie_word_embeddings && m.cfg.num_key_value_heads == 4);
+    check_grads("harpe_mha_tied");
+}
+
+#[test]
 fn classic_schemes_match_transformers() {
     for case in ["linear", "dynamic", "yarn", "llama3", "longrope"] {
         check_logits(case);
@@ -87,7 +94,7 @@ fn classic_schemes_match_transformers() {
 #[test]
 fn eval_ppl_matches_transformers_sliding_windows() {
     let text = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/text.txt");
-    for case in ["default", "harpe", "linear", "dynamic", "yarn", "llama3", "longrope"] {
+    for case in ["default", "harpe", "harpe_mha_tied", "linear", "dynamic", "yarn", "llama3", "longrope"] {
         let want: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(golden(case).join("ppl.json")).unwrap()).unwrap();
         let (w, s) = (want["window"].as_u64().unwrap() as usize, want["stride"].as_u64().unwrap() as usize);
