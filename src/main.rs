@@ -14,6 +14,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The whole pipeline on built-in data, on CPU (the README's first command)
+    Demo(harpe::demo::DemoArgs),
     /// Sliding-window perplexity of text files under a model directory
     EvalPpl(harpe::eval::ppl::EvalPplArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
@@ -23,6 +25,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let res = match cli.cmd {
+        Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
     };
