@@ -18,6 +18,8 @@ enum Cmd {
     Demo(harpe::demo::DemoArgs),
     /// Sliding-window perplexity of text files under a model directory
     EvalPpl(harpe::eval::ppl::EvalPplArgs),
+    /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
+    EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
 }
@@ -27,6 +29,7 @@ fn main() {
     let res = match cli.cmd {
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
+        Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
     };
     if let Err(e) = res {

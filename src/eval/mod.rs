@@ -1,3 +1,10 @@
 //! Evaluation: sliding-window perplexity, KV-cached generation, needle-in-a-haystack suites.
 pub mod generate;
+pub mod heatmap;
+pub mod needle_grid;
+pub mod niah;
+pub mod niah_io;
+pub mod niah_run;
+pub mod passkey;
 pub mod ppl;
+pub mod pyrandom;

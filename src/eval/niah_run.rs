@@ -1,0 +1,765 @@
+//! `harpe eval-niah`: build the RULER / passkey / needle-grid prompts, run the model on them, score,
+//! and write RULER-compatible predictions, `results.json`, `summary.csv` and heatmaps.
+//!
+//! Reference: RULER `scripts/run.sh` (directory layout), spec `evaluation.md` §1.9–1.12, §2, §4, §5.
+//!
+//! The non-obvious decisions: every suite is reduced to cells (task x length) of `Record`s, so one
+//! loop runs and resumes them all; a prediction is reused on a re-run only when the prompt hash
+//! stored beside it matches the prompt of today (changed settings recompute, never mix); prepared
+//! data are cached per cell under a settings key, because sizing a 128K haystack costs minutes of
+//! tokenization. Running the model is one closure (`predict(prompt, max_new_tokens) -> text`).
+//! Not here: the generators (`niah.rs`, `passkey.rs`, `needle_grid.rs`), decoding (`generate.rs`).
+
+use crate::eval::heatmap::{self, Heatmap};
+use crate::eval::needle_grid;
+use crate::eval::niah::{self, Essays, Metric, NiahGenerator, NiahTask, Sizing};
+use crate::eval::niah_io::{self, Record};
+use crate::eval::passkey;
+use anyhow::{bail, Context, Result};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
+
+/// Task name of the passkey suite.
+pub const PASSKEY: &str = "passkey";
+/// Task name of the needle-grid suite.
+pub const NEEDLE_GRID: &str = "needle_grid";
+
+/// What one selected task is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TaskSel {
+    /// One of RULER's eight NIAH tasks.
+    Niah(NiahTask),
+    /// Passkey retrieval.
+    Passkey,
+    /// The gkamradt/Fu needle grid.
+    NeedleGrid,
+}
+
+impl TaskSel {
+    /// The task's name in file paths and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskSel::Niah(t) => t.name(),
+            TaskSel::Passkey => PASSKEY,
+            TaskSel::NeedleGrid => NEEDLE_GRID,
+        }
+    }
+}
+
+/// Parse `--tasks`: names, or the groups `ruler` (the 8 NIAH tasks), `noise` (the three without
+/// essays) and `all` (ruler + passkey + needle_grid).
+pub fn parse_tasks(s: &str) -> Result<Vec<TaskSel>> {
+    let mut out = BTreeSet::new();
+    for name in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        match name {
+            "ruler" => out.extend(NiahTask::ALL.map(TaskSel::Niah)),
+            "noise" => out.extend([NiahTask::Single1, NiahTask::Multikey2, NiahTask::Multikey3].map(TaskSel::Niah)),
+            "all" => {
+                out.extend(NiahTask::ALL.map(TaskSel::Niah));
+                out.extend([TaskSel::Passkey, TaskSel::NeedleGrid]);
+            }
+            PASSKEY => {
+                out.insert(TaskSel::Passkey);
+            }
+            NEEDLE_GRID => {
+                out.insert(TaskSel::NeedleGrid);
+            }
+            other => match NiahTask::from_name(other) {
+                Some(t) => {
+                    out.insert(TaskSel::Niah(t));
+                }
+                None => bail!(
+                    "--tasks: unknown task {other:?}\nhint: use ruler, noise, all, passkey, needle_grid or any of {}",
+                    NiahTask::ALL.map(|t| t.name()).join(", ")
+                ),
+            },
+        }
+    }
+    if out.is_empty() {
+        bail!("--tasks selects nothing\nhint: e.g. --tasks ruler or --tasks niah_single_1,passkey");
+    }
+    Ok(out.into_iter().collect())
+}
+
+/// How a cell's predictions are scored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scorer {
+    /// RULER's string match (all or part).
+    Ruler(Metric),
+    /// First integer equals the key.
+    Passkey,
+    /// Fu et al.'s word-set recall (the exact-phrase score is reported beside it).
+    NeedleGrid,
+}
+
+impl Scorer {
+    /// Per-sample score in [0, 1].
+    pub fn score(self, pred: &str, outputs: &[String]) -> f64 {
+        match self {
+            Scorer::Ruler(m) => niah::score_sample(m, pred, outputs),
+            Scorer::Passkey => outputs.first().map_or(0.0, |k| passkey::passkey_score(pred, k)),
+            Scorer::NeedleGrid => needle_grid::fu_recall(pred),
+        }
+    }
+}
+
+/// One task at one length: its samples and how to run and score them.
+#[derive(Clone, Debug)]
+pub struct Cell {
+    /// Task name (RULER's, `passkey` or `needle_grid`).
+    pub task: String,
+    /// Target length in tokens.
+    pub length: usize,
+    /// The samples, keyed by `line`.
+    pub records: Vec<Record>,
+    /// Generation budget.
+    pub max_new_tokens: usize,
+    /// Scoring rule.
+    pub scorer: Scorer,
+}
+
+/// `DIR/<length>/data/<task>/validation.jsonl`.
+pub fn data_path(out: &Path, length: usize, task: &str) -> PathBuf {
+    out.join(length.to_string()).join("data").join(task).join("validation.jsonl")
+}
+
+/// `DIR/<length>/pred/<task>.jsonl`.
+pub fn pred_path(out: &Path, length: usize, task: &str) -> PathBuf {
+    out.join(length.to_string()).join("pred").join(format!("{task}.jsonl"))
+}
+
+/// Settings that define the prepared samples.
+#[derive(Clone, Debug)]
+pub struct PrepareOptions {
+    /// Selected tasks.
+    pub tasks: Vec<TaskSel>,
+    /// RULER and passkey lengths.
+    pub lengths: Vec<usize>,
+    /// Needle-grid lengths.
+    pub grid_lengths: Vec<usize>,
+    /// Needle-grid depth count (`round(linspace(0, 100, n))`).
+    pub grid_depths: usize,
+    /// Passkey depth count (`linspace(0, 1, n)`).
+    pub passkey_depths: usize,
+    /// Samples per RULER/passkey cell.
+    pub samples: usize,
+    /// RULER's `random_seed`.
+    pub seed: i64,
+    /// Haystack sizing search.
+    pub sizing: Sizing,
+}
+
+/// Build (or load from the per-cell cache) every cell's samples, writing the data files under `out`.
+pub fn prepare_cells(
+    opts: &PrepareOptions,
+    tok: &Tokenizer,
+    tokenizer_sha: &str,
+    essays: Option<&Essays>,
+    out: &Path,
+) -> Result<Vec<Cell>> {
+    let essays_sha = essays.map_or("none".to_string(), |e| crate::util::sha256_hex(e.text.as_bytes()));
+    let mut cells = Vec::new();
+    let grid_haystack = if opts.tasks.contains(&TaskSel::NeedleGrid) {
+        let Some(e) = essays else {
+            bail!(
+                "the needle grid needs an essay haystack\nhint: pass --essays PATH (a .txt file or a directory of \
+                 .txt files, e.g. gkamradt's PaulGrahamEssays), or drop needle_grid from --tasks"
+            );
+        };
+        let max = opts.grid_lengths.iter().copied().max().unwrap_or(0);
+        Some(needle_grid::haystack_ids(tok, e, max)?)
+    } else {
+        None
+    };
+    for &task in &opts.tasks {
+        let lengths = if task == TaskSel::NeedleGrid { &opts.grid_lengths } else { &opts.lengths };
+        for &length in lengths {
+            let name = task.name();
+            let key = format!(
+                "harpe-prepare v1 task={name} length={length} samples={} seed={} sizing={:?} grid_depths={} \
+                 passkey_depths={} tokenizer={tokenizer_sha} essays={essays_sha}",
+                opts.samples, opts.seed, opts.sizing, opts.grid_depths, opts.passkey_depths
+            );
+            let data = data_path(out, length, name);
+            let key_path = data.with_file_name("harpe_prepare.key");
+            let cached = std::fs::read_to_string(&key_path).ok().is_some_and(|k| k == key) && data.is_file();
+            let records = if cached {
+                niah_io::read_data_file(&data)?
+            } else {
+                let t0 = std::time::Instant::now();
+                let records = match task {
+                    TaskSel::Niah(t) => {
+                        let mut g = NiahGenerator::new(t, opts.seed, essays)?;
+                        niah::generate_samples(&mut g, tok, length, opts.samples, opts.sizing, name)?
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, s)| Record {
+                                line: i,
+                                index: i as i64,
+                                input: s.input,
+                                answer_prefix: None,
+                                outputs: s.outputs,
+                                length: Some(s.length),
+                                depth: None,
+                            })
+                            .collect()
+                    }
+                    TaskSel::Passkey => {
+                        passkey::make_samples(tok, length, opts.samples, opts.passkey_depths, opts.seed)?
+                    }
+                    TaskSel::NeedleGrid => {
+                        let depths = needle_grid::linspace_round(0.0, 100.0, opts.grid_depths);
+                        needle_grid::make_samples(tok, grid_haystack.as_deref().unwrap_or(&[]), length, &depths)?
+                    }
+                };
+                niah_io::write_data_file(&data, &records)?;
+                crate::util::write_atomic(&key_path, key.as_bytes())?;
+                eprintln!(
+                    "prepared {name} @ {length}: {} samples, longest {} tokens ({:.1}s)",
+                    records.len(),
+                    records.iter().filter_map(|r| r.length).max().unwrap_or(0),
+                    t0.elapsed().as_secs_f64()
+                );
+                records
+            };
+            let (max_new_tokens, scorer) = match task {
+                TaskSel::Niah(_) => (niah::NIAH_TOKENS_TO_GENERATE, Scorer::Ruler(Metric::StringMatchAll)),
+                TaskSel::Passkey => (passkey::PASSKEY_MAX_NEW_TOKENS, Scorer::Passkey),
+                TaskSel::NeedleGrid => (needle_grid::GRID_MAX_NEW_TOKENS, Scorer::NeedleGrid),
+            };
+            cells.push(Cell { task: name.to_string(), length, records, max_new_tokens, scorer });
+        }
+    }
+    Ok(cells)
+}
+
+/// Cells from RULER-prepared data under `root` (`<length>/data/<task>/validation.jsonl`), filtered by
+/// task and length when given.
+pub fn ruler_cells(root: &Path, tasks: Option<&[String]>, lengths: Option<&[usize]>) -> Result<Vec<Cell>> {
+    let mut cells = Vec::new();
+    for (length, task, path) in niah_io::discover_ruler_data(root)? {
+        if tasks.is_some_and(|t| !t.contains(&task)) || lengths.is_some_and(|l| !l.contains(&length)) {
+            continue;
+        }
+        let Some((max_new_tokens, metric)) = niah::ruler_task_settings(&task) else {
+            bail!(
+                "{}: unknown RULER task {task:?}, so its generation budget and metric are unknown\nhint: harpe reads \
+                 the niah_* tasks, vt, cwe, fwe, qa_1 and qa_2; select others out with --tasks",
+                path.display()
+            );
+        };
+        let records = niah_io::read_data_file(&path)?;
+        cells.push(Cell { task, length, records, max_new_tokens, scorer: Scorer::Ruler(metric) });
+    }
+    if cells.is_empty() {
+        bail!(
+            "no RULER data under {} matches --tasks/--lengths\nhint: list the directory to see what it holds",
+            root.display()
+        );
+    }
+    Ok(cells)
+}
+
+/// One scored sample.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SampleResult {
+    /// Line in the data file.
+    pub line: usize,
+    /// The data file's `index`.
+    pub index: i64,
+    /// Needle depth in percent, when the suite has one.
+    pub depth: Option<f64>,
+    /// sha256 of the prompt.
+    pub prompt_sha256: String,
+    /// Raw prediction.
+    pub pred: String,
+    /// Gold answers.
+    pub outputs: Vec<String>,
+    /// Score in [0, 1].
+    pub score: f64,
+    /// Needle grid only: the exact-phrase score.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exact: Option<f64>,
+}
+
+/// One scored cell.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CellResult {
+    /// Task name.
+    pub task: String,
+    /// Length.
+    pub length: usize,
+    /// RULER-style score: `round(100 * mean, 2)`.
+    pub score: f64,
+    /// Predictions that are empty after postprocessing.
+    pub nulls: usize,
+    /// The samples.
+    pub samples: Vec<SampleResult>,
+}
+
+/// Run every sample that has no valid prediction yet (appending to `DIR/<length>/pred/<task>.jsonl`
+/// as it goes), then score all cells.
+pub fn run_cells(cells: &[Cell], out: &Path, predict: &mut Predictor) -> Result<Vec<CellResult>> {
+    // Pass 1: what is already done (and still matches today's prompt).
+    let mut done: Vec<BTreeMap<usize, String>> = Vec::with_capacity(cells.len());
+    let mut todo = 0usize;
+    for cell in cells {
+        let path = pred_path(out, cell.length, &cell.task);
+        let existing = niah_io::read_pred_file(&path)?;
+        let mut valid = BTreeMap::new();
+        for r in &cell.records {
+            if let Some(p) = existing.get(&r.line) {
+                let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+                if p.prompt_sha256.as_deref().is_none_or(|h| h == sha) {
+                    valid.insert(r.line, p.pred.clone());
+                }
+            }
+        }
+        // Rewrite the file when it holds stale or foreign lines, so that it only has valid ones.
+        if valid.len() != existing.len() {
+            let mut s = String::new();
+            for r in cell.records.iter().filter(|r| valid.contains_key(&r.line)) {
+                let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+                s.push_str(&niah_io::pred_line(r, &valid[&r.line], &sha));
+                s.push('\n');
+            }
+            if let Some(d) = path.parent() {
+                std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+            }
+            crate::util::write_atomic(&path, s.as_bytes())?;
+        }
+        todo += cell.records.len() - valid.len();
+        done.push(valid);
+    }
+    let skipped: usize = done.iter().map(BTreeMap::len).sum();
+    if skipped > 0 {
+        eprintln!("resuming: {skipped} predictions already done, {todo} to run");
+    }
+    let bar = indicatif::ProgressBar::new(todo as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    // Pass 2: run what is missing.
+    for (cell, valid) in cells.iter().zip(done.iter_mut()) {
+        if valid.len() == cell.records.len() {
+            continue;
+        }
+        bar.set_message(format!("{} @ {}", cell.task, cell.length));
+        let path = pred_path(out, cell.length, &cell.task);
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {} for appending\nhint: check permissions", path.display()))?;
+        let missing: Vec<&Record> = cell.records.iter().filter(|r| !valid.contains_key(&r.line)).collect();
+        for r in missing {
+            let prompt = r.prompt();
+            let pred = predict(&prompt, cell.max_new_tokens)
+                .with_context(|| format!("generation failed on {} @ {} line {}", cell.task, cell.length, r.line + 1))?;
+            let sha = crate::util::sha256_hex(prompt.as_bytes());
+            writeln!(f, "{}", niah_io::pred_line(r, &pred, &sha))
+                .and_then(|_| f.flush())
+                .with_context(|| format!("cannot write {}\nhint: is the disk full?", path.display()))?;
+            valid.insert(r.line, pred);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    // Pass 3: score.
+    let mut results = Vec::with_capacity(cells.len());
+    for (cell, valid) in cells.iter().zip(&done) {
+        let mut samples = Vec::with_capacity(cell.records.len());
+        for r in &cell.records {
+            let pred = valid.get(&r.line).cloned().unwrap_or_default();
+            samples.push(SampleResult {
+                line: r.line,
+                index: r.index,
+                depth: r.depth,
+                prompt_sha256: crate::util::sha256_hex(r.prompt().as_bytes()),
+                score: cell.scorer.score(&pred, &r.outputs),
+                exact: (cell.scorer == Scorer::NeedleGrid).then(|| needle_grid::exact_phrase(&pred)),
+                outputs: r.outputs.clone(),
+                pred,
+            });
+        }
+        let scores: Vec<f64> = samples.iter().map(|s| s.score).collect();
+        let preds: Vec<&str> = samples.iter().map(|s| s.pred.as_str()).collect();
+        results.push(CellResult {
+            task: cell.task.clone(),
+            length: cell.length,
+            score: niah::task_score(&scores),
+            nulls: niah::count_nulls(&preds),
+            samples,
+        });
+    }
+    Ok(results)
+}
+
+fn is_ruler_task(task: &str) -> bool {
+    task != PASSKEY && task != NEEDLE_GRID
+}
+
+/// The overall `summary.csv`: one row per task, one column per length, then the mean; plus a
+/// `niah_average` row (unweighted mean of the NIAH tasks at each length, as HARPE's table).
+pub fn summary_csv(results: &[CellResult]) -> String {
+    let lengths: BTreeSet<usize> = results.iter().map(|r| r.length).collect();
+    let mut tasks: Vec<&str> = Vec::new();
+    for r in results {
+        if !tasks.contains(&r.task.as_str()) {
+            tasks.push(&r.task);
+        }
+    }
+    let get = |t: &str, l: usize| results.iter().find(|r| r.task == t && r.length == l).map(|r| r.score);
+    let mut s = format!("task,{},mean\n", lengths.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
+    let mut row = |name: &str, vals: Vec<Option<f64>>| {
+        let present: Vec<f64> = vals.iter().flatten().copied().collect();
+        let mean = if present.is_empty() {
+            String::new()
+        } else {
+            format!("{:.2}", present.iter().sum::<f64>() / present.len() as f64)
+        };
+        let cols: Vec<String> = vals.iter().map(|v| v.map_or(String::new(), |x| format!("{x:.2}"))).collect();
+        s.push_str(&format!("{name},{},{mean}\n", cols.join(",")));
+    };
+    for t in &tasks {
+        row(t, lengths.iter().map(|&l| get(t, l)).collect());
+    }
+    let niah: Vec<&str> = tasks.iter().copied().filter(|t| t.starts_with("niah_")).collect();
+    if niah.len() > 1 {
+        let avg = lengths
+            .iter()
+            .map(|&l| {
+                let v: Vec<f64> = niah.iter().filter_map(|t| get(t, l)).collect();
+                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+            })
+            .collect();
+        row("niah_average", avg);
+    }
+    s
+}
+
+/// Write `results.json`, `summary.csv`, RULER's per-length `pred/summary.csv` and the heatmaps.
+/// Returns the paths written.
+pub fn write_reports(results: &[CellResult], out: &Path, model_name: &str) -> Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    let results_path = out.join("results.json");
+    let json = serde_json::json!({
+        "format": "harpe-eval-niah-v1",
+        "model": model_name,
+        "cells": results,
+    });
+    let text = serde_json::to_string_pretty(&json).context("cannot serialise results")?;
+    crate::util::write_atomic(&results_path, text.as_bytes())?;
+    written.push(results_path);
+    let summary = out.join("summary.csv");
+    crate::util::write_atomic(&summary, summary_csv(results).as_bytes())?;
+    written.push(summary);
+
+    // RULER's own summary per length (RULER tasks only), beside the predictions.
+    let lengths: BTreeSet<usize> = results.iter().map(|r| r.length).collect();
+    for &l in &lengths {
+        let rows: Vec<(String, f64, usize, usize)> = results
+            .iter()
+            .filter(|r| r.length == l && is_ruler_task(&r.task))
+            .map(|r| (r.task.clone(), r.score, r.nulls, r.samples.len()))
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let name = if rows.len() > 1 { "summary.csv".to_string() } else { format!("summary-{}.csv", rows[0].0) };
+        let p = out.join(l.to_string()).join("pred").join(name);
+        crate::util::write_atomic(&p, niah_io::ruler_summary_csv(&rows).as_bytes())?;
+        written.push(p);
+    }
+
+    // Heatmaps.
+    let ruler: Vec<&CellResult> = results.iter().filter(|r| is_ruler_task(&r.task)).collect();
+    if !ruler.is_empty() {
+        let lens: Vec<usize> = ruler.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
+        let mut tasks: Vec<&str> = Vec::new();
+        for r in &ruler {
+            if !tasks.contains(&r.task.as_str()) {
+                tasks.push(&r.task);
+            }
+        }
+        let values = tasks
+            .iter()
+            .map(|t| {
+                lens.iter()
+                    .map(|&l| ruler.iter().find(|r| r.task == *t && r.length == l).map(|r| r.score / 100.0))
+                    .collect()
+            })
+            .collect();
+        let p = out.join("ruler_heatmap.png");
+        heatmap::draw(
+            &Heatmap {
+                title: format!("RULER needle tasks: {model_name}"),
+                x_label: "Token Limit".into(),
+                y_label: "Task".into(),
+                x_ticks: lens.iter().map(usize::to_string).collect(),
+                y_ticks: tasks.iter().map(|t| t.to_string()).collect(),
+                values,
+                marker_col: None,
+            },
+            &p,
+        )?;
+        written.push(p);
+    }
+    for (task, title, file) in [
+        (
+            NEEDLE_GRID,
+            format!("Pressure Testing {model_name}\nFact Retrieval Across Context Lengths (\"Needle In A HayStack\")"),
+            "needle_grid.png",
+        ),
+        (PASSKEY, format!("Passkey retrieval: {model_name}"), "passkey.png"),
+    ] {
+        let cells: Vec<&CellResult> = results.iter().filter(|r| r.task == task).collect();
+        if cells.is_empty() {
+            continue;
+        }
+        let lens: Vec<usize> = cells.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
+        let mut depths: Vec<f64> = cells.iter().flat_map(|c| c.samples.iter().filter_map(|s| s.depth)).collect();
+        depths.sort_by(f64::total_cmp);
+        depths.dedup();
+        let values = depths
+            .iter()
+            .map(|&d| {
+                lens.iter()
+                    .map(|&l| {
+                        let v: Vec<f64> = cells
+                            .iter()
+                            .filter(|c| c.length == l)
+                            .flat_map(|c| c.samples.iter().filter(|s| s.depth == Some(d)).map(|s| s.score))
+                            .collect();
+                        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let p = out.join(file);
+        heatmap::draw(
+            &Heatmap {
+                title,
+                x_label: "Token Limit".into(),
+                y_label: "Depth Percent".into(),
+                x_ticks: lens.iter().map(usize::to_string).collect(),
+                y_ticks: depths.iter().map(|d| format!("{d:.0}")).collect(),
+                values,
+                marker_col: None,
+            },
+            &p,
+        )?;
+        written.push(p);
+    }
+    Ok(written)
+}
+
+/// A plain-text table of the summary for the terminal.
+pub fn summary_table(results: &[CellResult]) -> String {
+    let csv = summary_csv(results);
+    let rows: Vec<Vec<&str>> = csv.lines().map(|l| l.split(',').collect()).collect();
+    let ncol = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> =
+        (0..ncol).map(|c| rows.iter().map(|r| r.get(c).map_or(0, |x| x.len())).max().unwrap_or(0)).collect();
+    let mut s = String::new();
+    for r in &rows {
+        let cols: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(c, x)| if c == 0 { format!("{x:<w$}", w = widths[c]) } else { format!("{x:>w$}", w = widths[c]) })
+            .collect();
+        s.push_str(cols.join("  ").trim_end());
+        s.push('\n');
+    }
+    s
+}
+
+/// Evaluate long-context retrieval: RULER's 8 needle tasks, passkey, the needle grid.
+#[derive(clap::Args, Debug)]
+pub struct EvalNiahArgs {
+    /// HF model directory (config.json, *.safetensors, tokenizer.json); with --prepare-only it may
+    /// hold just tokenizer.json
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// tokenizer.json to use instead of the model directory's (enough for --prepare-only)
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// comma-separated tasks: niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery,
+    /// passkey, needle_grid, or the groups ruler (the 8 niah tasks), noise (the 3 that need no essays),
+    /// all [default: ruler; with --ruler-data: every task found]
+    #[arg(long)]
+    pub tasks: Option<String>,
+    /// comma-separated target lengths in tokens (prompt + generation budget) for RULER and passkey
+    /// [default: 4096,8192,16384,32768,65536,131072; with --ruler-data: every length found]
+    #[arg(long, value_delimiter = ',')]
+    pub lengths: Option<Vec<usize>>,
+    /// samples per task and length (RULER's default is 500)
+    #[arg(long, default_value_t = 50)]
+    pub samples: usize,
+    /// RULER's random_seed: seeds the CPython-compatible generator (42 reproduces RULER)
+    #[arg(long, default_value_t = 42)]
+    pub seed: i64,
+    /// essay haystack for the essay tasks and the needle grid: a .txt file, a directory of .txt files
+    /// (concatenated in name order), or RULER's PaulGrahamEssays.json; nothing is downloaded
+    #[arg(long)]
+    pub essays: Option<PathBuf>,
+    /// output directory: <length>/data/<task>/validation.jsonl, <length>/pred/<task>.jsonl,
+    /// results.json, summary.csv, *.png [default with --ruler-data: that directory]
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// only write the prompts (RULER's layout) and stop; needs only a tokenizer
+    #[arg(long)]
+    pub prepare_only: bool,
+    /// read RULER-prepared data (<length>/data/<task>/validation.jsonl, either RULER layout) instead
+    /// of generating, and write RULER predictions beside it
+    #[arg(long)]
+    pub ruler_data: Option<PathBuf>,
+    /// haystack sizing: binary (RULER since 2025, fast) or linear (RULER Dec 2024, slow at 128K)
+    #[arg(long, value_enum, default_value = "binary")]
+    pub sizing: Sizing,
+    /// run lengths beyond what the model can address under its RoPE scheme (max_position_embeddings)
+    #[arg(long)]
+    pub force: bool,
+    /// needle-grid context lengths, comma-separated [default: the --lengths values]
+    #[arg(long, value_delimiter = ',')]
+    pub grid_lengths: Option<Vec<usize>>,
+    /// needle-grid depth count: round(linspace(0, 100, N)) percent (Fu et al. use 10)
+    #[arg(long, default_value_t = 10)]
+    pub grid_depths: usize,
+    /// passkey depth count: sample i sits at depth (i mod N) / (N - 1)
+    #[arg(long, default_value_t = 10)]
+    pub passkey_depths: usize,
+    /// compute dtype of weights and activations
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: crate::eval::ppl::DTypeArg,
+    /// prompt tokens per prefill forward pass (bounds activation memory)
+    #[arg(long, default_value_t = 2048)]
+    pub prefill_chunk: usize,
+}
+
+/// `predict(prompt, max_new_tokens) -> generated text`.
+pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
+
+/// Load the model and return the `predict` closure: BOS + prompt, greedy, stop at EOS (dropped),
+/// decode the new tokens with special tokens skipped (spec §5).
+fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
+    let device = candle_core::Device::cuda_if_available(0).context("cannot open the CUDA device")?;
+    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?;
+    if max_length > model.max_context() {
+        let msg = format!(
+            "length {max_length} is beyond what {} can address under its RoPE scheme ({} positions)",
+            dir.display(),
+            model.max_context()
+        );
+        if !args.force {
+            bail!("{msg}\nhint: drop the longer --lengths, or pass --force to measure extrapolation anyway");
+        }
+        eprintln!("warning: {msg}; running anyway (--force)");
+    }
+    let bos = model.cfg.bos_token_id;
+    let eos = model.cfg.eos_token_id.clone();
+    let chunk = args.prefill_chunk.max(1);
+    Ok(Box::new(move |prompt: &str, max_new_tokens: usize| {
+        let enc = tok.encode_fast(prompt, false).map_err(|e| anyhow::anyhow!("tokenizer failed: {e}"))?;
+        let ids: Vec<u32> = bos.into_iter().chain(enc.get_ids().iter().copied()).collect();
+        let opts =
+            crate::eval::generate::GenerateOptions { max_new_tokens, stop_tokens: eos.clone(), prefill_chunk: chunk };
+        let mut new = crate::eval::generate::greedy_generate(&model, &ids, &opts)?;
+        if new.last().is_some_and(|t| eos.contains(t)) {
+            new.pop();
+        }
+        tok.decode(&new, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the generation: {e}"))
+    }))
+}
+
+/// `harpe eval-niah`.
+pub fn run(args: EvalNiahArgs) -> Result<()> {
+    let tok_path = match (&args.tokenizer, &args.model) {
+        (Some(t), _) => t.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) => bail!("no tokenizer: pass --model DIR (with tokenizer.json) or --tokenizer FILE\nhint: --prepare-only needs only a tokenizer"),
+    };
+    let mut tok = crate::model::load_tokenizer(&tok_path)?;
+    tok.with_truncation(None).map_err(|e| anyhow::anyhow!("cannot disable truncation: {e}"))?;
+    tok.with_padding(None);
+    // Load the model first (when running one) so that a bad model or length fails before sizing.
+    let model_dir = match (&args.model, args.prepare_only) {
+        (_, true) => None,
+        (Some(m), false) => Some(m.clone()),
+        (None, false) => {
+            bail!("running the evaluation needs --model DIR\nhint: pass --prepare-only to only write the prompts")
+        }
+    };
+    let ruler = match &args.ruler_data {
+        Some(root) => {
+            let tasks: Option<Vec<String>> = args
+                .tasks
+                .as_ref()
+                .map(|t| t.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect());
+            Some(ruler_cells(root, tasks.as_deref(), args.lengths.as_deref())?)
+        }
+        None => None,
+    };
+    let lengths = args.lengths.clone().unwrap_or_else(|| niah::DEFAULT_LENGTHS.to_vec());
+    if lengths.is_empty() || lengths.contains(&0) {
+        bail!("--lengths must list positive token counts\nhint: e.g. --lengths 4096,8192");
+    }
+    let grid_lengths = args.grid_lengths.clone().unwrap_or_else(|| lengths.clone());
+    let tasks = if ruler.is_none() { parse_tasks(args.tasks.as_deref().unwrap_or("ruler"))? } else { vec![] };
+    let max_length = match &ruler {
+        Some(cells) => cells.iter().map(|c| c.length).max().unwrap_or(0),
+        None => {
+            let grid_max = if tasks.contains(&TaskSel::NeedleGrid) { grid_lengths.iter().copied().max() } else { None };
+            lengths.iter().copied().max().into_iter().chain(grid_max).max().unwrap_or(0)
+        }
+    };
+    let mut predict = match &model_dir {
+        Some(dir) => Some(model_predictor(dir, tok.clone(), &args, max_length)?),
+        None => None,
+    };
+    let (cells, out) = match ruler {
+        Some(cells) => {
+            let root = args.ruler_data.clone().unwrap_or_default();
+            (cells, args.out.clone().unwrap_or(root))
+        }
+        None => {
+            let Some(out) = args.out.clone() else {
+                bail!("--out DIR is required\nhint: e.g. --out runs/niah");
+            };
+            let essays = args.essays.as_deref().map(Essays::load).transpose()?;
+            let opts = PrepareOptions {
+                tasks,
+                grid_lengths,
+                lengths,
+                grid_depths: args.grid_depths,
+                passkey_depths: args.passkey_depths,
+                samples: args.samples,
+                seed: args.seed,
+                sizing: args.sizing,
+            };
+            let tok_file = if tok_path.is_dir() { tok_path.join("tokenizer.json") } else { tok_path.clone() };
+            let tok_sha = crate::util::sha256_file(&tok_file)?;
+            (prepare_cells(&opts, &tok, &tok_sha, essays.as_ref(), &out)?, out)
+        }
+    };
+    let (Some(predict), Some(model_dir)) = (predict.as_mut(), &model_dir) else {
+        let n: usize = cells.iter().map(|c| c.records.len()).sum();
+        println!("wrote {n} prompts in {} cells under {}", cells.len(), out.display());
+        return Ok(());
+    };
+    let results = run_cells(&cells, &out, &mut **predict)?;
+    let name = model_dir.file_name().map_or(model_dir.display().to_string(), |n| n.to_string_lossy().to_string());
+    let written = write_reports(&results, &out, &name)?;
+    print!("{}", summary_table(&results));
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
