@@ -39,7 +39,7 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
         "--tasks",
         "niah_single_1,niah_multikey_3,passkey,needle_grid",
         "--lengths",
-        "1024",
+        "1536",
         "--samples",
         "2",
         "--grid-depths",
@@ -57,12 +57,12 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
         "ruler_heatmap.png",
         "needle_grid.png",
         "passkey.png",
-        "1024/data/niah_single_1/validation.jsonl",
-        "1024/pred/niah_single_1.jsonl",
-        "1024/pred/niah_multikey_3.jsonl",
-        "1024/pred/passkey.jsonl",
-        "1024/pred/needle_grid.jsonl",
-        "1024/pred/summary.csv",
+        "1536/data/niah_single_1/validation.jsonl",
+        "1536/pred/niah_single_1.jsonl",
+        "1536/pred/niah_multikey_3.jsonl",
+        "1536/pred/passkey.jsonl",
+        "1536/pred/needle_grid.jsonl",
+        "1536/pred/summary.csv",
     ] {
         assert!(out.join(f).is_file(), "missing {f}");
     }
@@ -78,14 +78,14 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
         }
     }
     assert!(stdout.contains("niah_single_1") && stdout.contains("passkey"), "{stdout}");
-    let preds_before = std::fs::read_to_string(out.join("1024/pred/passkey.jsonl")).unwrap();
+    let preds_before = std::fs::read_to_string(out.join("1536/pred/passkey.jsonl")).unwrap();
     assert_eq!(preds_before.lines().count(), 2);
 
     // A re-run finds every cell done and generates nothing.
     let (ok, _, stderr) = harpe(&args);
     assert!(ok, "{stderr}");
     assert!(stderr.contains("8 predictions already done, 0 to run"), "{stderr}");
-    assert_eq!(std::fs::read_to_string(out.join("1024/pred/passkey.jsonl")).unwrap(), preds_before);
+    assert_eq!(std::fs::read_to_string(out.join("1536/pred/passkey.jsonl")).unwrap(), preds_before);
 
     // Lengths beyond max_position_embeddings (4096) need --force.
     let (ok, _, stderr) = harpe(&["eval-niah", "--model", &m, "--out", &o, "--tasks", "passkey", "--lengths", "8192"]);
@@ -93,19 +93,19 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
 
     // RULER interop: predictions for the prepared data, written beside it.
     let ruler = tmp.path().join("ruler");
-    std::fs::create_dir_all(ruler.join("1024/data/niah_single_1")).unwrap();
+    std::fs::create_dir_all(ruler.join("1536/data/niah_single_1")).unwrap();
     std::fs::copy(
-        out.join("1024/data/niah_single_1/validation.jsonl"),
-        ruler.join("1024/data/niah_single_1/validation.jsonl"),
+        out.join("1536/data/niah_single_1/validation.jsonl"),
+        ruler.join("1536/data/niah_single_1/validation.jsonl"),
     )
     .unwrap();
     let r = ruler.display().to_string();
     let (ok, _, stderr) = harpe(&["eval-niah", "--model", &m, "--ruler-data", &r]);
     assert!(ok, "{stderr}");
-    let pred = std::fs::read_to_string(ruler.join("1024/pred/niah_single_1.jsonl")).unwrap();
+    let pred = std::fs::read_to_string(ruler.join("1536/pred/niah_single_1.jsonl")).unwrap();
     assert_eq!(pred.lines().count(), 2);
     assert!(pred.starts_with("{\"index\": 0, \"pred\": "));
-    assert!(ruler.join("1024/pred/summary-niah_single_1.csv").is_file());
+    assert!(ruler.join("1536/pred/summary-niah_single_1.csv").is_file());
 }
 
 #[test]
@@ -126,7 +126,7 @@ fn prepare_only_needs_just_a_tokenizer_and_bad_input_has_hints() {
         "--tasks",
         "noise",
         "--lengths",
-        "1024,2048",
+        "1536,2048",
         "--samples",
         "3",
     ]);

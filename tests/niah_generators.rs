@@ -86,7 +86,7 @@ fn essay_text() -> String {
 #[test]
 fn essay_tasks_place_needles_at_sentence_depths() {
     let essays = Essays::from_text(essay_text(), "test".into());
-    assert_eq!(essays.words.len(), 60 * 9);
+    assert_eq!(essays.words.len(), 60 * 10);
     for task in [NiahTask::Single2, NiahTask::Single3, NiahTask::Multikey1, NiahTask::Multivalue, NiahTask::Multiquery]
     {
         let mut gen = NiahGenerator::new(task, 42, Some(&essays)).unwrap();

@@ -104,11 +104,35 @@ pub fn make_samples(tok: &Tokenizer, haystack: &[u32], length: usize, depths: &[
         .to_vec();
     let mut out = Vec::with_capacity(depths.len());
     for (i, &d) in depths.iter().enumerate() {
-        let ids = insert_needle(haystack, &needle, d as f64, length, &periods);
-        let context =
-            tok.decode(&ids, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the haystack: {e}"))?;
-        let input = grid_prompt(&context);
-        let n = count_tokens(tok, &input)?;
+        // F's construction; a tokenizer whose decode/encode round trip is lossy can overshoot, and then
+        // the haystack is cut further (binary search) until the prompt fits `length - 50`.
+        let build = |cap: usize| -> Result<(String, usize)> {
+            let ids = insert_needle(&haystack[..cap.min(haystack.len())], &needle, d as f64, length, &periods);
+            let context =
+                tok.decode(&ids, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the haystack: {e}"))?;
+            let input = grid_prompt(&context);
+            let n = count_tokens(tok, &input)?;
+            Ok((input, n))
+        };
+        let fits = |n: usize| n + GRID_MAX_NEW_TOKENS <= length;
+        let (mut input, mut n) = build(length)?;
+        if !fits(n) {
+            let (mut lo, mut hi) = (0usize, length);
+            let (i0, n0) = build(0)?;
+            if !fits(n0) {
+                bail!("needle-grid length {length} cannot hold even the bare prompt ({n0} tokens)\nhint: use larger --grid-lengths");
+            }
+            (input, n) = (i0, n0);
+            while hi - lo > 1 {
+                let mid = (lo + hi) / 2;
+                let (im, nm) = build(mid)?;
+                if fits(nm) {
+                    (lo, input, n) = (mid, im, nm);
+                } else {
+                    hi = mid;
+                }
+            }
+        }
         out.push(Record {
             line: i,
             index: i as i64,
