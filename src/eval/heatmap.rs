@@ -56,7 +56,8 @@ pub fn draw(h: &Heatmap, path: &Path) -> Result<()> {
     let (left, right, top, bottom) = (150i32, 130i32, 90i32, 110i32);
     let cell_w = (1100 / cols as i32).clamp(40, 120);
     let cell_h = (560 / rows as i32).clamp(24, 60);
-    let width = (left + right + cell_w * cols as i32) as u32;
+    // At least wide enough for the two-line title.
+    let width = ((left + right + cell_w * cols as i32) as u32).max(900);
     let height = (top + bottom + cell_h * rows as i32) as u32;
     let err = |e: &dyn std::fmt::Display| {
         anyhow::anyhow!("cannot draw heatmap {}: {e}\nhint: check that the directory is writable", path.display())
