@@ -9,11 +9,16 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Cmd {}
+enum Cmd {
+    /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
+    SearchBases(harpe::model::base_search::SearchBasesArgs),
+}
 
 fn main() {
     let cli = Cli::parse();
-    let res: anyhow::Result<()> = match cli.cmd {};
+    let res: anyhow::Result<()> = match cli.cmd {
+        Cmd::SearchBases(a) => harpe::model::base_search::run(a),
+    };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
         std::process::exit(1);
