@@ -16,6 +16,13 @@ const WIDTH: u32 = 1600;
 const TOP_HEIGHT: u32 = 640;
 const ROW_HEIGHT: u32 = 18;
 
+/// One base, ready to draw: its waveform envelope and its extrema as (m, w_b(m)) points.
+struct Curve {
+    env: Vec<(f64, f64, f64)>,
+    peaks: Vec<(f64, f64)>,
+    valleys: Vec<(f64, f64)>,
+}
+
 /// Per-column (min, max) of `f` in `cols` equal buckets: (cols, 2) as (x of the bucket centre, min, max).
 pub fn envelope(f: &[f64], x0: f64, cols: usize) -> Vec<(f64, f64, f64)> {
     let cols = cols.clamp(1, f.len().max(1));
@@ -30,25 +37,40 @@ pub fn envelope(f: &[f64], x0: f64, cols: usize) -> Vec<(f64, f64, f64)> {
         .collect()
 }
 
+/// Axis label for a distance: "40k", "32.5k", or the plain number below 1000.
+fn kilo(x: &f64) -> String {
+    if x.abs() >= 1000.0 {
+        format!("{}k", (x / 100.0).round() / 10.0)
+    } else {
+        format!("{x}")
+    }
+}
+
 /// Draw `sets` (head order) into a PNG at `path`: waveform envelopes with peaks (▲) and valleys (●)
 /// on top, and below one row per head with its peak and valley distances over the grid.
 pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()> {
     if sets.is_empty() {
         bail!("nothing to plot: the base set is empty\nhint: pass --heads N with N >= 1");
     }
-    let plot_err = |e: String| anyhow!("cannot draw {}: {e}\nhint: check that the directory exists and is writable", path.display());
+    let plot_err = |e: String| {
+        anyhow!("cannot draw {}: {e}\nhint: check that the directory exists and is writable", path.display())
+    };
     // (N, grid) waveforms, kept only as envelopes and the values at the extrema
-    let drawn: Vec<(Vec<(f64, f64, f64)>, Vec<(f64, f64)>, Vec<(f64, f64)>)> = sets
+    let drawn: Vec<Curve> = sets
         .par_iter()
         .map(|e| {
             let f = waveform_grid(e.base, p);
             let at = |m: &i64| (*m as f64, f[(m - p.grid_lo) as usize]);
-            (envelope(&f, p.grid_lo as f64, WIDTH as usize), e.peaks.iter().map(at).collect(), e.valleys.iter().map(at).collect())
+            Curve {
+                env: envelope(&f, p.grid_lo as f64, WIDTH as usize),
+                peaks: e.peaks.iter().map(at).collect(),
+                valleys: e.valleys.iter().map(at).collect(),
+            }
         })
         .collect();
     let (ymin, ymax) = drawn
         .iter()
-        .flat_map(|(env, _, _)| env.iter())
+        .flat_map(|c| c.env.iter())
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &(_, lo, hi)| (a.min(lo), b.max(hi)));
     let pad = 0.05 * (ymax - ymin).max(1e-9);
     let n = sets.len();
@@ -71,10 +93,11 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     chart
         .configure_mesh()
         .x_desc("relative distance m (tokens)")
+        .x_label_formatter(&kilo)
         .y_desc("pre-softmax logit, q = k = 1")
         .draw()
         .map_err(|e| plot_err(e.to_string()))?;
-    for (h, (env, peaks, valleys)) in drawn.iter().enumerate() {
+    for (h, Curve { env, peaks, valleys }) in drawn.iter().enumerate() {
         let color = Palette99::pick(h);
         let zigzag = env.iter().flat_map(|&(x, lo, hi)| [(x, lo), (x, hi)]);
         chart.draw_series(LineSeries::new(zigzag, color.mix(0.35))).map_err(|e| plot_err(e.to_string()))?;
@@ -103,6 +126,7 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     };
     cov.configure_mesh()
         .x_desc("relative distance m (tokens)")
+        .x_label_formatter(&kilo)
         .y_labels(n.min(64))
         .y_label_formatter(&label)
         .disable_y_mesh()

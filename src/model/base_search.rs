@@ -53,7 +53,7 @@ pub struct PvParams {
 impl PvParams {
     /// Attention Buckets' parameters scaled by ρ = `target_len / orig_len`, each rounded to an integer.
     pub fn scaled(head_dim: usize, orig_len: usize, target_len: usize) -> Result<Self> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             bail!("--head-dim {head_dim} must be a positive even number\nhint: Llama-2-7B has head_dim 128");
         }
         if orig_len == 0 || target_len == 0 {
@@ -289,7 +289,8 @@ pub fn peak_valley_search(b_min: f64, cands: &[f64], n: usize, p: &PvParams) -> 
             p.grid_hi
         );
     }
-    let mut extrema: Vec<Extrema> = std::iter::once(start).chain(chosen.drain(..).map(|i| eligible[i].clone())).collect();
+    let mut extrema: Vec<Extrema> =
+        std::iter::once(start).chain(chosen.drain(..).map(|i| eligible[i].clone())).collect();
     extrema.sort_by(|a, b| a.base.total_cmp(&b.base));
     Ok(PvSearch {
         bases: extrema.iter().map(|e| e.base).collect(),
@@ -421,15 +422,21 @@ struct HfHeads {
 pub fn read_model_heads(dir: &Path) -> Result<ModelHeads> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
-        format!("cannot read {}\nhint: --model takes a Hugging Face model directory containing config.json", path.display())
+        format!(
+            "cannot read {}\nhint: --model takes a Hugging Face model directory containing config.json",
+            path.display()
+        )
     })?;
     let c: HfHeads = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a valid model config\nhint: check the JSON syntax", path.display()))?;
     let Some(heads) = c.num_attention_heads.filter(|&h| h > 0) else {
-        bail!("{}: field num_attention_heads is missing or 0\nhint: is this a Llama-family config.json?", path.display());
+        bail!(
+            "{}: field num_attention_heads is missing or 0\nhint: is this a Llama-family config.json?",
+            path.display()
+        );
     };
     let kv_heads = c.num_key_value_heads.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         bail!(
             "{}: num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}\nhint: fix config.json",
             path.display()
@@ -437,7 +444,7 @@ pub fn read_model_heads(dir: &Path) -> Result<ModelHeads> {
     }
     let head_dim = match (c.head_dim, c.hidden_size) {
         (Some(d), _) => d,
-        (None, Some(h)) if h % heads == 0 => h / heads,
+        (None, Some(h)) if h.is_multiple_of(heads) => h / heads,
         _ => DEFAULT_HEAD_DIM,
     };
     Ok(ModelHeads { heads, kv_heads, head_dim })
@@ -474,7 +481,8 @@ pub fn rope_toml(bases: &[f64], comment: &str) -> Result<String> {
     }
     let body = toml::to_string(&Snippet { rope: Rope { scheme: "harpe", head_bases: bases } })
         .context("cannot serialize the [rope] snippet")?;
-    Ok(format!("# {comment}\n{body}"))
+    let nl = if body.ends_with('\n') { "" } else { "\n" };
+    Ok(format!("# {comment}\n{body}{nl}"))
 }
 
 /// Run `harpe search-bases`.
@@ -486,7 +494,10 @@ pub fn run(a: SearchBasesArgs) -> Result<()> {
     let n = resolve_heads(a.heads, model)?;
     if let (Some(h), Some((_, m))) = (a.heads, model) {
         if h != m.kv_heads {
-            eprintln!("note: the model has {} attention heads and {} kv heads; producing {n} bases, one per kv head", m.heads, m.kv_heads);
+            eprintln!(
+                "note: the model has {} attention heads and {} kv heads; producing {n} bases, one per kv head",
+                m.heads, m.kv_heads
+            );
         }
     }
     let head_dim = a.head_dim.or(model.map(|(_, m)| m.head_dim)).unwrap_or(DEFAULT_HEAD_DIM);
@@ -505,7 +516,11 @@ pub fn run(a: SearchBasesArgs) -> Result<()> {
                     TABLE2_BASES.len()
                 );
             }
-            (TABLE2_BASES.iter().map(|&b| b as f64).collect::<Vec<f64>>(), "HARPE Table 2 (Lian et al.)".to_string(), None)
+            (
+                TABLE2_BASES.iter().map(|&b| b as f64).collect::<Vec<f64>>(),
+                "HARPE Table 2 (Lian et al.)".to_string(),
+                None,
+            )
         }
         Method::Uniform => {
             if a.stride.is_some() {
@@ -546,7 +561,8 @@ pub fn run(a: SearchBasesArgs) -> Result<()> {
         bases.reverse();
     }
     json["bases"] = serde_json::to_value(&bases)?;
-    let comment = format!("{comment}; head order {}", if a.order == BaseOrder::Asc { "ascending" } else { "descending" });
+    let comment =
+        format!("{comment}; head order {}", if a.order == BaseOrder::Asc { "ascending" } else { "descending" });
     if let Some(out) = &a.out {
         crate::util::write_atomic(out, rope_toml(&bases, &comment)?.as_bytes())?;
         eprintln!("wrote the [rope] snippet to {}", out.display());
