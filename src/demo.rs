@@ -48,7 +48,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     let model_dir = args.out.join("model");
     write_random_model_dir(&model_dir, &cfg, args.seed)?;
-    println!("[1/3] model     {} ({} params, rope {})", model_dir.display(), cfg.num_params(), serde_json::to_string(&cfg.rope)?);
+    println!(
+        "[1/3] model     {} ({} params, rope {})",
+        model_dir.display(),
+        cfg.num_params(),
+        serde_json::to_string(&cfg.rope)?
+    );
     // 2. perplexity of built-in text
     let text = args.out.join("text.txt");
     std::fs::write(&text, DEMO_TEXT.repeat(2)).with_context(|| format!("cannot write {}", text.display()))?;
