@@ -22,6 +22,8 @@ enum Cmd {
     EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
+    SearchBases(harpe::model::base_search::SearchBasesArgs),
 }
 
 fn main() {
@@ -31,6 +33,7 @@ fn main() {
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::SearchBases(a) => harpe::model::base_search::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
