@@ -9,11 +9,19 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Cmd {}
+enum Cmd {
+    /// Read a SlimPajama-style corpus, tokenize, apply a length/mixture strategy, pack into shards
+    PrepareData(harpe::data::prepare::PrepareDataArgs),
+    /// Summarise a prepared dataset: mixture table, length histogram, decode a sequence
+    InspectData(harpe::data::inspect::InspectDataArgs),
+}
 
 fn main() {
     let cli = Cli::parse();
-    let res: anyhow::Result<()> = match cli.cmd {};
+    let res: anyhow::Result<()> = match cli.cmd {
+        Cmd::PrepareData(a) => harpe::data::prepare::run(a),
+        Cmd::InspectData(a) => harpe::data::inspect::run(a),
+    };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
         std::process::exit(1);
