@@ -58,25 +58,26 @@ fn original_round_trips_documents_in_order() {
     // counts per source
     let a = &m.sources["a"];
     assert_eq!(a.docs_in, 4);
-    assert_eq!(a.tokens_in, (5 + 64 + 17 + 250) as u64);
+    assert_eq!(a.tokens_in, (5 + 64 + 17 + 8) as u64);
     let total_out: u64 = m.sources.values().map(|s| s.tokens_out).sum();
     assert_eq!(total_out, m.num_sequences * 64);
 }
 
-/// Corpus with known per-source lengths: `long` documents of 600 tokens, `short` ones of 40.
+/// Corpus with known per-source lengths: per source `n_long` documents of 600 tokens spread evenly among
+/// `n_short` documents of 40 tokens; sources interleaved round-robin.
 fn mixed_corpus(spec: &[(&str, usize, usize)]) -> Vec<(String, String)> {
     let mut texts = Vec::new();
     let mut d = 0;
-    for round in 0..spec.iter().map(|s| s.1.max(s.2)).max().unwrap() {
-        for &(name, n_long, n_short) in spec {
-            if round < n_long {
-                texts.push((name.to_string(), doc_text(d, 600)));
-                d += 1;
+    let mut longs = vec![0; spec.len()];
+    for i in 0..spec.iter().map(|s| s.1 + s.2).max().unwrap() {
+        for (k, &(name, n_long, n_short)) in spec.iter().enumerate() {
+            if i >= n_long + n_short {
+                continue;
             }
-            for _ in 0..if round < n_short { n_short.div_ceil(n_long.max(1)).max(1) } else { 0 } {
-                texts.push((name.to_string(), doc_text(d, 40)));
-                d += 1;
-            }
+            let long = n_long > 0 && i % ((n_long + n_short) / n_long) == 0 && longs[k] < n_long;
+            longs[k] += usize::from(long);
+            texts.push((name.to_string(), doc_text(d, if long { 600 } else { 40 })));
+            d += 1;
         }
     }
     texts
@@ -91,7 +92,7 @@ fn per_source_upsample_meets_budgets_and_raises_long_share() {
     let mut o = PrepareOptions::new(128);
     o.strategy.name = StrategyKind::PerSourceUpsample;
     o.strategy.threshold = 500;
-    o.strategy.budget = Some(40_000);
+    o.strategy.budget = Some(30_000);
     o.seed = 7;
     let out = tmp.path().join("ds");
     let m = prepare_from_texts(&texts, &tok, &o, &out).unwrap();
@@ -100,7 +101,7 @@ fn per_source_upsample_meets_budgets_and_raises_long_share() {
         let budget = s.budget.unwrap();
         let share = s.tokens_in as f64 / tot_in as f64;
         assert!((s.target_share.unwrap() - share).abs() < 1e-12, "{name}: target = input share");
-        assert!((budget as f64 - 40_000.0 * share).abs() <= 1.0);
+        assert!((budget as f64 - 30_000.0 * share).abs() <= 1.0);
         assert!(s.tokens_out.abs_diff(budget) <= 128, "{name}: {} tokens out vs budget {budget}", s.tokens_out);
         assert_eq!(s.shortfall_tokens, 0);
     }
@@ -271,7 +272,11 @@ fn truncated_zst_and_empty_corpus_are_reported() {
     let tmp = tempfile::tempdir().unwrap();
     let tok = write_tokenizer(tmp.path());
     let p = tmp.path().join("x.jsonl.zst");
-    let lines: Vec<String> = (0..200).map(|d| slimpajama_line(&doc_text(d, 50), "RedPajamaC4")).collect();
+    // pseudo-random words, so the compressed stream has many blocks
+    let word = |d: u64, j: u64| (d.wrapping_mul(6364136223846793005).wrapping_add(j).wrapping_mul(1442695040888963407) >> 33) % 1000;
+    let lines: Vec<String> = (0..3000u64)
+        .map(|d| slimpajama_line(&(0..50).map(|j| format!("w{}", word(d, j))).collect::<Vec<_>>().join(" "), "RedPajamaC4"))
+        .collect();
     write_zst(&p, &lines);
     let len = std::fs::metadata(&p).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
@@ -281,9 +286,10 @@ fn truncated_zst_and_empty_corpus_are_reported() {
     let err = format!("{:#}", harpe::data::prepare(files.clone(), &tok, &o, &tmp.path().join("d1")).unwrap_err());
     assert!(err.contains("x.jsonl.zst:") && err.contains("truncated") && err.contains("hint:"), "{err}");
     let mut o2 = o.clone();
-    o2.max_bad_lines = 1;
+    o2.max_bad_lines = 5; // the cut line itself may also be malformed JSON
     let m = harpe::data::prepare(files, &tok, &o2, &tmp.path().join("d2")).unwrap();
-    assert_eq!(m.bad_lines, 1);
+    assert!((1..=2).contains(&m.bad_lines), "{:?}", m.bad_line_samples);
+    assert!(m.bad_line_samples.iter().any(|b| b.reason.contains("truncated")));
     assert!(m.sources["RedPajamaC4"].docs_in > 0);
 
     let err = format!("{:#}", prepare_from_texts(&[], &tok, &o, &tmp.path().join("d3")).unwrap_err());

@@ -222,7 +222,8 @@ pub fn read_batches(
             let reader: Box<dyn BufRead> = if input.kind == InputKind::JsonlZst {
                 let dec = zstd::stream::read::Decoder::new(counted)
                     .with_context(|| format!("{}: cannot start zstd decoding", path.display()))?;
-                Box::new(BufReader::with_capacity(1 << 20, dec))
+                // small reads: on a truncated frame only the last 64 KiB of decoded text are lost
+                Box::new(BufReader::with_capacity(1 << 16, dec))
             } else {
                 Box::new(BufReader::with_capacity(1 << 20, counted))
             };
