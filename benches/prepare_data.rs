@@ -138,7 +138,12 @@ fn main() -> Result<()> {
     }
     let bare = t.elapsed().as_secs_f64();
     drop(docs);
-    println!("corpus: {} files, {:.1} MB jsonl.zst, {:.1} MB text, {n_tok} tokens", files.len(), zst_bytes as f64 / 1e6, raw_bytes as f64 / 1e6);
+    println!(
+        "corpus: {} files, {:.1} MB jsonl.zst, {:.1} MB text, {n_tok} tokens",
+        files.len(),
+        zst_bytes as f64 / 1e6,
+        raw_bytes as f64 / 1e6
+    );
     println!("bare encode_fast, 1 core: {:.2} s, {:.3} Mtok/s", bare, n_tok as f64 / bare / 1e6);
 
     // (2) prepare-data, one core
@@ -152,7 +157,12 @@ fn main() -> Result<()> {
     let t = Instant::now();
     let m = harpe::data::prepare(files.clone(), &tokenizer, &o, &out)?;
     let rust1 = t.elapsed().as_secs_f64();
-    println!("harpe prepare-data, 1 core: {:.2} s, {:.3} Mtok/s ({:.0}% of bare encode)", rust1, n_tok as f64 / rust1 / 1e6, 100.0 * bare / rust1);
+    println!(
+        "harpe prepare-data, 1 core: {:.2} s, {:.3} Mtok/s ({:.0}% of bare encode)",
+        rust1,
+        n_tok as f64 / rust1 / 1e6,
+        100.0 * bare / rust1
+    );
     let mut h = <sha2::Sha256 as sha2::Digest>::new();
     for s in &m.shards {
         sha2::Digest::update(&mut h, std::fs::read(out.join(&s.file))?);
@@ -189,6 +199,11 @@ fn main() -> Result<()> {
     let t = Instant::now();
     harpe::data::prepare(files, &tokenizer, &o, &out)?;
     let all = t.elapsed().as_secs_f64();
-    println!("harpe prepare-data, {} cores: {:.2} s, {:.3} Mtok/s", rayon::current_num_threads(), all, n_tok as f64 / all / 1e6);
+    println!(
+        "harpe prepare-data, {} cores: {:.2} s, {:.3} Mtok/s",
+        rayon::current_num_threads(),
+        all,
+        n_tok as f64 / all / 1e6
+    );
     Ok(())
 }

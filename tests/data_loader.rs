@@ -119,7 +119,10 @@ fn open_validates_seq_len_rank_and_shard_size() {
     assert!(Loader::open(&dir, cfg(false, 0, 2, 2)).is_err());
     assert!(Loader::open(&dir, cfg(false, 0, 0, 51)).is_err());
     let l = Loader::open(&dir, cfg(false, 0, 0, 1)).unwrap();
-    assert_eq!(l.manifest().tokenizer_sha256, harpe::data::tokenizer_sha256(&tmp.path().join("tokenizer.json")).unwrap());
+    assert_eq!(
+        l.manifest().tokenizer_sha256,
+        harpe::data::tokenizer_sha256(&tmp.path().join("tokenizer.json")).unwrap()
+    );
     let shard = dir.join("shard_00001.bin");
     let b = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &b[..b.len() - 4]).unwrap();
@@ -133,11 +136,17 @@ fn cli_prepare_then_inspect() {
     let tok = write_tokenizer(tmp.path());
     let input = tmp.path().join("in.jsonl");
     let lines: Vec<String> = (0..40)
-        .map(|d| slimpajama_line(&doc_text(d, if d % 5 == 0 { 300 } else { 30 }), ["RedPajamaBook", "RedPajamaC4"][d % 2]))
+        .map(|d| {
+            slimpajama_line(&doc_text(d, if d % 5 == 0 { 300 } else { 30 }), ["RedPajamaBook", "RedPajamaC4"][d % 2])
+        })
         .collect();
     std::fs::write(&input, lines.join("\n")).unwrap();
     let cfg_path = tmp.path().join("data.toml");
-    std::fs::write(&cfg_path, "strategy = \"per-source-upsample\"\nseq_len = 64\nbudget = 1000\nthreshold = 200\nshort_keep = 0.5\n").unwrap();
+    std::fs::write(
+        &cfg_path,
+        "strategy = \"per-source-upsample\"\nseq_len = 64\nbudget = 1000\nthreshold = 200\nshort_keep = 0.5\n",
+    )
+    .unwrap();
     let out = tmp.path().join("ds");
     let bin = env!("CARGO_BIN_EXE_harpe");
     let st = std::process::Command::new(bin)
@@ -149,7 +158,10 @@ fn cli_prepare_then_inspect() {
     let m = harpe::data::Manifest::load(&out).unwrap();
     assert_eq!(m.seq_len, 32, "flags override the config file");
     assert_eq!(m.strategy.threshold, 200);
-    let o = std::process::Command::new(bin).args(["inspect-data", out.to_str().unwrap(), "--json", "--decode", "0"]).output().unwrap();
+    let o = std::process::Command::new(bin)
+        .args(["inspect-data", out.to_str().unwrap(), "--json", "--decode", "0"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["num_sequences"], m.num_sequences);
@@ -158,7 +170,8 @@ fn cli_prepare_then_inspect() {
     let o = std::process::Command::new(bin).args(["inspect-data", out.to_str().unwrap(), "--verify"]).output().unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && text.contains("RedPajamaBook") && text.contains("verified"), "{text}");
-    let o = std::process::Command::new(bin).args(["prepare-data", "--input", input.to_str().unwrap()]).output().unwrap();
+    let o =
+        std::process::Command::new(bin).args(["prepare-data", "--input", input.to_str().unwrap()]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("hint:"));
 }

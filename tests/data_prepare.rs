@@ -43,7 +43,8 @@ fn original_round_trips_documents_in_order() {
         let s = l.next_sequence().unwrap();
         assert_eq!(s.index as usize, i);
         assert_eq!(s.tokens, expect[i * 64..(i + 1) * 64]);
-        let want_starts: Vec<usize> = starts.iter().filter(|&&p| p >= i * 64 && p < (i + 1) * 64).map(|p| p - i * 64).collect();
+        let want_starts: Vec<usize> =
+            starts.iter().filter(|&&p| p >= i * 64 && p < (i + 1) * 64).map(|p| p - i * 64).collect();
         assert_eq!(s.doc_starts, want_starts);
         assert_eq!(s.sources.first().unwrap().start, 0);
         assert_eq!(s.sources.last().unwrap().end, 64);
@@ -215,7 +216,8 @@ fn slimpajama_tree_with_zst_and_meta_as_string() {
     std::fs::create_dir_all(&tree).unwrap();
     let l0: Vec<String> = (0..5).map(|d| slimpajama_line(&doc_text(d, 20), "RedPajamaBook")).collect();
     write_zst(&tree.join("example_train_0.jsonl.zst"), &l0);
-    let meta_str = serde_json::json!({"text": doc_text(5, 20), "meta": "{\"redpajama_set_name\": \"RedPajamaC4\"}"}).to_string();
+    let meta_str =
+        serde_json::json!({"text": doc_text(5, 20), "meta": "{\"redpajama_set_name\": \"RedPajamaC4\"}"}).to_string();
     std::fs::write(tree.join("example_train_1.jsonl"), format!("{meta_str}\n\n")).unwrap();
     let mut o = PrepareOptions::new(21);
     o.strategy.name = StrategyKind::Original;
@@ -273,9 +275,13 @@ fn truncated_zst_and_empty_corpus_are_reported() {
     let tok = write_tokenizer(tmp.path());
     let p = tmp.path().join("x.jsonl.zst");
     // pseudo-random words, so the compressed stream has many blocks
-    let word = |d: u64, j: u64| (d.wrapping_mul(6364136223846793005).wrapping_add(j).wrapping_mul(1442695040888963407) >> 33) % 1000;
+    let word = |d: u64, j: u64| {
+        (d.wrapping_mul(6364136223846793005).wrapping_add(j).wrapping_mul(1442695040888963407) >> 33) % 1000
+    };
     let lines: Vec<String> = (0..3000u64)
-        .map(|d| slimpajama_line(&(0..50).map(|j| format!("w{}", word(d, j))).collect::<Vec<_>>().join(" "), "RedPajamaC4"))
+        .map(|d| {
+            slimpajama_line(&(0..50).map(|j| format!("w{}", word(d, j))).collect::<Vec<_>>().join(" "), "RedPajamaC4")
+        })
         .collect();
     write_zst(&p, &lines);
     let len = std::fs::metadata(&p).unwrap().len();

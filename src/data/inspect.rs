@@ -43,7 +43,17 @@ pub fn mixture_table(m: &Manifest) -> String {
     let tot_out: u64 = m.sources.values().map(|s| s.tokens_out).sum::<u64>().max(1);
     let mut s = format!(
         "{:<24} {:>9} {:>13} {:>7} {:>7} | {:>9} {:>13} {:>7} {:>7} {:>7} {:>10}\n",
-        "source", "docs_in", "tokens_in", "share", "long", "docs_out", "tokens_out", "share", "target", "long", "topped_up"
+        "source",
+        "docs_in",
+        "tokens_in",
+        "share",
+        "long",
+        "docs_out",
+        "tokens_out",
+        "share",
+        "target",
+        "long",
+        "topped_up"
     );
     for (name, st) in &m.sources {
         s += &format!(
@@ -116,7 +126,10 @@ pub fn run(a: InspectDataArgs) -> Result<()> {
     }
     let decoded = match a.decode {
         Some(i) => {
-            let l = Loader::open(&a.dir, LoaderConfig { seq_len: m.seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 })?;
+            let l = Loader::open(
+                &a.dir,
+                LoaderConfig { seq_len: m.seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 },
+            )?;
             let seq = l.get(i)?;
             let tpath = a.tokenizer.clone().unwrap_or_else(|| a.dir.join("tokenizer.json"));
             let tok = load_tokenizer(&tpath)?;
@@ -156,7 +169,8 @@ pub fn run(a: InspectDataArgs) -> Result<()> {
         println!("\nsequence {} (document starts at {})", d["index"], d["doc_starts"]);
         for sp in d["spans"].as_array().into_iter().flatten() {
             let text = sp["text"].as_str().unwrap_or_default();
-            let shown: String = if a.max_chars == 0 { text.to_string() } else { text.chars().take(a.max_chars).collect() };
+            let shown: String =
+                if a.max_chars == 0 { text.to_string() } else { text.chars().take(a.max_chars).collect() };
             println!("--- [{}..{}) {} ---\n{shown}", sp["start"], sp["end"], sp["source"].as_str().unwrap_or_default());
         }
     }

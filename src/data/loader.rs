@@ -123,15 +123,20 @@ impl Loader {
             );
         }
         if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
-            bail!("loader: rank {} is not in 0..world_size {}\nhint: check RANK / WORLD_SIZE", cfg.rank, cfg.world_size);
+            bail!(
+                "loader: rank {} is not in 0..world_size {}\nhint: check RANK / WORLD_SIZE",
+                cfg.rank,
+                cfg.world_size
+            );
         }
         let mut shards = Vec::with_capacity(manifest.shards.len());
         let mut shard_start = Vec::with_capacity(manifest.shards.len());
         let mut n = 0u64;
         for info in &manifest.shards {
             let path = dir.join(&info.file);
-            let f = std::fs::File::open(&path)
-                .with_context(|| format!("cannot open shard {}\nhint: the dataset directory is incomplete", path.display()))?;
+            let f = std::fs::File::open(&path).with_context(|| {
+                format!("cannot open shard {}\nhint: the dataset directory is incomplete", path.display())
+            })?;
             // SAFETY: shards are written once (renamed into place) and never modified afterwards.
             let tokens = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
             let want = info.sequences * manifest.seq_len as u64 * 4;
@@ -151,7 +156,12 @@ impl Loader {
             let mut seg_off = vec![0usize; info.sequences as usize + 1];
             for s in &segs {
                 if u64::from(s.seq) >= info.sequences {
-                    bail!("{}: segment of sequence {} beyond {} sequences\nhint: re-run prepare-data", seg_path.display(), s.seq, info.sequences);
+                    bail!(
+                        "{}: segment of sequence {} beyond {} sequences\nhint: re-run prepare-data",
+                        seg_path.display(),
+                        s.seq,
+                        info.sequences
+                    );
                 }
                 seg_off[s.seq as usize + 1] += 1;
             }

@@ -180,10 +180,9 @@ impl StrategyParams {
     pub fn target_shares(&self, names: &[String], tokens_in: &[u64]) -> Result<Vec<f64>> {
         let mut w: Vec<f64> = match &self.weights {
             Weights::InputShare => tokens_in.iter().map(|&t| t as f64).collect(),
-            Weights::Slimpajama => names
-                .iter()
-                .map(|n| SLIMPAJAMA_MIX.iter().find(|(m, _)| m == n).map_or(0.0, |(_, v)| *v))
-                .collect(),
+            Weights::Slimpajama => {
+                names.iter().map(|n| SLIMPAJAMA_MIX.iter().find(|(m, _)| m == n).map_or(0.0, |(_, v)| *v)).collect()
+            }
             Weights::Explicit(m) => names.iter().map(|n| m.get(n).copied().unwrap_or(0.0)).collect(),
         };
         if self.name == StrategyKind::DomainUpsample {
@@ -196,7 +195,9 @@ impl StrategyParams {
         }
         let total: f64 = w.iter().sum();
         if total <= 0.0 {
-            bail!("no source has a positive weight (sources: {names:?})\nhint: check --source-weights against the corpus");
+            bail!(
+                "no source has a positive weight (sources: {names:?})\nhint: check --source-weights against the corpus"
+            );
         }
         Ok(w.iter().map(|x| x / total).collect())
     }

@@ -92,7 +92,13 @@ impl Packer {
         let mut first = true;
         while !rest.is_empty() {
             let n = (self.seq_len - self.cur.len()).min(rest.len());
-            let seg = Segment { seq: self.seq_in_shard as u32, start: self.cur.len() as u32, len: n as u32, source, doc_start: first };
+            let seg = Segment {
+                seq: self.seq_in_shard as u32,
+                start: self.cur.len() as u32,
+                len: n as u32,
+                source,
+                doc_start: first,
+            };
             self.pending.push(Pending { seg, long, doc_len });
             self.cur.extend_from_slice(&rest[..n]);
             rest = &rest[n..];
@@ -155,11 +161,15 @@ impl Packer {
         if let Some(o) = self.open.as_mut() {
             let bytes: Vec<u8> = self.cur.iter().flat_map(|t| t.to_le_bytes()).collect();
             o.tok_hash.update(&bytes);
-            o.tokens.write_all(&bytes).with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_tokens.display()))?;
+            o.tokens
+                .write_all(&bytes)
+                .with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_tokens.display()))?;
             for p in &self.pending {
                 let rec = p.seg.to_le_bytes();
                 o.seg_hash.update(rec);
-                o.segs.write_all(&rec).with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_segs.display()))?;
+                o.segs
+                    .write_all(&rec)
+                    .with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_segs.display()))?;
             }
         }
         self.cur.clear();
@@ -191,7 +201,8 @@ impl Packer {
                 segments_sha256: hex::encode(seg_hash.finalize()),
             };
             for (tmp, name) in [(&tmp_tokens, &info.file), (&tmp_segs, &info.segments_file)] {
-                std::fs::rename(tmp, self.dir.join(name)).with_context(|| format!("cannot rename {}", tmp.display()))?;
+                std::fs::rename(tmp, self.dir.join(name))
+                    .with_context(|| format!("cannot rename {}", tmp.display()))?;
             }
             let marker = serde_json::to_vec(&ShardDone { info: info.clone() })?;
             crate::util::write_atomic(&self.done_marker(self.shard), &marker)?;

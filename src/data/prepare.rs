@@ -242,7 +242,10 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
             let text = std::fs::read_to_string(p)
                 .with_context(|| format!("cannot read config {}\nhint: check the --config path", p.display()))?;
             toml::from_str(&text).with_context(|| {
-                format!("{}: invalid prepare-data config\nhint: keys are the flag names with `_` (seq_len, budget, ...)", p.display())
+                format!(
+                    "{}: invalid prepare-data config\nhint: keys are the flag names with `_` (seq_len, budget, ...)",
+                    p.display()
+                )
             })?
         }
         None => PrepareConfig::default(),
@@ -251,7 +254,8 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
     if inputs.is_empty() {
         bail!("no input given\nhint: pass --input PATH... (files, directories or quoted globs) or `input = [...]` in the config");
     }
-    let tokenizer = a.tokenizer.or(c.tokenizer).context("no tokenizer given\nhint: pass --tokenizer path/to/tokenizer.json")?;
+    let tokenizer =
+        a.tokenizer.or(c.tokenizer).context("no tokenizer given\nhint: pass --tokenizer path/to/tokenizer.json")?;
     let out = a.out.or(c.out).context("no output directory given\nhint: pass --out DIR")?;
     let seq_len = a.seq_len.or(c.seq_len).unwrap_or(131072);
     if seq_len < 2 {
@@ -265,9 +269,9 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
     };
     let weights = match (a.source_weights, c.source_weights) {
         (Some(s), _) | (None, Some(WeightsToml::Str(s))) => Weights::parse(&s)?,
-        (None, Some(WeightsToml::Table(t))) => Weights::parse(
-            &t.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","),
-        )?,
+        (None, Some(WeightsToml::Table(t))) => {
+            Weights::parse(&t.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))?
+        }
         (None, None) => Weights::InputShare,
     };
     o.strategy = StrategyParams {
@@ -277,7 +281,11 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
         short_keep: a.short_keep.or(c.short_keep).unwrap_or(0.1),
         cut_len: a.cut_len.or(c.cut_len).unwrap_or(seq_len as u64),
         weights,
-        upsample_sources: if a.upsample_sources.is_empty() { c.upsample_sources.unwrap_or_default() } else { a.upsample_sources },
+        upsample_sources: if a.upsample_sources.is_empty() {
+            c.upsample_sources.unwrap_or_default()
+        } else {
+            a.upsample_sources
+        },
         domain_weight: a.domain_weight.or(c.domain_weight).unwrap_or(0.6),
     };
     o.seed = a.seed.or(c.seed).unwrap_or(0);
@@ -312,8 +320,14 @@ pub fn run(args: PrepareDataArgs) -> Result<()> {
 }
 
 /// Prepare a dataset from in-memory `(source, text)` documents (for `harpe demo`, `tiny-cpu` runs, tests).
-pub fn prepare_from_texts(texts: &[(String, String)], tokenizer: &Path, opts: &PrepareOptions, out: &Path) -> Result<Manifest> {
-    let input = InputFile { path: PathBuf::from("<memory>"), kind: InputKind::Memory(Arc::new(texts.to_vec())), bytes: 0 };
+pub fn prepare_from_texts(
+    texts: &[(String, String)],
+    tokenizer: &Path,
+    opts: &PrepareOptions,
+    out: &Path,
+) -> Result<Manifest> {
+    let input =
+        InputFile { path: PathBuf::from("<memory>"), kind: InputKind::Memory(Arc::new(texts.to_vec())), bytes: 0 };
     prepare(vec![input], tokenizer, opts, out)
 }
 
@@ -345,7 +359,8 @@ fn spill_paths(work: &Path, i: usize) -> (PathBuf, PathBuf, PathBuf) {
 
 /// Read the (len, local source) index of a spilled file.
 fn read_index(path: &Path) -> Result<Vec<(u32, u32)>> {
-    let b = std::fs::read(path).with_context(|| format!("cannot read {}\nhint: re-run with --force", path.display()))?;
+    let b =
+        std::fs::read(path).with_context(|| format!("cannot read {}\nhint: re-run with --force", path.display()))?;
     Ok(b.chunks_exact(8)
         .map(|c| (u32::from_le_bytes([c[0], c[1], c[2], c[3]]), u32::from_le_bytes([c[4], c[5], c[6], c[7]])))
         .collect())
@@ -368,7 +383,9 @@ struct Pass1<'a> {
 impl Pass1<'_> {
     fn tokenize_file(&self, i: usize, input: &InputFile) -> Result<FileSummary> {
         let (tok_path, idx_path, sum_path) = spill_paths(self.work, i);
-        let tmp = |p: &Path| p.with_extension(format!("{}.tmp", p.extension().map(|e| e.to_string_lossy()).unwrap_or_default()));
+        let tmp = |p: &Path| {
+            p.with_extension(format!("{}.tmp", p.extension().map(|e| e.to_string_lossy()).unwrap_or_default()))
+        };
         let (tok_tmp, idx_tmp) = (tmp(&tok_path), tmp(&idx_path));
         let create = |p: &Path| {
             std::fs::File::create(p)
@@ -419,7 +436,9 @@ impl Pass1<'_> {
                             }
                             s.hist[id as usize][hist_bucket(len)] += 1;
                             let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-                            tok_w.write_all(&bytes).with_context(|| format!("writing {}\nhint: is the disk full?", tok_tmp.display()))?;
+                            tok_w
+                                .write_all(&bytes)
+                                .with_context(|| format!("writing {}\nhint: is the disk full?", tok_tmp.display()))?;
                             idx_w.write_all(&(len as u32).to_le_bytes())?;
                             idx_w.write_all(&id.to_le_bytes())?;
                             s.docs += 1;
@@ -467,7 +486,9 @@ impl Pass1<'_> {
 
 fn raw_line(r: &super::source::Raw) -> u64 {
     match r {
-        super::source::Raw::Line { line, .. } | super::source::Raw::Doc { line, .. } | super::source::Raw::Bad { line, .. } => *line,
+        super::source::Raw::Line { line, .. }
+        | super::source::Raw::Doc { line, .. }
+        | super::source::Raw::Bad { line, .. } => *line,
     }
 }
 
@@ -511,7 +532,11 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
         for e in std::fs::read_dir(out).with_context(|| format!("cannot list {}", out.display()))? {
             let p = e?.path();
             let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-            let ours = name == ".work" || name == "manifest.json" || name == "settings.json" || name == "tokenizer.json" || name.starts_with("shard_");
+            let ours = name == ".work"
+                || name == "manifest.json"
+                || name == "settings.json"
+                || name == "tokenizer.json"
+                || name.starts_with("shard_");
             if ours {
                 if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) }
                     .with_context(|| format!("--force: cannot remove {}", p.display()))?;
@@ -541,7 +566,11 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
 
     // ---- pass 1: read + tokenize into the spill ----
     let total_bytes: u64 = files.iter().map(|f| f.bytes).sum();
-    let pb = bar(opts.quiet, total_bytes, "tokenize [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}");
+    let pb = bar(
+        opts.quiet,
+        total_bytes,
+        "tokenize [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}",
+    );
     let (docs, tokens) = (AtomicU64::new(0), AtomicU64::new(0));
     let bytes_read = Arc::new(AtomicU64::new(0));
     let mut summaries: Vec<FileSummary> = Vec::new();
@@ -599,7 +628,12 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
     let names: Vec<String> = names.into_iter().collect();
     let gid = |n: &str| names.iter().position(|m| m == n).unwrap_or(0) as u32;
     let mut stats: Vec<SourceStats> = (0..names.len())
-        .map(|i| SourceStats { id: i as u32, hist_in: vec![0; HIST_BUCKETS], hist_out: vec![0; HIST_BUCKETS], ..Default::default() })
+        .map(|i| SourceStats {
+            id: i as u32,
+            hist_in: vec![0; HIST_BUCKETS],
+            hist_out: vec![0; HIST_BUCKETS],
+            ..Default::default()
+        })
         .collect();
     for s in &summaries {
         for (l, name) in s.sources.iter().enumerate() {
@@ -682,7 +716,8 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
     // ---- pass 2: pack into shards ----
     let planned: u64 = plan.iter().flatten().map(|d| d.2).sum();
     let seqs_per_shard = (opts.shard_tokens / opts.seq_len as u64).max(1);
-    let pb2 = bar(opts.quiet, planned / opts.seq_len as u64, "pack     [{bar:30}] {pos}/{len} sequences {per_sec} ETA {eta}");
+    let pb2 =
+        bar(opts.quiet, planned / opts.seq_len as u64, "pack     [{bar:30}] {pos}/{len} sequences {per_sec} ETA {eta}");
     let mut packer = Packer::new(out, &work, opts.seq_len, seqs_per_shard, stats);
     let pb2c = pb2.clone();
     packer.on_sequence = Box::new(move || pb2c.inc(1));
@@ -700,9 +735,14 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
         for &(len, source, take) in docs {
             let end = off + 4 * len as usize;
             if take > 0 {
-                let toks: Vec<u32> = map[off..end].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let toks: Vec<u32> =
+                    map[off..end].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 buf.clear();
-                let piece = if opts.strategy.name == StrategyKind::Cut { opts.strategy.cut_len as usize } else { toks.len().max(1) };
+                let piece = if opts.strategy.name == StrategyKind::Cut {
+                    opts.strategy.cut_len as usize
+                } else {
+                    toks.len().max(1)
+                };
                 for p in toks.chunks(piece.max(1)) {
                     sep.wrap_into(p, &mut buf);
                 }
@@ -725,7 +765,8 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
     pb2.finish_and_clear();
     for st in stats.iter_mut() {
         st.long_token_share_in = if st.tokens_in > 0 { st.long_tokens_in as f64 / st.tokens_in as f64 } else { 0.0 };
-        st.long_token_share_out = if st.tokens_out > 0 { st.long_tokens_out as f64 / st.tokens_out as f64 } else { 0.0 };
+        st.long_token_share_out =
+            if st.tokens_out > 0 { st.long_tokens_out as f64 / st.tokens_out as f64 } else { 0.0 };
     }
     if shards.is_empty() {
         bail!(

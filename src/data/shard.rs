@@ -86,7 +86,13 @@ impl Segment {
         let word = |c: &[u8], i: usize| u32::from_le_bytes([c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3]]);
         Ok(bytes
             .chunks_exact(4 * SEG_FIELDS)
-            .map(|c| Segment { seq: word(c, 0), start: word(c, 1), len: word(c, 2), source: word(c, 3), doc_start: word(c, 4) & 1 == 1 })
+            .map(|c| Segment {
+                seq: word(c, 0),
+                start: word(c, 1),
+                len: word(c, 2),
+                source: word(c, 3),
+                doc_start: word(c, 4) & 1 == 1,
+            })
             .collect())
     }
 }

@@ -87,7 +87,8 @@ pub fn expand_inputs(args: &[String]) -> Result<Vec<InputFile>> {
     for a in args {
         let mut found = Vec::new();
         if a.contains(['*', '?', '[']) {
-            let it = glob::glob(a).with_context(|| format!("--input {a:?}: invalid glob pattern\nhint: quote the pattern"))?;
+            let it = glob::glob(a)
+                .with_context(|| format!("--input {a:?}: invalid glob pattern\nhint: quote the pattern"))?;
             for p in it {
                 let p = p.with_context(|| format!("--input {a:?}: cannot read a match"))?;
                 if p.is_dir() {
@@ -213,7 +214,9 @@ pub fn read_batches(
                 .with_context(|| format!("cannot read {}", path.display()))?;
             let rec = match String::from_utf8(bytes) {
                 Ok(text) => Raw::Doc { line: 1, source: text_source.to_string(), text },
-                Err(e) => Raw::Bad { line: 0, reason: format!("invalid UTF-8 at byte {}", e.utf8_error().valid_up_to()) },
+                Err(e) => {
+                    Raw::Bad { line: 0, reason: format!("invalid UTF-8 at byte {}", e.utf8_error().valid_up_to()) }
+                }
             };
             sink(vec![rec])
         }
@@ -232,7 +235,11 @@ pub fn read_batches(
     }
 }
 
-fn read_lines(mut reader: Box<dyn BufRead>, batch_bytes: usize, sink: &mut impl FnMut(Vec<Raw>) -> Result<()>) -> Result<()> {
+fn read_lines(
+    mut reader: Box<dyn BufRead>,
+    batch_bytes: usize,
+    sink: &mut impl FnMut(Vec<Raw>) -> Result<()>,
+) -> Result<()> {
     let mut batch = Vec::new();
     let mut size = 0usize;
     let mut line = 0u64;
@@ -253,7 +260,8 @@ fn read_lines(mut reader: Box<dyn BufRead>, batch_bytes: usize, sink: &mut impl 
             }
             Err(e) => {
                 // a truncated or corrupt .zst ends the file here; everything before it is kept
-                batch.push(Raw::Bad { line: line + 1, reason: format!("read error (truncated or corrupt file?): {e}") });
+                batch
+                    .push(Raw::Bad { line: line + 1, reason: format!("read error (truncated or corrupt file?): {e}") });
                 break;
             }
         }

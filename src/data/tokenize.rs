@@ -87,7 +87,10 @@ impl SepTokens {
 /// Load a `tokenizer.json`.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| {
-        anyhow!("cannot load tokenizer {}: {e}\nhint: pass the model's tokenizer.json (HF fast-tokenizer format)", path.display())
+        anyhow!(
+            "cannot load tokenizer {}: {e}\nhint: pass the model's tokenizer.json (HF fast-tokenizer format)",
+            path.display()
+        )
     })
 }
 
