@@ -343,3 +343,39 @@ fn killed_run_resumes_without_redoing_shards_and_gives_same_bytes() {
     let err = format!("{:#}", prepare_from_texts(&texts, &tok, &other, &out).unwrap_err());
     assert!(err.contains("different settings") && err.contains("hint:"), "{err}");
 }
+
+#[test]
+fn domain_upsample_raises_the_named_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = write_tokenizer(tmp.path());
+    // a: 30000 tokens, b: 10000 tokens -> input shares 0.75 / 0.25; b raised to 0.6 -> 0.75/1.35, 0.6/1.35
+    let texts = mixed_corpus(&[("a", 0, 750), ("b", 0, 250)]);
+    let mut o = PrepareOptions::new(32);
+    o.strategy.name = StrategyKind::DomainUpsample;
+    o.strategy.upsample_sources = vec!["b".into()];
+    o.strategy.budget = Some(9000);
+    let m = prepare_from_texts(&texts, &tok, &o, &tmp.path().join("ds")).unwrap();
+    let (a, b) = (&m.sources["a"], &m.sources["b"]);
+    assert!((b.target_share.unwrap() - 0.6 / 1.35).abs() < 1e-9, "{b:?}");
+    assert!(b.tokens_out.abs_diff(4000) <= 32 && a.tokens_out.abs_diff(5000) <= 32, "{a:?} {b:?}");
+}
+
+#[test]
+fn reading_stops_once_known_budgets_are_full() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = write_tokenizer(tmp.path());
+    let mut paths = Vec::new();
+    for f in 0..3 {
+        let p = tmp.path().join(format!("part{f}.jsonl"));
+        let lines: Vec<String> = (0..20).map(|d| slimpajama_line(&doc_text(f * 20 + d, 30), "RedPajamaBook")).collect();
+        std::fs::write(&p, lines.join("\n")).unwrap();
+        paths.push(p.display().to_string());
+    }
+    let files = harpe::data::source::expand_inputs(&paths).unwrap();
+    let mut o = PrepareOptions::new(31);
+    o.strategy.budget = Some(31 * 25); // 25 documents: the first two files
+    let m = harpe::data::prepare(files, &tok, &o, &tmp.path().join("ds")).unwrap();
+    assert_eq!(m.inputs_read, 2);
+    assert_eq!(m.num_sequences, 25);
+    assert_eq!(m.sources["RedPajamaBook"].docs_in, 40);
+}

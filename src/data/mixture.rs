@@ -185,6 +185,11 @@ impl StrategyParams {
             }
             Weights::Explicit(m) => names.iter().map(|n| m.get(n).copied().unwrap_or(0.0)).collect(),
         };
+        // base shares sum to 1 before domain-upsample replaces the named sources' weights (Fu et al.)
+        let base: f64 = w.iter().sum();
+        if base > 0.0 {
+            w.iter_mut().for_each(|x| *x /= base);
+        }
         if self.name == StrategyKind::DomainUpsample {
             for s in &self.upsample_sources {
                 let Some(i) = names.iter().position(|n| n == s) else {
