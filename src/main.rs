@@ -11,7 +11,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Read a SlimPajama-style corpus, tokenize, apply a length/mixture strategy, pack into shards
-    PrepareData(harpe::data::prepare::PrepareDataArgs),
+    PrepareData(Box<harpe::data::prepare::PrepareDataArgs>),
     /// Summarise a prepared dataset: mixture table, length histogram, decode a sequence
     InspectData(harpe::data::inspect::InspectDataArgs),
 }
@@ -19,7 +19,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let res: anyhow::Result<()> = match cli.cmd {
-        Cmd::PrepareData(a) => harpe::data::prepare::run(a),
+        Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
         Cmd::InspectData(a) => harpe::data::inspect::run(a),
     };
     if let Err(e) = res {

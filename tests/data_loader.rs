@@ -31,16 +31,16 @@ fn rank_slices_are_disjoint_and_cover_each_epoch() {
         for r in 0..w {
             let mut l = Loader::open(&dir, cfg(shuffle, 5, r, w)).unwrap();
             assert_eq!(l.sequences_per_epoch(), 16);
-            for e in 0..2 {
+            for (e, set) in seen.iter_mut().enumerate() {
                 for _ in 0..16 {
                     let s = l.next_sequence().unwrap();
                     assert_eq!(s.epoch, e as u64);
-                    assert!(seen[e].insert(s.index), "sequence {} read twice in epoch {e}", s.index);
+                    assert!(set.insert(s.index), "sequence {} read twice in epoch {e}", s.index);
                 }
             }
         }
-        for e in 0..2 {
-            assert_eq!(seen[e].len(), 48); // 50 - 50 mod 3
+        for set in &seen {
+            assert_eq!(set.len(), 48); // 50 - 50 mod 3
         }
         if !shuffle {
             assert_eq!(seen[0], (0..48).collect());

@@ -284,7 +284,7 @@ impl Loader {
             );
         }
         let w = self.cfg.world_size as u64;
-        if c.world_size != self.cfg.world_size && c.position % w != 0 {
+        if c.world_size != self.cfg.world_size && !c.position.is_multiple_of(w) {
             bail!(
                 "data cursor at global position {} of epoch {} (world size {}) cannot be continued exactly with world size {}\n\
                  hint: resume with world size {}, or with one that divides {}",

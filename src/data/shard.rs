@@ -74,7 +74,7 @@ impl Segment {
 
     /// Parse a segment table file (the whole `.seg` contents).
     pub fn parse_all(bytes: &[u8], path: &Path) -> Result<Vec<Segment>> {
-        if bytes.len() % (4 * SEG_FIELDS) != 0 {
+        if !bytes.len().is_multiple_of(4 * SEG_FIELDS) {
             bail!(
                 "{}: {} bytes is not a whole number of {}-byte segment records\nhint: the file is truncated; \
                  re-run prepare-data into a fresh directory",
