@@ -15,6 +15,7 @@ Prints one JSON line: tokens_in, seconds, tokens_out, sha256 of the output token
 import argparse
 import hashlib
 import io
+import math
 import json
 import sys
 import time
@@ -69,7 +70,13 @@ def main():
             docs.append((fi, di, src, ids))
             tokens_in[src] = tokens_in.get(src, 0) + len(ids)
     total = sum(tokens_in.values())
-    budget = {s: round(a.budget * t / total) for s, t in tokens_in.items()}
+    # the same float steps as harpe (mixture.rs target_shares + Selector::new), so budgets match to the token
+    names = sorted(tokens_in)
+    w = [float(tokens_in[n]) for n in names]
+    base = sum(w)
+    w = [x / base for x in w]
+    wsum = sum(w)
+    budget = {n: math.floor(float(a.budget) * (x / wsum) + 0.5) for n, x in zip(names, w)}
     used = dict.fromkeys(budget, 0)
     take = [0] * len(docs)
     for k, (fi, di, src, ids) in enumerate(docs):

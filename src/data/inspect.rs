@@ -72,8 +72,8 @@ pub fn mixture_table(m: &Manifest) -> String {
         );
     }
     s += &format!(
-        "strategy {:?}, seq_len {}, {} sequences ({} tokens), seed {}, threshold {}, bad lines {}",
-        m.strategy.name,
+        "strategy {}, seq_len {}, {} sequences ({} tokens), seed {}, threshold {}, bad lines {}",
+        serde_json::to_value(m.strategy.name).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
         m.seq_len,
         m.num_sequences,
         m.tokens_out(),
