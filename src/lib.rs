@@ -10,6 +10,7 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
+pub mod data;
 pub mod demo;
 pub mod eval;
 pub mod model;

@@ -24,6 +24,10 @@ enum Cmd {
     Inspect(harpe::model::inspect::InspectArgs),
     /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
     SearchBases(harpe::model::base_search::SearchBasesArgs),
+    /// Read a SlimPajama-style corpus, tokenize, apply a length/mixture strategy, pack into shards
+    PrepareData(Box<harpe::data::prepare::PrepareDataArgs>),
+    /// Summarise a prepared dataset: mixture table, length histogram, decode a sequence
+    InspectData(harpe::data::inspect::InspectDataArgs),
 }
 
 fn main() {
@@ -34,6 +38,8 @@ fn main() {
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::SearchBases(a) => harpe::model::base_search::run(a),
+        Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
+        Cmd::InspectData(a) => harpe::data::inspect::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

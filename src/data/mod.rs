@@ -1,0 +1,20 @@
+//! Data: corpus -> tokens -> strategy -> packed shards -> training loader (DESIGN §1, §3).
+//!
+//! `source` (readers) -> `tokenize` -> `mixture` (Fu et al. strategies) -> `pack` -> `shard` (format)
+//! -> `loader` (what `train` calls). `prepare` and `inspect` are the two commands.
+//! The non-obvious decision: every random choice is a pure function of (seed, file, document) or
+//! (seed, epoch), so preparation and loading are reproducible and resumable byte for byte.
+//! What this module does not do: tokenization training, deduplication or quality filtering.
+pub mod inspect;
+pub mod loader;
+pub mod mixture;
+pub mod pack;
+pub mod prepare;
+pub mod shard;
+pub mod source;
+pub mod tokenize;
+
+pub use loader::{Cursor, Loader, LoaderConfig, Sequence, SourceSpan};
+pub use prepare::{prepare, prepare_from_texts, PrepareOptions};
+pub use shard::Manifest;
+pub use tokenize::tokenizer_sha256;

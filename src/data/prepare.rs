@@ -1,0 +1,807 @@
+//! `harpe prepare-data`: read a corpus, tokenize in parallel, apply a length/mixture strategy, pack,
+//! and write a prepared dataset (DESIGN §3) — streaming, deterministic from the seed, resumable.
+//!
+//! Reference: Fu et al. 2024 (spec §4). Two passes over a work directory `OUT/.work`:
+//! 1. read + tokenize every input file (order-preserving rayon batches; a reader thread decompresses
+//!    ahead) into a per-file token spill, marked finished by its summary JSON. When every budget is known
+//!    in advance (global strategies, or given source weights) reading stops once the budgets are full.
+//! 2. plan (sampling pass, then top-up of short sources) and pack from the memory-mapped spills into shards.
+//!
+//! The non-obvious decision: the spill makes default target shares ("each source's share of the input
+//! tokens read") exact without tokenizing twice, and makes a killed run resumable at file granularity
+//! in pass 1 and shard granularity in pass 2; the bytes are identical because every choice depends only
+//! on (seed, file index, document index). Disk use of the spill: 8 bytes per input token at most
+//! (4 for the token + the index), removed at the end unless `--keep-work`.
+//! What this file does not do: serve training batches (`loader`).
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::mixture::{parse_budget, DocInfo, Selector, StrategyKind, StrategyParams, Weights};
+use super::pack::Packer;
+use super::shard::{hist_bucket, BadLine, Manifest, SourceStats, FORMAT, HIST_BUCKETS, VERSION};
+use super::source::{expand_inputs, parse_record, read_batches, Fields, InputFile, InputKind, DEFAULT_SOURCE_FIELD};
+use super::tokenize::{encode, load_tokenizer, tokenizer_sha256, SepTokens, Separator};
+
+/// Bad-line samples kept in the manifest.
+const MAX_BAD_SAMPLES: usize = 100;
+
+/// Settings of one preparation (everything except the inputs, the tokenizer and the output directory).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrepareOptions {
+    /// tokens per sequence
+    pub seq_len: usize,
+    /// strategy and its parameters
+    pub strategy: StrategyParams,
+    /// seed of every random choice
+    pub seed: u64,
+    /// document separator policy
+    pub separator: Separator,
+    /// BOS token spelling (None: the usual ones)
+    pub bos_token: Option<String>,
+    /// EOS token spelling (None: the usual ones)
+    pub eos_token: Option<String>,
+    /// dotted path of the text field in jsonl records
+    pub text_field: String,
+    /// dotted path of the source field in jsonl records
+    pub source_field: String,
+    /// source of plain text files and of jsonl records without a source field
+    pub default_source: Option<String>,
+    /// malformed records tolerated before the run fails
+    pub max_bad_lines: u64,
+    /// target tokens per shard file (rounded to whole sequences)
+    pub shard_tokens: u64,
+    /// worker threads (None: all cores)
+    #[serde(skip)]
+    pub threads: Option<usize>,
+    /// restart from scratch even if OUT holds another preparation
+    #[serde(skip)]
+    pub force: bool,
+    /// keep `OUT/.work` (the token spill) at the end
+    #[serde(skip)]
+    pub keep_work: bool,
+    /// no progress bars or summary
+    #[serde(skip)]
+    pub quiet: bool,
+}
+
+impl PrepareOptions {
+    /// Defaults for a sequence length: `original`, all tokens, BOS separators, seed 0.
+    pub fn new(seq_len: usize) -> Self {
+        PrepareOptions {
+            seq_len,
+            strategy: StrategyParams {
+                name: StrategyKind::Original,
+                budget: None,
+                threshold: 4096,
+                short_keep: 0.1,
+                cut_len: seq_len as u64,
+                weights: Weights::InputShare,
+                upsample_sources: Vec::new(),
+                domain_weight: 0.6,
+            },
+            seed: 0,
+            separator: Separator::Bos,
+            bos_token: None,
+            eos_token: None,
+            text_field: "text".into(),
+            source_field: DEFAULT_SOURCE_FIELD.into(),
+            default_source: None,
+            max_bad_lines: 0,
+            shard_tokens: 1 << 26,
+            threads: None,
+            force: false,
+            keep_work: false,
+            quiet: true,
+        }
+    }
+}
+
+/// A TOML value that is either a string or an integer (budgets).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+enum StrOrInt {
+    Int(u64),
+    Str(String),
+}
+
+/// Source weights in TOML: a preset name / `a=0.5,b=0.5` string, or a table.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+enum WeightsToml {
+    Str(String),
+    Table(BTreeMap<String, f64>),
+}
+
+/// `data.toml`: the same settings as the flags (flags win).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrepareConfig {
+    input: Option<Vec<String>>,
+    tokenizer: Option<PathBuf>,
+    strategy: Option<StrategyKind>,
+    seq_len: Option<usize>,
+    budget: Option<StrOrInt>,
+    out: Option<PathBuf>,
+    seed: Option<u64>,
+    threshold: Option<u64>,
+    short_keep: Option<f64>,
+    source_weights: Option<WeightsToml>,
+    upsample_sources: Option<Vec<String>>,
+    domain_weight: Option<f64>,
+    cut_len: Option<u64>,
+    separator: Option<Separator>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    text_field: Option<String>,
+    source_field: Option<String>,
+    default_source: Option<String>,
+    max_bad_lines: Option<u64>,
+    shard_tokens: Option<u64>,
+    threads: Option<usize>,
+}
+
+/// `harpe prepare-data` flags.
+#[derive(clap::Args, Debug, Default)]
+pub struct PrepareDataArgs {
+    /// TOML file with the same settings as the flags (keys as the flag names with `_`); flags override it
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Corpus: .jsonl / .jsonl.zst files (SlimPajama layout), plain .txt files (one document each),
+    /// directories (walked recursively) or quoted globs; read in sorted path order
+    #[arg(long, num_args = 1..)]
+    pub input: Vec<String>,
+    /// The model's tokenizer.json (its sha256 is recorded; `train` refuses a different tokenizer)
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Length/mixture strategy (Fu et al. Table 5) [default: per-source-upsample]
+    #[arg(long, value_enum)]
+    pub strategy: Option<StrategyKind>,
+    /// Tokens per packed sequence, e.g. 131072 [default: 131072]
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Output token budget: 5B, 100M, 64k, 123456, or `all` (everything selected) [default: all]
+    #[arg(long)]
+    pub budget: Option<String>,
+    /// Output dataset directory (created; a killed run restarts here without redoing finished work)
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Seed of every random choice (same seed + inputs = same bytes) [default: 0]
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Documents with at least this many tokens count as long and are always kept by the upsample
+    /// strategies [default: 4096]
+    #[arg(long)]
+    pub threshold: Option<u64>,
+    /// Probability of keeping a short document in the upsample strategies [default: 0.1]
+    #[arg(long)]
+    pub short_keep: Option<f64>,
+    /// Target source shares for per-source strategies: `input` (share of input tokens read),
+    /// `slimpajama` (Fu et al.'s preset) or `a=0.5,b=0.5` [default: input]
+    #[arg(long)]
+    pub source_weights: Option<String>,
+    /// Sources whose weight domain-upsample raises, comma-separated (e.g. RedPajamaBook,RedPajamaArXiv)
+    #[arg(long, value_delimiter = ',')]
+    pub upsample_sources: Vec<String>,
+    /// Raw weight domain-upsample gives those sources before renormalising [default: 0.6, as Fu et al.]
+    #[arg(long)]
+    pub domain_weight: Option<f64>,
+    /// Piece length of the `cut` strategy (4096 reproduces Fu et al.'s "cut at 4K") [default: seq-len]
+    #[arg(long)]
+    pub cut_len: Option<u64>,
+    /// Document separator tokens [default: bos, as Llama / Fu et al.]
+    #[arg(long, value_enum)]
+    pub separator: Option<Separator>,
+    /// Spelling of the BOS token if not one of <s>, <|begin_of_text|>, <bos>, <|startoftext|>
+    #[arg(long)]
+    pub bos_token: Option<String>,
+    /// Spelling of the EOS token if not one of </s>, <|end_of_text|>, <eos>, <|endoftext|>
+    #[arg(long)]
+    pub eos_token: Option<String>,
+    /// Dotted path of the text field in jsonl records [default: text]
+    #[arg(long)]
+    pub text_field: Option<String>,
+    /// Dotted path of the source field in jsonl records [default: meta.redpajama_set_name]
+    #[arg(long)]
+    pub source_field: Option<String>,
+    /// Source name of plain text files and of records without a source field (without it such records
+    /// are bad lines; text files default to `text`)
+    #[arg(long)]
+    pub default_source: Option<String>,
+    /// Malformed records tolerated (reported and counted in the manifest) before the run fails [default: 0]
+    #[arg(long)]
+    pub max_bad_lines: Option<u64>,
+    /// Target tokens per shard file, rounded to whole sequences [default: 67108864 = 256 MiB]
+    #[arg(long)]
+    pub shard_tokens: Option<u64>,
+    /// Worker threads for tokenization [default: all cores]
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Discard whatever OUT holds (another or an unfinished preparation) and start over
+    #[arg(long)]
+    pub force: bool,
+    /// Keep OUT/.work (the token spill of pass 1) after success
+    #[arg(long)]
+    pub keep_work: bool,
+    /// No progress bars and no summary table
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Resolve flags over the config file over defaults: (inputs, tokenizer, out, options).
+fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, PrepareOptions)> {
+    let c: PrepareConfig = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read config {}\nhint: check the --config path", p.display()))?;
+            toml::from_str(&text).with_context(|| {
+                format!(
+                    "{}: invalid prepare-data config\nhint: keys are the flag names with `_` (seq_len, budget, ...)",
+                    p.display()
+                )
+            })?
+        }
+        None => PrepareConfig::default(),
+    };
+    let inputs = if a.input.is_empty() { c.input.unwrap_or_default() } else { a.input };
+    if inputs.is_empty() {
+        bail!("no input given\nhint: pass --input PATH... (files, directories or quoted globs) or `input = [...]` in the config");
+    }
+    let tokenizer =
+        a.tokenizer.or(c.tokenizer).context("no tokenizer given\nhint: pass --tokenizer path/to/tokenizer.json")?;
+    let out = a.out.or(c.out).context("no output directory given\nhint: pass --out DIR")?;
+    let seq_len = a.seq_len.or(c.seq_len).unwrap_or(131072);
+    if seq_len < 2 {
+        bail!("--seq-len must be at least 2 (got {seq_len})\nhint: e.g. --seq-len 131072");
+    }
+    let mut o = PrepareOptions::new(seq_len);
+    let budget = match (a.budget, c.budget) {
+        (Some(s), _) | (None, Some(StrOrInt::Str(s))) => parse_budget(&s)?,
+        (None, Some(StrOrInt::Int(n))) => Some(n),
+        (None, None) => None,
+    };
+    let weights = match (a.source_weights, c.source_weights) {
+        (Some(s), _) | (None, Some(WeightsToml::Str(s))) => Weights::parse(&s)?,
+        (None, Some(WeightsToml::Table(t))) => {
+            Weights::parse(&t.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(","))?
+        }
+        (None, None) => Weights::InputShare,
+    };
+    o.strategy = StrategyParams {
+        name: a.strategy.or(c.strategy).unwrap_or(StrategyKind::PerSourceUpsample),
+        budget,
+        threshold: a.threshold.or(c.threshold).unwrap_or(4096),
+        short_keep: a.short_keep.or(c.short_keep).unwrap_or(0.1),
+        cut_len: a.cut_len.or(c.cut_len).unwrap_or(seq_len as u64),
+        weights,
+        upsample_sources: if a.upsample_sources.is_empty() {
+            c.upsample_sources.unwrap_or_default()
+        } else {
+            a.upsample_sources
+        },
+        domain_weight: a.domain_weight.or(c.domain_weight).unwrap_or(0.6),
+    };
+    o.seed = a.seed.or(c.seed).unwrap_or(0);
+    o.separator = a.separator.or(c.separator).unwrap_or(Separator::Bos);
+    o.bos_token = a.bos_token.or(c.bos_token);
+    o.eos_token = a.eos_token.or(c.eos_token);
+    o.text_field = a.text_field.or(c.text_field).unwrap_or(o.text_field);
+    o.source_field = a.source_field.or(c.source_field).unwrap_or(o.source_field);
+    o.default_source = a.default_source.or(c.default_source);
+    o.max_bad_lines = a.max_bad_lines.or(c.max_bad_lines).unwrap_or(0);
+    o.shard_tokens = a.shard_tokens.or(c.shard_tokens).unwrap_or(o.shard_tokens);
+    o.threads = a.threads.or(c.threads);
+    o.force = a.force;
+    o.keep_work = a.keep_work;
+    o.quiet = a.quiet;
+    Ok((inputs, tokenizer, out, o))
+}
+
+/// `harpe prepare-data`.
+pub fn run(args: PrepareDataArgs) -> Result<()> {
+    let (inputs, tokenizer, out, opts) = resolve(args)?;
+    let files = expand_inputs(&inputs)?;
+    let m = prepare(files, &tokenizer, &opts, &out)?;
+    if !opts.quiet {
+        println!("{}", super::inspect::mixture_table(&m));
+        for n in &m.notes {
+            println!("note: {n}");
+        }
+        println!("wrote {} sequences x {} tokens to {}", m.num_sequences, m.seq_len, out.display());
+    }
+    Ok(())
+}
+
+/// Prepare a dataset from in-memory `(source, text)` documents (for `harpe demo`, `tiny-cpu` runs, tests).
+pub fn prepare_from_texts(
+    texts: &[(String, String)],
+    tokenizer: &Path,
+    opts: &PrepareOptions,
+    out: &Path,
+) -> Result<Manifest> {
+    let input =
+        InputFile { path: PathBuf::from("<memory>"), kind: InputKind::Memory(Arc::new(texts.to_vec())), bytes: 0 };
+    prepare(vec![input], tokenizer, opts, out)
+}
+
+/// Everything that must be equal for a restarted run to continue the work of an earlier one.
+#[derive(Serialize, Deserialize, PartialEq)]
+struct Settings {
+    inputs: Vec<(String, u64)>,
+    tokenizer_sha256: String,
+    options: PrepareOptions,
+}
+
+/// Pass-1 result for one input file (its JSON is the file's "finished" marker).
+#[derive(Serialize, Deserialize, Default)]
+struct FileSummary {
+    docs: u64,
+    /// local source id -> name
+    sources: Vec<String>,
+    /// per local source: [docs, tokens, long_tokens]
+    counts: Vec<[u64; 3]>,
+    /// per local source: document-length histogram
+    hist: Vec<Vec<u64>>,
+    bad_lines: u64,
+    bad_samples: Vec<BadLine>,
+}
+
+fn spill_paths(work: &Path, i: usize) -> (PathBuf, PathBuf, PathBuf) {
+    (work.join(format!("f{i:06}.tok")), work.join(format!("f{i:06}.idx")), work.join(format!("f{i:06}.json")))
+}
+
+/// Read the (len, local source) index of a spilled file.
+fn read_index(path: &Path) -> Result<Vec<(u32, u32)>> {
+    let b =
+        std::fs::read(path).with_context(|| format!("cannot read {}\nhint: re-run with --force", path.display()))?;
+    Ok(b.chunks_exact(8)
+        .map(|c| (u32::from_le_bytes([c[0], c[1], c[2], c[3]]), u32::from_le_bytes([c[4], c[5], c[6], c[7]])))
+        .collect())
+}
+
+/// Shared state of pass 1.
+struct Pass1<'a> {
+    tok: &'a tokenizers::Tokenizer,
+    fields: &'a Fields,
+    opts: &'a PrepareOptions,
+    work: &'a Path,
+    bytes_read: Arc<AtomicU64>,
+    bad_before: u64,
+    bar: &'a ProgressBar,
+    docs: &'a AtomicU64,
+    tokens: &'a AtomicU64,
+    t0: Instant,
+}
+
+impl Pass1<'_> {
+    fn tokenize_file(&self, i: usize, input: &InputFile) -> Result<FileSummary> {
+        let (tok_path, idx_path, sum_path) = spill_paths(self.work, i);
+        let tmp = |p: &Path| {
+            p.with_extension(format!("{}.tmp", p.extension().map(|e| e.to_string_lossy()).unwrap_or_default()))
+        };
+        let (tok_tmp, idx_tmp) = (tmp(&tok_path), tmp(&idx_path));
+        let create = |p: &Path| {
+            std::fs::File::create(p)
+                .map(|f| BufWriter::with_capacity(1 << 20, f))
+                .with_context(|| format!("cannot create {}\nhint: is the output directory writable?", p.display()))
+        };
+        let (mut tok_w, mut idx_w) = (create(&tok_tmp)?, create(&idx_tmp)?);
+        let mut s = FileSummary::default();
+        let mut local: BTreeMap<String, u32> = BTreeMap::new();
+        let text_source = self.opts.default_source.clone().unwrap_or_else(|| "text".to_string());
+        let threshold = self.opts.strategy.threshold;
+        let file_label = input.path.display().to_string();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<super::source::Raw>>(2);
+        std::thread::scope(|scope| -> Result<()> {
+            let bytes_read = self.bytes_read.clone();
+            let reader = scope.spawn(move || {
+                read_batches(input, &text_source, 4 << 20, bytes_read, |b| {
+                    tx.send(b).map_err(|_| anyhow::anyhow!("tokenizer stage stopped"))
+                })
+            });
+            for batch in rx {
+                let lines: Vec<u64> = batch.iter().map(raw_line).collect();
+                let parsed: Vec<_> = batch
+                    .into_par_iter()
+                    .map(|raw| {
+                        let (source, text) = parse_record(raw, self.fields)?;
+                        let ids = encode(self.tok, &text).map_err(|e| (0, e.to_string()))?;
+                        Ok::<_, (u64, String)>((source, ids))
+                    })
+                    .collect();
+                let (mut nd, mut nt) = (0u64, 0u64);
+                for (rec, line) in parsed.into_iter().zip(lines) {
+                    match rec {
+                        Ok((source, ids)) => {
+                            let next = local.len() as u32;
+                            let id = *local.entry(source.clone()).or_insert(next);
+                            if id == next {
+                                s.sources.push(source);
+                                s.counts.push([0; 3]);
+                                s.hist.push(vec![0; HIST_BUCKETS]);
+                            }
+                            let len = ids.len() as u64;
+                            let c = &mut s.counts[id as usize];
+                            c[0] += 1;
+                            c[1] += len;
+                            if len >= threshold {
+                                c[2] += len;
+                            }
+                            s.hist[id as usize][hist_bucket(len)] += 1;
+                            let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+                            tok_w
+                                .write_all(&bytes)
+                                .with_context(|| format!("writing {}\nhint: is the disk full?", tok_tmp.display()))?;
+                            idx_w.write_all(&(len as u32).to_le_bytes())?;
+                            idx_w.write_all(&id.to_le_bytes())?;
+                            s.docs += 1;
+                            nd += 1;
+                            nt += len;
+                        }
+                        Err((l, reason)) => {
+                            s.bad_lines += 1;
+                            let line = if l == 0 { line } else { l };
+                            if s.bad_samples.len() < MAX_BAD_SAMPLES {
+                                s.bad_samples.push(BadLine { file: file_label.clone(), line, reason: reason.clone() });
+                            }
+                            let total = self.bad_before + s.bad_lines;
+                            if total > self.opts.max_bad_lines {
+                                bail!(
+                                    "{file_label}:{line}: {reason} ({total} bad record(s) so far, max_bad_lines = {})\nhint: fix \
+                                     the input, or tolerate such records with --max-bad-lines N (they are counted in the manifest)",
+                                    self.opts.max_bad_lines
+                                );
+                            }
+                        }
+                    }
+                }
+                self.progress(nd, nt);
+            }
+            reader.join().map_err(|_| anyhow::anyhow!("reader thread of {file_label} panicked"))??;
+            Ok(())
+        })?;
+        for (w, tmp, fin) in [(tok_w, &tok_tmp, &tok_path), (idx_w, &idx_tmp, &idx_path)] {
+            w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
+            std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {}", tmp.display()))?;
+        }
+        crate::util::write_atomic(&sum_path, &serde_json::to_vec(&s)?)?;
+        Ok(s)
+    }
+
+    fn progress(&self, nd: u64, nt: u64) {
+        let d = self.docs.fetch_add(nd, Ordering::Relaxed) + nd;
+        let t = self.tokens.fetch_add(nt, Ordering::Relaxed) + nt;
+        let secs = self.t0.elapsed().as_secs_f64().max(1e-9);
+        self.bar.set_position(self.bytes_read.load(Ordering::Relaxed));
+        self.bar.set_message(format!("{d} docs {:.0} docs/s {:.3} Mtok/s", d as f64 / secs, t as f64 / secs / 1e6));
+    }
+}
+
+fn raw_line(r: &super::source::Raw) -> u64 {
+    match r {
+        super::source::Raw::Line { line, .. }
+        | super::source::Raw::Doc { line, .. }
+        | super::source::Raw::Bad { line, .. } => *line,
+    }
+}
+
+fn bar(quiet: bool, len: u64, template: &str) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb
+}
+
+/// Prepare a dataset from `files` into `out` (the library entry point of `prepare-data`).
+pub fn prepare(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptions, out: &Path) -> Result<Manifest> {
+    opts.strategy.validate()?;
+    if opts.seq_len < 2 {
+        bail!("seq_len must be at least 2 (got {})\nhint: e.g. 131072", opts.seq_len);
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .context("cannot start the tokenizer thread pool")?;
+    pool.install(|| prepare_inner(files, tokenizer_path, opts, out))
+}
+
+fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptions, out: &Path) -> Result<Manifest> {
+    let tok = load_tokenizer(tokenizer_path)?;
+    let sep = SepTokens::resolve(&tok, opts.separator, opts.bos_token.as_deref(), opts.eos_token.as_deref())?;
+    let tok_sha = tokenizer_sha256(tokenizer_path)?;
+    let settings = Settings {
+        inputs: files.iter().map(|f| (f.path.display().to_string(), f.bytes)).collect(),
+        tokenizer_sha256: tok_sha.clone(),
+        options: opts.clone(),
+    };
+    let settings_json = serde_json::to_vec_pretty(&settings)?;
+    let work = out.join(".work");
+    let settings_path = out.join("settings.json");
+    if opts.force && out.exists() {
+        for e in std::fs::read_dir(out).with_context(|| format!("cannot list {}", out.display()))? {
+            let p = e?.path();
+            let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            let ours = name == ".work"
+                || name == "manifest.json"
+                || name == "settings.json"
+                || name == "tokenizer.json"
+                || name.starts_with("shard_");
+            if ours {
+                if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) }
+                    .with_context(|| format!("--force: cannot remove {}", p.display()))?;
+            }
+        }
+    }
+    if settings_path.is_file() {
+        let old = std::fs::read(&settings_path).with_context(|| format!("cannot read {}", settings_path.display()))?;
+        if old != settings_json {
+            bail!(
+                "{} holds a preparation with different settings ({})\nhint: use another --out, or --force to discard it",
+                out.display(),
+                settings_path.display()
+            );
+        }
+        if out.join("manifest.json").is_file() {
+            return Manifest::load(out); // already finished with the same settings
+        }
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}\nhint: check --out", work.display()))?;
+    crate::util::write_atomic(&settings_path, &settings_json)?;
+
+    // sources known in advance (per-source strategies with given weights); unknown names are bad lines
+    let known: Option<BTreeSet<String>> =
+        if opts.strategy.per_source() { opts.strategy.weights.names().map(|v| v.into_iter().collect()) } else { None };
+    let fields = Fields::new(&opts.text_field, &opts.source_field, opts.default_source.clone(), known.clone());
+
+    // ---- pass 1: read + tokenize into the spill ----
+    let total_bytes: u64 = files.iter().map(|f| f.bytes).sum();
+    let pb = bar(
+        opts.quiet,
+        total_bytes,
+        "tokenize [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}",
+    );
+    let (docs, tokens) = (AtomicU64::new(0), AtomicU64::new(0));
+    let bytes_read = Arc::new(AtomicU64::new(0));
+    let mut summaries: Vec<FileSummary> = Vec::new();
+    let upfront_names: Vec<String> = known.iter().flatten().cloned().collect();
+    let upfront_shares = if opts.strategy.budgets_known_upfront() && opts.strategy.per_source() {
+        Some(opts.strategy.target_shares(&upfront_names, &vec![0; upfront_names.len()])?)
+    } else {
+        None
+    };
+    let mut early = opts.strategy.budgets_known_upfront().then(|| {
+        Selector::new(&opts.strategy, opts.seed, sep.len(), upfront_names.len().max(1), upfront_shares.as_deref())
+    });
+    let t0 = Instant::now();
+    for (i, input) in files.iter().enumerate() {
+        let (_, idx_path, sum_path) = spill_paths(&work, i);
+        let summary = match std::fs::read(&sum_path).ok().and_then(|b| serde_json::from_slice::<FileSummary>(&b).ok()) {
+            Some(s) => {
+                bytes_read.fetch_add(input.bytes, Ordering::Relaxed);
+                s
+            }
+            None => {
+                let p1 = Pass1 {
+                    tok: &tok,
+                    fields: &fields,
+                    opts,
+                    work: &work,
+                    bytes_read: bytes_read.clone(),
+                    bad_before: summaries.iter().map(|s| s.bad_lines).sum(),
+                    bar: &pb,
+                    docs: &docs,
+                    tokens: &tokens,
+                    t0,
+                };
+                p1.tokenize_file(i, input)?
+            }
+        };
+        if let Some(sel) = early.as_mut() {
+            for (d, (len, local)) in read_index(&idx_path)?.into_iter().enumerate() {
+                let name = &summary.sources[local as usize];
+                let source = upfront_names.iter().position(|n| n == name).unwrap_or(0) as u32;
+                sel.offer(i as u64, d as u64, DocInfo { len, source });
+            }
+        }
+        summaries.push(summary);
+        if early.as_ref().is_some_and(|s| s.full()) {
+            break;
+        }
+    }
+    pb.finish_and_clear();
+    let inputs_read = summaries.len();
+
+    // ---- global source ids and input statistics ----
+    let mut names: BTreeSet<String> = summaries.iter().flat_map(|s| s.sources.iter().cloned()).collect();
+    names.extend(upfront_names.iter().cloned());
+    let names: Vec<String> = names.into_iter().collect();
+    let gid = |n: &str| names.iter().position(|m| m == n).unwrap_or(0) as u32;
+    let mut stats: Vec<SourceStats> = (0..names.len())
+        .map(|i| SourceStats {
+            id: i as u32,
+            hist_in: vec![0; HIST_BUCKETS],
+            hist_out: vec![0; HIST_BUCKETS],
+            ..Default::default()
+        })
+        .collect();
+    for s in &summaries {
+        for (l, name) in s.sources.iter().enumerate() {
+            let st = &mut stats[gid(name) as usize];
+            st.docs_in += s.counts[l][0];
+            st.tokens_in += s.counts[l][1];
+            st.long_tokens_in += s.counts[l][2];
+            for (b, h) in st.hist_in.iter_mut().zip(&s.hist[l]) {
+                *b += h;
+            }
+        }
+    }
+    let bad_lines: u64 = summaries.iter().map(|s| s.bad_lines).sum();
+    if stats.iter().map(|s| s.docs_in).sum::<u64>() == 0 {
+        bail!(
+            "empty corpus: no document could be read from {} input(s) ({bad_lines} bad record(s))\nhint: check --input, \
+             --text-field and --source-field",
+            files.len()
+        );
+    }
+
+    // ---- plan: sampling pass, then top-up ----
+    let tokens_in: Vec<u64> = stats.iter().map(|s| s.tokens_in).collect();
+    let shares = if opts.strategy.per_source() { Some(opts.strategy.target_shares(&names, &tokens_in)?) } else { None };
+    let mut sel = Selector::new(&opts.strategy, opts.seed, sep.len(), names.len(), shares.as_deref());
+    let mut plan: Vec<Vec<(u32, u32, u64)>> = Vec::with_capacity(inputs_read); // per doc: (len, source id, take)
+    for (i, s) in summaries.iter().enumerate() {
+        let map: Vec<u32> = s.sources.iter().map(|n| gid(n)).collect();
+        let idx = read_index(&spill_paths(&work, i).1)?;
+        plan.push(
+            idx.into_iter()
+                .enumerate()
+                .map(|(d, (len, l))| {
+                    let source = map[l as usize];
+                    (len, source, sel.offer(i as u64, d as u64, DocInfo { len, source }))
+                })
+                .collect(),
+        );
+    }
+    if opts.strategy.samples_short() && sel.any_short() {
+        for docs in plan.iter_mut() {
+            for (len, source, take) in docs.iter_mut().filter(|d| d.2 == 0) {
+                let t = sel.top_up(DocInfo { len: *len, source: *source });
+                if t > 0 {
+                    *take = t;
+                    stats[*source as usize].topped_up_docs += 1;
+                    stats[*source as usize].topped_up_tokens += t;
+                }
+            }
+        }
+    }
+    let mut notes = Vec::new();
+    for (i, st) in stats.iter_mut().enumerate() {
+        if let Some(sh) = &shares {
+            st.target_share = Some(sh[i]);
+            st.budget = sel.budgets[i];
+            st.shortfall_tokens = sel.budgets[i].unwrap_or(0).saturating_sub(sel.used[i]);
+        }
+        if st.topped_up_docs > 0 {
+            notes.push(format!(
+                "source {}: the sampling pass left it short; topped up with {} short documents ({} tokens)",
+                names[i], st.topped_up_docs, st.topped_up_tokens
+            ));
+        }
+        if st.shortfall_tokens > 0 {
+            notes.push(format!(
+                "source {}: all its documents give {} tokens less than its budget {}; its share of the output is lower than targeted",
+                names[i],
+                st.shortfall_tokens,
+                st.budget.unwrap_or(0)
+            ));
+        }
+    }
+    if let (false, Some(b)) = (opts.strategy.per_source(), opts.strategy.budget) {
+        if sel.used[0] < b {
+            notes.push(format!("the corpus gives {} tokens, less than the budget {b}", sel.used[0]));
+        }
+    }
+
+    // ---- pass 2: pack into shards ----
+    let planned: u64 = plan.iter().flatten().map(|d| d.2).sum();
+    let seqs_per_shard = (opts.shard_tokens / opts.seq_len as u64).max(1);
+    let pb2 =
+        bar(opts.quiet, planned / opts.seq_len as u64, "pack     [{bar:30}] {pos}/{len} sequences {per_sec} ETA {eta}");
+    let mut packer = Packer::new(out, &work, opts.seq_len, seqs_per_shard, stats);
+    let pb2c = pb2.clone();
+    packer.on_sequence = Box::new(move || pb2c.inc(1));
+    let threshold = opts.strategy.threshold;
+    let mut buf: Vec<u32> = Vec::new();
+    for (i, docs) in plan.iter().enumerate() {
+        if docs.iter().all(|d| d.2 == 0) {
+            continue;
+        }
+        let tok_path = spill_paths(&work, i).0;
+        let file = std::fs::File::open(&tok_path).with_context(|| format!("cannot open {}", tok_path.display()))?;
+        // SAFETY: the spill file is ours, complete (renamed into place after writing) and not modified while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", tok_path.display()))?;
+        let mut off = 0usize;
+        for &(len, source, take) in docs {
+            let end = off + 4 * len as usize;
+            if take > 0 {
+                let toks: Vec<u32> =
+                    map[off..end].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                buf.clear();
+                let piece = if opts.strategy.name == StrategyKind::Cut {
+                    opts.strategy.cut_len as usize
+                } else {
+                    toks.len().max(1)
+                };
+                for p in toks.chunks(piece.max(1)) {
+                    sep.wrap_into(p, &mut buf);
+                }
+                if toks.is_empty() {
+                    sep.wrap_into(&[], &mut buf);
+                }
+                buf.truncate(take as usize);
+                if opts.strategy.name == StrategyKind::Cut {
+                    for p in buf.chunks(piece + sep.len() as usize) {
+                        packer.push_doc(p, source, u64::from(len) >= threshold, u64::from(len))?;
+                    }
+                } else {
+                    packer.push_doc(&buf, source, u64::from(len) >= threshold, u64::from(len))?;
+                }
+            }
+            off = end;
+        }
+    }
+    let (shards, mut stats, tail) = packer.finish()?;
+    pb2.finish_and_clear();
+    for st in stats.iter_mut() {
+        st.long_token_share_in = if st.tokens_in > 0 { st.long_tokens_in as f64 / st.tokens_in as f64 } else { 0.0 };
+        st.long_token_share_out =
+            if st.tokens_out > 0 { st.long_tokens_out as f64 / st.tokens_out as f64 } else { 0.0 };
+    }
+    if shards.is_empty() {
+        bail!(
+            "the selection gives {planned} tokens, less than one sequence of {}\nhint: raise --budget, add input, or lower --seq-len",
+            opts.seq_len
+        );
+    }
+    let mut bad_line_samples: Vec<BadLine> = summaries.iter().flat_map(|s| s.bad_samples.iter().cloned()).collect();
+    bad_line_samples.truncate(MAX_BAD_SAMPLES);
+    let manifest = Manifest {
+        format: FORMAT.to_string(),
+        version: VERSION,
+        seq_len: opts.seq_len,
+        strategy: opts.strategy.clone(),
+        seed: opts.seed,
+        tokenizer_sha256: tok_sha,
+        separator: opts.separator,
+        bos_id: sep.bos,
+        eos_id: sep.eos,
+        sources: names.iter().cloned().zip(stats).collect(),
+        source_names: names,
+        inputs: files.iter().map(|f| f.path.display().to_string()).collect(),
+        inputs_read,
+        bad_lines,
+        bad_line_samples,
+        tail_tokens_dropped: tail,
+        num_sequences: shards.iter().map(|s| s.sequences).sum(),
+        shards,
+        notes,
+    };
+    std::fs::copy(tokenizer_path, out.join("tokenizer.json"))
+        .with_context(|| format!("cannot copy {} into {}", tokenizer_path.display(), out.display()))?;
+    crate::util::write_atomic(&out.join("manifest.json"), &serde_json::to_vec_pretty(&manifest)?)?;
+    if !opts.keep_work {
+        std::fs::remove_dir_all(&work).with_context(|| format!("cannot remove {}", work.display()))?;
+    }
+    Ok(manifest)
+}

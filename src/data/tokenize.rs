@@ -1,0 +1,109 @@
+//! Tokenization with the `tokenizers` crate, document separators, and the tokenizer hash.
+//!
+//! Reference: Fu et al.'s packer calls the Llama tokenizer with its defaults, i.e. every document is
+//! prefixed with BOS and gets no EOS (spec §4.1); that is our default (`Separator::Bos`).
+//! The non-obvious decision: we always encode with `add_special_tokens = false` and add the separator
+//! ourselves, so the policy is the same for every tokenizer (Llama, GPT-style, test WordLevel) and the
+//! separator is counted in the budget. What this file does not do: parallelism (the caller maps
+//! batches with rayon) or any text normalisation beyond the tokenizer's own.
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use tokenizers::Tokenizer;
+
+/// How documents are separated in the packed stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Separator {
+    /// BOS before each document (Llama / Fu et al. default)
+    Bos,
+    /// EOS after each document (GPT-style)
+    Eos,
+    /// BOS before and EOS after each document
+    #[value(name = "bos+eos")]
+    #[serde(rename = "bos+eos")]
+    BosEos,
+    /// no separator tokens
+    None,
+}
+
+/// Separator token ids resolved against a tokenizer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SepTokens {
+    /// the policy
+    pub policy: Separator,
+    /// BOS id when the policy uses it
+    pub bos: Option<u32>,
+    /// EOS id when the policy uses it
+    pub eos: Option<u32>,
+}
+
+/// BOS spellings tried in order when no `--bos-token` is given.
+const BOS_NAMES: [&str; 4] = ["<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"];
+/// EOS spellings tried in order when no `--eos-token` is given.
+const EOS_NAMES: [&str; 4] = ["</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>"];
+
+impl SepTokens {
+    /// Resolve the policy's token ids; `bos_name`/`eos_name` override the usual spellings.
+    pub fn resolve(tok: &Tokenizer, policy: Separator, bos_name: Option<&str>, eos_name: Option<&str>) -> Result<Self> {
+        let find = |given: Option<&str>, names: &[&str], what: &str, flag: &str| -> Result<u32> {
+            match given {
+                Some(n) => tok.token_to_id(n).ok_or_else(|| {
+                    anyhow!("the tokenizer has no token {n:?} (given as {flag})\nhint: check the spelling in tokenizer.json")
+                }),
+                None => names.iter().find_map(|n| tok.token_to_id(n)).ok_or_else(|| {
+                    anyhow!(
+                        "the tokenizer has none of the usual {what} tokens {names:?}\nhint: pass {flag} NAME, or \
+                         --separator none"
+                    )
+                }),
+            }
+        };
+        let uses_bos = matches!(policy, Separator::Bos | Separator::BosEos);
+        let uses_eos = matches!(policy, Separator::Eos | Separator::BosEos);
+        let bos = if uses_bos { Some(find(bos_name, &BOS_NAMES, "BOS", "--bos-token")?) } else { None };
+        let eos = if uses_eos { Some(find(eos_name, &EOS_NAMES, "EOS", "--eos-token")?) } else { None };
+        Ok(SepTokens { policy, bos, eos })
+    }
+
+    /// Number of separator tokens added per document (or per piece, for `cut`).
+    pub fn len(&self) -> u64 {
+        u64::from(self.bos.is_some()) + u64::from(self.eos.is_some())
+    }
+
+    /// True when no separator tokens are added.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Append `piece` wrapped in the separators to `out`.
+    pub fn wrap_into(&self, piece: &[u32], out: &mut Vec<u32>) {
+        out.extend(self.bos);
+        out.extend_from_slice(piece);
+        out.extend(self.eos);
+    }
+}
+
+/// Load a `tokenizer.json`.
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    Tokenizer::from_file(path).map_err(|e| {
+        anyhow!(
+            "cannot load tokenizer {}: {e}\nhint: pass the model's tokenizer.json (HF fast-tokenizer format)",
+            path.display()
+        )
+    })
+}
+
+/// Hex sha256 of the tokenizer.json bytes; `train` refuses a dataset whose hash differs from the model's.
+pub fn tokenizer_sha256(path: &Path) -> Result<String> {
+    crate::util::sha256_file(path)
+        .with_context(|| format!("hashing tokenizer {}\nhint: check that the file exists", path.display()))
+}
+
+/// Token ids of one document's text, without special tokens.
+pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    match tok.encode_fast(text, false) {
+        Ok(enc) => Ok(enc.get_ids().to_vec()),
+        Err(e) => bail!("tokenizer failed: {e}"),
+    }
+}
