@@ -16,6 +16,8 @@ struct Cli {
 enum Cmd {
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
+    /// Next-token loss on a prepared dataset by source and by position bucket (Fu et al. Table 5)
+    EvalLoss(harpe::eval::eval_loss::EvalLossArgs),
     /// Sliding-window perplexity of text files under a model directory
     EvalPpl(harpe::eval::ppl::EvalPplArgs),
     /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
@@ -34,6 +36,7 @@ fn main() {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Demo(a) => harpe::demo::run(a),
+        Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),

@@ -1,4 +1,5 @@
 //! Evaluation: sliding-window perplexity, KV-cached generation, needle-in-a-haystack suites.
+pub mod eval_loss;
 pub mod generate;
 pub mod heatmap;
 pub mod needle_grid;

@@ -125,6 +125,33 @@ pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usi
     }
 }
 
+/// Per-position NLLs: for window positions p in [p0, p1), -ln p(ids[p + 1] | ids[..=p]) from the
+/// final hidden states (1, L, C); logits are made `chunk` positions at a time, log-softmax in f32/f64.
+pub fn position_nlls(
+    model: &Llama,
+    hidden: &Tensor,
+    ids: &[u32],
+    p0: usize,
+    p1: usize,
+    chunk: usize,
+) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(p1.saturating_sub(p0));
+    let mut p = p0;
+    while p < p1 {
+        let len = chunk.max(1).min(p1 - p);
+        let logits = model.logits(&hidden.narrow(1, p, len)?)?.squeeze(0)?.to_dtype(DType::F32)?; // (len, V)
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        for (r, row) in rows.iter().enumerate() {
+            let target = ids[p + r + 1] as usize;
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let lse = m as f64 + row.iter().map(|&v| ((v - m) as f64).exp()).sum::<f64>().ln();
+            out.push(lse - row[target] as f64);
+        }
+        p += len;
+    }
+    Ok(out)
+}
+
 /// NLL sums of one token sequence under the pinned sliding-window rule.
 pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chunk: usize) -> Result<WindowSums> {
     let dev = model.device().clone();
@@ -133,21 +160,8 @@ pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chun
         let x = Tensor::new(&ids[begin..end], &dev)?.unsqueeze(0)?; // (1, L)
         let hidden = model.forward_hidden(&x, 0)?; // (1, L, C)
                                                    // target t is predicted at window position t - 1 - begin
-        let (p0, p1) = (lo - 1 - begin, end - 1 - begin);
-        let mut wsum = 0f64;
-        let mut p = p0;
-        while p < p1 {
-            let len = chunk.max(1).min(p1 - p);
-            let logits = model.logits(&hidden.narrow(1, p, len)?)?.squeeze(0)?.to_dtype(DType::F32)?; // (len, V)
-            let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-            for (r, row) in rows.iter().enumerate() {
-                let target = ids[begin + p + r + 1] as usize;
-                let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let lse = m as f64 + row.iter().map(|&v| ((v - m) as f64).exp()).sum::<f64>().ln();
-                wsum += lse - row[target] as f64;
-            }
-            p += len;
-        }
+        let nlls = position_nlls(model, &hidden, &ids[begin..end], lo - 1 - begin, end - 1 - begin, chunk)?;
+        let wsum: f64 = nlls.iter().sum();
         let n = end - lo;
         sums.nll_sum += wsum;
         sums.tokens += n;
