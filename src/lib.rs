@@ -10,9 +10,9 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
+pub mod eval;
 pub mod model;
 pub mod ops;
-pub mod eval;
 pub mod util;
 pub mod loss;
 pub mod grads;

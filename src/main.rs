@@ -2,18 +2,30 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "harpe", version, about = "Continual pretraining of Llama models to long context with head-adaptive RoPE, and its evaluation")]
+#[command(
+    name = "harpe",
+    version,
+    about = "Continual pretraining of Llama models to long context with head-adaptive RoPE, and its evaluation"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
-enum Cmd {}
+enum Cmd {
+    /// Sliding-window perplexity of text files under a model directory
+    EvalPpl(harpe::eval::ppl::EvalPplArgs),
+    /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
+    Inspect(harpe::model::inspect::InspectArgs),
+}
 
 fn main() {
     let cli = Cli::parse();
-    let res: anyhow::Result<()> = match cli.cmd {};
+    let res = match cli.cmd {
+        Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
+        Cmd::Inspect(a) => harpe::model::inspect::run(a),
+    };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
         std::process::exit(1);

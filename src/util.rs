@@ -12,12 +12,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let mut f = std::fs::File::create(&tmp).with_context(|| {
             format!("cannot create {}\nhint: check that the directory exists and is writable", tmp.display())
         })?;
-        f.write_all(bytes)
-            .with_context(|| format!("writing {} failed\nhint: is the disk full?", tmp.display()))?;
+        f.write_all(bytes).with_context(|| format!("writing {} failed\nhint: is the disk full?", tmp.display()))?;
         f.sync_all().with_context(|| format!("fsync {} failed", tmp.display()))?;
     }
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
     Ok(())
 }
 
@@ -45,5 +43,9 @@ pub fn human_bytes(n: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{n} B") } else { format!("{v:.2} {}", units[u]) }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
 }

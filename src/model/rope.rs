@@ -13,10 +13,10 @@ use serde::{Deserialize, Serialize};
 
 /// HARPE Table 2 (Lian et al.): the 32 bases of the main results, head order, exact integers.
 pub const TABLE2_BASES: [u64; 32] = [
-    1_000_000, 1_150_000, 1_300_000, 1_450_000, 2_170_000, 2_200_000, 2_230_000, 2_470_000, 2_500_000,
-    2_650_000, 2_680_000, 2_710_000, 2_740_000, 2_800_000, 2_830_000, 2_920_000, 3_010_000, 3_040_000,
-    3_100_000, 3_130_000, 3_160_000, 3_220_000, 3_430_000, 3_460_000, 3_610_000, 3_880_000, 4_090_000,
-    4_150_000, 4_390_000, 4_450_000, 4_510_000, 4_540_000,
+    1_000_000, 1_150_000, 1_300_000, 1_450_000, 2_170_000, 2_200_000, 2_230_000, 2_470_000, 2_500_000, 2_650_000,
+    2_680_000, 2_710_000, 2_740_000, 2_800_000, 2_830_000, 2_920_000, 3_010_000, 3_040_000, 3_100_000, 3_130_000,
+    3_160_000, 3_220_000, 3_430_000, 3_460_000, 3_610_000, 3_880_000, 4_090_000, 4_150_000, 4_390_000, 4_450_000,
+    4_510_000, 4_540_000,
 ];
 
 /// Head order for uniform base sets (spec §1.4).
@@ -178,7 +178,9 @@ impl RopeScheme {
     pub fn validate(&mut self, n_heads: usize, n_kv_heads: usize, head_dim: usize, n_layers: usize) -> Result<()> {
         let pos = |name: &str, v: f64| -> Result<()> {
             if !(v.is_finite() && v > 0.0) {
-                bail!("rope {name} must be a positive finite number, got {v}\nhint: fix the rope section of the config");
+                bail!(
+                    "rope {name} must be a positive finite number, got {v}\nhint: fix the rope section of the config"
+                );
             }
             Ok(())
         };
@@ -234,7 +236,9 @@ impl RopeScheme {
             RopeScheme::Linear { theta, factor } => {
                 one(default_inv_freq(*theta, head_dim).into_iter().map(|f| f / factor).collect())
             }
-            RopeScheme::NtkStatic { theta, factor } => one(default_inv_freq(theta * factor.powf(d / (d - 2.0)), head_dim)),
+            RopeScheme::NtkStatic { theta, factor } => {
+                one(default_inv_freq(theta * factor.powf(d / (d - 2.0)), head_dim))
+            }
             RopeScheme::Dynamic { theta, factor, original_max } => {
                 let l = seq_len.max(*original_max) as f64;
                 let base = theta * ((factor * l / *original_max as f64) - (factor - 1.0)).powf(d / (d - 2.0));
@@ -252,7 +256,8 @@ impl RopeScheme {
                 truncate,
             } => {
                 let extrap = default_inv_freq(*theta, head_dim);
-                let (low, mut high) = yarn_correction_range(*theta, head_dim, *original_max, *beta_fast, *beta_slow, *truncate);
+                let (low, mut high) =
+                    yarn_correction_range(*theta, head_dim, *original_max, *beta_fast, *beta_slow, *truncate);
                 if low == high {
                     high += 0.001;
                 }
@@ -293,9 +298,7 @@ impl RopeScheme {
             }
             RopeScheme::Longrope { theta, short_factor, long_factor, original_max, factor, attention_factor } => {
                 let ext = if seq_len > *original_max { long_factor } else { short_factor };
-                let rows = (0..head_dim / 2)
-                    .map(|j| 1.0 / (ext[j] * theta.powf((2 * j) as f64 / d)))
-                    .collect();
+                let rows = (0..head_dim / 2).map(|j| 1.0 / (ext[j] * theta.powf((2 * j) as f64 / d))).collect();
                 let af = attention_factor.unwrap_or_else(|| {
                     if *factor <= 1.0 {
                         1.0
@@ -318,6 +321,7 @@ impl RopeScheme {
     }
 
     /// cos/sin tables for positions `start..start+len`, with `seq_len` the length the scheme adapts to.
+    #[allow(clippy::too_many_arguments)]
     pub fn tables(
         &self,
         head_dim: usize,
@@ -396,4 +400,143 @@ fn reduce_bases(bases: &[f64], n_heads: usize, n_kv_heads: usize, what: &str) ->
 pub struct RopeTables {
     pub cos: Tensor,
     pub sin: Tensor,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yarn(factor: f64) -> RopeScheme {
+        RopeScheme::Yarn {
+            theta: 10000.0,
+            factor,
+            original_max: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: None,
+            mscale_all_dim: None,
+            attention_factor: None,
+            truncate: true,
+        }
+    }
+
+    #[test]
+    fn yarn_llama2_to_128k_matches_spec() {
+        // spec §2: beta_fast 32, beta_slow 1 -> low 20, high 46 (raw 20.94 / 45.03); factor 1.3466
+        let raw = yarn_correction_range(10000.0, 128, 4096, 32.0, 1.0, false);
+        assert!((raw.0 - 20.94).abs() < 0.01 && (raw.1 - 45.03).abs() < 0.01, "{raw:?}");
+        assert_eq!(yarn_correction_range(10000.0, 128, 4096, 32.0, 1.0, true), (20.0, 46.0));
+        let inv = yarn(32.0).inv_freq(128, 0, 131072);
+        assert!((inv.attention_factor - 1.3466).abs() < 1e-4);
+        assert!((inv.attention_factor.powi(2) - 1.8133).abs() < 1e-3);
+        let base = default_inv_freq(10000.0, 128);
+        // below `low`: extrapolated (unchanged); above `high`: interpolated (divided by s)
+        assert_eq!(inv.rows[0][10], base[10]);
+        assert!((inv.rows[0][60] - base[60] / 32.0).abs() < 1e-18);
+        assert!(inv.rows[0][33] < base[33] && inv.rows[0][33] > base[33] / 32.0);
+    }
+
+    #[test]
+    fn ntk_dynamic_longrope_llama3_match_spec() {
+        let ntk = RopeScheme::NtkStatic { theta: 10000.0, factor: 32.0 }.inv_freq(128, 0, 0);
+        let b = 1.0 / ntk.rows[0][1].powf(64.0); // inv[1] = b^(-2/128)
+        assert!((b - 338_097.0).abs() / 338_097.0 < 1e-4, "static NTK base {b}");
+        let dynb = RopeScheme::Dynamic { theta: 10000.0, factor: 32.0, original_max: 4096 }.inv_freq(128, 0, 131072);
+        let b = 1.0 / dynb.rows[0][1].powf(64.0);
+        assert!((b - 1.108e7).abs() / 1.108e7 < 1e-3, "dynamic base {b}");
+        // below the original length dynamic NTK is plain RoPE
+        let short = RopeScheme::Dynamic { theta: 10000.0, factor: 32.0, original_max: 4096 }.inv_freq(128, 0, 100);
+        assert_eq!(short.rows[0], default_inv_freq(10000.0, 128));
+        let lr = RopeScheme::Longrope {
+            theta: 10000.0,
+            short_factor: vec![1.0; 64],
+            long_factor: vec![2.0; 64],
+            original_max: 4096,
+            factor: 32.0,
+            attention_factor: None,
+        };
+        assert!((lr.inv_freq(128, 0, 10).attention_factor - 1.19024).abs() < 1e-5);
+        assert_eq!(lr.inv_freq(128, 0, 10).rows[0][5], default_inv_freq(10000.0, 128)[5]);
+        assert_eq!(lr.inv_freq(128, 0, 5000).rows[0][5], default_inv_freq(10000.0, 128)[5] / 2.0);
+        let l3 = RopeScheme::Llama3 {
+            theta: 500000.0,
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max: 8192,
+        };
+        let (inv, base) = (l3.inv_freq(128, 0, 0).rows[0].clone(), default_inv_freq(500000.0, 128));
+        assert_eq!(inv[0], base[0]); // high frequency: unchanged
+        assert!((inv[63] - base[63] / 8.0).abs() < 1e-20); // low frequency: divided by factor
+        let lin = RopeScheme::Linear { theta: 10000.0, factor: 32.0 }.inv_freq(128, 0, 0);
+        assert_eq!(lin.rows[0][7], base_of(10000.0, 7) / 32.0);
+    }
+
+    fn base_of(theta: f64, j: usize) -> f64 {
+        default_inv_freq(theta, 128)[j]
+    }
+
+    #[test]
+    fn f64_tables_are_accurate_at_128k() {
+        // spec §5: |cos_f64 - cos_hf| < 0.01 at m = 131071, and f64 is the accurate one
+        for b in [1e4, 5e5, 1e6, 5e6] {
+            let s = RopeScheme::Default { theta: b };
+            let f = s.tables(128, 0, 131071, 1, 131072, RopeParity::F64, &Device::Cpu).unwrap();
+            let h = s.tables(128, 0, 131071, 1, 131072, RopeParity::Hf, &Device::Cpu).unwrap();
+            let (cf, ch) = (
+                f.cos.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                h.cos.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let max = cf.iter().zip(&ch).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(max < 0.01, "base {b}: {max}");
+            // exact reference for j = 0: angle = m
+            assert!((cf[0] as f64 - 131071f64.cos()).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn table2_is_the_papers_integer_grid() {
+        let k = [
+            0, 5, 10, 15, 39, 40, 41, 49, 50, 55, 56, 57, 58, 60, 61, 64, 67, 68, 70, 71, 72, 74, 81, 82, 87, 96, 103,
+            105, 113, 115, 117, 118,
+        ];
+        for (b, k) in TABLE2_BASES.iter().zip(k) {
+            assert_eq!(*b, 1_000_000 + k * 30_000);
+        }
+    }
+
+    #[test]
+    fn uniform_bases_follow_eq9() {
+        let b = uniform_bases(1e6, 5e6, 32, BaseOrder::Asc).unwrap();
+        assert_eq!(b[0], 1e6);
+        assert!((b[31] - 5e6).abs() < 1e-6);
+        assert!((b[1] - 1_129_032.258).abs() < 1e-3);
+        let d = uniform_bases(1e6, 5e6, 32, BaseOrder::Desc).unwrap();
+        assert_eq!(d[0], b[31]);
+        assert!(uniform_bases(5e6, 1e6, 32, BaseOrder::Asc).is_err());
+    }
+
+    #[test]
+    fn harpe_base_lists_are_checked_against_heads() {
+        let mut s = RopeScheme::Harpe { head_bases: vec![1e4, 2e4, 3e4], layer_head_bases: None };
+        let e = s.validate(8, 2, 64, 2).unwrap_err().to_string();
+        assert!(e.contains("3 bases") && e.contains("hint:"), "{e}");
+        // H entries that agree per GQA group reduce to Hkv
+        let mut s =
+            RopeScheme::Harpe { head_bases: vec![1e4, 1e4, 1e4, 1e4, 2e4, 2e4, 2e4, 2e4], layer_head_bases: None };
+        s.validate(8, 2, 64, 2).unwrap();
+        assert_eq!(s, RopeScheme::Harpe { head_bases: vec![1e4, 2e4], layer_head_bases: None });
+        let mut s =
+            RopeScheme::Harpe { head_bases: vec![1e4, 2e4, 1e4, 1e4, 2e4, 2e4, 2e4, 2e4], layer_head_bases: None };
+        assert!(s.validate(8, 2, 64, 2).unwrap_err().to_string().contains("share kv head 0"));
+        let mut s = RopeScheme::Harpe { head_bases: vec![1e4, 2e4], layer_head_bases: Some(vec![vec![1e4, 2e4]]) };
+        assert!(s.validate(4, 2, 64, 2).is_err());
+        let s = RopeScheme::Harpe {
+            head_bases: vec![1e4, 2e4],
+            layer_head_bases: Some(vec![vec![1e4, 2e4], vec![3e4, 4e4]]),
+        };
+        assert_eq!(s.inv_freq(8, 1, 0).rows[0][1], 1.0 / 3e4f64.powf(0.25));
+        let tab = s.tables(8, 1, 0, 3, 3, RopeParity::F64, &Device::Cpu).unwrap();
+        assert_eq!(tab.cos.dims(), &[2, 3, 4]);
+    }
 }

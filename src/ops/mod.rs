@@ -1,2 +1,4 @@
 //! Fused ops: each file has a CPU reference (`cpu_fwd`, readable loops), its backward, and a `_slow`
 //! version from plain candle ops; CUDA launches slot in beside the CPU path.
+pub mod attention;
+pub mod rotary;

@@ -1,0 +1,317 @@
+//! `harpe eval-ppl`: sliding-window perplexity of text files under a model directory.
+//!
+//! Reference: Press et al. sliding windows; YaRN `eval/perplexity.py` (spec `evaluation.md` §3).
+//! The rule, pinned: with N tokens, window k spans [kS, min(kS + W, N)) and scores the targets t with
+//! max(end of window k-1, 1) <= t < end of window k, each from the context inside its window; stop after
+//! the window that reaches N. So x_1..x_{N-1} are each scored exactly once (this needs S < W).
+//! Log-softmax runs in f32 on chunks of `--loss-chunk` positions (never (T x V) logits at once) and
+//! sums in f64. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// How per-token NLLs are averaged into `nll`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Aggregate {
+    /// token-weighted mean over every scored token (the standard perplexity)
+    Token,
+    /// YaRN's unweighted mean of per-window means over all windows of all documents
+    WindowMean,
+}
+
+/// Compute dtype for evaluation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DTypeArg {
+    pub fn dtype(self) -> DType {
+        match self {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F16 => DType::F16,
+        }
+    }
+}
+
+/// Sliding-window perplexity of text under a model.
+#[derive(clap::Args, Debug)]
+pub struct EvalPplArgs {
+    /// HF model directory (config.json, *.safetensors, tokenizer.json)
+    #[arg(long)]
+    pub model: PathBuf,
+    /// text inputs: .txt files (one document each), .jsonl files (one document per line, field `text`),
+    /// or directories of them (sorted by name)
+    #[arg(long, required = true, num_args = 1..)]
+    pub input: Vec<PathBuf>,
+    /// window length W in tokens (the model's context for each forward pass)
+    #[arg(long, default_value_t = 4096)]
+    pub window: usize,
+    /// stride S between window starts; each window scores only tokens not scored before (S < W)
+    #[arg(long, default_value_t = 256)]
+    pub stride: usize,
+    /// cut each document to its first N tokens (after tokenization, BOS included)
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// what `nll`/`ppl` report: token-weighted mean, or YaRN's mean of window means
+    #[arg(long, value_enum, default_value = "token")]
+    pub aggregate: Aggregate,
+    /// print one JSON object on stdout instead of a table
+    #[arg(long)]
+    pub json: bool,
+    /// compute dtype of weights and activations (log-softmax is always f32)
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DTypeArg,
+    /// RoPE arithmetic: f64 angles (accurate at 128K) or transformers' f32 arithmetic
+    #[arg(long, value_enum, default_value = "f64")]
+    pub rope_parity: RopeParity,
+    /// positions per chunk of the chunked log-softmax
+    #[arg(long, default_value_t = 1024)]
+    pub loss_chunk: usize,
+    /// tokenizer.json to use instead of the model directory's
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Result of one document (or of the total).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PplResult {
+    pub name: String,
+    pub nll: f64,
+    pub ppl: f64,
+    pub tokens: usize,
+    pub windows: usize,
+    pub token_nll: f64,
+    pub window_mean_nll: f64,
+}
+
+/// Raw sums of one document.
+#[derive(Clone, Debug, Default)]
+pub struct WindowSums {
+    pub nll_sum: f64,
+    pub tokens: usize,
+    pub window_means: Vec<f64>,
+}
+
+/// The windows of the pinned rule: (begin, end, first scored target).
+pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usize, usize)>> {
+    if window < 2 {
+        bail!("--window {window} is too small\nhint: a window needs at least 2 tokens");
+    }
+    if stride == 0 || stride >= window {
+        bail!("--stride {stride} must be in 1..{window} (below the window)\nhint: with S >= W some tokens would have no context in their window");
+    }
+    let mut out = vec![];
+    if n < 2 {
+        return Ok(out);
+    }
+    let mut prev_end = 0;
+    let mut k = 0;
+    loop {
+        let begin = k * stride;
+        let end = (begin + window).min(n);
+        out.push((begin, end, prev_end.max(1)));
+        prev_end = end;
+        if end == n {
+            return Ok(out);
+        }
+        k += 1;
+    }
+}
+
+/// NLL sums of one token sequence under the pinned sliding-window rule.
+pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chunk: usize) -> Result<WindowSums> {
+    let dev = model.device().clone();
+    let mut sums = WindowSums::default();
+    for (begin, end, lo) in windows(ids.len(), window, stride)? {
+        let x = Tensor::new(&ids[begin..end], &dev)?.unsqueeze(0)?; // (1, L)
+        let hidden = model.forward_hidden(&x, 0)?; // (1, L, C)
+                                                   // target t is predicted at window position t - 1 - begin
+        let (p0, p1) = (lo - 1 - begin, end - 1 - begin);
+        let mut wsum = 0f64;
+        let mut p = p0;
+        while p < p1 {
+            let len = chunk.max(1).min(p1 - p);
+            let logits = model.logits(&hidden.narrow(1, p, len)?)?.squeeze(0)?.to_dtype(DType::F32)?; // (len, V)
+            let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+            for (r, row) in rows.iter().enumerate() {
+                let target = ids[begin + p + r + 1] as usize;
+                let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let lse = m as f64 + row.iter().map(|&v| ((v - m) as f64).exp()).sum::<f64>().ln();
+                wsum += lse - row[target] as f64;
+            }
+            p += len;
+        }
+        let n = end - lo;
+        sums.nll_sum += wsum;
+        sums.tokens += n;
+        sums.window_means.push(wsum / n as f64);
+    }
+    Ok(sums)
+}
+
+fn result(name: &str, s: &WindowSums, agg: Aggregate) -> PplResult {
+    let token_nll = if s.tokens > 0 { s.nll_sum / s.tokens as f64 } else { f64::NAN };
+    let window_mean_nll = if s.window_means.is_empty() {
+        f64::NAN
+    } else {
+        s.window_means.iter().sum::<f64>() / s.window_means.len() as f64
+    };
+    let nll = match agg {
+        Aggregate::Token => token_nll,
+        Aggregate::WindowMean => window_mean_nll,
+    };
+    PplResult {
+        name: name.to_string(),
+        nll,
+        ppl: nll.exp(),
+        tokens: s.tokens,
+        windows: s.window_means.len(),
+        token_nll,
+        window_mean_nll,
+    }
+}
+
+/// Documents of the inputs: (name, text), in order.
+pub fn read_documents(inputs: &[PathBuf]) -> Result<Vec<(String, String)>> {
+    let mut files = vec![];
+    for p in inputs {
+        if p.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(p)
+                .with_context(|| format!("cannot list {}", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| matches!(f.extension().and_then(|e| e.to_str()), Some("txt" | "jsonl")))
+                .collect();
+            v.sort();
+            if v.is_empty() {
+                bail!(
+                    "{}: no .txt or .jsonl files in this directory\nhint: pass text files or a directory of them",
+                    p.display()
+                );
+            }
+            files.extend(v);
+        } else {
+            files.push(p.clone());
+        }
+    }
+    let mut docs = vec![];
+    for f in files {
+        let bytes =
+            std::fs::read(&f).with_context(|| format!("cannot read {}\nhint: check the --input path", f.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            anyhow!(
+                "{}: invalid UTF-8 at byte {}\nhint: eval-ppl reads UTF-8 text",
+                f.display(),
+                e.utf8_error().valid_up_to()
+            )
+        })?;
+        if f.extension().and_then(|e| e.to_str()) == Some("jsonl") {
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                    anyhow!(
+                        "{}:{}: malformed JSON: {e}\nhint: one JSON object per line with a `text` field",
+                        f.display(),
+                        i + 1
+                    )
+                })?;
+                let t = v.get("text").and_then(|t| t.as_str()).ok_or_else(|| {
+                    anyhow!(
+                        "{}:{}: no string field `text`\nhint: one JSON object per line with a `text` field",
+                        f.display(),
+                        i + 1
+                    )
+                })?;
+                docs.push((format!("{}:{}", f.display(), i + 1), t.to_string()));
+            }
+        } else {
+            docs.push((f.display().to_string(), text));
+        }
+    }
+    Ok(docs)
+}
+
+/// Evaluate; returns per-document results and the total.
+pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
+    windows(2, args.window, args.stride)?; // validate W, S before loading anything
+    let mut model = load_model_dir(&args.model, args.dtype.dtype(), &Device::Cpu)?;
+    model.parity = args.rope_parity;
+    let tok = load_tokenizer(args.tokenizer.as_deref().unwrap_or(&args.model))?;
+    if args.window > model.max_context() {
+        eprintln!(
+            "warning: --window {} exceeds max_position_embeddings {} of {}",
+            args.window,
+            model.max_context(),
+            args.model.display()
+        );
+    }
+    let docs = read_documents(&args.input)?;
+    let mut per_doc = vec![];
+    let mut total = WindowSums::default();
+    for (name, text) in &docs {
+        let enc = tok.encode(text.as_str(), true).map_err(|e| anyhow!("{name}: tokenization failed: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let Some(m) = args.max_tokens {
+            ids.truncate(m);
+        }
+        if ids.iter().any(|&i| i as usize >= model.cfg.vocab_size) {
+            bail!("{name}: the tokenizer produced ids >= vocab_size {}\nhint: the tokenizer does not belong to this model", model.cfg.vocab_size);
+        }
+        let s = window_nll(&model, &ids, args.window, args.stride, args.loss_chunk)?;
+        per_doc.push(result(name, &s, args.aggregate));
+        total.nll_sum += s.nll_sum;
+        total.tokens += s.tokens;
+        total.window_means.extend(s.window_means);
+    }
+    if total.tokens == 0 {
+        bail!("no tokens to score (every document has fewer than 2 tokens)\nhint: check the --input files");
+    }
+    let tot = result("total", &total, args.aggregate);
+    Ok((per_doc, tot))
+}
+
+/// `harpe eval-ppl`.
+pub fn run(args: EvalPplArgs) -> Result<()> {
+    let (docs, total) = evaluate(&args)?;
+    if args.json {
+        let v = serde_json::json!({
+            "nll": total.nll, "ppl": total.ppl, "tokens": total.tokens, "windows": total.windows,
+            "aggregate": args.aggregate, "token_nll": total.token_nll, "window_mean_nll": total.window_mean_nll,
+            "window": args.window, "stride": args.stride, "model": args.model, "documents": docs,
+        });
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!("{:<50} {:>10} {:>10} {:>8} {:>8}", "document", "nll", "ppl", "tokens", "windows");
+        for r in docs.iter().chain(std::iter::once(&total)) {
+            let name = if r.name.len() > 50 { &r.name[r.name.len() - 50..] } else { &r.name };
+            println!("{:<50} {:>10.5} {:>10.4} {:>8} {:>8}", name, r.nll, r.ppl, r.tokens, r.windows);
+        }
+    }
+    Ok(())
+}
+
+/// Path helper for tests and scripts: evaluate one text file with defaults.
+pub fn eval_file(model: &Path, input: &Path, window: usize, stride: usize) -> Result<PplResult> {
+    let args = EvalPplArgs {
+        model: model.to_path_buf(),
+        input: vec![input.to_path_buf()],
+        window,
+        stride,
+        max_tokens: None,
+        aggregate: Aggregate::Token,
+        json: false,
+        dtype: DTypeArg::F32,
+        rope_parity: RopeParity::F64,
+        loss_chunk: 1024,
+        tokenizer: None,
+    };
+    Ok(evaluate(&args)?.1)
+}

@@ -1,0 +1,301 @@
+//! The Llama decoder as transformers implements it (Llama-2/3, Mistral-style GQA, tied or untied
+//! embeddings), single device, differentiable end to end through candle's autograd.
+//!
+//! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
+//! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
+//! `ops::attention`; candle's fused ones have none), RMSNorm is built from plain ops so it has a
+//! gradient, and RoPE tables come from the model's `RopeScheme` per call (per layer only when
+//! `layer_head_bases` makes layers differ). Parallelism (ZeRO, sequence parallel) is applied from
+//! outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
+use crate::model::config::LlamaConfig;
+use crate::model::rope::{RopeParity, RopeTables};
+use crate::ops::{attention::attention, rotary::rope};
+use anyhow::{anyhow, bail, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use std::collections::HashMap;
+
+/// One decoder layer's parameters (HF names in comments).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub q_proj: Tensor,                   // self_attn.q_proj.weight (H*D, C)
+    pub k_proj: Tensor,                   // self_attn.k_proj.weight (Hkv*D, C)
+    pub v_proj: Tensor,                   // self_attn.v_proj.weight (Hkv*D, C)
+    pub o_proj: Tensor,                   // self_attn.o_proj.weight (C, H*D)
+    pub gate_proj: Tensor,                // mlp.gate_proj.weight (I, C)
+    pub up_proj: Tensor,                  // mlp.up_proj.weight (I, C)
+    pub down_proj: Tensor,                // mlp.down_proj.weight (C, I)
+    pub input_layernorm: Tensor,          // input_layernorm.weight (C)
+    pub post_attention_layernorm: Tensor, // post_attention_layernorm.weight (C)
+}
+
+/// The whole model.
+#[derive(Clone, Debug)]
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    pub embed_tokens: Tensor, // model.embed_tokens.weight (V, C)
+    pub layers: Vec<LayerWeights>,
+    pub norm: Tensor,    // model.norm.weight (C)
+    pub lm_head: Tensor, // lm_head.weight (V, C); the same tensor as embed_tokens when tied
+    pub parity: RopeParity,
+}
+
+/// Every parameter name of a config, in HF order, with its shape.
+pub fn param_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let (c, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (h, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, c])];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        v.push((format!("{p}self_attn.q_proj.weight"), vec![h * d, c]));
+        v.push((format!("{p}self_attn.k_proj.weight"), vec![hkv * d, c]));
+        v.push((format!("{p}self_attn.v_proj.weight"), vec![hkv * d, c]));
+        v.push((format!("{p}self_attn.o_proj.weight"), vec![c, h * d]));
+        v.push((format!("{p}mlp.gate_proj.weight"), vec![i, c]));
+        v.push((format!("{p}mlp.up_proj.weight"), vec![i, c]));
+        v.push((format!("{p}mlp.down_proj.weight"), vec![c, i]));
+        v.push((format!("{p}input_layernorm.weight"), vec![c]));
+        v.push((format!("{p}post_attention_layernorm.weight"), vec![c]));
+    }
+    v.push(("model.norm.weight".to_string(), vec![c]));
+    if !cfg.tie_word_embeddings {
+        v.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, c]));
+    }
+    v
+}
+
+/// True for parameters that are norm weights (no weight decay by default).
+pub fn is_norm_param(name: &str) -> bool {
+    name.ends_with("layernorm.weight") || name == "model.norm.weight"
+}
+
+/// RMSNorm from plain ops (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xf.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
+    y.broadcast_mul(w)
+}
+
+/// x (..., In) @ w^T with w (Out, In).
+fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let inner = dims[dims.len() - 1];
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = w.dim(0)?;
+    y.reshape(out)
+}
+
+/// Per-layer key/value cache for generation: (B, Hkv, Tpast, D) each, after RoPE.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    pub kv: Vec<Option<(Tensor, Tensor)>>,
+    /// tokens already in the cache
+    pub pos: usize,
+}
+
+impl KvCache {
+    pub fn new(n_layers: usize) -> KvCache {
+        KvCache { kv: vec![None; n_layers], pos: 0 }
+    }
+}
+
+impl Llama {
+    /// Build from HF-named tensors; every expected name must be there with its shape.
+    /// `rotary_emb.inv_freq` buffers of old checkpoints are recomputed, so they are ignored.
+    pub fn from_tensors(cfg: LlamaConfig, mut t: HashMap<String, Tensor>, origin: &str) -> Result<Llama> {
+        for (name, shape) in param_shapes(&cfg) {
+            let got = t.get(&name).ok_or_else(|| {
+                anyhow!("{origin}: tensor `{name}` is missing\nhint: is the checkpoint complete and does config.json match it?")
+            })?;
+            if got.dims() != shape.as_slice() {
+                bail!(
+                    "{origin}: tensor `{name}` has shape {:?}, config.json implies {:?}\nhint: config.json and the weights disagree",
+                    got.dims(),
+                    shape
+                );
+            }
+        }
+        if cfg.tie_word_embeddings {
+            t.remove("lm_head.weight");
+        }
+        let expected: std::collections::HashSet<String> = param_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
+        let mut extra: Vec<&String> =
+            t.keys().filter(|k| !expected.contains(*k) && !k.ends_with("rotary_emb.inv_freq")).collect();
+        extra.sort();
+        if let Some(first) = extra.first() {
+            bail!(
+                "{origin}: unexpected tensor `{first}` ({} unexpected in all)\nhint: the weights do not belong to a Llama model with this config.json",
+                extra.len()
+            );
+        }
+        let mut take =
+            |n: &str| -> Result<Tensor> { t.remove(n).ok_or_else(|| anyhow!("{origin}: tensor `{n}` is missing")) };
+        let embed_tokens = take("model.embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}.");
+            layers.push(LayerWeights {
+                q_proj: take(&format!("{p}self_attn.q_proj.weight"))?,
+                k_proj: take(&format!("{p}self_attn.k_proj.weight"))?,
+                v_proj: take(&format!("{p}self_attn.v_proj.weight"))?,
+                o_proj: take(&format!("{p}self_attn.o_proj.weight"))?,
+                gate_proj: take(&format!("{p}mlp.gate_proj.weight"))?,
+                up_proj: take(&format!("{p}mlp.up_proj.weight"))?,
+                down_proj: take(&format!("{p}mlp.down_proj.weight"))?,
+                input_layernorm: take(&format!("{p}input_layernorm.weight"))?,
+                post_attention_layernorm: take(&format!("{p}post_attention_layernorm.weight"))?,
+            });
+        }
+        let norm = take("model.norm.weight")?;
+        let lm_head = if cfg.tie_word_embeddings { embed_tokens.clone() } else { take("lm_head.weight")? };
+        Ok(Llama { cfg, embed_tokens, layers, norm, lm_head, parity: RopeParity::F64 })
+    }
+
+    /// Wrap every parameter in a candle `Var` and rebuild the model from them, so `backward()` yields a
+    /// gradient per parameter (tied embeddings are one Var used twice).
+    pub fn into_trainable(self) -> Result<(Llama, Vec<(String, Var)>)> {
+        let parity = self.parity;
+        let mut vars = vec![];
+        let mut map = HashMap::new();
+        for (name, t) in self.tensors() {
+            let v = Var::from_tensor(&t)?;
+            map.insert(name.clone(), v.as_tensor().clone());
+            vars.push((name, v));
+        }
+        let mut m = Llama::from_tensors(self.cfg, map, "trainable model")?;
+        m.parity = parity;
+        Ok((m, vars))
+    }
+
+    /// All parameters by HF name (tied models list the embedding once).
+    pub fn tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        for (l, w) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}.");
+            for (n, t) in [
+                ("self_attn.q_proj.weight", &w.q_proj),
+                ("self_attn.k_proj.weight", &w.k_proj),
+                ("self_attn.v_proj.weight", &w.v_proj),
+                ("self_attn.o_proj.weight", &w.o_proj),
+                ("mlp.gate_proj.weight", &w.gate_proj),
+                ("mlp.up_proj.weight", &w.up_proj),
+                ("mlp.down_proj.weight", &w.down_proj),
+                ("input_layernorm.weight", &w.input_layernorm),
+                ("post_attention_layernorm.weight", &w.post_attention_layernorm),
+            ] {
+                v.push((format!("{p}{n}"), t.clone()));
+            }
+        }
+        v.push(("model.norm.weight".to_string(), self.norm.clone()));
+        if !self.cfg.tie_word_embeddings {
+            v.push(("lm_head.weight".to_string(), self.lm_head.clone()));
+        }
+        v
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    /// The longest sequence the model is meant to address under its RoPE scheme.
+    pub fn max_context(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    /// RoPE tables for layer `layer` covering positions start..start+len.
+    pub fn rope_tables(&self, layer: usize, start: usize, len: usize) -> Result<RopeTables> {
+        let tab_layer = if self.cfg.rope.per_layer() { layer } else { 0 };
+        self.cfg.rope.tables(self.cfg.head_dim, tab_layer, start, len, start + len, self.parity, self.device())
+    }
+
+    /// Token embeddings: ids (B, T) u32 -> (B, T, C).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let x = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?;
+        Ok(x.reshape((b, t, self.cfg.hidden_size))?)
+    }
+
+    /// One decoder layer: x (B, T, C) at absolute positions start.. -> (B, T, C).
+    pub fn layer_forward(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        tables: &RopeTables,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let w = &self.layers[layer];
+        let cfg = &self.cfg;
+        let (b, t, _c) = x.dims3()?;
+        let (h, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let hs = rms_norm(x, &w.input_layernorm, cfg.rms_norm_eps)?;
+        let q = linear(&hs, &w.q_proj)?.reshape((b, t, h, d))?.transpose(1, 2)?; // (B, H, T, D)
+        let k = linear(&hs, &w.k_proj)?.reshape((b, t, hkv, d))?.transpose(1, 2)?; // (B, Hkv, T, D)
+        let v = linear(&hs, &w.v_proj)?.reshape((b, t, hkv, d))?.transpose(1, 2)?; // (B, Hkv, T, D)
+        let q = rope(&q, &tables.cos, &tables.sin)?;
+        let mut k = rope(&k, &tables.cos, &tables.sin)?;
+        let mut v = v.contiguous()?;
+        if let Some(cache) = cache {
+            if let Some((pk, pv)) = &cache.kv[layer] {
+                k = Tensor::cat(&[pk, &k], 2)?; // (B, Hkv, Tpast + T, D)
+                v = Tensor::cat(&[pv, &v], 2)?;
+            }
+            cache.kv[layer] = Some((k.clone(), v.clone()));
+        }
+        let o = attention(&q, &k, &v, 1.0 / (d as f32).sqrt(), true)?; // (B, H, T, D)
+        let o = o.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let x = (x + linear(&o, &w.o_proj)?)?;
+        let hs = rms_norm(&x, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
+        let mlp = (linear(&hs, &w.gate_proj)?.silu()? * linear(&hs, &w.up_proj)?)?; // (B, T, I)
+        Ok((&x + linear(&mlp, &w.down_proj)?)?)
+    }
+
+    /// Final hidden states (after the last RMSNorm): ids (B, T) at positions start.. -> (B, T, C).
+    pub fn forward_hidden(&self, ids: &Tensor, start: usize) -> Result<Tensor> {
+        self.forward_impl(ids, start, None)
+    }
+
+    /// Like `forward_hidden`, reading and extending a KV cache (positions continue at `cache.pos`).
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let start = cache.pos;
+        let out = self.forward_impl(ids, start, Some(cache))?;
+        cache.pos += ids.dim(1)?;
+        Ok(out)
+    }
+
+    fn forward_impl(&self, ids: &Tensor, start: usize, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let t = ids.dim(1)?;
+        let mut x = self.embed(ids)?;
+        let shared = if self.cfg.rope.per_layer() { None } else { Some(self.rope_tables(0, start, t)?) };
+        for l in 0..self.layers.len() {
+            let tables = match &shared {
+                Some(tab) => tab.clone(),
+                None => self.rope_tables(l, start, t)?,
+            };
+            x = self.layer_forward(l, &x, &tables, cache.as_deref_mut())?;
+        }
+        Ok(rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?)
+    }
+
+    /// Logits of hidden states: (..., C) -> (..., V). Use on chunks of tokens at long T.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(linear(hidden, &self.lm_head)?)
+    }
+
+    /// Token-mean cross-entropy of next-token prediction for ids (B, T), full logits (tests, tiny T).
+    pub fn loss_full(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let hidden = self.forward_hidden(ids, 0)?;
+        let logits = self.logits(&hidden.narrow(1, 0, t - 1)?)?.to_dtype(DType::F32)?; // (B, T-1, V)
+        let targets = ids.narrow(1, 1, t - 1)?.flatten_all()?;
+        let logits = logits.reshape((b * (t - 1), self.cfg.vocab_size))?;
+        Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
+    }
+}

@@ -1,0 +1,319 @@
+//! HF model directories: load and save `config.json` + safetensors (single file or sharded with
+//! `model.safetensors.index.json`) + `tokenizer.json`, and random initialization from a config.
+//!
+//! Reference: HF `modeling_utils.save_pretrained` / `load_state_dict` layout and index format.
+//! The non-obvious decision: files are memory-mapped and every tensor is checked (dtype, shape, the
+//! shard the index names) with an error naming file and tensor; saving writes each file atomically
+//! (temporary name, fsync, rename) and the index last. Not done here: optimizer state (`checkpoint`).
+use crate::model::config::LlamaConfig;
+use crate::model::llama::{param_shapes, Llama};
+use crate::util::write_atomic;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Default largest shard written by `save_model_dir` (HF's default is 5 GB).
+pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
+
+fn st_dtype(d: safetensors::Dtype, file: &Path, name: &str) -> Result<DType> {
+    Ok(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::F64 => DType::F64,
+        other => bail!(
+            "{}: tensor `{name}` has dtype {other:?}\nhint: harpe reads float32, bfloat16, float16 and float64 weights",
+            file.display()
+        ),
+    })
+}
+
+/// Read every tensor of one safetensors file, converted to `dtype` on `device`.
+pub fn read_safetensors(file: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let f = std::fs::File::open(file)
+        .with_context(|| format!("cannot open {}\nhint: is the model directory complete?", file.display()))?;
+    // SAFETY: the file is opened read-only and not modified while mapped (a model directory is not
+    // written by another process while we load it).
+    let mmap = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", file.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
+        anyhow!(
+            "{}: not a valid safetensors file: {e}\nhint: the file is truncated or corrupt; re-download or re-save it",
+            file.display()
+        )
+    })?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let dt = st_dtype(view.dtype(), file, &name)?;
+        let t = Tensor::from_raw_buffer(view.data(), dt, view.shape(), device)
+            .with_context(|| format!("{}: cannot read tensor `{name}`", file.display()))?;
+        out.insert(name, t.to_dtype(dtype)?);
+    }
+    Ok(out)
+}
+
+/// Tensor name -> shard file name, as in `model.safetensors.index.json`.
+pub type WeightMap = BTreeMap<String, String>;
+
+/// The weight files of a model directory: single `model.safetensors` or an index with shards.
+pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{}: malformed JSON at line {} column {}: {e}\nhint: fix or regenerate the index",
+                index.display(),
+                e.line(),
+                e.column()
+            )
+        })?;
+        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+            anyhow!(
+                "{}: missing object `weight_map`\nhint: an HF index maps tensor names to shard files",
+                index.display()
+            )
+        })?;
+        let mut wm = BTreeMap::new();
+        for (k, f) in map {
+            let f = f.as_str().ok_or_else(|| {
+                anyhow!("{}: `weight_map.{k}` must be a file name\nhint: fix the index", index.display())
+            })?;
+            wm.insert(k.clone(), f.to_string());
+        }
+        let mut files: Vec<String> = wm.values().cloned().collect();
+        files.sort();
+        files.dedup();
+        let mut paths = vec![];
+        for f in files {
+            let p = dir.join(&f);
+            if !p.exists() {
+                bail!(
+                    "{}: shard `{f}` named in the index is missing\nhint: download or copy every shard",
+                    index.display()
+                );
+            }
+            paths.push(p);
+        }
+        return Ok((paths, Some(wm)));
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok((vec![single], None));
+    }
+    bail!(
+        "{}: no model.safetensors and no model.safetensors.index.json\nhint: harpe reads HF safetensors checkpoints (convert .bin with transformers' save_pretrained(safe_serialization=True))",
+        dir.display()
+    )
+}
+
+/// Load all tensors of a model directory, checking that each lives in the shard the index names.
+pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let (files, index) = weight_files(dir)?;
+    let mut all = HashMap::new();
+    for f in &files {
+        let fname = f.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        for (name, t) in read_safetensors(f, dtype, device)? {
+            if let Some(wm) = &index {
+                match wm.get(&name) {
+                    Some(expected) if *expected == fname => {}
+                    Some(expected) => bail!(
+                        "{}: tensor `{name}` is in {fname} but the index says {expected}\nhint: regenerate the index",
+                        dir.display()
+                    ),
+                    None => bail!(
+                        "{}: tensor `{name}` in {fname} is not in model.safetensors.index.json\nhint: regenerate the index",
+                        dir.display()
+                    ),
+                }
+            }
+            if all.insert(name.clone(), t).is_some() {
+                bail!("{}: tensor `{name}` appears in two shards\nhint: the checkpoint is inconsistent", dir.display());
+            }
+        }
+    }
+    if let Some(wm) = &index {
+        if let Some(missing) = wm.keys().find(|k| !all.contains_key(*k)) {
+            bail!(
+                "{}: tensor `{missing}` is in the index but not in shard {}\nhint: a shard is truncated or from another checkpoint",
+                dir.display(),
+                wm[missing]
+            );
+        }
+    }
+    Ok(all)
+}
+
+/// Load a model directory (config.json + safetensors) as a `Llama` in `dtype` on `device`.
+pub fn load_model_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Llama> {
+    if !dir.is_dir() {
+        bail!(
+            "{}: not a directory\nhint: pass an HF model directory (config.json, *.safetensors, tokenizer.json)",
+            dir.display()
+        );
+    }
+    let cfg = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let tensors = load_tensors(dir, dtype, device)?;
+    Llama::from_tensors(cfg, tensors, &dir.display().to_string())
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    }
+}
+
+/// Write config.json and the tensors (HF names) as `model.safetensors`, or as shards of at most
+/// `max_shard_bytes` plus `model.safetensors.index.json` when larger. Files are written atomically.
+pub fn save_model_dir(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    tensors: &[(String, Tensor)],
+    max_shard_bytes: usize,
+) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create {}\nhint: check the path and permissions", dir.display()))?;
+    let mut cfg = cfg.clone();
+    if let Some((_, t)) = tensors.first() {
+        cfg.torch_dtype = Some(dtype_name(t.dtype()).to_string());
+    }
+    let cfg_text = serde_json::to_string_pretty(&cfg.to_json())?;
+    write_atomic(&dir.join("config.json"), cfg_text.as_bytes())?;
+    // Group tensors into shards in order.
+    let mut shards: Vec<Vec<&(String, Tensor)>> = vec![vec![]];
+    let mut cur = 0usize;
+    let mut total = 0usize;
+    for nt in tensors {
+        let bytes = nt.1.elem_count() * nt.1.dtype().size_in_bytes();
+        total += bytes;
+        if cur > 0 && cur + bytes > max_shard_bytes {
+            shards.push(vec![]);
+            cur = 0;
+        }
+        cur += bytes;
+        if let Some(last) = shards.last_mut() {
+            last.push(nt);
+        }
+    }
+    let n = shards.len();
+    let mut weight_map = BTreeMap::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let fname = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        };
+        let views = shard.iter().map(|(k, t)| Ok((k.clone(), TensorView::new(t)?))).collect::<Result<Vec<_>>>()?;
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let bytes = safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta))
+            .map_err(|e| anyhow!("cannot serialize {fname}: {e}"))?;
+        write_atomic(&dir.join(&fname), &bytes)?;
+        for (k, _) in shard {
+            weight_map.insert(k.clone(), fname.clone());
+        }
+    }
+    if n > 1 {
+        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_atomic(&dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?.as_bytes())?;
+        let _ = std::fs::remove_file(dir.join("model.safetensors"));
+    } else {
+        let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
+    }
+    Ok(())
+}
+
+/// A tensor's bytes as a safetensors view.
+struct TensorView {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl TensorView {
+    fn new(t: &Tensor) -> Result<TensorView> {
+        let t = t.contiguous()?;
+        let (dtype, data) = match t.dtype() {
+            DType::F32 => (safetensors::Dtype::F32, bytes_of(&t.flatten_all()?.to_vec1::<f32>()?)),
+            DType::BF16 => (safetensors::Dtype::BF16, bytes_of(&t.flatten_all()?.to_vec1::<half::bf16>()?)),
+            DType::F16 => (safetensors::Dtype::F16, bytes_of(&t.flatten_all()?.to_vec1::<half::f16>()?)),
+            DType::F64 => (safetensors::Dtype::F64, bytes_of(&t.flatten_all()?.to_vec1::<f64>()?)),
+            other => bail!("cannot save a tensor of dtype {other:?}\nhint: save float weights"),
+        };
+        Ok(TensorView { dtype, shape: t.dims().to_vec(), data })
+    }
+}
+
+fn bytes_of<T: Copy + ToLe>(v: &[T]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(std::mem::size_of_val(v));
+    for x in v {
+        x.push_le(&mut out);
+    }
+    out
+}
+
+trait ToLe {
+    fn push_le(&self, out: &mut Vec<u8>);
+}
+impl ToLe for f32 {
+    fn push_le(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+}
+impl ToLe for f64 {
+    fn push_le(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+}
+impl ToLe for half::bf16 {
+    fn push_le(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+}
+impl ToLe for half::f16 {
+    fn push_le(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+}
+
+impl safetensors::View for &TensorView {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// HF-style random initialization: normal(0, initializer_range) for matrices, ones for norms.
+/// Deterministic from `seed` (ChaCha, Box-Muller), independent of thread count.
+pub fn init_random(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<Vec<(String, Tensor)>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let std = cfg.initializer_range as f32;
+    let mut out = vec![];
+    for (name, shape) in param_shapes(cfg) {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            (0..n)
+                .map(|_| {
+                    let u1: f32 = rng.random::<f32>().max(1e-12);
+                    let u2: f32 = rng.random::<f32>();
+                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+                })
+                .collect()
+        };
+        out.push((name, Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?));
+    }
+    Ok(out)
+}
