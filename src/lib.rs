@@ -21,3 +21,4 @@ pub mod comms;
 pub mod config;
 pub mod checkpoint;
 pub mod metrics;
+pub mod train;

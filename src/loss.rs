@@ -30,7 +30,7 @@ fn cpu_tensor(s: &CpuStorage, l: &Layout, what: &str) -> Result<Tensor> {
         CpuStorage::BF16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
         CpuStorage::F16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
         CpuStorage::U32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        _ => candle_core::bail!("chunked cross-entropy: unsupported dtype {:?} for {what}", s.dtype()),
+        _ => candle_core::bail!("chunked cross-entropy: unsupported dtype for {what} (f32, bf16, f16 or u32 expected)"),
     }
 }
 

@@ -18,6 +18,8 @@ enum Cmd {
     EvalPpl(harpe::eval::ppl::EvalPplArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Train (continual pretraining, single- or multi-stage) from a TOML recipe; checkpoint, resume, log
+    Train(harpe::train::TrainArgs),
 }
 
 fn main() {
@@ -25,6 +27,7 @@ fn main() {
     let res = match cli.cmd {
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Train(a) => harpe::train::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

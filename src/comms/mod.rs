@@ -3,7 +3,8 @@
 //! Reference: DESIGN.md §6 (`Comm` = Single | Local | Nccl), llm.c `llmc/zero.cuh` (ZeRO as a no-op at
 //! one process). The non-obvious decision: the training loop always calls the collectives (gradient
 //! all-reduce, master-weight all-gather, metric reduction), so one process and many processes run the
-//! same straight-line code and `train.rs` has no `if distributed` branch.
+//! same straight-line code and `train.rs` has no `if distributed` branch. all_gather / reduce_scatter /
+//! broadcast / all_to_all arrive with the backends that need them.
 //! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; only
 //! `Single` exists, and configs that ask for anything else are refused by `config.rs`.
 use anyhow::Result;
@@ -48,23 +49,6 @@ impl Comm {
                 let _ = vals;
                 Ok(())
             }
-        }
-    }
-
-    /// Every rank owns `shard` of `full` (ZeRO); afterwards every rank holds all of `full`.
-    pub fn all_gather_into(&self, full: &mut [f32], shard: Range<usize>) -> Result<()> {
-        match self {
-            Comm::Single => {
-                let _ = (full, shard);
-                Ok(())
-            }
-        }
-    }
-
-    /// Wait until every rank reaches this point.
-    pub fn barrier(&self) -> Result<()> {
-        match self {
-            Comm::Single => Ok(()),
         }
     }
 
