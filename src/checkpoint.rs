@@ -97,13 +97,10 @@ fn f32_bytes(v: &[f32]) -> F32Bytes {
 /// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
 fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
     let views = [("master", f32_bytes(&o.master)), ("m", f32_bytes(&o.m)), ("v", f32_bytes(&o.v))];
-    let meta: HashMap<String, String> = [
-        ("format".to_string(), FORMAT.to_string()),
-        ("t".to_string(), o.t.to_string()),
-        ("range_start".to_string(), o.range.start.to_string()),
-        ("range_end".to_string(), o.range.end.to_string()),
-    ]
-    .into();
+    // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
+    // random order and make identical states give different bytes
+    let info = serde_json::json!({"format": FORMAT, "t": o.t, "range_start": o.range.start, "range_end": o.range.end});
+    let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
     safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.to_string(), v)), Some(meta))
         .map_err(|e| anyhow!("cannot serialize the optimizer state: {e}"))
 }
@@ -127,7 +124,8 @@ pub fn save(
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove stale {}", tmp.display()))?;
         }
-        std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))?;
+        std::fs::create_dir_all(&tmp)
+            .with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))?;
         write_model(&tmp)?;
         write_file(&tmp.join(optim_file(rank, world)), &optim_bytes(optim)?)?;
         write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
@@ -140,17 +138,21 @@ pub fn save(
             // a complete checkpoint of the same step (re-saved after a resume) or a leftover: replace it
             let old = root.join(format!(".old-{name}-{}", std::process::id()));
             std::fs::rename(&fin, &old).with_context(|| format!("cannot move aside {}", fin.display()))?;
-            std::fs::rename(&tmp, &fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+            std::fs::rename(&tmp, &fin)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
             std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
         } else {
-            std::fs::rename(&tmp, &fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+            std::fs::rename(&tmp, &fin)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
         }
         fsync_path(root)
     })();
     if let Err(e) = res {
         let _ = std::fs::remove_dir_all(&tmp);
         let prev = latest_complete(root).ok().flatten();
-        let prev = prev.map(|p| format!("the previous checkpoint {} is intact", p.display())).unwrap_or_else(|| "no earlier checkpoint exists".into());
+        let prev = prev
+            .map(|p| format!("the previous checkpoint {} is intact", p.display()))
+            .unwrap_or_else(|| "no earlier checkpoint exists".into());
         return Err(e.context(format!(
             "saving checkpoint {} failed; {prev}\nhint: free disk space or fix permissions, then rerun with --resume",
             fin.display()
@@ -168,7 +170,11 @@ pub fn list_complete(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut out = vec![];
     for entry in std::fs::read_dir(root).with_context(|| format!("cannot list {}", root.display()))? {
         let p = entry?.path();
-        let step = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step_")).and_then(|s| s.parse::<u64>().ok());
+        let step = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step_"))
+            .and_then(|s| s.parse::<u64>().ok());
         if let Some(step) = step {
             if p.join(DONE).is_file() {
                 out.push((step, p));
@@ -206,9 +212,11 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 /// Read `state.json` of a checkpoint.
 pub fn load_state(dir: &Path) -> Result<TrainState> {
     let p = dir.join("state.json");
-    let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete", p.display()))?;
-    let st: TrainState = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("{}: line {}: {e}\nhint: the file is damaged or from another harpe version", p.display(), e.line()))?;
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete", p.display()))?;
+    let st: TrainState = serde_json::from_str(&text).map_err(|e| {
+        anyhow!("{}: line {}: {e}\nhint: the file is damaged or from another harpe version", p.display(), e.line())
+    })?;
     if st.format != FORMAT {
         bail!("{}: format {} is not supported (this harpe writes {FORMAT})\nhint: resume with the harpe version that wrote it", p.display(), st.format);
     }
@@ -218,12 +226,21 @@ pub fn load_state(dir: &Path) -> Result<TrainState> {
 /// Load this rank's optimizer shard into `optim` (its range must match).
 pub fn load_optim(dir: &Path, (rank, world): (usize, usize), optim: &mut AdamW) -> Result<()> {
     let p = dir.join(optim_file(rank, world));
-    let bytes = std::fs::read(&p)
-        .with_context(|| format!("cannot read {}\nhint: resume with the same number of ranks that wrote the checkpoint", p.display()))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
-    let md = meta.metadata().clone().unwrap_or_default();
+    let bytes = std::fs::read(&p).with_context(|| {
+        format!("cannot read {}\nhint: resume with the same number of ranks that wrote the checkpoint", p.display())
+    })?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let info: serde_json::Value = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("harpe_optim"))
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default();
     let num = |k: &str| -> Result<u64> {
-        md.get(k).and_then(|v| v.parse().ok()).ok_or_else(|| anyhow!("{}: metadata `{k}` missing\nhint: the file is damaged", p.display()))
+        info[k].as_u64().ok_or_else(|| {
+            anyhow!("{}: metadata `{k}` missing\nhint: the file is damaged or not written by harpe", p.display())
+        })
     };
     let range = num("range_start")? as usize..num("range_end")? as usize;
     if range != optim.range {
@@ -234,12 +251,18 @@ pub fn load_optim(dir: &Path, (rank, world): (usize, usize), optim: &mut AdamW) 
             optim.range
         );
     }
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
     let read = |k: &str, dst: &mut Vec<f32>| -> Result<()> {
         let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}", p.display()))?;
         let d = t.data();
         if d.len() != dst.len() * 4 {
-            bail!("{}: tensor `{k}` has {} values, expected {}\nhint: the model differs from the checkpoint's", p.display(), d.len() / 4, dst.len());
+            bail!(
+                "{}: tensor `{k}` has {} values, expected {}\nhint: the model differs from the checkpoint's",
+                p.display(),
+                d.len() / 4,
+                dst.len()
+            );
         }
         for (x, b) in dst.iter_mut().zip(d.chunks_exact(4)) {
             *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -292,7 +315,10 @@ mod tests {
         assert_eq!(load_state(&last).unwrap(), state(4));
         let mut o2 = AdamW::new(&l, &[0.0; 3], 0..3, hp);
         load_optim(&last, (0, 1), &mut o2).unwrap();
-        assert_eq!((o2.master.clone(), o2.m.clone(), o2.v.clone(), o2.t), (o.master.clone(), o.m.clone(), o.v.clone(), 4));
+        assert_eq!(
+            (o2.master.clone(), o2.m.clone(), o2.v.clone(), o2.t),
+            (o.master.clone(), o.m.clone(), o.v.clone(), 4)
+        );
         // a directory without DONE is never picked
         std::fs::create_dir_all(root.join("step_000009")).unwrap();
         assert_eq!(latest_complete(&root).unwrap().unwrap(), last);
@@ -305,6 +331,10 @@ mod tests {
         assert!(e.contains("step_000004 is intact") && e.contains("hint:"), "{e}");
         assert!(!root.join("step_000005").exists());
         assert_eq!(list_complete(&root).unwrap().len(), 2);
-        assert!(std::fs::read_dir(&root).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with(".tmp")));
+        assert!(std::fs::read_dir(&root).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".tmp")));
     }
 }

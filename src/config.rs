@@ -404,9 +404,9 @@ pub struct Resolved {
 /// Apply one `a.b.c=value` override to a TOML table; `value` is parsed as a TOML value (a bare word
 /// that is not valid TOML is taken as a string); numeric path segments index arrays (`stage.0.lr=1e-5`).
 pub fn apply_override(root: &mut toml::Table, spec: &str) -> Result<()> {
-    let (key, raw) = spec
-        .split_once('=')
-        .ok_or_else(|| anyhow!("--set `{spec}` has no `=`\nhint: write --set section.key=value, e.g. --set optim.lr=1e-5"))?;
+    let (key, raw) = spec.split_once('=').ok_or_else(|| {
+        anyhow!("--set `{spec}` has no `=`\nhint: write --set section.key=value, e.g. --set optim.lr=1e-5")
+    })?;
     let key = key.trim();
     let raw = raw.trim();
     let value = match format!("v = {raw}").parse::<toml::Table>() {
@@ -424,10 +424,9 @@ pub fn apply_override(root: &mut toml::Table, spec: &str) -> Result<()> {
         cur = match entry {
             toml::Value::Table(t) => t,
             toml::Value::Array(a) => {
-                let idx: usize = parts
-                    .get(i + 1)
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| anyhow!("--set {key}: `{path}` is a list\nhint: index it, e.g. --set {path}.0.<key>=value"))?;
+                let idx: usize = parts.get(i + 1).and_then(|s| s.parse().ok()).ok_or_else(|| {
+                    anyhow!("--set {key}: `{path}` is a list\nhint: index it, e.g. --set {path}.0.<key>=value")
+                })?;
                 let len = a.len();
                 let item = a
                     .get_mut(idx)
@@ -465,8 +464,12 @@ fn parse(text: &str, origin: &str) -> Result<RunConfig> {
 impl RunConfig {
     /// Read a recipe file, apply `--set` overrides, validate, and resolve.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Resolved> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read config {}\nhint: pass an existing TOML recipe, e.g. configs/tiny-cpu.toml", path.display()))?;
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read config {}\nhint: pass an existing TOML recipe, e.g. configs/tiny-cpu.toml",
+                path.display()
+            )
+        })?;
         let origin = path.display().to_string();
         Self::from_text(&text, &origin, overrides)
     }
@@ -476,8 +479,9 @@ impl RunConfig {
         let cfg = if overrides.is_empty() {
             parse(text, origin)?
         } else {
-            let mut table: toml::Table =
-                text.parse().map_err(|e: toml::de::Error| anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end()))?;
+            let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+                anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end())
+            })?;
             for o in overrides {
                 apply_override(&mut table, o)?;
             }
@@ -505,7 +509,9 @@ impl RunConfig {
             match (s.tokens, s.steps) {
                 (None, None) => bail!("{what} has no budget\nhint: give it `tokens = N` or `steps = N`"),
                 (Some(_), Some(_)) => bail!("{what} has both `tokens` and `steps`\nhint: keep one budget"),
-                (Some(0), _) | (_, Some(0)) => bail!("{what} has a zero budget\nhint: give a positive `tokens` or `steps`"),
+                (Some(0), _) | (_, Some(0)) => {
+                    bail!("{what} has a zero budget\nhint: give a positive `tokens` or `steps`")
+                }
                 _ => {}
             }
             if s.seq_len < 2 {
@@ -542,7 +548,7 @@ impl RunConfig {
                 bail!("{origin}: optim.{k} = {v} must be in [0, 1)\nhint: the paper uses beta1 = 0.9, beta2 = 0.95");
             }
         }
-        if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0) || !(self.optim.eps > 0.0) {
+        if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0 && self.optim.eps > 0.0) {
             bail!("{origin}: optim.lr must be >= 0 and optim.eps > 0\nhint: e.g. lr = 2e-5, eps = 1e-8");
         }
         if let Some(a) = &self.model.init {
@@ -624,9 +630,15 @@ rope = { scheme = "default", theta = 500000.0 }
 
     #[test]
     fn bad_input_names_the_key_and_hints() {
-        let e = format!("{:#}", RunConfig::from_text(BASE, "t.toml", &["train.micro_batch_size=\"two\"".into()]).unwrap_err());
+        let e = format!(
+            "{:#}",
+            RunConfig::from_text(BASE, "t.toml", &["train.micro_batch_size=\"two\"".into()]).unwrap_err()
+        );
         assert!(e.contains("micro_batch_size") && e.contains("hint:"), "{e}");
-        let e = format!("{:#}", RunConfig::from_text(&format!("{BASE}\n[optim]\nlearning_rate = 1\n"), "t.toml", &[]).unwrap_err());
+        let e = format!(
+            "{:#}",
+            RunConfig::from_text(&format!("{BASE}\n[optim]\nlearning_rate = 1\n"), "t.toml", &[]).unwrap_err()
+        );
         assert!(e.contains("learning_rate") && e.contains("t.toml"), "{e}");
         let nob = BASE.replace("steps = 3", "");
         let e = format!("{:#}", RunConfig::from_text(&nob, "t.toml", &[]).unwrap_err());

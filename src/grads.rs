@@ -60,7 +60,12 @@ impl ParamLayout {
             .iter()
             .map(|(name, shape)| {
                 let n: usize = shape.iter().product();
-                let p = ParamInfo { name: name.clone(), shape: shape.clone(), range: off..off + n, group: ParamGroup::of(name) };
+                let p = ParamInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    range: off..off + n,
+                    group: ParamGroup::of(name),
+                };
                 off += n;
                 p
             })
@@ -91,9 +96,11 @@ impl GradAccum {
     pub fn add_from(&mut self, layout: &ParamLayout, vars: &[Var], store: &GradStore) -> Result<()> {
         for (p, var) in layout.params.iter().zip(vars) {
             if let Some(g) = store.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().with_context(|| {
-                    format!("reading the gradient of {}", p.name)
-                })?;
+                let g = g
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+                    .with_context(|| format!("reading the gradient of {}", p.name))?;
                 if g.len() != p.range.len() {
                     bail!("gradient of {} has {} elements, expected {}", p.name, g.len(), p.range.len());
                 }

@@ -10,15 +10,15 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
-pub mod eval;
-pub mod model;
-pub mod ops;
-pub mod util;
-pub mod loss;
-pub mod grads;
-pub mod optim;
+pub mod checkpoint;
 pub mod comms;
 pub mod config;
-pub mod checkpoint;
+pub mod eval;
+pub mod grads;
+pub mod loss;
 pub mod metrics;
+pub mod model;
+pub mod ops;
+pub mod optim;
 pub mod train;
+pub mod util;

@@ -19,9 +19,11 @@ pub struct StepRecord {
     pub step: u64,
     pub stage: usize,
     pub seq_len: usize,
-    /// token-mean cross-entropy of the step (all micro-batches)
+    /// token-mean cross-entropy of the step (all micro-batches); NaN/inf are written as null
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
     /// global gradient norm before clipping
+    #[serde(deserialize_with = "nan_if_null")]
     pub grad_norm: f64,
     pub lr: f64,
     /// target tokens in this step
@@ -42,9 +44,19 @@ pub struct StepRecord {
     /// true when the step was skipped for a NaN/inf loss or gradient
     pub skipped: bool,
     /// token-mean loss per data source, when the data carries source labels
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "nan_map_if_null")]
     pub per_source: BTreeMap<String, f64>,
     pub elapsed_s: f64,
+}
+
+/// JSON has no NaN: serde_json writes non-finite floats as null, read back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+fn nan_map_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<BTreeMap<String, f64>, D::Error> {
+    let m = BTreeMap::<String, Option<f64>>::deserialize(d)?;
+    Ok(m.into_iter().map(|(k, v)| (k, v.unwrap_or(f64::NAN))).collect())
 }
 
 /// Model FLOPs per trained token: 6 N (matmuls, forward + backward) + 12 L C T (attention scores).
@@ -80,18 +92,20 @@ impl MetricsLog {
     /// Open for appending, keeping only records with `step <= keep_upto` (the ones before a resume
     /// point; later ones are replayed by the resumed run).
     pub fn open(path: &Path, keep_upto: u64) -> Result<MetricsLog> {
-        let kept: Vec<StepRecord> =
-            if path.exists() { read_records(path)?.into_iter().filter(|r| r.step <= keep_upto).collect() } else { vec![] };
+        let kept: Vec<StepRecord> = if path.exists() {
+            read_records(path)?.into_iter().filter(|r| r.step <= keep_upto).collect()
+        } else {
+            vec![]
+        };
         let mut text = String::new();
         for r in &kept {
             text.push_str(&serde_json::to_string(r)?);
             text.push('\n');
         }
         crate::util::write_atomic(path, text.as_bytes())?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(path)
-            .with_context(|| format!("cannot open {} for appending\nhint: check that the run directory is writable", path.display()))?;
+        let file = std::fs::OpenOptions::new().append(true).open(path).with_context(|| {
+            format!("cannot open {} for appending\nhint: check that the run directory is writable", path.display())
+        })?;
         Ok(MetricsLog { file })
     }
 
@@ -125,7 +139,10 @@ pub mod mem {
         std::fs::read_to_string("/proc/self/status")
             .ok()
             .and_then(|s| {
-                s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
+                s.lines()
+                    .find(|l| l.starts_with(key))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse().ok())
             })
             .unwrap_or(0)
     }
@@ -157,7 +174,9 @@ pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()>
     let lo = pts.iter().map(|r| r.loss).fold(f64::INFINITY, f64::min);
     let hi = pts.iter().map(|r| r.loss).fold(f64::NEG_INFINITY, f64::max);
     let pad = ((hi - lo) * 0.05).max(1e-3);
-    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display());
+    let err = |e: &dyn std::fmt::Display| {
+        anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display())
+    };
     let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)

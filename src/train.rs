@@ -14,6 +14,7 @@
 //! - Weights the model computes with are candle `Var`s in the compute dtype; the optimizer owns fp32
 //!   master weights and moments as flat vectors and writes the updated weights back into the `Var`s.
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
+//!
 //! What this file does not do: multi-GPU (comms/ is called, but only `Comm::Single` exists), document
 //! masks inside packed sequences (Fu et al. train without them), evaluation during training.
 use crate::checkpoint::{self, TrainState};
@@ -89,7 +90,8 @@ pub fn forward_backward(
     let c = model.cfg.hidden_size;
     let n_layers = model.layers.len();
     let table = |l: usize| &tables[l.min(tables.len() - 1)];
-    let segments: Vec<(usize, usize)> = (0..n_layers).step_by(seg.max(1)).map(|s| (s, (s + seg).min(n_layers))).collect();
+    let segments: Vec<(usize, usize)> =
+        (0..n_layers).step_by(seg.max(1)).map(|s| (s, (s + seg).min(n_layers))).collect();
     let run_segment = |x: &Tensor, (lo, hi): (usize, usize)| -> Result<Tensor> {
         let mut x = x.clone();
         for l in lo..hi {
@@ -112,7 +114,8 @@ pub fn forward_backward(
     let nll = chunked_cross_entropy(&h, &model.lm_head, targets, loss_chunk)?; // (B*T)
     let store = (nll.sum_all()? * scale)?.backward()?;
     grads.add_from(layout, vars, &store)?;
-    let mut g = store.get(last_in.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached the last layers"))?;
+    let mut g =
+        store.get(last_in.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached the last layers"))?;
     let nll = nll.to_vec1::<f32>()?;
     drop(store);
 
@@ -328,7 +331,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let resolved = RunConfig::load(&args.config, &args.set)?;
     let cfg = &resolved.cfg;
     let run_dir = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from("runs").join(args.config.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into()))
+        PathBuf::from("runs")
+            .join(args.config.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into()))
     });
     println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
     prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
@@ -417,8 +421,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
         let (model, vars) = trainable_model(&mc, &layout, &optim.master, dtype, &device)?;
         let tables = rope_tables(&model, st.seq_len)?;
         let data_dir = stage_dataset(cfg, si, &run_dir, &tokenizer)?;
-        let lcfg = LoaderConfig { seq_len: st.seq_len, shuffle: cfg.data.shuffle, seed: cfg.train.seed, rank, world_size: world };
-        let mut loader = Loader::open(&data_dir, lcfg).with_context(|| format!("stage {si}: opening dataset {}", data_dir.display()))?;
+        let lcfg = LoaderConfig {
+            seq_len: st.seq_len,
+            shuffle: cfg.data.shuffle,
+            seed: cfg.train.seed,
+            rank,
+            world_size: world,
+        };
+        let mut loader = Loader::open(&data_dir, lcfg)
+            .with_context(|| format!("stage {si}: opening dataset {}", data_dir.display()))?;
         if loader.manifest().tokenizer_sha256 != tok_sha {
             bail!(
                 "stage {si}: dataset {} was tokenized with another tokenizer (sha256 {}) than {} ({})\nhint: prepare the data with the model's tokenizer.json",
@@ -532,7 +543,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 elapsed_s: t_start.elapsed().as_secs_f64(),
             };
             log.write(&rec)?;
-            if state.step % cfg.log.every.max(1) == 0 || skipped {
+            if state.step.is_multiple_of(cfg.log.every.max(1)) || skipped {
                 let line = metrics::step_line(&rec, total_steps);
                 match &pb {
                     Some(pb) => pb.println(line),
@@ -543,14 +554,17 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 pb.set_position(state.stage_step);
             }
             if bad_streak >= cfg.train.max_bad_steps.max(1) {
-                let last = last_saved.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none (no checkpoint was written yet)".into());
+                let last = last_saved
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "none (no checkpoint was written yet)".into());
                 bail!(
                     "{bad_streak} consecutive steps had a non-finite loss or gradient (last: step {}); training stopped. Last good checkpoint: {last}\nhint: lower the learning rate, keep optim.grad_clip on, or check the data; continue with --resume",
                     state.step
                 );
             }
             let stage_end = state.stage_step == steps;
-            let periodic = cfg.checkpoint.every > 0 && state.step % cfg.checkpoint.every == 0;
+            let periodic = cfg.checkpoint.every > 0 && state.step.is_multiple_of(cfg.checkpoint.every);
             let stopping = stop.load(Ordering::SeqCst) || state.step >= limit;
             if (periodic || stage_end || stopping) && !skipped && bad_streak == 0 {
                 let mut snap = state.clone();

@@ -54,7 +54,14 @@ rope = { scheme = "harpe", head_bases = [10000.0, 200000.0] }
 "#;
 
 fn args(cfg: &Path, out: &Path) -> TrainArgs {
-    TrainArgs { config: cfg.to_path_buf(), out: Some(out.to_path_buf()), steps: None, resume: false, set: vec![], force: false }
+    TrainArgs {
+        config: cfg.to_path_buf(),
+        out: Some(out.to_path_buf()),
+        steps: None,
+        resume: false,
+        set: vec![],
+        force: false,
+    }
 }
 
 fn write_cfg(dir: &Path, text: &str) -> PathBuf {
@@ -126,23 +133,40 @@ fn bad_input_is_refused_with_a_hint() {
     let tok = d.path().join("tokenizer.json");
     std::fs::write(&tok, harpe::model::testing::byte_tokenizer_json()).unwrap();
     let ds = d.path().join("ds48");
-    harpe::data::prepare_from_texts(&harpe::train::builtin_texts(1), &tok, &harpe::data::PrepareOptions::new(48), &ds).unwrap();
+    harpe::data::prepare_from_texts(&harpe::train::builtin_texts(1), &tok, &harpe::data::PrepareOptions::new(48), &ds)
+        .unwrap();
     let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let e = format!(
         "{:#}",
-        run(TrainArgs { set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds.display())]), ..args(&cfg, &d.path().join("o1")) })
-            .unwrap_err()
+        run(TrainArgs {
+            set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds.display())]),
+            ..args(&cfg, &d.path().join("o1"))
+        })
+        .unwrap_err()
     );
     assert!(e.contains("seq_len") && e.contains("hint:"), "{e}");
     // a dataset made with another tokenizer
     let tok2 = d.path().join("tok2.json");
-    std::fs::write(&tok2, harpe::model::testing::byte_tokenizer_json().replace("\"dropout\":null", "\"dropout\": null")).unwrap();
+    std::fs::write(
+        &tok2,
+        harpe::model::testing::byte_tokenizer_json().replace("\"dropout\":null", "\"dropout\": null"),
+    )
+    .unwrap();
     let ds32 = d.path().join("ds32");
-    harpe::data::prepare_from_texts(&harpe::train::builtin_texts(1), &tok2, &harpe::data::PrepareOptions::new(32), &ds32).unwrap();
+    harpe::data::prepare_from_texts(
+        &harpe::train::builtin_texts(1),
+        &tok2,
+        &harpe::data::PrepareOptions::new(32),
+        &ds32,
+    )
+    .unwrap();
     let e = format!(
         "{:#}",
-        run(TrainArgs { set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds32.display())]), ..args(&cfg, &d.path().join("o2")) })
-            .unwrap_err()
+        run(TrainArgs {
+            set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds32.display())]),
+            ..args(&cfg, &d.path().join("o2"))
+        })
+        .unwrap_err()
     );
     assert!(e.contains("another tokenizer") && e.contains("hint:"), "{e}");
     // an output directory that cannot be created (its parent is a file)
@@ -153,10 +177,14 @@ fn bad_input_is_refused_with_a_hint() {
     // a run directory of another config
     let o3 = d.path().join("o3");
     run(TrainArgs { steps: Some(1), ..args(&cfg, &o3) }).unwrap();
-    let e = format!("{:#}", run(TrainArgs { resume: true, set: set(&["optim.lr=1e-4"]), ..args(&cfg, &o3) }).unwrap_err());
+    let e =
+        format!("{:#}", run(TrainArgs { resume: true, set: set(&["optim.lr=1e-4"]), ..args(&cfg, &o3) }).unwrap_err());
     assert!(e.contains("different config") && e.contains("--force"), "{e}");
     // a wrong type from --set names the key
-    let e = format!("{:#}", run(TrainArgs { set: set(&["checkpoint.every=\"often\""]), ..args(&cfg, &d.path().join("o4")) }).unwrap_err());
+    let e = format!(
+        "{:#}",
+        run(TrainArgs { set: set(&["checkpoint.every=\"often\""]), ..args(&cfg, &d.path().join("o4")) }).unwrap_err()
+    );
     assert!(e.contains("every") && e.contains("hint:"), "{e}");
 }
 
@@ -166,7 +194,8 @@ fn non_finite_steps_are_skipped_then_the_run_stops() {
     // a model directory with one NaN weight: every step's loss is NaN
     let mdir = d.path().join("model");
     let cfg = harpe::model::testing::tiny_config(harpe::model::rope::RopeScheme::Default { theta: 10000.0 });
-    let mut t = harpe::model::weights::init_random(&cfg, 1, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let mut t =
+        harpe::model::weights::init_random(&cfg, 1, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
     let (name, w) = t.iter().find(|(n, _)| n == "model.norm.weight").cloned().unwrap();
     let mut v = w.to_vec1::<f32>().unwrap();
     v[3] = f32::NAN;
@@ -179,11 +208,17 @@ fn non_finite_steps_are_skipped_then_the_run_stops() {
     let cfgp = write_cfg(d.path(), &format!("{text}\n").replace("[train]\n", "[train]\nmax_bad_steps = 3\n"));
     let out = d.path().join("r");
     let e = format!("{:#}", run(args(&cfgp, &out)).unwrap_err());
-    assert!(e.contains("3 consecutive steps") && e.contains("Last good checkpoint: none") && e.contains("hint:"), "{e}");
+    assert!(
+        e.contains("3 consecutive steps") && e.contains("Last good checkpoint: none") && e.contains("hint:"),
+        "{e}"
+    );
     let r = read_records(&out.join("metrics.jsonl")).unwrap();
     assert_eq!(r.len(), 3);
     assert!(r.iter().all(|r| r.skipped));
-    assert!(harpe::checkpoint::latest_complete(&out.join("checkpoints")).unwrap().is_none(), "no checkpoint of bad weights");
+    assert!(
+        harpe::checkpoint::latest_complete(&out.join("checkpoints")).unwrap().is_none(),
+        "no checkpoint of bad weights"
+    );
 }
 
 #[test]

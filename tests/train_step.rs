@@ -25,7 +25,15 @@ fn seqs(n: usize, t: usize, v: u32) -> Vec<Vec<u32>> {
 }
 
 /// Gradients of one optimizer step made of `micro` micro-batches over `data`.
-fn step_grads(cfg: &LlamaConfig, layout: &ParamLayout, flat: &[f32], data: &[Vec<u32>], micro: usize, ck: Checkpointing, dtype: DType) -> (Vec<f32>, f64) {
+fn step_grads(
+    cfg: &LlamaConfig,
+    layout: &ParamLayout,
+    flat: &[f32],
+    data: &[Vec<u32>],
+    micro: usize,
+    ck: Checkpointing,
+    dtype: DType,
+) -> (Vec<f32>, f64) {
     let (model, vars) = trainable_model(cfg, layout, flat, dtype, &Device::Cpu).unwrap();
     let t = data[0].len();
     let tables = rope_tables(&model, t).unwrap();
@@ -103,14 +111,22 @@ fn one_step_matches_torch_adamw_golden() {
     let model = Llama::from_tensors(cfg.clone(), w, "golden").unwrap();
     let (layout, flat) = flatten_params(&model.tensors()).unwrap();
     let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let hp: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    let hp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
     let f = |k: &str| hp[k].as_f64().unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
     let (g, loss) = step_grads(&cfg, &layout, &flat, &ids, 1, Checkpointing::EveryLayer, DType::F32);
     let torch_loss = golden["loss"].to_vec1::<f32>().unwrap()[0] as f64;
     assert!((loss - torch_loss).abs() < 1e-5 * torch_loss, "loss {loss} vs torch {torch_loss}");
     let wd = f("weight_decay") as f32;
-    let h = AdamWHyper { beta1: f("beta1") as f32, beta2: f("beta2") as f32, eps: f("eps") as f32, wd_matrix: wd, wd_embedding: wd, wd_norm: 0.0 };
+    let h = AdamWHyper {
+        beta1: f("beta1") as f32,
+        beta2: f("beta2") as f32,
+        eps: f("eps") as f32,
+        wd_matrix: wd,
+        wd_embedding: wd,
+        wd_norm: 0.0,
+    };
     let mut opt = AdamW::new(&layout, &flat, 0..layout.total, h);
     opt.step(&g, f("lr"));
     let mut worst = (0f32, String::new());
