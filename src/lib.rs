@@ -10,9 +10,17 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
+pub mod config;
 pub mod data;
-pub mod demo;
-pub mod eval;
 pub mod model;
 pub mod ops;
+pub mod loss;
+pub mod grads;
+pub mod optim;
+pub mod comms;
+pub mod checkpoint;
+pub mod metrics;
+pub mod train;
+pub mod eval;
+pub mod demo;
 pub mod util;

@@ -14,35 +14,38 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The whole pipeline on built-in data, on CPU (the README's first command)
-    Demo(harpe::demo::DemoArgs),
-    /// Next-token loss on a prepared dataset by source and by position bucket (Fu et al. Table 5)
-    EvalLoss(harpe::eval::eval_loss::EvalLossArgs),
-    /// Sliding-window perplexity of text files under a model directory
-    EvalPpl(harpe::eval::ppl::EvalPplArgs),
-    /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
-    EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
-    /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
-    Inspect(harpe::model::inspect::InspectArgs),
-    /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
-    SearchBases(harpe::model::base_search::SearchBasesArgs),
     /// Read a SlimPajama-style corpus, tokenize, apply a length/mixture strategy, pack into shards
     PrepareData(Box<harpe::data::prepare::PrepareDataArgs>),
     /// Summarise a prepared dataset: mixture table, length histogram, decode a sequence
     InspectData(harpe::data::inspect::InspectDataArgs),
+    /// Train (continual pretraining, single- or multi-stage) from a TOML recipe; checkpoint, resume, log
+    Train(harpe::train::TrainArgs),
+    /// Sliding-window perplexity of text files under a model directory
+    EvalPpl(harpe::eval::ppl::EvalPplArgs),
+    /// Next-token loss on a prepared dataset by source and by position bucket (Fu et al. Table 5)
+    EvalLoss(harpe::eval::eval_loss::EvalLossArgs),
+    /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
+    EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
+    /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
+    SearchBases(harpe::model::base_search::SearchBasesArgs),
+    /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
+    Inspect(harpe::model::inspect::InspectArgs),
+    /// The whole pipeline on built-in data, on CPU (the README's first command)
+    Demo(harpe::demo::DemoArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::Demo(a) => harpe::demo::run(a),
-        Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
-        Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
-        Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
-        Cmd::Inspect(a) => harpe::model::inspect::run(a),
-        Cmd::SearchBases(a) => harpe::model::base_search::run(a),
         Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
         Cmd::InspectData(a) => harpe::data::inspect::run(a),
+        Cmd::Train(a) => harpe::train::run(a),
+        Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
+        Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
+        Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
+        Cmd::SearchBases(a) => harpe::model::base_search::run(a),
+        Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Demo(a) => harpe::demo::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

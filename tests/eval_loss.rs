@@ -27,7 +27,12 @@ fn loss_by_source_and_bucket() {
     let model = tmp.path().join("model");
     tiny_model_dir(&model, RopeScheme::Harpe { head_bases: vec![1e4, 1e5], layer_head_bases: None }, 3).unwrap();
     let texts: Vec<(String, String)> = (0..6)
-        .map(|i| (if i % 2 == 0 { "books" } else { "code" }.to_string(), format!("document {i}: {}", "lorem ipsum ".repeat(5 + i))))
+        .map(|i| {
+            (
+                if i % 2 == 0 { "books" } else { "code" }.to_string(),
+                format!("document {i}: {}", "lorem ipsum ".repeat(5 + i)),
+            )
+        })
         .collect();
     let mut opts = PrepareOptions::new(64);
     opts.quiet = true;

@@ -1,0 +1,340 @@
+//! Checkpoints: `RUN/checkpoints/step_000500/` with HF-layout weights, this rank's optimizer shard
+//! (fp32 master, m, v), `state.json`, and a `DONE` marker; written atomically, newest complete one wins.
+//!
+//! Reference: DESIGN.md §3 (run directory), llm.c `train_gpt2.cu` (DONE marker, bit-exact resume).
+//! The non-obvious decisions: everything is written into `checkpoints/.tmp-step_N-PID/`, every file
+//! and the directory are fsynced, `DONE` is written last, and only then is the directory renamed to
+//! `step_N` (rename is atomic on one file system), so a crash or a full disk at any point leaves the
+//! previous checkpoints as they were and never a `step_N` without `DONE`. Old checkpoints are pruned
+//! only after the new one is complete. Resume reads the fp32 master weights from the optimizer shard
+//! (not the possibly-bf16 HF weights), which is what makes it bit-identical.
+//! What this file does not do: decide when to save (train.rs) or write the weights' bytes
+//! (`model::weights::save_model_dir`, passed in as a closure).
+use crate::model::rope::RopeScheme;
+use crate::optim::adamw::AdamW;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Version of `state.json` and the optimizer shard layout.
+pub const FORMAT: u32 = 1;
+/// Name of the completion marker.
+pub const DONE: &str = "DONE";
+
+/// Everything besides tensors that resuming needs (`state.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format: u32,
+    /// optimizer steps completed in total
+    pub step: u64,
+    /// stage the next step belongs to
+    pub stage: usize,
+    /// steps completed inside that stage
+    pub stage_step: u64,
+    /// training tokens consumed so far
+    pub tokens_seen: u64,
+    /// the data loader's cursor inside the current stage (its own JSON form)
+    pub data_cursor: serde_json::Value,
+    /// the run's seed; after initialization the only randomness is the data order, held by the cursor
+    pub seed: u64,
+    /// sha256 of the resolved config
+    pub config_hash: String,
+    /// RoPE scheme the weights were trained with at this point
+    pub rope: RopeScheme,
+    /// steps skipped for a NaN/inf loss or gradient so far
+    pub skipped_steps: u64,
+}
+
+/// Directory name of the checkpoint after `step` steps.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step_{step:06}")
+}
+
+fn optim_file(rank: usize, world: usize) -> String {
+    format!("optim-{rank:05}-of-{world:05}.safetensors")
+}
+
+fn fsync_path(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("fsync {} failed\nhint: is the disk full or the file system read-only?", p.display()))
+}
+
+fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(p)
+        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", p.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {} failed\nhint: is the disk full?", p.display()))?;
+    f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))
+}
+
+/// safetensors view over an owned little-endian f32 buffer.
+struct F32Bytes {
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl safetensors::View for &F32Bytes {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> F32Bytes {
+    F32Bytes { shape: vec![v.len()], data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+}
+
+/// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
+fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
+    let views = [("master", f32_bytes(&o.master)), ("m", f32_bytes(&o.m)), ("v", f32_bytes(&o.v))];
+    // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
+    // random order and make identical states give different bytes
+    let info = serde_json::json!({"format": FORMAT, "t": o.t, "range_start": o.range.start, "range_end": o.range.end});
+    let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
+    safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.to_string(), v)), Some(meta))
+        .map_err(|e| anyhow!("cannot serialize the optimizer state: {e}"))
+}
+
+/// Save a checkpoint atomically and prune to `keep_last`; returns the final directory.
+/// `write_model` writes the HF-layout model files into the directory it is given.
+pub fn save(
+    root: &Path,
+    state: &TrainState,
+    optim: &AdamW,
+    (rank, world): (usize, usize),
+    keep_last: usize,
+    write_model: &dyn Fn(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(root)
+        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", root.display()))?;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    let fin = root.join(&name);
+    let res = (|| -> Result<()> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove stale {}", tmp.display()))?;
+        }
+        std::fs::create_dir_all(&tmp)
+            .with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))?;
+        write_model(&tmp)?;
+        write_file(&tmp.join(optim_file(rank, world)), &optim_bytes(optim)?)?;
+        write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
+        for entry in std::fs::read_dir(&tmp)? {
+            fsync_path(&entry?.path())?;
+        }
+        write_file(&tmp.join(DONE), format!("step {}\n", state.step).as_bytes())?;
+        fsync_path(&tmp)?;
+        if fin.exists() {
+            // a complete checkpoint of the same step (re-saved after a resume) or a leftover: replace it
+            let old = root.join(format!(".old-{name}-{}", std::process::id()));
+            std::fs::rename(&fin, &old).with_context(|| format!("cannot move aside {}", fin.display()))?;
+            std::fs::rename(&tmp, &fin)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+            std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+        } else {
+            std::fs::rename(&tmp, &fin)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+        }
+        fsync_path(root)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_dir_all(&tmp);
+        let prev = latest_complete(root).ok().flatten();
+        let prev = prev
+            .map(|p| format!("the previous checkpoint {} is intact", p.display()))
+            .unwrap_or_else(|| "no earlier checkpoint exists".into());
+        return Err(e.context(format!(
+            "saving checkpoint {} failed; {prev}\nhint: free disk space or fix permissions, then rerun with --resume",
+            fin.display()
+        )));
+    }
+    prune(root, keep_last)?;
+    Ok(fin)
+}
+
+/// Complete checkpoints under `root`, oldest first, as (step, dir).
+pub fn list_complete(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    if !root.exists() {
+        return Ok(vec![]);
+    }
+    let mut out = vec![];
+    for entry in std::fs::read_dir(root).with_context(|| format!("cannot list {}", root.display()))? {
+        let p = entry?.path();
+        let step = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step_"))
+            .and_then(|s| s.parse::<u64>().ok());
+        if let Some(step) = step {
+            if p.join(DONE).is_file() {
+                out.push((step, p));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint, if any.
+pub fn latest_complete(root: &Path) -> Result<Option<PathBuf>> {
+    Ok(list_complete(root)?.pop().map(|(_, p)| p))
+}
+
+/// Delete all but the newest `keep` complete checkpoints (at least one is always kept), and leftovers
+/// of interrupted saves.
+pub fn prune(root: &Path, keep: usize) -> Result<()> {
+    let all = list_complete(root)?;
+    let n = all.len().saturating_sub(keep.max(1));
+    for (_, p) in &all[..n] {
+        std::fs::remove_dir_all(p).with_context(|| format!("cannot delete old checkpoint {}", p.display()))?;
+    }
+    for entry in std::fs::read_dir(root)? {
+        let p = entry?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let mine = format!("-{}", std::process::id());
+        if (name.starts_with(".tmp-") || name.starts_with(".old-")) && !name.ends_with(&mine) {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+    Ok(())
+}
+
+/// Read `state.json` of a checkpoint.
+pub fn load_state(dir: &Path) -> Result<TrainState> {
+    let p = dir.join("state.json");
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete", p.display()))?;
+    let st: TrainState = serde_json::from_str(&text).map_err(|e| {
+        anyhow!("{}: line {}: {e}\nhint: the file is damaged or from another harpe version", p.display(), e.line())
+    })?;
+    if st.format != FORMAT {
+        bail!("{}: format {} is not supported (this harpe writes {FORMAT})\nhint: resume with the harpe version that wrote it", p.display(), st.format);
+    }
+    Ok(st)
+}
+
+/// Load this rank's optimizer shard into `optim` (its range must match).
+pub fn load_optim(dir: &Path, (rank, world): (usize, usize), optim: &mut AdamW) -> Result<()> {
+    let p = dir.join(optim_file(rank, world));
+    let bytes = std::fs::read(&p).with_context(|| {
+        format!("cannot read {}\nhint: resume with the same number of ranks that wrote the checkpoint", p.display())
+    })?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let info: serde_json::Value = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("harpe_optim"))
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default();
+    let num = |k: &str| -> Result<u64> {
+        info[k].as_u64().ok_or_else(|| {
+            anyhow!("{}: metadata `{k}` missing\nhint: the file is damaged or not written by harpe", p.display())
+        })
+    };
+    let range = num("range_start")? as usize..num("range_end")? as usize;
+    if range != optim.range {
+        bail!(
+            "{}: holds parameters {:?}, this rank owns {:?}\nhint: the model or the number of ranks differs from the run that wrote it",
+            p.display(),
+            range,
+            optim.range
+        );
+    }
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let read = |k: &str, dst: &mut Vec<f32>| -> Result<()> {
+        let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}", p.display()))?;
+        let d = t.data();
+        if d.len() != dst.len() * 4 {
+            bail!(
+                "{}: tensor `{k}` has {} values, expected {}\nhint: the model differs from the checkpoint's",
+                p.display(),
+                d.len() / 4,
+                dst.len()
+            );
+        }
+        for (x, b) in dst.iter_mut().zip(d.chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    };
+    read("master", &mut optim.master)?;
+    read("m", &mut optim.m)?;
+    read("v", &mut optim.v)?;
+    optim.t = num("t")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grads::ParamLayout;
+    use crate::optim::adamw::AdamWHyper;
+
+    fn state(step: u64) -> TrainState {
+        TrainState {
+            format: FORMAT,
+            step,
+            stage: 0,
+            stage_step: step,
+            tokens_seen: step * 10,
+            data_cursor: serde_json::json!({"pos": step}),
+            seed: 1,
+            config_hash: "abc".into(),
+            rope: RopeScheme::Default { theta: 10000.0 },
+            skipped_steps: 0,
+        }
+    }
+
+    #[test]
+    fn save_resume_prune_and_failed_save_keeps_previous() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("checkpoints");
+        let l = ParamLayout::new(&[("w".into(), vec![3])]);
+        let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.0, wd_embedding: 0.0, wd_norm: 0.0 };
+        let mut o = AdamW::new(&l, &[1.0, 2.0, 3.0], 0..3, hp);
+        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        for step in 1..=4 {
+            o.step(&[0.1, -0.2, 0.3], 0.01);
+            save(&root, &state(step), &o, (0, 1), 2, &model).unwrap();
+        }
+        let all = list_complete(&root).unwrap();
+        assert_eq!(all.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![3, 4]);
+        let last = latest_complete(&root).unwrap().unwrap();
+        assert_eq!(load_state(&last).unwrap(), state(4));
+        let mut o2 = AdamW::new(&l, &[0.0; 3], 0..3, hp);
+        load_optim(&last, (0, 1), &mut o2).unwrap();
+        assert_eq!(
+            (o2.master.clone(), o2.m.clone(), o2.v.clone(), o2.t),
+            (o.master.clone(), o.m.clone(), o.v.clone(), 4)
+        );
+        // a directory without DONE is never picked
+        std::fs::create_dir_all(root.join("step_000009")).unwrap();
+        assert_eq!(latest_complete(&root).unwrap().unwrap(), last);
+        // a save that fails half-way leaves the previous checkpoints intact and no step_5
+        let failing = |p: &Path| -> Result<()> {
+            write_file(&p.join("model.safetensors"), b"partial")?;
+            bail!("No space left on device (simulated)")
+        };
+        let e = format!("{:#}", save(&root, &state(5), &o, (0, 1), 2, &failing).unwrap_err());
+        assert!(e.contains("step_000004 is intact") && e.contains("hint:"), "{e}");
+        assert!(!root.join("step_000005").exists());
+        assert_eq!(list_complete(&root).unwrap().len(), 2);
+        assert!(std::fs::read_dir(&root).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".tmp")));
+    }
+}

@@ -1,0 +1,649 @@
+//! The training recipe: one serde struct per TOML section, `[[stage]]` tables for multi-stage runs,
+//! `--set section.key=value` overrides, validation, and the resolved config with its hash.
+//!
+//! Reference: torchtitan's one-TOML-per-recipe layout; HARPE §4.1/§4.4 and the spec §3 for the recipes
+//! in `configs/`. The non-obvious decisions: every default lives in this file and nowhere else;
+//! overrides are applied to the parsed TOML value before deserializing, so a wrong type from the
+//! command line is reported exactly like one in the file (naming the key); the config hash is the
+//! sha256 of the resolved TOML text, which is what `state.json` and the run directory check against.
+//! What this file does not do: build the model or the data (train.rs does).
+use crate::model::rope::RopeScheme;
+use crate::optim::schedule::{Schedule, ScheduleKind};
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The whole recipe (`harpe train --config FILE`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub model: ModelSection,
+    #[serde(default)]
+    pub data: DataSection,
+    /// RoPE scheme of every stage that does not give its own (default: the model's config.json)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope: Option<RopeScheme>,
+    #[serde(default)]
+    pub train: TrainSection,
+    #[serde(default)]
+    pub optim: OptimSection,
+    #[serde(default)]
+    pub schedule: ScheduleSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    #[serde(default)]
+    pub dist: DistSection,
+    #[serde(default)]
+    pub log: LogSection,
+    /// the stages, run in order
+    #[serde(default, rename = "stage")]
+    pub stages: Vec<StageSection>,
+}
+
+/// `[model]`: continue from an HF model directory, or initialize randomly from `[model.init]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// HF model directory (config.json, *.safetensors, tokenizer.json)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// architecture for random initialization (instead of `path`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<ArchSection>,
+    /// tokenizer.json; default `path/tokenizer.json`, or the built-in byte tokenizer with `[model.init]`
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// `[model.init]`: a Llama architecture, HF `config.json` field names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArchSection {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// default: num_attention_heads (MHA)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<usize>,
+    /// default: hidden_size / num_attention_heads
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    #[serde(default = "d_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "d_rms_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "d_init_range")]
+    pub initializer_range: f64,
+}
+
+/// Where training sequences come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataSource {
+    /// a dataset written by `harpe prepare-data` (`[data] path` or the stage's `data`)
+    #[default]
+    Prepared,
+    /// built-in English text, tokenized and packed by the run itself into RUN_DIR/data/
+    Builtin,
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    #[serde(default)]
+    pub source: DataSource,
+    /// prepared dataset directory for stages that do not name their own
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// shuffle sequence order (seeded by `train.seed`)
+    #[serde(default = "d_true")]
+    pub shuffle: bool,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection { source: DataSource::default(), path: None, shuffle: true }
+    }
+}
+
+/// Compute dtype of weights and activations (master weights and moments are always f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    #[default]
+    Bf16,
+    F32,
+}
+
+/// Device to train on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    /// CUDA device 0 (needs a build with `--features cuda`)
+    Cuda,
+}
+
+/// Activation checkpointing: `"none"`, `"every-layer"`, or `{ every = k }` (one saved input per k layers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Checkpointing {
+    None,
+    #[default]
+    EveryLayer,
+    Every(usize),
+}
+
+impl Checkpointing {
+    /// Layers per recomputed segment for a model with `n_layers` layers.
+    pub fn segment_len(&self, n_layers: usize) -> usize {
+        match self {
+            Checkpointing::None => n_layers.max(1),
+            Checkpointing::EveryLayer => 1,
+            Checkpointing::Every(k) => (*k).clamp(1, n_layers.max(1)),
+        }
+    }
+}
+
+/// `[train]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// seed of the random initialization and the data order
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub device: DeviceKind,
+    #[serde(default)]
+    pub dtype: ComputeDtype,
+    /// sequences per forward/backward
+    #[serde(default = "d_one")]
+    pub micro_batch_size: usize,
+    /// tokens per optimizer step (a multiple of micro_batch_size x seq_len of every stage);
+    /// default: one micro-batch, no accumulation
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch_tokens: Option<usize>,
+    #[serde(default)]
+    pub activation_checkpointing: Checkpointing,
+    /// tokens per chunk of the cross-entropy (bounds the (chunk x V) logits block)
+    #[serde(default = "d_loss_chunk")]
+    pub loss_chunk_tokens: usize,
+    /// stop after this many consecutive skipped (NaN/inf) steps
+    #[serde(default = "d_bad_steps")]
+    pub max_bad_steps: u32,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            seed: 0,
+            device: DeviceKind::default(),
+            dtype: ComputeDtype::default(),
+            micro_batch_size: 1,
+            global_batch_tokens: None,
+            activation_checkpointing: Checkpointing::default(),
+            loss_chunk_tokens: d_loss_chunk(),
+            max_bad_steps: d_bad_steps(),
+        }
+    }
+}
+
+/// `[optim]`: AdamW.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimSection {
+    /// peak learning rate of stages that do not set their own
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    #[serde(default = "d_beta1")]
+    pub beta1: f64,
+    #[serde(default = "d_beta2")]
+    pub beta2: f64,
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// decoupled weight decay of matrices (and of the embedding unless set below)
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay_embedding: Option<f64>,
+    #[serde(default)]
+    pub weight_decay_norm: f64,
+    /// clip the global gradient norm to this (0 = off)
+    #[serde(default = "d_clip")]
+    pub grad_clip: f64,
+    /// zero the moments at every stage boundary (default: carry them over)
+    #[serde(default)]
+    pub reset_between_stages: bool,
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        OptimSection {
+            lr: d_lr(),
+            beta1: d_beta1(),
+            beta2: d_beta2(),
+            eps: d_eps(),
+            weight_decay: 0.0,
+            weight_decay_embedding: None,
+            weight_decay_norm: 0.0,
+            grad_clip: d_clip(),
+            reset_between_stages: false,
+        }
+    }
+}
+
+/// `[schedule]`: the lr curve inside each stage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSection {
+    #[serde(default)]
+    pub kind: ScheduleKind,
+    #[serde(default)]
+    pub warmup_steps: u64,
+    #[serde(default)]
+    pub min_lr_ratio: f64,
+}
+
+impl ScheduleSection {
+    /// As a `Schedule`.
+    pub fn schedule(&self) -> Schedule {
+        Schedule { kind: self.kind, warmup_steps: self.warmup_steps, min_lr_ratio: self.min_lr_ratio }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// save every N optimizer steps (0 = only at stage ends and at the end)
+    #[serde(default)]
+    pub every: u64,
+    /// complete checkpoints to keep (older ones are deleted after a new one is complete)
+    #[serde(default = "d_keep")]
+    pub keep_last: usize,
+    /// largest model shard file in bytes
+    #[serde(default = "d_shard")]
+    pub max_shard_bytes: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection { every: 0, keep_last: d_keep(), max_shard_bytes: d_shard() }
+    }
+}
+
+/// Communication backend (DESIGN §6); only `single` exists in this build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Single,
+}
+
+/// `[dist]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistSection {
+    #[serde(default)]
+    pub backend: Backend,
+}
+
+/// `[log]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSection {
+    /// print a step line every N steps (metrics.jsonl gets every step)
+    #[serde(default = "d_one_u64")]
+    pub every: u64,
+    /// show a progress bar with ETA per stage
+    #[serde(default = "d_true")]
+    pub progress: bool,
+    /// write loss.png at the end
+    #[serde(default = "d_true")]
+    pub plot: bool,
+    /// peak TFLOP/s of the device in the compute dtype, for the MFU column (0 = unknown, MFU not shown)
+    #[serde(default)]
+    pub peak_tflops: f64,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        LogSection { every: 1, progress: true, plot: true, peak_tflops: 0.0 }
+    }
+}
+
+/// `[[stage]]`: one phase of training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageSection {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// tokens per training sequence
+    pub seq_len: usize,
+    /// token budget (rounded up to whole optimizer steps)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// optimizer steps (instead of `tokens`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    /// RoPE scheme of this stage (default: `[rope]`, then the model's own)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope: Option<RopeScheme>,
+    /// prepared dataset of this stage (default: `[data] path`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<PathBuf>,
+    /// peak lr of this stage (default: `[optim] lr`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// zero the AdamW moments at the start of this stage (default: `[optim] reset_between_stages`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_optimizer: Option<bool>,
+}
+
+fn d_true() -> bool {
+    true
+}
+fn d_one() -> usize {
+    1
+}
+fn d_one_u64() -> u64 {
+    1
+}
+fn d_max_pos() -> usize {
+    4096
+}
+fn d_rms_eps() -> f64 {
+    1e-5
+}
+fn d_init_range() -> f64 {
+    0.02
+}
+fn d_loss_chunk() -> usize {
+    4096
+}
+fn d_bad_steps() -> u32 {
+    5
+}
+fn d_lr() -> f64 {
+    2e-5
+}
+fn d_beta1() -> f64 {
+    0.9
+}
+fn d_beta2() -> f64 {
+    0.95
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_clip() -> f64 {
+    1.0
+}
+fn d_keep() -> usize {
+    3
+}
+fn d_shard() -> usize {
+    5 << 30
+}
+
+/// A loaded recipe: the config, its resolved TOML text and that text's sha256.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub cfg: RunConfig,
+    pub toml: String,
+    pub hash: String,
+}
+
+/// Apply one `a.b.c=value` override to a TOML table; `value` is parsed as a TOML value (a bare word
+/// that is not valid TOML is taken as a string); numeric path segments index arrays (`stage.0.lr=1e-5`).
+pub fn apply_override(root: &mut toml::Table, spec: &str) -> Result<()> {
+    let (key, raw) = spec.split_once('=').ok_or_else(|| {
+        anyhow!("--set `{spec}` has no `=`\nhint: write --set section.key=value, e.g. --set optim.lr=1e-5")
+    })?;
+    let key = key.trim();
+    let raw = raw.trim();
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").ok_or_else(|| anyhow!("--set {key}: empty value"))?,
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        bail!("--set `{spec}`: empty key segment\nhint: write --set section.key=value");
+    }
+    let mut cur = root;
+    for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
+        let path = parts[..=i].join(".");
+        let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = match entry {
+            toml::Value::Table(t) => t,
+            toml::Value::Array(a) => {
+                let idx: usize = parts.get(i + 1).and_then(|s| s.parse().ok()).ok_or_else(|| {
+                    anyhow!("--set {key}: `{path}` is a list\nhint: index it, e.g. --set {path}.0.<key>=value")
+                })?;
+                let len = a.len();
+                let item = a
+                    .get_mut(idx)
+                    .ok_or_else(|| anyhow!("--set {key}: `{path}` has {len} entries, index {idx} is out of range\nhint: indices start at 0"))?;
+                // the index segment is consumed here; the loop continues on the element
+                return set_in_element(item, &parts[i + 2..], value, key);
+            }
+            _ => bail!("--set {key}: `{path}` is not a table\nhint: check the key path against the config file"),
+        };
+    }
+    cur.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+fn set_in_element(item: &mut toml::Value, rest: &[&str], value: toml::Value, key: &str) -> Result<()> {
+    let toml::Value::Table(t) = item else {
+        bail!("--set {key}: the indexed entry is not a table\nhint: check the key path");
+    };
+    if rest.is_empty() {
+        bail!("--set {key}: missing the key inside the entry\nhint: e.g. --set stage.0.lr=1e-5");
+    }
+    let mut sub = t.clone();
+    apply_override(&mut sub, &format!("{}={}", rest.join("."), value))?;
+    *t = sub;
+    Ok(())
+}
+
+/// Deserialize TOML text into a `RunConfig`; errors name `origin` and the line/key toml points at.
+fn parse(text: &str, origin: &str) -> Result<RunConfig> {
+    toml::from_str::<RunConfig>(text).map_err(|e| {
+        anyhow!("{origin}: {}\nhint: see configs/tiny-cpu.toml for every section and key", e.to_string().trim_end())
+    })
+}
+
+impl RunConfig {
+    /// Read a recipe file, apply `--set` overrides, validate, and resolve.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Resolved> {
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read config {}\nhint: pass an existing TOML recipe, e.g. configs/tiny-cpu.toml",
+                path.display()
+            )
+        })?;
+        let origin = path.display().to_string();
+        Self::from_text(&text, &origin, overrides)
+    }
+
+    /// Like `load`, from text (`origin` names it in errors).
+    pub fn from_text(text: &str, origin: &str, overrides: &[String]) -> Result<Resolved> {
+        let cfg = if overrides.is_empty() {
+            parse(text, origin)?
+        } else {
+            let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+                anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end())
+            })?;
+            for o in overrides {
+                apply_override(&mut table, o)?;
+            }
+            let merged = toml::to_string(&table)?;
+            parse(&merged, &format!("{origin} with --set {}", overrides.join(" --set ")))?
+        };
+        cfg.validate(origin)?;
+        let toml = toml::to_string_pretty(&cfg).context("cannot serialize the resolved config")?;
+        let hash = crate::util::sha256_hex(toml.as_bytes());
+        Ok(Resolved { cfg, toml, hash })
+    }
+
+    /// Checks that serde cannot express.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        match (&self.model.path, &self.model.init) {
+            (None, None) => bail!("{origin}: [model] needs `path` (an HF model directory) or a [model.init] table\nhint: see configs/tiny-cpu.toml for random initialization"),
+            (Some(_), Some(_)) => bail!("{origin}: [model] has both `path` and [model.init]\nhint: keep one: continue from a checkpoint or initialize randomly"),
+            _ => {}
+        }
+        if self.stages.is_empty() {
+            bail!("{origin}: no [[stage]] table\nhint: add one, e.g.\n[[stage]]\nseq_len = 4096\ntokens = 1_000_000");
+        }
+        for (i, s) in self.stages.iter().enumerate() {
+            let what = format!("{origin}: stage {i}{}", s.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default());
+            match (s.tokens, s.steps) {
+                (None, None) => bail!("{what} has no budget\nhint: give it `tokens = N` or `steps = N`"),
+                (Some(_), Some(_)) => bail!("{what} has both `tokens` and `steps`\nhint: keep one budget"),
+                (Some(0), _) | (_, Some(0)) => {
+                    bail!("{what} has a zero budget\nhint: give a positive `tokens` or `steps`")
+                }
+                _ => {}
+            }
+            if s.seq_len < 2 {
+                bail!("{what}: seq_len {} is too short\nhint: a training sequence needs at least 2 tokens", s.seq_len);
+            }
+            if let Some(lr) = s.lr {
+                if !(lr.is_finite() && lr >= 0.0) {
+                    bail!("{what}: lr {lr} is not a non-negative number\nhint: e.g. lr = 2e-5");
+                }
+            }
+            let tokens_per_micro = self.train.micro_batch_size * s.seq_len;
+            if let Some(g) = self.train.global_batch_tokens {
+                if g == 0 || g % tokens_per_micro != 0 {
+                    bail!(
+                        "{what}: train.global_batch_tokens {g} is not a positive multiple of micro_batch_size x seq_len = {tokens_per_micro}\nhint: choose a global batch that every stage divides"
+                    );
+                }
+            }
+            if self.data.source == DataSource::Prepared && s.data.is_none() && self.data.path.is_none() {
+                bail!("{what} has no dataset\nhint: set [data] path = \"DIR\" (from harpe prepare-data), `data = \"DIR\"` in the stage, or [data] source = \"builtin\"");
+            }
+        }
+        if self.train.micro_batch_size == 0 {
+            bail!("{origin}: train.micro_batch_size must be > 0\nhint: e.g. micro_batch_size = 1");
+        }
+        if self.train.loss_chunk_tokens == 0 {
+            bail!("{origin}: train.loss_chunk_tokens must be > 0\nhint: e.g. loss_chunk_tokens = 4096");
+        }
+        if let Checkpointing::Every(0) = self.train.activation_checkpointing {
+            bail!("{origin}: train.activation_checkpointing = {{ every = 0 }} is invalid\nhint: use \"none\", \"every-layer\" or {{ every = k }} with k >= 1");
+        }
+        for (k, v) in [("beta1", self.optim.beta1), ("beta2", self.optim.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                bail!("{origin}: optim.{k} = {v} must be in [0, 1)\nhint: the paper uses beta1 = 0.9, beta2 = 0.95");
+            }
+        }
+        if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0 && self.optim.eps > 0.0) {
+            bail!("{origin}: optim.lr must be >= 0 and optim.eps > 0\nhint: e.g. lr = 2e-5, eps = 1e-8");
+        }
+        if let Some(a) = &self.model.init {
+            if a.num_hidden_layers == 0 || a.hidden_size == 0 || a.num_attention_heads == 0 || a.vocab_size == 0 {
+                bail!("{origin}: [model.init] sizes must be > 0\nhint: see configs/tiny-cpu.toml");
+            }
+        }
+        Ok(())
+    }
+
+    /// Optimizer steps of stage `i` and its tokens per step.
+    pub fn stage_steps(&self, i: usize) -> (u64, u64) {
+        let s = &self.stages[i];
+        let per_step = self.tokens_per_step(i) as u64;
+        let steps = match (s.steps, s.tokens) {
+            (Some(n), _) => n,
+            (None, Some(t)) => t.div_ceil(per_step).max(1),
+            (None, None) => 0,
+        };
+        (steps, per_step)
+    }
+
+    /// Tokens in one optimizer step of stage `i`.
+    pub fn tokens_per_step(&self, i: usize) -> usize {
+        self.train.global_batch_tokens.unwrap_or(self.train.micro_batch_size * self.stages[i].seq_len)
+    }
+
+    /// Micro-batches accumulated per optimizer step in stage `i`.
+    pub fn accumulation(&self, i: usize) -> usize {
+        self.tokens_per_step(i) / (self.train.micro_batch_size * self.stages[i].seq_len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[model.init]
+vocab_size = 300
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+
+[data]
+source = "builtin"
+
+[[stage]]
+seq_len = 64
+steps = 3
+
+[[stage]]
+seq_len = 128
+tokens = 1000
+rope = { scheme = "default", theta = 500000.0 }
+"#;
+
+    #[test]
+    fn defaults_stages_and_overrides() {
+        let r = RunConfig::from_text(BASE, "t.toml", &[]).unwrap();
+        assert_eq!(r.cfg.optim.lr, 2e-5);
+        assert_eq!(r.cfg.train.activation_checkpointing, Checkpointing::EveryLayer);
+        assert_eq!(r.cfg.stage_steps(0), (3, 64));
+        assert_eq!(r.cfg.stage_steps(1), (8, 128));
+        let o = RunConfig::from_text(
+            BASE,
+            "t.toml",
+            &["optim.lr=1e-3".into(), "stage.1.lr=5e-4".into(), "train.activation_checkpointing={ every = 2 }".into()],
+        )
+        .unwrap();
+        assert_eq!(o.cfg.optim.lr, 1e-3);
+        assert_eq!(o.cfg.stages[1].lr, Some(5e-4));
+        assert_eq!(o.cfg.train.activation_checkpointing, Checkpointing::Every(2));
+        assert_ne!(o.hash, r.hash);
+        // the resolved text parses back to the same config
+        assert_eq!(RunConfig::from_text(&r.toml, "resolved", &[]).unwrap().cfg, r.cfg);
+    }
+
+    #[test]
+    fn bad_input_names_the_key_and_hints() {
+        let e = format!(
+            "{:#}",
+            RunConfig::from_text(BASE, "t.toml", &["train.micro_batch_size=\"two\"".into()]).unwrap_err()
+        );
+        assert!(e.contains("micro_batch_size") && e.contains("hint:"), "{e}");
+        let e = format!(
+            "{:#}",
+            RunConfig::from_text(&format!("{BASE}\n[optim]\nlearning_rate = 1\n"), "t.toml", &[]).unwrap_err()
+        );
+        assert!(e.contains("learning_rate") && e.contains("t.toml"), "{e}");
+        let nob = BASE.replace("steps = 3", "");
+        let e = format!("{:#}", RunConfig::from_text(&nob, "t.toml", &[]).unwrap_err());
+        assert!(e.contains("stage 0 has no budget") && e.contains("hint:"), "{e}");
+        let e = format!("{:#}", RunConfig::from_text(BASE, "t.toml", &["stage.5.lr=1".into()]).unwrap_err());
+        assert!(e.contains("out of range"), "{e}");
+    }
+}

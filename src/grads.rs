@@ -1,0 +1,183 @@
+//! Gradients as one flat fp32 vector: parameter layout, accumulation from candle's `GradStore`,
+//! global norm, clipping and the NaN/inf check.
+//!
+//! Reference: llm.c `train_gpt2.cu` (one contiguous grad buffer, `global_norm_squared`), torch
+//! `clip_grad_norm_` (scale = max_norm / (norm + 1e-6), applied only when the norm exceeds max_norm).
+//! The non-obvious decision: every parameter owns a fixed range of one flat vector (HF order), so the
+//! optimizer, the all-reduce and a ZeRO shard are all plain slices of the same index space; the norm is
+//! accumulated in f64 so it does not depend on summation order at the precision we log.
+//! What this file does not do: decide what to do with a bad step (that is the loop's guard).
+use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Var};
+use std::ops::Range;
+
+/// Parameter groups for per-group weight decay (a closed set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamGroup {
+    /// 2-D projection matrices and the untied LM head
+    Matrix,
+    /// the token embedding
+    Embedding,
+    /// RMSNorm weights
+    Norm,
+}
+
+impl ParamGroup {
+    /// Group of an HF Llama parameter name.
+    pub fn of(name: &str) -> ParamGroup {
+        if name.ends_with("norm.weight") {
+            ParamGroup::Norm
+        } else if name.contains("embed_tokens") {
+            ParamGroup::Embedding
+        } else {
+            ParamGroup::Matrix
+        }
+    }
+}
+
+/// One parameter's place in the flat vector.
+#[derive(Clone, Debug)]
+pub struct ParamInfo {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+    pub group: ParamGroup,
+}
+
+/// Where every parameter lives in the flat fp32 vectors (master, m, v, grads).
+#[derive(Clone, Debug)]
+pub struct ParamLayout {
+    pub params: Vec<ParamInfo>,
+    pub total: usize,
+}
+
+impl ParamLayout {
+    /// Lay out parameters in the given order.
+    pub fn new(names_shapes: &[(String, Vec<usize>)]) -> ParamLayout {
+        let mut off = 0;
+        let params = names_shapes
+            .iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let p = ParamInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    range: off..off + n,
+                    group: ParamGroup::of(name),
+                };
+                off += n;
+                p
+            })
+            .collect();
+        ParamLayout { params, total: off }
+    }
+}
+
+/// Accumulated gradients of one optimizer step, fp32, flat in `ParamLayout` order.
+#[derive(Clone, Debug)]
+pub struct GradAccum {
+    pub flat: Vec<f32>,
+}
+
+impl GradAccum {
+    /// Zeroed buffer for a layout.
+    pub fn new(layout: &ParamLayout) -> GradAccum {
+        GradAccum { flat: vec![0.0; layout.total] }
+    }
+
+    /// Set every gradient to zero (start of a step).
+    pub fn zero(&mut self) {
+        self.flat.iter_mut().for_each(|g| *g = 0.0);
+    }
+
+    /// Add the gradients that `store` holds for `vars` (same order as the layout); parameters that the
+    /// backward did not reach are skipped (a layer-wise backward only touches one layer).
+    pub fn add_from(&mut self, layout: &ParamLayout, vars: &[Var], store: &GradStore) -> Result<()> {
+        for (p, var) in layout.params.iter().zip(vars) {
+            if let Some(g) = store.get(var.as_tensor()) {
+                let g = g
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+                    .with_context(|| format!("reading the gradient of {}", p.name))?;
+                if g.len() != p.range.len() {
+                    bail!("gradient of {} has {} elements, expected {}", p.name, g.len(), p.range.len());
+                }
+                for (acc, x) in self.flat[p.range.clone()].iter_mut().zip(&g) {
+                    *acc += x;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sum of squares of `g`, accumulated in f64.
+pub fn sum_squares(g: &[f32]) -> f64 {
+    g.iter().map(|&x| (x as f64) * (x as f64)).sum()
+}
+
+/// L2 norm of the whole gradient.
+pub fn global_norm(g: &[f32]) -> f64 {
+    sum_squares(g).sqrt()
+}
+
+/// True when every entry is finite.
+pub fn all_finite(g: &[f32]) -> bool {
+    g.iter().all(|x| x.is_finite())
+}
+
+/// Clip by global norm in place (torch semantics); returns the scale applied (1 when not clipped).
+/// `max_norm <= 0` disables clipping.
+pub fn clip_by_global_norm(g: &mut [f32], norm: f64, max_norm: f64) -> f32 {
+    if max_norm <= 0.0 || norm <= max_norm {
+        return 1.0;
+    }
+    let scale = (max_norm / (norm + 1e-6)) as f32;
+    g.iter_mut().for_each(|x| *x *= scale);
+    scale
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn layout_is_contiguous_and_grouped() {
+        let l = ParamLayout::new(&[
+            ("model.embed_tokens.weight".into(), vec![4, 3]),
+            ("model.layers.0.input_layernorm.weight".into(), vec![3]),
+            ("lm_head.weight".into(), vec![4, 3]),
+        ]);
+        assert_eq!(l.total, 27);
+        assert_eq!(l.params[1].range, 12..15);
+        assert_eq!(l.params[0].group, ParamGroup::Embedding);
+        assert_eq!(l.params[1].group, ParamGroup::Norm);
+        assert_eq!(l.params[2].group, ParamGroup::Matrix);
+    }
+
+    #[test]
+    fn accumulates_only_reached_params_and_clips() {
+        let l = ParamLayout::new(&[("a".into(), vec![2]), ("b".into(), vec![2])]);
+        let a = Var::from_tensor(&Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[3f32, 4.], &Device::Cpu).unwrap()).unwrap();
+        let mut acc = GradAccum::new(&l);
+        for _ in 0..2 {
+            // d/da sum(a^2) = 2a; b is not in the graph
+            let loss = a.as_tensor().sqr().unwrap().sum_all().unwrap();
+            let store = loss.backward().unwrap();
+            acc.add_from(&l, &[a.clone(), b.clone()], &store).unwrap();
+        }
+        assert_eq!(acc.flat, vec![4.0, 8.0, 0.0, 0.0]);
+        let n = global_norm(&acc.flat);
+        assert!((n - 80f64.sqrt()).abs() < 1e-9);
+        let s = clip_by_global_norm(&mut acc.flat, n, 1.0);
+        assert!(s < 1.0);
+        assert!((global_norm(&acc.flat) - 1.0).abs() < 1e-5);
+        assert!(all_finite(&acc.flat));
+        acc.flat[0] = f32::NAN;
+        assert!(!all_finite(&acc.flat));
+    }
+}

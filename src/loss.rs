@@ -1,0 +1,224 @@
+//! Chunked cross-entropy: per-token negative log-likelihood of `targets` under `hidden @ lm_head^T`,
+//! computed `chunk` tokens at a time, with its own backward, so the (N x V) logits never exist at once.
+//!
+//! Reference: Liger-Kernel `fused_linear_cross_entropy`, Wijmans et al. "Cut Your Losses" (2024).
+//! Forward per chunk of tokens: logits = h_c W^T (f32), lse = logsumexp(logits), nll = lse - logits[y].
+//! Backward per chunk (upstream g (N) per token): dlogits = g * (softmax(logits) - onehot(y)),
+//! dh_c = dlogits W, dW += dlogits^T h_c. Peak extra memory is one (chunk x V) f32 block plus dW.
+//! The non-obvious decision: the op returns the per-token nll (N), not a scalar, so the loop can report
+//! loss per data source and scale the sum by the number of target tokens of the whole optimizer step
+//! (exact gradient accumulation). Targets equal to `IGNORE_INDEX` contribute 0 and get no gradient.
+//! The CPU path uses candle's gemm on chunks; a CUDA kernel is a later issue. Not done here: z-loss,
+//! label smoothing.
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
+
+/// Target value that is skipped (no loss, no gradient).
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
+struct ChunkedCe {
+    chunk: usize,
+}
+
+/// A CPU storage slice as a tensor (copies; layouts must be contiguous).
+fn cpu_tensor(s: &CpuStorage, l: &Layout, what: &str) -> Result<Tensor> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("chunked cross-entropy: {what} must be contiguous")))?;
+    let dev = Device::Cpu;
+    match s {
+        CpuStorage::F32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
+        CpuStorage::BF16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
+        CpuStorage::F16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
+        CpuStorage::U32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
+        _ => candle_core::bail!("chunked cross-entropy: unsupported dtype for {what} (f32, bf16, f16 or u32 expected)"),
+    }
+}
+
+/// Targets with ignored entries replaced by 0 (for gather) and the 0/1 validity mask, both (n, 1).
+fn targets_and_mask(t: &Tensor) -> Result<(Tensor, Tensor)> {
+    let ys = t.to_vec1::<u32>()?;
+    let n = ys.len();
+    let idx: Vec<u32> = ys.iter().map(|&y| if y == IGNORE_INDEX { 0 } else { y }).collect();
+    let mask: Vec<f32> = ys.iter().map(|&y| if y == IGNORE_INDEX { 0.0 } else { 1.0 }).collect();
+    Ok((Tensor::from_vec(idx, (n, 1), t.device())?, Tensor::from_vec(mask, (n, 1), t.device())?))
+}
+
+/// Check sizes and targets: hidden (N, C), weight (V, C), targets (N) below V or ignored.
+fn check(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(usize, usize, usize)> {
+    let (n, c) = h.dims2()?;
+    let (v, c2) = w.dims2()?;
+    let n2 = t.dims1()?;
+    if c != c2 || n != n2 {
+        candle_core::bail!(
+            "chunked cross-entropy: hidden {:?}, weight {:?}, targets {:?} do not fit (N,C) (V,C) (N)",
+            h.dims(),
+            w.dims(),
+            t.dims()
+        );
+    }
+    if let Some(bad) = t.to_vec1::<u32>()?.into_iter().find(|&y| y != IGNORE_INDEX && y as usize >= v) {
+        candle_core::bail!("chunked cross-entropy: target id {bad} is outside the vocabulary of {v}");
+    }
+    Ok((n, c, v))
+}
+
+/// Logits of one chunk in f32 and their logsumexp: (n, V), (n, 1).
+fn chunk_logits(h: &Tensor, w_t: &Tensor) -> Result<(Tensor, Tensor)> {
+    let logits = h.matmul(w_t)?.to_dtype(DType::F32)?; // (n, V)
+    let m = logits.max_keepdim(D::Minus1)?; // (n, 1)
+    let lse = (logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &m)?; // (n, 1)
+    Ok((logits, lse))
+}
+
+impl CustomOp3 for ChunkedCe {
+    fn name(&self) -> &'static str {
+        "harpe-chunked-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = cpu_tensor(s1, l1, "hidden")?; // (N, C)
+        let w = cpu_tensor(s2, l2, "weight")?; // (V, C)
+        let t = cpu_tensor(s3, l3, "targets")?; // (N)
+        let (n, _c, _v) = check(&h, &w, &t)?;
+        let w_t = w.t()?; // (C, V), strided view: gemm reads it in place
+        let mut nll = Vec::with_capacity(n);
+        for start in (0..n).step_by(self.chunk) {
+            let len = self.chunk.min(n - start);
+            let (idx, mask) = targets_and_mask(&t.narrow(0, start, len)?)?;
+            let (logits, lse) = chunk_logits(&h.narrow(0, start, len)?, &w_t)?;
+            let picked = logits.gather(&idx, 1)?; // (n, 1)
+            let l = ((lse - picked)? * mask)?.flatten_all()?.to_vec1::<f32>()?;
+            nll.extend(l);
+        }
+        Ok((CpuStorage::F32(nll), Shape::from_dims(&[n])))
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (h, w, t) = (hidden.detach(), weight.detach(), targets.detach());
+        let (n, c, v) = check(&h, &w, &t)?;
+        let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
+        let w32 = w.to_dtype(DType::F32)?; // (V, C)
+        let w_t = w.t()?; // (C, V)
+        let mut dh = Vec::new();
+        let mut dw = Tensor::zeros((v, c), DType::F32, h.device())?; // (V, C)
+        for start in (0..n).step_by(self.chunk) {
+            let len = self.chunk.min(n - start);
+            let hc = h.narrow(0, start, len)?; // (n, C)
+            let (idx, mask) = targets_and_mask(&t.narrow(0, start, len)?)?;
+            let gc = (g.narrow(0, start, len)? * mask)?; // (n, 1)
+            let (logits, lse) = chunk_logits(&hc, &w_t)?;
+            let p = logits.broadcast_sub(&lse)?.exp()?; // softmax (n, V)
+            let dlogits = p.broadcast_mul(&gc)?.scatter_add(&idx, &gc.neg()?, 1)?; // (n, V)
+            dh.push(dlogits.matmul(&w32)?); // (n, C)
+            dw = (dw + dlogits.t()?.matmul(&hc.to_dtype(DType::F32)?)?)?;
+        }
+        let dh = Tensor::cat(&dh, 0)?.to_dtype(hidden.dtype())?;
+        Ok((Some(dh), Some(dw.to_dtype(weight.dtype())?), None))
+    }
+}
+
+/// Per-token nll (N) f32 of hidden (N, C) under lm-head weight (V, C), `chunk` tokens at a time;
+/// differentiable in `hidden` and `weight`.
+pub fn chunked_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, chunk: usize) -> Result<Tensor> {
+    let chunk = chunk.max(1);
+    hidden.contiguous()?.apply_op3(&weight.contiguous()?, &targets.contiguous()?, ChunkedCe { chunk })
+}
+
+/// The same per-token nll from plain candle ops with the full (N, V) logits (tests, tiny shapes).
+pub fn cross_entropy_slow(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = hidden.matmul(&weight.t()?)?.to_dtype(DType::F32)?; // (N, V)
+    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let (idx, mask) = targets_and_mask(targets)?;
+    (logp.gather(&idx, 1)?.neg()? * mask)?.flatten_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn setup(n: usize, c: usize, v: usize, seed: u64) -> (Var, Var, Tensor) {
+        use rand::{Rng, SeedableRng};
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut f = |k: usize| (0..k).map(|_| r.random::<f32>() * 2.0 - 1.0).collect::<Vec<_>>();
+        let h = Var::from_vec(f(n * c), (n, c), &Device::Cpu).unwrap();
+        let w = Var::from_vec(f(v * c), (v, c), &Device::Cpu).unwrap();
+        let mut ys: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % v as u32).collect();
+        ys[1] = IGNORE_INDEX;
+        (h, w, Tensor::from_vec(ys, n, &Device::Cpu).unwrap())
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn forward_and_backward_match_the_slow_reference() {
+        let (n, c, v) = (13, 8, 11);
+        let (h, w, t) = setup(n, c, v, 1);
+        // random upstream gradient per token, so every row of the backward is exercised differently
+        let up = Tensor::from_vec((0..n).map(|i| 0.1 + i as f32 * 0.05).collect::<Vec<_>>(), n, &Device::Cpu).unwrap();
+        let fast = chunked_cross_entropy(&h, &w, &t, 4).unwrap();
+        let slow = cross_entropy_slow(&h, &w, &t).unwrap();
+        assert!(max_abs_diff(&fast, &slow) < 1e-5);
+        assert_eq!(fast.to_vec1::<f32>().unwrap()[1], 0.0);
+        let gf = (fast * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gs = (slow * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for var in [&h, &w] {
+            let (a, b) = (gf.get(var.as_tensor()).unwrap(), gs.get(var.as_tensor()).unwrap());
+            assert!(max_abs_diff(a, b) < 1e-5, "{}", max_abs_diff(a, b));
+            assert!(b.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+        }
+        // the ignored token's hidden row gets no gradient
+        let dh1 = gf.get(h.as_tensor()).unwrap().get(1).unwrap().abs().unwrap().sum_all().unwrap();
+        assert_eq!(dh1.to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn finite_differences_agree_with_backward() {
+        let (n, c, v) = (5, 4, 7);
+        let (h, w, t) = setup(n, c, v, 2);
+        let g = chunked_cross_entropy(&h, &w, &t, 2).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw = g.get(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let w0 = w.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let loss_at = |wv: Vec<f32>| -> f64 {
+            let wt = Tensor::from_vec(wv, (v, c), &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+            let ht = h.as_tensor().to_dtype(DType::F64).unwrap();
+            let logits = ht.matmul(&wt.t().unwrap()).unwrap();
+            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap().to_vec2::<f64>().unwrap();
+            let ys = t.to_vec1::<u32>().unwrap();
+            ys.iter().enumerate().filter(|(_, &y)| y != IGNORE_INDEX).map(|(i, &y)| -logp[i][y as usize]).sum()
+        };
+        let eps = 1e-3f32;
+        for k in [0, 5, 13, 27] {
+            let (mut a, mut b) = (w0.clone(), w0.clone());
+            a[k] += eps;
+            b[k] -= eps;
+            let fd = (loss_at(a) - loss_at(b)) / (2.0 * eps as f64);
+            assert!((fd - dw[k] as f64).abs() < 1e-3, "k {k}: fd {fd} vs {}", dw[k]);
+        }
+    }
+
+    #[test]
+    fn bad_target_is_an_error() {
+        let (h, w, _) = setup(3, 4, 5, 3);
+        let t = Tensor::from_vec(vec![0u32, 9, 1], 3, &Device::Cpu).unwrap();
+        let e = chunked_cross_entropy(&h, &w, &t, 2).unwrap_err().to_string();
+        assert!(e.contains("target id 9"), "{e}");
+    }
+}

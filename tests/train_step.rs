@@ -1,0 +1,143 @@
+//! One training step against references: torch AdamW (golden), gradient accumulation, activation
+//! checkpointing on/off, every parameter reached, loss equal to the model's full-logits loss.
+//! These call the same functions the `harpe train` loop calls (`forward_backward`, `AdamW::step`).
+use candle_core::{DType, Device, Tensor};
+use harpe::config::Checkpointing;
+use harpe::grads::{GradAccum, ParamLayout};
+use harpe::model::config::LlamaConfig;
+use harpe::model::rope::RopeScheme;
+use harpe::model::weights::{init_random, load_tensors};
+use harpe::model::Llama;
+use harpe::optim::adamw::{AdamW, AdamWHyper};
+use harpe::train::{batch_tensors, flatten_params, forward_backward, rope_tables, trainable_model};
+use std::path::Path;
+
+fn tiny(layers: usize, rope: RopeScheme) -> (LlamaConfig, ParamLayout, Vec<f32>) {
+    let mut cfg = harpe::model::testing::tiny_config(rope);
+    cfg.num_hidden_layers = layers;
+    let t = init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+    let (layout, flat) = flatten_params(&t).unwrap();
+    (cfg, layout, flat)
+}
+
+fn seqs(n: usize, t: usize, v: u32) -> Vec<Vec<u32>> {
+    (0..n).map(|i| (0..t).map(|j| ((i * 131 + j * 17 + j * j) as u32) % v).collect()).collect()
+}
+
+/// Gradients of one optimizer step made of `micro` micro-batches over `data`.
+fn step_grads(
+    cfg: &LlamaConfig,
+    layout: &ParamLayout,
+    flat: &[f32],
+    data: &[Vec<u32>],
+    micro: usize,
+    ck: Checkpointing,
+    dtype: DType,
+) -> (Vec<f32>, f64) {
+    let (model, vars) = trainable_model(cfg, layout, flat, dtype, &Device::Cpu).unwrap();
+    let t = data[0].len();
+    let tables = rope_tables(&model, t).unwrap();
+    let mut g = GradAccum::new(layout);
+    let total = (data.len() * (t - 1)) as f64;
+    let mut nll = 0.0;
+    for chunk in data.chunks(data.len() / micro) {
+        let refs: Vec<&[u32]> = chunk.iter().map(|s| s.as_slice()).collect();
+        let (ids, tg) = batch_tensors(&refs, &Device::Cpu).unwrap();
+        let seg = ck.segment_len(cfg.num_hidden_layers);
+        let out = forward_backward(&model, &vars, layout, &tables, &ids, &tg, seg, 7, 1.0 / total, &mut g).unwrap();
+        nll += out.nll.iter().map(|&x| x as f64).sum::<f64>();
+    }
+    (g.flat, nll / total)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn accumulation_equals_a_larger_batch_and_checkpointing_changes_nothing() {
+    let (cfg, layout, flat) = tiny(3, RopeScheme::Harpe { head_bases: vec![1e4, 5e5], layer_head_bases: None });
+    let data = seqs(4, 24, cfg.vocab_size as u32);
+    let (g1, l1) = step_grads(&cfg, &layout, &flat, &data, 1, Checkpointing::None, DType::F32);
+    let (g4, l4) = step_grads(&cfg, &layout, &flat, &data, 4, Checkpointing::None, DType::F32);
+    assert!(max_rel(&g4, &g1) < 1e-5, "accumulation: {}", max_rel(&g4, &g1));
+    assert!((l1 - l4).abs() < 1e-6);
+    for ck in [Checkpointing::EveryLayer, Checkpointing::Every(2)] {
+        let (gc, lc) = step_grads(&cfg, &layout, &flat, &data, 2, ck, DType::F32);
+        assert!(max_rel(&gc, &g1) < 1e-5, "{ck:?}: {}", max_rel(&gc, &g1));
+        assert!((lc - l1).abs() < 1e-6);
+    }
+    // every parameter gets a non-zero gradient (no op in the path without a backward)
+    for p in &layout.params {
+        let n: f32 = g1[p.range.clone()].iter().map(|x| x.abs()).sum();
+        assert!(n > 0.0, "{} got no gradient", p.name);
+    }
+    // the loss is the model's own full-logits cross-entropy (candle_nn) on the same batch
+    let mut m = std::collections::HashMap::new();
+    for p in &layout.params {
+        m.insert(p.name.clone(), Tensor::from_slice(&flat[p.range.clone()], p.shape.as_slice(), &Device::Cpu).unwrap());
+    }
+    let model = Llama::from_tensors(cfg.clone(), m, "test").unwrap();
+    let flat_ids: Vec<u32> = data.concat();
+    let ids = Tensor::from_vec(flat_ids, (4, 24), &Device::Cpu).unwrap();
+    let full = model.loss_full(&ids).unwrap().to_scalar::<f32>().unwrap() as f64;
+    assert!((full - l1).abs() < 1e-5, "{full} vs {l1}");
+}
+
+#[test]
+fn bf16_compute_with_fp32_master_tracks_f32() {
+    let (cfg, layout, flat) = tiny(2, RopeScheme::Default { theta: 10000.0 });
+    let data = seqs(2, 16, cfg.vocab_size as u32);
+    let (g32, l32) = step_grads(&cfg, &layout, &flat, &data, 1, Checkpointing::EveryLayer, DType::F32);
+    let (g16, l16) = step_grads(&cfg, &layout, &flat, &data, 1, Checkpointing::EveryLayer, DType::BF16);
+    assert!((l32 - l16).abs() / l32 < 0.01, "{l32} vs {l16}");
+    let cos = {
+        let dot: f64 = g32.iter().zip(&g16).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+        let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (n(&g32) * n(&g16))
+    };
+    assert!(cos > 0.99, "bf16 gradient direction: cos {cos}");
+}
+
+#[test]
+fn one_step_matches_torch_adamw_golden() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/adamw");
+    let cfg = LlamaConfig::from_file(&dir.join("model/config.json")).unwrap();
+    let mut w = load_tensors(&dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+    if cfg.tie_word_embeddings {
+        w.remove("lm_head.weight");
+    }
+    let model = Llama::from_tensors(cfg.clone(), w, "golden").unwrap();
+    let (layout, flat) = flatten_params(&model.tensors()).unwrap();
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let hp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    let f = |k: &str| hp[k].as_f64().unwrap();
+    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    let (g, loss) = step_grads(&cfg, &layout, &flat, &ids, 1, Checkpointing::EveryLayer, DType::F32);
+    let torch_loss = golden["loss"].to_vec1::<f32>().unwrap()[0] as f64;
+    assert!((loss - torch_loss).abs() < 1e-5 * torch_loss, "loss {loss} vs torch {torch_loss}");
+    let wd = f("weight_decay") as f32;
+    let h = AdamWHyper {
+        beta1: f("beta1") as f32,
+        beta2: f("beta2") as f32,
+        eps: f("eps") as f32,
+        wd_matrix: wd,
+        wd_embedding: wd,
+        wd_norm: 0.0,
+    };
+    let mut opt = AdamW::new(&layout, &flat, 0..layout.total, h);
+    opt.step(&g, f("lr"));
+    let mut worst = (0f32, String::new());
+    for p in &layout.params {
+        let want = golden[&format!("param.{}", p.name)].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (a, b) in opt.master[p.range.clone()].iter().zip(&want) {
+            let rel = (a - b).abs() / b.abs().max(1e-3);
+            if rel > worst.0 {
+                worst = (rel, p.name.clone());
+            }
+        }
+    }
+    assert!(worst.0 < 1e-5, "worst relative error {} in {}", worst.0, worst.1);
+}
