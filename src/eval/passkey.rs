@@ -55,9 +55,10 @@ pub fn calibrate(tok: &Tokenizer, length: usize) -> Result<usize> {
     let budget = length.saturating_sub(MARGIN);
     let fits = |n: usize| -> Result<bool> { Ok(prompt_tokens(tok, &passkey_prompt(n, 0.5, 50000))? <= budget) };
     if !fits(0)? {
+        let need = prompt_tokens(tok, &passkey_prompt(0, 0.5, 50000))? + MARGIN;
         bail!(
             "length {length} is too short for the passkey prompt: even without noise it needs more than {budget} \
-             tokens\nhint: use --lengths of at least 256"
+             tokens\nhint: use --lengths of at least {need} with this tokenizer"
         );
     }
     let mut lo = 0;
