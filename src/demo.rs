@@ -92,7 +92,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         "untrained: nll {:.4} ppl {:.2} | trained: nll {:.4} ppl {:.2} ({} tokens, {} windows)",
         before.nll, before.ppl, after.nll, after.ppl, after.tokens, after.windows
     );
-    if !(after.nll < before.nll) {
+    if after.nll.partial_cmp(&before.nll) != Some(std::cmp::Ordering::Less) {
         bail!(
             "training did not lower the held-out loss ({} -> {})\nhint: this is a bug; please report it",
             before.nll,
