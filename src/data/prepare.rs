@@ -28,7 +28,7 @@ use super::mixture::{parse_budget, DocInfo, Selector, StrategyKind, StrategyPara
 use super::pack::Packer;
 use super::shard::{hist_bucket, BadLine, Manifest, SourceStats, FORMAT, HIST_BUCKETS, VERSION};
 use super::source::{expand_inputs, parse_record, read_batches, Fields, InputFile, InputKind, DEFAULT_SOURCE_FIELD};
-use super::tokenize::{encode, load_tokenizer, tokenizer_sha256, SepTokens, Separator};
+use super::tokenize::{encode, exact_word_split, load_tokenizer, tokenizer_sha256, SepTokens, Separator};
 
 /// Bad-line samples kept in the manifest.
 const MAX_BAD_SAMPLES: usize = 100;
@@ -518,6 +518,8 @@ pub fn prepare(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptio
 
 fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptions, out: &Path) -> Result<Manifest> {
     let tok = load_tokenizer(tokenizer_path)?;
+    // Same ids, faster, for Llama-layout tokenizers (see `exact_word_split`).
+    let tok = exact_word_split(&tok).unwrap_or(tok);
     let sep = SepTokens::resolve(&tok, opts.separator, opts.bos_token.as_deref(), opts.eos_token.as_deref())?;
     let tok_sha = tokenizer_sha256(tokenizer_path)?;
     let settings = Settings {
