@@ -101,10 +101,48 @@ pub enum RopeScheme {
     },
     /// HARPE: one base per kv head (the same map in every layer unless `layer_head_bases` is given).
     Harpe {
+        /// a list, `"table2"`, or `{ uniform = { min, max, heads, order } }` (resolved to a list on load)
+        #[serde(deserialize_with = "de_head_bases")]
         head_bases: Vec<f64>,
         #[serde(default)]
         layer_head_bases: Option<Vec<Vec<f64>>>,
     },
+}
+
+/// How a HARPE base set may be written in a config file.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum BasesSpec {
+    List(Vec<f64>),
+    Named(String),
+    Uniform { uniform: UniformSpec },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UniformSpec {
+    min: f64,
+    max: f64,
+    heads: usize,
+    #[serde(default = "default_order")]
+    order: BaseOrder,
+}
+
+fn default_order() -> BaseOrder {
+    BaseOrder::Asc
+}
+
+/// `head_bases` as a list, as the paper's `"table2"`, or as `{ uniform = { min, max, heads, order } }`.
+fn de_head_bases<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<f64>, D::Error> {
+    use serde::de::Error;
+    match BasesSpec::deserialize(d)? {
+        BasesSpec::List(v) => Ok(v),
+        BasesSpec::Named(n) if n == "table2" => Ok(TABLE2_BASES.iter().map(|&b| b as f64).collect()),
+        BasesSpec::Named(n) => Err(D::Error::custom(format!(
+            "unknown base set `{n}` (hint: use \"table2\", a list of numbers, or {{ uniform = {{ min, max, heads, order }} }})"
+        ))),
+        BasesSpec::Uniform { uniform: u } => uniform_bases(u.min, u.max, u.heads, u.order).map_err(|e| D::Error::custom(format!("{e:#}"))),
+    }
 }
 
 fn default_beta_fast() -> f64 {
@@ -514,6 +552,33 @@ mod tests {
         let d = uniform_bases(1e6, 5e6, 32, BaseOrder::Desc).unwrap();
         assert_eq!(d[0], b[31]);
         assert!(uniform_bases(5e6, 1e6, 32, BaseOrder::Asc).is_err());
+    }
+
+    #[test]
+    fn harpe_bases_can_be_named_in_configs() {
+        #[derive(Deserialize)]
+        struct Doc {
+            rope: RopeScheme,
+        }
+        let t2: Doc = toml::from_str("[rope]\nscheme = \"harpe\"\nhead_bases = \"table2\"\n").unwrap();
+        let RopeScheme::Harpe { head_bases, .. } = t2.rope else { panic!() };
+        assert_eq!(head_bases.len(), 32);
+        assert_eq!(head_bases[4], 2_170_000.0);
+        let u: Doc = toml::from_str(
+            "[rope]\nscheme = \"harpe\"\nhead_bases = { uniform = { min = 1e6, max = 5e6, heads = 8, order = \"desc\" } }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            u.rope,
+            RopeScheme::Harpe {
+                head_bases: uniform_bases(1e6, 5e6, 8, BaseOrder::Desc).unwrap(),
+                layer_head_bases: None
+            }
+        );
+        let bad = toml::from_str::<Doc>("[rope]\nscheme = \"harpe\"\nhead_bases = \"table3\"\n");
+        assert!(bad.is_err());
+        let l: Doc = toml::from_str("[rope]\nscheme = \"harpe\"\nhead_bases = [1e4, 2e4]\n").unwrap();
+        assert_eq!(l.rope, RopeScheme::Harpe { head_bases: vec![1e4, 2e4], layer_head_bases: None });
     }
 
     #[test]
