@@ -11,6 +11,7 @@
 //! What this file does not do: decide when to save (train.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
 use crate::model::rope::RopeScheme;
+use crate::model::weights::TensorBytes;
 use crate::optim::adamw::AdamW;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -69,34 +70,13 @@ fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))
 }
 
-/// safetensors view over an owned little-endian f32 buffer.
-struct F32Bytes {
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl safetensors::View for &F32Bytes {
-    fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-fn f32_bytes(v: &[f32]) -> F32Bytes {
-    F32Bytes { shape: vec![v.len()], data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
-}
-
 /// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
 fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
-    let views = [("master", f32_bytes(&o.master)), ("m", f32_bytes(&o.m)), ("v", f32_bytes(&o.v))];
+    let views = [
+        ("master", TensorBytes::from_f32(&o.master)),
+        ("m", TensorBytes::from_f32(&o.m)),
+        ("v", TensorBytes::from_f32(&o.v)),
+    ];
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
     let info = serde_json::json!({"format": FORMAT, "t": o.t, "range_start": o.range.start, "range_end": o.range.end});

@@ -207,7 +207,8 @@ pub fn save_model_dir(
         } else {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
-        let views = shard.iter().map(|(k, t)| Ok((k.clone(), TensorView::new(t)?))).collect::<Result<Vec<_>>>()?;
+        let views =
+            shard.iter().map(|(k, t)| Ok((k.clone(), TensorBytes::from_tensor(t)?))).collect::<Result<Vec<_>>>()?;
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
         let bytes = safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta))
             .map_err(|e| anyhow!("cannot serialize {fname}: {e}"))?;
@@ -226,60 +227,47 @@ pub fn save_model_dir(
     Ok(())
 }
 
-/// A tensor's bytes as a safetensors view.
-struct TensorView {
+/// A tensor's little-endian bytes as a safetensors view (also used for optimizer state).
+pub struct TensorBytes {
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
     data: Vec<u8>,
 }
 
-impl TensorView {
-    fn new(t: &Tensor) -> Result<TensorView> {
+impl TensorBytes {
+    /// The bytes of a float tensor.
+    pub fn from_tensor(t: &Tensor) -> Result<TensorBytes> {
         let t = t.contiguous()?;
-        let (dtype, data) = match t.dtype() {
-            DType::F32 => (safetensors::Dtype::F32, bytes_of(&t.flatten_all()?.to_vec1::<f32>()?)),
-            DType::BF16 => (safetensors::Dtype::BF16, bytes_of(&t.flatten_all()?.to_vec1::<half::bf16>()?)),
-            DType::F16 => (safetensors::Dtype::F16, bytes_of(&t.flatten_all()?.to_vec1::<half::f16>()?)),
-            DType::F64 => (safetensors::Dtype::F64, bytes_of(&t.flatten_all()?.to_vec1::<f64>()?)),
+        let flat = t.flatten_all()?;
+        let (dtype, data): (_, Vec<u8>) = match t.dtype() {
+            DType::F32 => {
+                (safetensors::Dtype::F32, flat.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            DType::BF16 => {
+                (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            DType::F16 => {
+                (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            DType::F64 => {
+                (safetensors::Dtype::F64, flat.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
             other => bail!("cannot save a tensor of dtype {other:?}\nhint: save float weights"),
         };
-        Ok(TensorView { dtype, shape: t.dims().to_vec(), data })
+        Ok(TensorBytes { dtype, shape: t.dims().to_vec(), data })
+    }
+
+    /// A 1-D f32 buffer.
+    pub fn from_f32(v: &[f32]) -> TensorBytes {
+        TensorBytes {
+            dtype: safetensors::Dtype::F32,
+            shape: vec![v.len()],
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
     }
 }
 
-fn bytes_of<T: Copy + ToLe>(v: &[T]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(std::mem::size_of_val(v));
-    for x in v {
-        x.push_le(&mut out);
-    }
-    out
-}
-
-trait ToLe {
-    fn push_le(&self, out: &mut Vec<u8>);
-}
-impl ToLe for f32 {
-    fn push_le(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes())
-    }
-}
-impl ToLe for f64 {
-    fn push_le(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes())
-    }
-}
-impl ToLe for half::bf16 {
-    fn push_le(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes())
-    }
-}
-impl ToLe for half::f16 {
-    fn push_le(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes())
-    }
-}
-
-impl safetensors::View for &TensorView {
+impl safetensors::View for &TensorBytes {
     fn dtype(&self) -> safetensors::Dtype {
         self.dtype
     }
