@@ -1,10 +1,11 @@
-//! The exact word-split fast path for Llama-layout BPE tokenizers gives the same ids as the tokenizer
-//! itself, and is refused when a vocabulary token could merge across a split.
-use harpe::data::tokenize::exact_word_split;
+//! The Llama-layout fast encoder gives exactly the ids of the tokenizer's own pipeline, and is not used
+//! when a vocabulary token could merge across its word split.
+use harpe::data::tokenize::Encoder;
 use serde_json::json;
 use tokenizers::Tokenizer;
 
-/// A Llama-layout tokenizer (Prepend ▁ + Replace ' '->▁, no pre-tokenizer, BPE with byte fallback).
+/// A Llama-layout tokenizer (Prepend ▁ + Replace ' '->▁, no pre-tokenizer, BPE with byte fallback);
+/// `extra` merges come first, with the highest priority.
 fn llama_like(extra: &[(&str, &str)]) -> Tokenizer {
     let mut vocab = serde_json::Map::new();
     let mut add = |t: &str| {
@@ -22,7 +23,6 @@ fn llama_like(extra: &[(&str, &str)]) -> Tokenizer {
     for c in "▁abcdehlnortw".chars() {
         add(&c.to_string());
     }
-    // `extra` merges come first: they have the highest priority
     let mut merges: Vec<(&str, &str)> = extra.to_vec();
     merges.extend_from_slice(&[
         ("▁", "t"),
@@ -65,11 +65,28 @@ fn llama_like(extra: &[(&str, &str)]) -> Tokenizer {
 }
 
 fn texts() -> Vec<String> {
-    let words =
-        ["the", "hello", "world", "ab", "a", "t", "théâtre", "ll", "or", "\n", "  ", "<s>", "42", "x", "the\tend"];
-    let mut out = vec![String::new(), " ".into(), "   ".into(), "the".into(), "  the  world ".into()];
+    let words = [
+        "the",
+        "hello",
+        "world",
+        "ab",
+        "a",
+        "t",
+        "théâtre",
+        "ll",
+        "or",
+        "\n",
+        "  ",
+        "<s>",
+        "42",
+        "x",
+        "the\tend",
+        "▁",
+        "日本",
+    ];
+    let mut out = vec![String::new(), " ".into(), "   ".into(), "the".into(), "  the  world ".into(), "▁▁the".into()];
     let mut s: u64 = 7;
-    for n in 0..300 {
+    for n in 0..400 {
         let mut t = String::new();
         for _ in 0..(n % 40) {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -83,34 +100,32 @@ fn texts() -> Vec<String> {
     out
 }
 
-#[test]
-fn fast_path_gives_identical_ids() {
-    let tok = llama_like(&[]);
-    let fast = exact_word_split(&tok).expect("a Llama-layout tokenizer qualifies");
-    for t in texts() {
-        let a = tok.encode_fast(t.as_str(), false).unwrap();
-        let b = fast.encode_fast(t.as_str(), false).unwrap();
-        assert_eq!(a.get_ids(), b.get_ids(), "{t:?}");
-    }
-    // the split really splits: a word-level cache sees many words, ids still equal
-    let long = "hello world the ab ".repeat(200);
-    assert_eq!(
-        tok.encode_fast(long.as_str(), false).unwrap().get_ids(),
-        fast.encode_fast(long.as_str(), false).unwrap().get_ids()
-    );
+fn pipeline(tok: &Tokenizer, t: &str) -> Vec<u32> {
+    tok.encode_fast(t, false).unwrap().get_ids().to_vec()
 }
 
 #[test]
-fn fast_path_is_refused_when_a_token_spans_a_split() {
+fn fast_encoder_gives_identical_ids() {
+    let tok = llama_like(&[]);
+    let enc = Encoder::new(&tok);
+    assert!(enc.is_fast(), "a Llama-layout tokenizer qualifies");
+    for t in texts() {
+        assert_eq!(enc.encode(&t).unwrap(), pipeline(&tok, &t), "{t:?}");
+    }
+    let long = "hello world the ab ".repeat(300);
+    assert_eq!(enc.encode(&long).unwrap(), pipeline(&tok, &long));
+}
+
+#[test]
+fn fast_encoder_is_not_used_when_a_token_spans_a_split() {
     // "e▁" + "t" would merge across the boundary before "▁t": splitting there would change ids
     let tok = llama_like(&[("e", "▁"), ("e▁", "t")]);
-    assert!(exact_word_split(&tok).is_none());
-    // a tokenizer that already has a pre-tokenizer is left alone
-    let mut with_pre = llama_like(&[]);
-    with_pre.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
-    assert!(exact_word_split(&with_pre).is_none());
-    // and the refused tokenizer really differs when split by force (the check is not vacuous)
-    let t = "the the";
+    let enc = Encoder::new(&tok);
+    assert!(!enc.is_fast());
+    for t in texts() {
+        assert_eq!(enc.encode(&t).unwrap(), pipeline(&tok, &t), "{t:?}");
+    }
+    // the check is not vacuous: a forced split really differs on this tokenizer
     let split = {
         let mut x = tok.clone();
         x.with_pre_tokenizer(Some(
@@ -123,5 +138,11 @@ fn fast_path_is_refused_when_a_token_spans_a_split() {
         ));
         x
     };
-    assert_ne!(tok.encode_fast(t, false).unwrap().get_ids(), split.encode_fast(t, false).unwrap().get_ids());
+    assert_ne!(pipeline(&tok, "the the"), pipeline(&split, "the the"));
+    // another normalizer, or a pre-tokenizer, also disables the fast path
+    let mut with_pre = llama_like(&[]);
+    with_pre.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+    assert!(!Encoder::new(&with_pre).is_fast());
+    let byte = Tokenizer::from_bytes(harpe::model::testing::byte_tokenizer_json().as_bytes()).unwrap();
+    assert!(!Encoder::new(&byte).is_fast());
 }

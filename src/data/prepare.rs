@@ -28,7 +28,7 @@ use super::mixture::{parse_budget, DocInfo, Selector, StrategyKind, StrategyPara
 use super::pack::Packer;
 use super::shard::{hist_bucket, BadLine, Manifest, SourceStats, FORMAT, HIST_BUCKETS, VERSION};
 use super::source::{expand_inputs, parse_record, read_batches, Fields, InputFile, InputKind, DEFAULT_SOURCE_FIELD};
-use super::tokenize::{encode, exact_word_split, load_tokenizer, tokenizer_sha256, SepTokens, Separator};
+use super::tokenize::{load_tokenizer, tokenizer_sha256, Encoder, SepTokens, Separator};
 
 /// Bad-line samples kept in the manifest.
 const MAX_BAD_SAMPLES: usize = 100;
@@ -368,7 +368,7 @@ fn read_index(path: &Path) -> Result<Vec<(u32, u32)>> {
 
 /// Shared state of pass 1.
 struct Pass1<'a> {
-    tok: &'a tokenizers::Tokenizer,
+    tok: &'a Encoder<'a>,
     fields: &'a Fields,
     opts: &'a PrepareOptions,
     work: &'a Path,
@@ -412,7 +412,7 @@ impl Pass1<'_> {
                     .into_par_iter()
                     .map(|raw| {
                         let (source, text) = parse_record(raw, self.fields)?;
-                        let ids = encode(self.tok, &text).map_err(|e| (0, e.to_string()))?;
+                        let ids = self.tok.encode(&text).map_err(|e| (0, e.to_string()))?;
                         Ok::<_, (u64, String)>((source, ids))
                     })
                     .collect();
@@ -518,8 +518,8 @@ pub fn prepare(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptio
 
 fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOptions, out: &Path) -> Result<Manifest> {
     let tok = load_tokenizer(tokenizer_path)?;
-    // Same ids, faster, for Llama-layout tokenizers (see `exact_word_split`).
-    let tok = exact_word_split(&tok).unwrap_or(tok);
+    // Same ids as the tokenizer's own pipeline, faster for Llama-layout tokenizers (see `Encoder`).
+    let encoder = Encoder::new(&tok);
     let sep = SepTokens::resolve(&tok, opts.separator, opts.bos_token.as_deref(), opts.eos_token.as_deref())?;
     let tok_sha = tokenizer_sha256(tokenizer_path)?;
     let settings = Settings {
@@ -595,7 +595,7 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             }
             None => {
                 let p1 = Pass1 {
-                    tok: &tok,
+                    tok: &encoder,
                     fields: &fields,
                     opts,
                     work: &work,

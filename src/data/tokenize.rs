@@ -103,30 +103,129 @@ pub fn tokenizer_sha256(path: &Path) -> Result<String> {
 /// The SentencePiece word-boundary marker.
 const SPACE: char = '\u{2581}';
 
-/// An exactly equivalent, faster tokenizer for Llama-layout BPE tokenizers, or `None`.
+/// Words kept per thread by `Encoder` before its cache is cleared.
+const WORD_CACHE_CAP: usize = 1 << 18;
+
+thread_local! {
+    /// (encoder id, word -> ids) of the fast path.
+    static WORD_CACHE: std::cell::RefCell<(u64, std::collections::HashMap<String, Vec<u32>>)> =
+        std::cell::RefCell::new((0, std::collections::HashMap::new()));
+}
+
+/// Encodes documents exactly as `Tokenizer::encode_fast(text, false)` does, faster for Llama-layout
+/// tokenizers.
 ///
-/// Llama-2 / Mistral `tokenizer.json` files have no pre-tokenizer, so `tokenizers` runs BPE over a whole
-/// document as one "word" (cost grows faster than linearly with its length and the word cache never
-/// hits). Splitting the normalized text before every run of `▁` changes no result when no vocabulary
-/// token contains a `▁` preceded by another character: BPE merges only ever produce vocabulary tokens,
-/// so no merge can cross such a split and both sides merge independently, in the same order. That
-/// property is checked on the actual vocabulary here (it holds for Llama-2 and Mistral); the split is
-/// then installed as a `Split` pre-tokenizer with the pattern `▁*[^▁]+|▁+` (each piece = a run of `▁`
-/// plus the following non-`▁` characters). Also required: a BPE model without dropout, and no fusing
-/// of unknown tokens across pieces (byte fallback or `fuse_unk = false`).
-pub fn exact_word_split(tok: &Tokenizer) -> Option<Tokenizer> {
-    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-    use tokenizers::{Model, SplitDelimiterBehavior};
-    if tok.get_pre_tokenizer().is_some() {
-        return None;
+/// Llama-2 / Mistral `tokenizer.json` files normalize with `Prepend("▁")` + `Replace(" " -> "▁")` and have
+/// no pre-tokenizer, so `tokenizers` tracks per-character alignments through the normalizer and runs BPE
+/// over a whole document as one "word" (its cost grows faster than linearly and the word cache never
+/// hits). When (1) the normalizer is exactly that pair, (2) there is no pre-tokenizer, truncation or
+/// padding, (3) the model is BPE without dropout whose unknown tokens cannot fuse across pieces (byte
+/// fallback or `fuse_unk = false`), and (4) no vocabulary token contains a `▁` preceded by another
+/// character, the same ids come from: `"▁" + text.replace(' ', "▁")` split before every run of `▁`, each
+/// piece tokenized by the BPE model (with its word cache). (4) makes the split exact: BPE merges only
+/// produce vocabulary tokens, so no merge can cross such a split, and both sides merge independently in
+/// the same order. A document containing an added token's text (e.g. a literal `<s>`) takes the full
+/// pipeline, which treats it specially (added tokens must be non-normalized, as Llama's are). All
+/// conditions are checked on the actual tokenizer.
+pub struct Encoder<'a> {
+    tok: &'a Tokenizer,
+    /// identifies this encoder in the per-thread word cache
+    id: u64,
+    /// the Llama-layout fast path applies
+    fast: bool,
+    /// added tokens' text; a document containing one takes the full pipeline
+    added: Vec<String>,
+}
+
+impl<'a> Encoder<'a> {
+    /// Inspect `tok` once and decide whether the fast path is exact for it.
+    pub fn new(tok: &'a Tokenizer) -> Encoder<'a> {
+        let added = tok.get_added_tokens_decoder().values().map(|t| t.content.clone()).collect();
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Encoder { tok, id, fast: llama_layout(tok), added }
     }
-    let model = serde_json::to_value(tok.get_model()).ok()?;
+
+    /// True when documents skip the generic pipeline (see the type's doc).
+    pub fn is_fast(&self) -> bool {
+        self.fast
+    }
+
+    /// Token ids of one document's text, without special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        use tokenizers::Model;
+        if !self.fast || self.added.iter().any(|a| text.contains(a.as_str())) {
+            return encode(self.tok, text);
+        }
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        if text.is_empty() {
+            return Ok(ids);
+        }
+        let norm: String =
+            std::iter::once(SPACE).chain(text.chars().map(|c| if c == ' ' { SPACE } else { c })).collect();
+        let model = self.tok.get_model();
+        // Word -> ids cache per thread (BPE without dropout is a pure function of the word); it saves
+        // the model's per-token String allocations for repeated words.
+        WORD_CACHE.with(|cell| -> Result<()> {
+            let mut cache = cell.borrow_mut();
+            if cache.0 != self.id || cache.1.len() > WORD_CACHE_CAP {
+                cache.0 = self.id;
+                cache.1.clear();
+            }
+            let mut piece = |w: &str, ids: &mut Vec<u32>| -> Result<()> {
+                if let Some(v) = cache.1.get(w) {
+                    ids.extend_from_slice(v);
+                    return Ok(());
+                }
+                let v: Vec<u32> = model
+                    .tokenize(w)
+                    .map_err(|e| anyhow!("tokenizer failed: {e}"))?
+                    .into_iter()
+                    .map(|t| t.id)
+                    .collect();
+                ids.extend_from_slice(&v);
+                cache.1.insert(w.to_string(), v);
+                Ok(())
+            };
+            let mut start = 0;
+            let mut prev_space = true;
+            for (i, c) in norm.char_indices() {
+                let space = c == SPACE;
+                if space && !prev_space {
+                    piece(&norm[start..i], &mut ids)?;
+                    start = i;
+                }
+                prev_space = space;
+            }
+            piece(&norm[start..], &mut ids)
+        })?;
+        Ok(ids)
+    }
+}
+
+/// The four conditions of `Encoder` for the Llama-layout fast path.
+fn llama_layout(tok: &Tokenizer) -> bool {
+    use tokenizers::Model;
+    if tok.get_pre_tokenizer().is_some() || tok.get_truncation().is_some() || tok.get_padding().is_some() {
+        return false;
+    }
+    // added tokens matched after normalization would need the normalized text: not on the fast path
+    if tok.get_added_tokens_decoder().values().any(|t| t.normalized) {
+        return false;
+    }
+    let norm = serde_json::to_value(tok.get_normalizer()).unwrap_or_default();
+    let want = serde_json::json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]});
+    if norm != want {
+        return false;
+    }
+    let model = serde_json::to_value(tok.get_model()).unwrap_or_default();
     let is_bpe = model.get("type").and_then(|t| t.as_str()) == Some("BPE");
     let no_dropout = model.get("dropout").is_none_or(|d| d.is_null());
     let byte_fallback = model.get("byte_fallback").and_then(|b| b.as_bool()).unwrap_or(false);
     let fuse_unk = model.get("fuse_unk").and_then(|b| b.as_bool()).unwrap_or(false);
     if !(is_bpe && no_dropout && (byte_fallback || !fuse_unk)) {
-        return None;
+        return false;
     }
     let crosses = |t: &str| {
         let mut prev: Option<char> = None;
@@ -138,18 +237,7 @@ pub fn exact_word_split(tok: &Tokenizer) -> Option<Tokenizer> {
         }
         false
     };
-    if tok.get_model().get_vocab().keys().any(|t| crosses(t)) {
-        return None;
-    }
-    let split = Split::new(
-        SplitPattern::Regex("\u{2581}*[^\u{2581}]+|\u{2581}+".into()),
-        SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .ok()?;
-    let mut fast = tok.clone();
-    fast.with_pre_tokenizer(Some(split));
-    Some(fast)
+    !tok.get_model().get_vocab().keys().any(|t| crosses(t))
 }
 
 /// Token ids of one document's text, without special tokens.
