@@ -89,7 +89,7 @@ impl CustomOp3 for Rotary {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = grad.contiguous()?.apply_op3_no_bwd(cos, &sin.neg()?, &Rotary)?;
+        let dx = grad.contiguous()?.apply_op3(cos, &sin.neg()?, Rotary)?; // itself differentiable
         Ok((Some(dx), None, None))
     }
 }
