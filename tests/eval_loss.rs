@@ -3,19 +3,16 @@
 use candle_core::{DType, Device, Tensor};
 use harpe::data::{prepare_from_texts, PrepareOptions};
 use harpe::eval::eval_loss::{evaluate, EvalLossArgs};
-use harpe::eval::ppl::DTypeArg;
-use harpe::model::rope::{RopeParity, RopeScheme};
+use harpe::eval::ppl::ScoringModel;
+use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_model_dir;
 
 fn args(model: &std::path::Path, data: &std::path::Path) -> EvalLossArgs {
     EvalLossArgs {
-        model: model.to_path_buf(),
+        scoring: ScoringModel { loss_chunk: 7, ..ScoringModel::new(model) },
         data: data.to_path_buf(),
         buckets: vec![16, 32],
         max_sequences: None,
-        dtype: DTypeArg::F32,
-        rope_parity: RopeParity::F64,
-        loss_chunk: 7,
         allow_tokenizer_mismatch: false,
         json: false,
     }

@@ -6,10 +6,9 @@
 //! the bucket of t. Logits are made in chunks (never (T x V) at once). The dataset must have been
 //! tokenized with the model's tokenizer.json (sha256 compared). Not done here: document masking.
 use crate::data::{Loader, LoaderConfig};
-use crate::eval::ppl::{position_nlls, DTypeArg};
-use crate::model::{load_model_dir, rope::RopeParity};
+use crate::eval::ppl::{position_nlls, ScoringModel};
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,9 +16,8 @@ use std::path::PathBuf;
 /// Loss by source and position bucket on a prepared dataset.
 #[derive(clap::Args, Debug)]
 pub struct EvalLossArgs {
-    /// HF model directory (config.json, *.safetensors, tokenizer.json)
-    #[arg(long)]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub scoring: ScoringModel,
     /// prepared dataset directory (from `harpe prepare-data`), e.g. a validation split
     #[arg(long)]
     pub data: PathBuf,
@@ -29,15 +27,6 @@ pub struct EvalLossArgs {
     /// evaluate at most this many sequences (dataset order)
     #[arg(long)]
     pub max_sequences: Option<usize>,
-    /// compute dtype (log-softmax is always f32)
-    #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: DTypeArg,
-    /// RoPE arithmetic: f64 angles or transformers' f32
-    #[arg(long, value_enum, default_value = "f64")]
-    pub rope_parity: RopeParity,
-    /// positions per chunk of the chunked log-softmax
-    #[arg(long, default_value_t = 1024)]
-    pub loss_chunk: usize,
     /// evaluate even if the dataset's tokenizer differs from the model's
     #[arg(long)]
     pub allow_tokenizer_mismatch: bool,
@@ -102,18 +91,17 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
             args.buckets
         );
     }
-    let mut model = load_model_dir(&args.model, args.dtype.dtype(), &Device::Cpu)?;
-    model.parity = args.rope_parity;
+    let model = args.scoring.load()?;
     let seq_len = crate::data::Manifest::load(&args.data)?.seq_len;
     let loader = Loader::open(&args.data, LoaderConfig { seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 })?;
     let man = loader.manifest();
-    let tok_sha = crate::data::tokenizer_sha256(&args.model.join("tokenizer.json"))?;
+    let tok_sha = crate::data::tokenizer_sha256(&args.scoring.model.join("tokenizer.json"))?;
     if tok_sha != man.tokenizer_sha256 && !args.allow_tokenizer_mismatch {
         bail!(
             "{}: the dataset was tokenized with another tokenizer (sha256 {}) than {} ({})\nhint: prepare the data with the model's tokenizer.json, or pass --allow-tokenizer-mismatch",
             args.data.display(),
             &man.tokenizer_sha256[..12.min(man.tokenizer_sha256.len())],
-            args.model.join("tokenizer.json").display(),
+            args.scoring.model.join("tokenizer.json").display(),
             &tok_sha[..12]
         );
     }
@@ -134,7 +122,7 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
         }
         let x = Tensor::new(seq.tokens.as_slice(), &dev)?.unsqueeze(0)?; // (1, T)
         let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)
-        let nlls = position_nlls(&model, &hidden, &seq.tokens, 0, t - 1, args.loss_chunk)?;
+        let nlls = position_nlls(&model, &hidden, &seq.tokens, 0, t - 1, args.scoring.loss_chunk)?;
         for (p, nll) in nlls.into_iter().enumerate() {
             let target = p + 1;
             let src = seq

@@ -40,12 +40,47 @@ impl DTypeArg {
     }
 }
 
-/// Sliding-window perplexity of text under a model.
-#[derive(clap::Args, Debug)]
-pub struct EvalPplArgs {
+/// The model flags shared by the commands that score tokens (eval-ppl, eval-loss).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ScoringModel {
     /// HF model directory (config.json, *.safetensors, tokenizer.json)
     #[arg(long)]
     pub model: PathBuf,
+    /// compute dtype of weights and activations (log-softmax is always f32)
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DTypeArg,
+    /// RoPE arithmetic: f64 angles (accurate at 128K) or transformers' f32 arithmetic
+    #[arg(long, value_enum, default_value = "f64")]
+    pub rope_parity: RopeParity,
+    /// positions per chunk of the chunked log-softmax
+    #[arg(long, default_value_t = 1024)]
+    pub loss_chunk: usize,
+}
+
+impl ScoringModel {
+    /// The defaults of the flags for a model directory.
+    pub fn new(model: &Path) -> ScoringModel {
+        ScoringModel {
+            model: model.to_path_buf(),
+            dtype: DTypeArg::F32,
+            rope_parity: RopeParity::F64,
+            loss_chunk: 1024,
+        }
+    }
+
+    /// Load the model on CPU in the chosen dtype and RoPE arithmetic.
+    pub fn load(&self) -> Result<Llama> {
+        let mut model = load_model_dir(&self.model, self.dtype.dtype(), &Device::Cpu)?;
+        model.parity = self.rope_parity;
+        Ok(model)
+    }
+}
+
+/// Sliding-window perplexity of text under a model.
+#[derive(clap::Args, Debug)]
+pub struct EvalPplArgs {
+    #[command(flatten)]
+    pub scoring: ScoringModel,
     /// text inputs: .txt files (one document each), .jsonl files (one document per line, field `text`),
     /// or directories of them (sorted by name)
     #[arg(long, required = true, num_args = 1..)]
@@ -65,15 +100,6 @@ pub struct EvalPplArgs {
     /// print one JSON object on stdout instead of a table
     #[arg(long)]
     pub json: bool,
-    /// compute dtype of weights and activations (log-softmax is always f32)
-    #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: DTypeArg,
-    /// RoPE arithmetic: f64 angles (accurate at 128K) or transformers' f32 arithmetic
-    #[arg(long, value_enum, default_value = "f64")]
-    pub rope_parity: RopeParity,
-    /// positions per chunk of the chunked log-softmax
-    #[arg(long, default_value_t = 1024)]
-    pub loss_chunk: usize,
     /// tokenizer.json to use instead of the model directory's
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -256,15 +282,14 @@ pub fn read_documents(inputs: &[PathBuf]) -> Result<Vec<(String, String)>> {
 /// Evaluate; returns per-document results and the total.
 pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
     windows(2, args.window, args.stride)?; // validate W, S before loading anything
-    let mut model = load_model_dir(&args.model, args.dtype.dtype(), &Device::Cpu)?;
-    model.parity = args.rope_parity;
-    let tok = load_tokenizer(args.tokenizer.as_deref().unwrap_or(&args.model))?;
+    let model = args.scoring.load()?;
+    let tok = load_tokenizer(args.tokenizer.as_deref().unwrap_or(&args.scoring.model))?;
     if args.window > model.max_context() {
         eprintln!(
             "warning: --window {} exceeds max_position_embeddings {} of {}",
             args.window,
             model.max_context(),
-            args.model.display()
+            args.scoring.model.display()
         );
     }
     let docs = read_documents(&args.input)?;
@@ -279,7 +304,7 @@ pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
         if ids.iter().any(|&i| i as usize >= model.cfg.vocab_size) {
             bail!("{name}: the tokenizer produced ids >= vocab_size {}\nhint: the tokenizer does not belong to this model", model.cfg.vocab_size);
         }
-        let s = window_nll(&model, &ids, args.window, args.stride, args.loss_chunk)?;
+        let s = window_nll(&model, &ids, args.window, args.stride, args.scoring.loss_chunk)?;
         per_doc.push(result(name, &s, args.aggregate));
         total.nll_sum += s.nll_sum;
         total.tokens += s.tokens;
@@ -299,7 +324,7 @@ pub fn run(args: EvalPplArgs) -> Result<()> {
         let v = serde_json::json!({
             "nll": total.nll, "ppl": total.ppl, "tokens": total.tokens, "windows": total.windows,
             "aggregate": args.aggregate, "token_nll": total.token_nll, "window_mean_nll": total.window_mean_nll,
-            "window": args.window, "stride": args.stride, "model": args.model, "documents": docs,
+            "window": args.window, "stride": args.stride, "model": args.scoring.model, "documents": docs,
         });
         println!("{}", serde_json::to_string(&v)?);
     } else {
@@ -315,16 +340,13 @@ pub fn run(args: EvalPplArgs) -> Result<()> {
 /// Path helper for tests and scripts: evaluate one text file with defaults.
 pub fn eval_file(model: &Path, input: &Path, window: usize, stride: usize) -> Result<PplResult> {
     let args = EvalPplArgs {
-        model: model.to_path_buf(),
+        scoring: ScoringModel::new(model),
         input: vec![input.to_path_buf()],
         window,
         stride,
         max_tokens: None,
         aggregate: Aggregate::Token,
         json: false,
-        dtype: DTypeArg::F32,
-        rope_parity: RopeParity::F64,
-        loss_chunk: 1024,
         tokenizer: None,
     };
     Ok(evaluate(&args)?.1)
