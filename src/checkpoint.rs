@@ -1,15 +1,22 @@
-//! Checkpoints: `RUN/checkpoints/step_000500/` with HF-layout weights, this rank's optimizer shard
+//! Checkpoints: `RUN/checkpoints/step_000500/` with HF-layout weights, one optimizer shard per rank
 //! (fp32 master, m, v), `state.json`, and a `DONE` marker; written atomically, newest complete one wins.
 //!
-//! Reference: DESIGN.md §3 (run directory), llm.c `train_gpt2.cu` (DONE marker, bit-exact resume).
-//! The non-obvious decisions: everything is written into `checkpoints/.tmp-step_N-PID/`, every file
-//! and the directory are fsynced, `DONE` is written last, and only then is the directory renamed to
-//! `step_N` (rename is atomic on one file system), so a crash or a full disk at any point leaves the
-//! previous checkpoints as they were and never a `step_N` without `DONE`. Old checkpoints are pruned
-//! only after the new one is complete. Resume reads the fp32 master weights from the optimizer shard
-//! (not the possibly-bf16 HF weights), which is what makes it bit-identical.
+//! Reference: DESIGN.md §3 (run directory) and §6 (commit for N ranks), llm.c `train_gpt2.cu` (DONE
+//! marker, bit-exact resume).
+//! The non-obvious decisions: the commit protocol is the N-rank one, and one rank is its special case:
+//! rank 0 clears and creates ONE temp dir per step, `checkpoints/.tmp-step_N/` (a name every rank
+//! derives, not a per-process one); barrier; every rank writes and fsyncs its own
+//! `optim-RRRRR-of-WWWWW.safetensors` into it; a barrier that also agrees on success; rank 0 alone
+//! writes the HF model, `state.json` and `DONE` (last), fsyncs and renames the directory to `step_N`
+//! (atomic on one file system); a final barrier. A crash or a full disk at any point leaves the previous
+//! checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
+//! every rank. Old checkpoints are pruned only after the new one is complete. Resume reads the fp32
+//! master weights from the optimizer shard (not the possibly-bf16 HF weights), which is what makes it
+//! bit-identical. The shard file format is unchanged from format 1.
 //! What this file does not do: decide when to save (train.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
+use crate::comms::{Comm, Mesh};
+use crate::flatbuf::FlatBuf;
 use crate::model::rope::RopeScheme;
 use crate::model::weights::TensorBytes;
 use crate::optim::adamw::AdamW;
@@ -53,8 +60,9 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step_{step:06}")
 }
 
-fn optim_file(rank: usize, world: usize) -> String {
-    format!("optim-{rank:05}-of-{world:05}.safetensors")
+/// File name of a rank's optimizer shard (global rank of the mesh).
+pub fn optim_file(mesh: &Mesh) -> String {
+    format!("optim-{:05}-of-{:05}.safetensors", mesh.rank(), mesh.world())
 }
 
 fn fsync_path(p: &Path) -> Result<()> {
@@ -72,63 +80,51 @@ fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
 fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
-    let views = [
-        ("master", TensorBytes::from_f32(&o.master)),
-        ("m", TensorBytes::from_f32(&o.m)),
-        ("v", TensorBytes::from_f32(&o.v)),
-    ];
+    let (master, m, v) = (o.master().to_host()?, o.m().to_host()?, o.v().to_host()?);
+    let views =
+        [("master", TensorBytes::from_f32(&master)), ("m", TensorBytes::from_f32(&m)), ("v", TensorBytes::from_f32(&v))];
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
-    let info = serde_json::json!({"format": FORMAT, "t": o.t, "range_start": o.range.start, "range_end": o.range.end});
+    let info =
+        serde_json::json!({"format": FORMAT, "t": o.t(), "range_start": o.range().start, "range_end": o.range().end});
     let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
     safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.to_string(), v)), Some(meta))
         .map_err(|e| anyhow!("cannot serialize the optimizer state: {e}"))
 }
 
-/// Save a checkpoint atomically and prune to `keep_last`; returns the final directory.
-/// `write_model` writes the HF-layout model files into the directory it is given.
+/// Save a checkpoint atomically on every rank (all ranks call it with the same `state`) and prune to
+/// `keep_last`; returns the final directory. `write_model` writes the HF-layout model files into the
+/// directory it is given; only rank 0 calls it.
 pub fn save(
     root: &Path,
     state: &TrainState,
     optim: &AdamW,
-    (rank, world): (usize, usize),
+    comm: &Comm,
     keep_last: usize,
     write_model: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(root)
-        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", root.display()))?;
+    let mesh = comm.mesh();
+    let lead = mesh.rank() == 0;
     let name = step_dir_name(state.step);
-    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    let tmp = root.join(format!(".tmp-{name}"));
     let fin = root.join(&name);
-    let res = (|| -> Result<()> {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove stale {}", tmp.display()))?;
-        }
-        std::fs::create_dir_all(&tmp)
-            .with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))?;
-        write_model(&tmp)?;
-        write_file(&tmp.join(optim_file(rank, world)), &optim_bytes(optim)?)?;
-        write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
-        for entry in std::fs::read_dir(&tmp)? {
-            fsync_path(&entry?.path())?;
-        }
-        write_file(&tmp.join(DONE), format!("step {}\n", state.step).as_bytes())?;
-        fsync_path(&tmp)?;
-        if fin.exists() {
-            // a complete checkpoint of the same step (re-saved after a resume) or a leftover: replace it
-            let old = root.join(format!(".old-{name}-{}", std::process::id()));
-            std::fs::rename(&fin, &old).with_context(|| format!("cannot move aside {}", fin.display()))?;
-            std::fs::rename(&tmp, &fin)
-                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
-            std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-        } else {
-            std::fs::rename(&tmp, &fin)
-                .with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
-        }
-        fsync_path(root)
-    })();
+    // 1. rank 0 makes a fresh temp dir; everyone learns whether it exists
+    let made = if lead { fresh_dir(root, &tmp) } else { Ok(()) };
+    let mut res = agree(comm, made, "creating the checkpoint directory");
+    // 2. every rank writes its optimizer shard into it; everyone learns whether all succeeded
+    if res.is_ok() {
+        let shard = optim_bytes(optim).and_then(|b| write_file(&tmp.join(optim_file(&mesh)), &b));
+        res = agree(comm, shard, "writing the optimizer shards");
+    }
+    // 3. rank 0 writes the model and state, DONE last, and commits by renaming
+    if res.is_ok() {
+        let commit = if lead { commit(root, &tmp, &fin, state, write_model) } else { Ok(()) };
+        res = agree(comm, commit, "committing");
+    }
     if let Err(e) = res {
-        let _ = std::fs::remove_dir_all(&tmp);
+        if lead {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
         let prev = latest_complete(root).ok().flatten();
         let prev = prev
             .map(|p| format!("the previous checkpoint {} is intact", p.display()))
@@ -138,8 +134,56 @@ pub fn save(
             fin.display()
         )));
     }
-    prune(root, keep_last)?;
+    if lead {
+        prune(root, keep_last)?;
+    }
+    comm.barrier()?;
     Ok(fin)
+}
+
+/// Barrier on a step of the save: this rank's own error wins, else "another rank failed".
+fn agree(comm: &Comm, mine: Result<()>, what: &str) -> Result<()> {
+    let all = comm.all_ok(mine.is_ok())?;
+    mine?;
+    if !all {
+        bail!("another rank failed while {what}");
+    }
+    Ok(())
+}
+
+/// Remove a stale `tmp` (an interrupted save of the same step) and create it empty.
+fn fresh_dir(root: &Path, tmp: &Path) -> Result<()> {
+    std::fs::create_dir_all(root)
+        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", root.display()))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot remove stale {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))
+}
+
+/// Rank 0's part: model files, `state.json`, fsync everything, `DONE`, rename `tmp` to `fin`.
+fn commit(root: &Path, tmp: &Path, fin: &Path, state: &TrainState, write_model: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
+    write_model(tmp)?;
+    write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
+    for entry in std::fs::read_dir(tmp)? {
+        fsync_path(&entry?.path())?;
+    }
+    write_file(&tmp.join(DONE), format!("step {}\n", state.step).as_bytes())?;
+    fsync_path(tmp)?;
+    if fin.exists() {
+        // a complete checkpoint of the same step (re-saved after a resume) or a leftover: replace it
+        let name = fin.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let old = root.join(format!(".old-{name}"));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove stale {}", old.display()))?;
+        }
+        std::fs::rename(fin, &old).with_context(|| format!("cannot move aside {}", fin.display()))?;
+        std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    } else {
+        std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+    }
+    fsync_path(root)
 }
 
 /// Complete checkpoints under `root`, oldest first, as (step, dir).
@@ -171,7 +215,8 @@ pub fn latest_complete(root: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// Delete all but the newest `keep` complete checkpoints (at least one is always kept), and leftovers
-/// of interrupted saves.
+/// of interrupted saves. Called by rank 0 between a commit and the final barrier of `save`, when no
+/// other save is in flight.
 pub fn prune(root: &Path, keep: usize) -> Result<()> {
     let all = list_complete(root)?;
     let n = all.len().saturating_sub(keep.max(1));
@@ -181,8 +226,7 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     for entry in std::fs::read_dir(root)? {
         let p = entry?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let mine = format!("-{}", std::process::id());
-        if (name.starts_with(".tmp-") || name.starts_with(".old-")) && !name.ends_with(&mine) {
+        if name.starts_with(".tmp-") || name.starts_with(".old-") {
             let _ = std::fs::remove_dir_all(&p);
         }
     }
@@ -204,8 +248,8 @@ pub fn load_state(dir: &Path) -> Result<TrainState> {
 }
 
 /// Load this rank's optimizer shard into `optim` (its range must match).
-pub fn load_optim(dir: &Path, (rank, world): (usize, usize), optim: &mut AdamW) -> Result<()> {
-    let p = dir.join(optim_file(rank, world));
+pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
+    let p = dir.join(optim_file(mesh));
     let bytes = std::fs::read(&p).with_context(|| {
         format!("cannot read {}\nhint: resume with the same number of ranks that wrote the checkpoint", p.display())
     })?;
@@ -223,42 +267,36 @@ pub fn load_optim(dir: &Path, (rank, world): (usize, usize), optim: &mut AdamW) 
         })
     };
     let range = num("range_start")? as usize..num("range_end")? as usize;
-    if range != optim.range {
+    if range != optim.range() {
         bail!(
             "{}: holds parameters {:?}, this rank owns {:?}\nhint: the model or the number of ranks differs from the run that wrote it",
             p.display(),
             range,
-            optim.range
+            optim.range()
         );
     }
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
-    let read = |k: &str, dst: &mut Vec<f32>| -> Result<()> {
+    let n = range.len();
+    let read = |k: &str| -> Result<FlatBuf> {
         let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}", p.display()))?;
         let d = t.data();
-        if d.len() != dst.len() * 4 {
+        if d.len() != n * 4 {
             bail!(
-                "{}: tensor `{k}` has {} values, expected {}\nhint: the model differs from the checkpoint's",
+                "{}: tensor `{k}` has {} values, expected {n}\nhint: the model differs from the checkpoint's",
                 p.display(),
                 d.len() / 4,
-                dst.len()
             );
         }
-        for (x, b) in dst.iter_mut().zip(d.chunks_exact(4)) {
-            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-        Ok(())
+        Ok(FlatBuf::from_vec(d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()))
     };
-    read("master", &mut optim.master)?;
-    read("m", &mut optim.m)?;
-    read("v", &mut optim.v)?;
-    optim.t = num("t")?;
-    Ok(())
+    optim.restore(read("master")?, read("m")?, read("v")?, num("t")?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comms::zero::{ShardMap, Split};
     use crate::grads::ParamLayout;
     use crate::optim::adamw::AdamWHyper;
 
@@ -283,21 +321,24 @@ mod tests {
         let root = d.path().join("checkpoints");
         let l = ParamLayout::new(&[("w".into(), vec![3])]);
         let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.0, wd_embedding: 0.0, wd_norm: 0.0 };
-        let mut o = AdamW::new(&l, &[1.0, 2.0, 3.0], 0..3, hp);
+        let map = ShardMap::new(&l, 1, Split::Slices);
+        let mut o = AdamW::new(&l, &FlatBuf::from_vec(vec![1.0, 2.0, 3.0]), &map, 0, hp).unwrap();
         let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let comm = Comm::Single;
         for step in 1..=4 {
-            o.step(&[0.1, -0.2, 0.3], 0.01);
-            save(&root, &state(step), &o, (0, 1), 2, &model).unwrap();
+            o.step(&FlatBuf::from_vec(vec![0.1, -0.2, 0.3]), 0.01).unwrap();
+            save(&root, &state(step), &o, &comm, 2, &model).unwrap();
         }
+        assert!(root.join("step_000004").join("optim-00000-of-00001.safetensors").is_file());
         let all = list_complete(&root).unwrap();
         assert_eq!(all.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![3, 4]);
         let last = latest_complete(&root).unwrap().unwrap();
         assert_eq!(load_state(&last).unwrap(), state(4));
-        let mut o2 = AdamW::new(&l, &[0.0; 3], 0..3, hp);
-        load_optim(&last, (0, 1), &mut o2).unwrap();
+        let mut o2 = AdamW::new(&l, &FlatBuf::from_vec(vec![0.0; 3]), &map, 0, hp).unwrap();
+        load_optim(&last, &comm.mesh(), &mut o2).unwrap();
         assert_eq!(
-            (o2.master.clone(), o2.m.clone(), o2.v.clone(), o2.t),
-            (o.master.clone(), o.m.clone(), o.v.clone(), 4)
+            (o2.master().clone(), o2.m().clone(), o2.v().clone(), o2.t()),
+            (o.master().clone(), o.m().clone(), o.v().clone(), 4)
         );
         // a directory without DONE is never picked
         std::fs::create_dir_all(root.join("step_000009")).unwrap();
@@ -307,7 +348,7 @@ mod tests {
             write_file(&p.join("model.safetensors"), b"partial")?;
             bail!("No space left on device (simulated)")
         };
-        let e = format!("{:#}", save(&root, &state(5), &o, (0, 1), 2, &failing).unwrap_err());
+        let e = format!("{:#}", save(&root, &state(5), &o, &comm, 2, &failing).unwrap_err());
         assert!(e.contains("step_000004 is intact") && e.contains("hint:"), "{e}");
         assert!(!root.join("step_000005").exists());
         assert_eq!(list_complete(&root).unwrap().len(), 2);
@@ -316,5 +357,11 @@ mod tests {
             .file_name()
             .to_string_lossy()
             .starts_with(".tmp")));
+        // a stale temp dir of the same step (a killed process) is replaced, not reused
+        std::fs::create_dir_all(root.join(".tmp-step_000005")).unwrap();
+        std::fs::write(root.join(".tmp-step_000005").join("junk"), b"j").unwrap();
+        let p5 = save(&root, &state(5), &o, &comm, 2, &model).unwrap();
+        assert!(!p5.join("junk").exists() && p5.join(DONE).is_file());
+        assert!(!root.join(".tmp-step_000005").exists());
     }
 }

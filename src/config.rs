@@ -223,6 +223,13 @@ pub struct OptimSection {
     pub reset_between_stages: bool,
 }
 
+impl OptimSection {
+    /// Weight decay of the token embedding (default: that of the matrices).
+    pub fn embedding_weight_decay(&self) -> f64 {
+        self.weight_decay_embedding.unwrap_or(self.weight_decay)
+    }
+}
+
 impl Default for OptimSection {
     fn default() -> Self {
         OptimSection {
@@ -279,12 +286,28 @@ impl Default for CheckpointSection {
     }
 }
 
-/// Communication backend (DESIGN §6); only `single` exists in this build.
+/// Communication backend (DESIGN §6); `comms::Comm::from_config` refuses the ones this build lacks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    /// one process, one device
     #[default]
     Single,
+    /// ranks as threads of one process (tests)
+    Local,
+    /// one process per GPU over NCCL
+    Nccl,
+}
+
+impl Backend {
+    /// The name used in the TOML file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Single => "single",
+            Backend::Local => "local",
+            Backend::Nccl => "nccl",
+        }
+    }
 }
 
 /// `[dist]`.
@@ -579,6 +602,38 @@ impl RunConfig {
     /// Micro-batches accumulated per optimizer step in stage `i`.
     pub fn accumulation(&self, i: usize) -> usize {
         self.tokens_per_step(i) / (self.train.micro_batch_size * self.stages[i].seq_len)
+    }
+
+    /// RoPE scheme of stage `i`: its own, else `[rope]`, else None (the model's own).
+    pub fn stage_rope(&self, i: usize) -> Option<RopeScheme> {
+        self.stages[i].rope.clone().or_else(|| self.rope.clone())
+    }
+
+    /// RoPE scheme a randomly initialized model starts with: `[rope]`, else the first stage's.
+    pub fn initial_rope(&self) -> Option<RopeScheme> {
+        self.rope.clone().or_else(|| self.stages.iter().find_map(|s| s.rope.clone()))
+    }
+
+    /// Peak learning rate of stage `i` (default: `[optim] lr`).
+    pub fn stage_lr(&self, i: usize) -> f64 {
+        self.stages[i].lr.unwrap_or(self.optim.lr)
+    }
+
+    /// Whether entering stage `i` zeroes the AdamW moments (default: `[optim] reset_between_stages`).
+    pub fn stage_resets_optimizer(&self, i: usize) -> bool {
+        self.stages[i].reset_optimizer.unwrap_or(self.optim.reset_between_stages)
+    }
+}
+
+impl ArchSection {
+    /// Key/value heads (default: num_attention_heads, i.e. MHA).
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Head dimension (default: hidden_size / num_attention_heads).
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 }
 

@@ -1,5 +1,5 @@
-//! Gradients as one flat fp32 vector: parameter layout, accumulation from candle's `GradStore`,
-//! global norm, clipping and the NaN/inf check.
+//! Gradients as one flat fp32 buffer (`FlatBuf`): parameter layout, flattening HF-named tensors into
+//! it, accumulation from candle's `GradStore`, global norm, clipping and the NaN/inf check.
 //!
 //! Reference: llm.c `train_gpt2.cu` (one contiguous grad buffer, `global_norm_squared`), torch
 //! `clip_grad_norm_` (scale = max_norm / (norm + 1e-6), applied only when the norm exceeds max_norm).
@@ -7,9 +7,10 @@
 //! optimizer, the all-reduce and a ZeRO shard are all plain slices of the same index space; the norm is
 //! accumulated in f64 so it does not depend on summation order at the precision we log.
 //! What this file does not do: decide what to do with a bad step (that is the loop's guard).
-use anyhow::{bail, Context, Result};
+use crate::flatbuf::FlatBuf;
+use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{Device, Tensor, Var};
 use std::ops::Range;
 
 /// Parameter groups for per-group weight decay (a closed set).
@@ -74,21 +75,42 @@ impl ParamLayout {
     }
 }
 
+/// Flatten HF-named tensors (in `order`) into one fp32 buffer and its layout.
+pub fn flatten_params(order: &[(String, Tensor)]) -> Result<(ParamLayout, FlatBuf)> {
+    let layout = ParamLayout::new(&order.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect::<Vec<_>>());
+    let device = order.first().map(|(_, t)| t.device().clone()).unwrap_or(Device::Cpu);
+    let mut flat = FlatBuf::zeros(layout.total, &device)?;
+    for (p, (_, t)) in layout.params.iter().zip(order) {
+        flat.set_tensor(p.range.clone(), t)?;
+    }
+    Ok((layout, flat))
+}
+
 /// Accumulated gradients of one optimizer step, fp32, flat in `ParamLayout` order.
 #[derive(Clone, Debug)]
 pub struct GradAccum {
-    pub flat: Vec<f32>,
+    buf: FlatBuf,
 }
 
 impl GradAccum {
-    /// Zeroed buffer for a layout.
-    pub fn new(layout: &ParamLayout) -> GradAccum {
-        GradAccum { flat: vec![0.0; layout.total] }
+    /// Zeroed buffer for a layout on `device`.
+    pub fn new(layout: &ParamLayout, device: &Device) -> Result<GradAccum> {
+        Ok(GradAccum { buf: FlatBuf::zeros(layout.total, device)? })
+    }
+
+    /// The gradient buffer (whole flat space).
+    pub fn buf(&self) -> &FlatBuf {
+        &self.buf
+    }
+
+    /// The gradient buffer, mutably (collectives and clipping).
+    pub fn buf_mut(&mut self) -> &mut FlatBuf {
+        &mut self.buf
     }
 
     /// Set every gradient to zero (start of a step).
     pub fn zero(&mut self) {
-        self.flat.iter_mut().for_each(|g| *g = 0.0);
+        self.buf.fill(0.0);
     }
 
     /// Add the gradients that `store` holds for `vars` (same order as the layout); parameters that the
@@ -96,46 +118,29 @@ impl GradAccum {
     pub fn add_from(&mut self, layout: &ParamLayout, vars: &[Var], store: &GradStore) -> Result<()> {
         for (p, var) in layout.params.iter().zip(vars) {
             if let Some(g) = store.get(var.as_tensor()) {
-                let g = g
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()
-                    .with_context(|| format!("reading the gradient of {}", p.name))?;
-                if g.len() != p.range.len() {
-                    bail!("gradient of {} has {} elements, expected {}", p.name, g.len(), p.range.len());
+                if g.elem_count() != p.range.len() {
+                    bail!("gradient of {} has {} elements, expected {}", p.name, g.elem_count(), p.range.len());
                 }
-                for (acc, x) in self.flat[p.range.clone()].iter_mut().zip(&g) {
-                    *acc += x;
-                }
+                self.buf.add_tensor(p.range.clone(), g).map_err(|e| e.context(format!("gradient of {}", p.name)))?;
             }
         }
         Ok(())
     }
 }
 
-/// Sum of squares of `g`, accumulated in f64.
-pub fn sum_squares(g: &[f32]) -> f64 {
-    g.iter().map(|&x| (x as f64) * (x as f64)).sum()
-}
-
-/// L2 norm of the whole gradient.
-pub fn global_norm(g: &[f32]) -> f64 {
-    sum_squares(g).sqrt()
-}
-
-/// True when every entry is finite.
-pub fn all_finite(g: &[f32]) -> bool {
-    g.iter().all(|x| x.is_finite())
+/// L2 norm of the whole gradient (sum of squares in f64).
+pub fn global_norm(g: &FlatBuf) -> f64 {
+    g.sum_squares().sqrt()
 }
 
 /// Clip by global norm in place (torch semantics); returns the scale applied (1 when not clipped).
 /// `max_norm <= 0` disables clipping.
-pub fn clip_by_global_norm(g: &mut [f32], norm: f64, max_norm: f64) -> f32 {
+pub fn clip_by_global_norm(g: &mut FlatBuf, norm: f64, max_norm: f64) -> f32 {
     if max_norm <= 0.0 || norm <= max_norm {
         return 1.0;
     }
     let scale = (max_norm / (norm + 1e-6)) as f32;
-    g.iter_mut().for_each(|x| *x *= scale);
+    g.scale(scale);
     scale
 }
 
@@ -143,6 +148,15 @@ pub fn clip_by_global_norm(g: &mut [f32], norm: f64, max_norm: f64) -> f32 {
 mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
+
+    #[test]
+    fn flatten_keeps_hf_order_and_values() {
+        let a = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
+        let b = Tensor::new(&[5f32], &Device::Cpu).unwrap();
+        let (l, flat) = flatten_params(&[("a".into(), a), ("b".into(), b)]).unwrap();
+        assert_eq!((l.total, l.params[1].range.clone()), (5, 4..5));
+        assert_eq!(flat.host().unwrap(), &[1., 2., 3., 4., 5.]);
+    }
 
     #[test]
     fn layout_is_contiguous_and_grouped() {
@@ -163,21 +177,21 @@ mod tests {
         let l = ParamLayout::new(&[("a".into(), vec![2]), ("b".into(), vec![2])]);
         let a = Var::from_tensor(&Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap()).unwrap();
         let b = Var::from_tensor(&Tensor::new(&[3f32, 4.], &Device::Cpu).unwrap()).unwrap();
-        let mut acc = GradAccum::new(&l);
+        let mut acc = GradAccum::new(&l, &Device::Cpu).unwrap();
         for _ in 0..2 {
             // d/da sum(a^2) = 2a; b is not in the graph
             let loss = a.as_tensor().sqr().unwrap().sum_all().unwrap();
             let store = loss.backward().unwrap();
             acc.add_from(&l, &[a.clone(), b.clone()], &store).unwrap();
         }
-        assert_eq!(acc.flat, vec![4.0, 8.0, 0.0, 0.0]);
-        let n = global_norm(&acc.flat);
+        assert_eq!(acc.buf().host().unwrap(), &[4.0, 8.0, 0.0, 0.0]);
+        let n = global_norm(acc.buf());
         assert!((n - 80f64.sqrt()).abs() < 1e-9);
-        let s = clip_by_global_norm(&mut acc.flat, n, 1.0);
+        let s = clip_by_global_norm(acc.buf_mut(), n, 1.0);
         assert!(s < 1.0);
-        assert!((global_norm(&acc.flat) - 1.0).abs() < 1e-5);
-        assert!(all_finite(&acc.flat));
-        acc.flat[0] = f32::NAN;
-        assert!(!all_finite(&acc.flat));
+        assert!((global_norm(acc.buf()) - 1.0).abs() < 1e-5);
+        assert!(acc.buf().all_finite());
+        acc.buf_mut().host_mut().unwrap()[0] = f32::NAN;
+        assert!(!acc.buf().all_finite());
     }
 }

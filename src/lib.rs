@@ -15,6 +15,7 @@ pub mod data;
 pub mod model;
 pub mod ops;
 pub mod loss;
+pub mod flatbuf;
 pub mod grads;
 pub mod optim;
 pub mod comms;

@@ -1,5 +1,7 @@
-//! `harpe train`: THE training loop, top to bottom: data -> model -> chunked loss -> layer-wise
-//! backward -> gradient reduction -> clip -> AdamW on fp32 master weights -> checkpoint -> log.
+//! `harpe train`: THE training loop. `run` reads as the loop itself: open the run, then for every stage
+//! `Stage::open`, and for every step `train_step` (data -> model -> chunked loss -> layer-wise backward
+//! -> gradient all-reduce -> clip -> AdamW on this rank's fp32 shard -> all-gather + write-back),
+//! `log_step`, `check_bad_streak`, `maybe_checkpoint`; a single `finish` at the end, also on a signal.
 //!
 //! Reference: llm.c `train_gpt2.cu` "TRAINING SECTION" (one straight loop), HARPE §4 and spec §3
 //! (multi-stage ABF, constant lr 2e-5, AdamW 0.9/0.95), Chen et al. 2016 (activation checkpointing).
@@ -12,16 +14,22 @@
 //! - Loss is token-mean over all target tokens of the optimizer step, so each micro-batch's nll sum is
 //!   scaled by 1 / (tokens of the whole step): k micro-batches give the gradient of one k-times batch.
 //! - Weights the model computes with are candle `Var`s in the compute dtype; the optimizer owns fp32
-//!   master weights and moments as flat vectors and writes the updated weights back into the `Var`s.
+//!   master weights and moments of its shard (`FlatBuf`s); after each update the shards are all-gathered
+//!   into one full fp32 `weights` buffer and every parameter is written back from it (`comms::zero`), so
+//!   a stage's model is built from `weights`, never from a shard.
+//! - The communicator comes from `[dist]` (`Comm::from_config`); with one rank every collective is a
+//!   no-op, so there is no `if distributed` branch here.
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
 //!
-//! What this file does not do: multi-GPU (comms/ is called, but only `Comm::Single` exists), document
-//! masks inside packed sequences (Fu et al. train without them), evaluation during training.
+//! What this file does not do: multi-rank backends (comms/ refuses them for now), document masks inside
+//! packed sequences (Fu et al. train without them), evaluation during training.
 use crate::checkpoint::{self, TrainState};
-use crate::comms::Comm;
+use crate::comms::zero::{self, ShardMap, Split};
+use crate::comms::{Comm, Mesh};
 use crate::config::{ComputeDtype, DataSource, DeviceKind, RunConfig};
-use crate::data::{prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence};
-use crate::grads::{self, GradAccum, ParamLayout};
+use crate::data::{builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence};
+use crate::flatbuf::FlatBuf;
+use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
 use crate::model::config::LlamaConfig;
@@ -30,6 +38,7 @@ use crate::model::rope::RopeTables;
 use crate::model::weights::{init_random, load_tensors, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
+use crate::optim::schedule::Schedule;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
@@ -62,6 +71,16 @@ pub struct TrainArgs {
     /// use a run directory that already belongs to a different config (replaces its config.toml)
     #[arg(long)]
     pub force: bool,
+}
+
+impl TrainArgs {
+    /// The run directory: `--out`, else `runs/<config file name without .toml>`.
+    pub fn run_dir(&self) -> PathBuf {
+        self.out.clone().unwrap_or_else(|| {
+            let stem = self.config.file_stem().map(|s| s.to_string_lossy().to_string());
+            PathBuf::from("runs").join(stem.unwrap_or_else(|| "run".into()))
+        })
+    }
 }
 
 /// What one micro-batch's forward/backward produced.
@@ -156,88 +175,27 @@ pub fn batch_tensors(seqs: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor
     Ok((Tensor::from_vec(ids, (b, t), device)?, Tensor::from_vec(tg, b * t, device)?))
 }
 
-/// Write fp32 master values (`master` covers `range` of the flat vector) into the model's Vars.
-pub fn write_back(vars: &[Var], layout: &ParamLayout, master: &[f32], range: std::ops::Range<usize>) -> Result<()> {
-    for (p, v) in layout.params.iter().zip(vars) {
-        if p.range.start >= range.start && p.range.end <= range.end {
-            let src = &master[p.range.start - range.start..p.range.end - range.start];
-            let t = Tensor::from_slice(src, p.shape.as_slice(), v.device())?.to_dtype(v.dtype())?;
-            v.set(&t)?;
-        }
-    }
-    Ok(())
-}
-
-/// A model whose parameters are `Var`s, built from flat fp32 master weights in the compute dtype.
+/// A model whose parameters are `Var`s in the compute dtype, built from `weights`: ALL parameters, fp32,
+/// over the whole flat space (the gathered weights, never one rank's shard).
 pub fn trainable_model(
     cfg: &LlamaConfig,
     layout: &ParamLayout,
-    master: &[f32],
+    weights: &FlatBuf,
     dtype: DType,
     device: &Device,
 ) -> Result<(Llama, Vec<Var>)> {
+    if weights.len() != layout.total {
+        bail!("internal: a model needs all {} parameters, got a buffer of {}", layout.total, weights.len());
+    }
     let mut map = HashMap::new();
     for p in &layout.params {
-        let t = Tensor::from_slice(&master[p.range.clone()], p.shape.as_slice(), device)?.to_dtype(dtype)?;
-        map.insert(p.name.clone(), t);
+        map.insert(p.name.clone(), weights.param_tensor(p.range.clone(), &p.shape, dtype, device)?);
     }
     let (model, named) = Llama::from_tensors(cfg.clone(), map, "training weights")?.into_trainable()?;
     if named.len() != layout.params.len() || named.iter().zip(&layout.params).any(|((n, _), p)| *n != p.name) {
         bail!("internal: the model's parameter order differs from the optimizer layout");
     }
     Ok((model, named.into_iter().map(|(_, v)| v).collect()))
-}
-
-/// Flatten HF-named tensors (in `order`) to one fp32 vector and its layout.
-pub fn flatten_params(order: &[(String, Tensor)]) -> Result<(ParamLayout, Vec<f32>)> {
-    let layout = ParamLayout::new(&order.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect::<Vec<_>>());
-    let mut flat = Vec::with_capacity(layout.total);
-    for (_, t) in order {
-        flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-    }
-    Ok((layout, flat))
-}
-
-/// AdamW hyper-parameters from `[optim]`.
-pub fn adamw_hyper(cfg: &RunConfig) -> AdamWHyper {
-    let o = &cfg.optim;
-    AdamWHyper {
-        beta1: o.beta1 as f32,
-        beta2: o.beta2 as f32,
-        eps: o.eps as f32,
-        wd_matrix: o.weight_decay as f32,
-        wd_embedding: o.weight_decay_embedding.unwrap_or(o.weight_decay) as f32,
-        wd_norm: o.weight_decay_norm as f32,
-    }
-}
-
-/// Built-in training text for runs with `[data] source = "builtin"`: two deterministic synthetic
-/// sources ("stories": templated English sentences; "arithmetic": sums with their results), enough
-/// structure for a tiny model's loss to fall within a minute.
-pub fn builtin_texts(seed: u64) -> Vec<(String, String)> {
-    use rand::{Rng, SeedableRng};
-    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let names = ["Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana"];
-    let verbs = ["found", "painted", "carried", "lost", "sold", "built", "opened", "cleaned"];
-    let things = ["a red box", "the old boat", "a small lamp", "the green door", "a long rope", "the blue cup"];
-    let places = ["by the river", "in the garden", "at the market", "near the hill", "in the kitchen"];
-    let mut docs = Vec::new();
-    for _ in 0..240 {
-        let mut s = String::new();
-        for _ in 0..r.random_range(6..14) {
-            let (n, v) = (names[r.random_range(0..names.len())], verbs[r.random_range(0..verbs.len())]);
-            let (t, p) = (things[r.random_range(0..things.len())], places[r.random_range(0..places.len())]);
-            s.push_str(&format!("{n} {v} {t} {p}. Then {n} went home. "));
-        }
-        docs.push(("stories".to_string(), s));
-        let mut a = String::new();
-        for _ in 0..r.random_range(10..30) {
-            let (x, y) = (r.random_range(0..50u32), r.random_range(0..50u32));
-            a.push_str(&format!("{x} + {y} = {}. ", x + y));
-        }
-        docs.push(("arithmetic".to_string(), a));
-    }
-    docs
 }
 
 /// The run's model architecture and initial fp32 weights (HF order).
@@ -251,7 +209,7 @@ fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(Str
         return Ok((mc, model.tensors()));
     }
     let a = cfg.model.init.as_ref().ok_or_else(|| anyhow!("{origin}: [model] has neither path nor init"))?;
-    let rope = cfg.rope.clone().or_else(|| cfg.stages.iter().find_map(|s| s.rope.clone())).ok_or_else(|| {
+    let rope = cfg.initial_rope().ok_or_else(|| {
         anyhow!("{origin}: a randomly initialized model needs a RoPE scheme\nhint: add a [rope] table, e.g. scheme = \"default\", theta = 10000.0")
     })?;
     let mut mc = LlamaConfig::tiny(a.vocab_size, rope);
@@ -259,8 +217,8 @@ fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(Str
     mc.intermediate_size = a.intermediate_size;
     mc.num_hidden_layers = a.num_hidden_layers;
     mc.num_attention_heads = a.num_attention_heads;
-    mc.num_key_value_heads = a.num_key_value_heads.unwrap_or(a.num_attention_heads);
-    mc.head_dim = a.head_dim.unwrap_or(a.hidden_size / a.num_attention_heads);
+    mc.num_key_value_heads = a.kv_heads();
+    mc.head_dim = a.head_dim();
     mc.max_position_embeddings = a.max_position_embeddings;
     mc.rms_norm_eps = a.rms_norm_eps;
     mc.tie_word_embeddings = a.tie_word_embeddings;
@@ -327,293 +285,472 @@ fn tokenizer_path(cfg: &RunConfig, run_dir: &Path) -> Result<PathBuf> {
 
 /// Run `harpe train`.
 pub fn run(args: TrainArgs) -> Result<()> {
-    let origin = args.config.display().to_string();
-    let resolved = RunConfig::load(&args.config, &args.set)?;
-    let cfg = &resolved.cfg;
-    let run_dir = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from("runs")
-            .join(args.config.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into()))
-    });
-    println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
-    prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
-    let ckpt_root = run_dir.join("checkpoints");
-    let resume_from = if args.resume { checkpoint::latest_complete(&ckpt_root)? } else { None };
-    if !args.resume {
-        if let Some(p) = checkpoint::latest_complete(&ckpt_root)? {
-            bail!(
-                "{} already holds checkpoint {}\nhint: pass --resume to continue it, or choose another --out",
-                run_dir.display(),
-                p.display()
+    let mut r = Run::open(&args)?;
+    let mut end = End::Done;
+    'stages: for si in r.state.stage..r.cfg.stages.len() {
+        let mut stage = Stage::open(&mut r, si)?;
+        while r.state.stage_step < stage.steps {
+            if r.state.step >= r.limit {
+                break 'stages;
+            }
+            let out = train_step(&mut r, &mut stage)?;
+            log_step(&mut r, &stage, &out)?;
+            r.check_bad_streak()?;
+            maybe_checkpoint(&mut r, &stage, &out)?;
+            if r.stop.load(Ordering::SeqCst) {
+                stage.close();
+                end = End::Signal;
+                break 'stages;
+            }
+        }
+        stage.close();
+    }
+    finish(&r, end)
+}
+
+/// Everything a training session holds across stages.
+struct Run {
+    cfg: RunConfig,
+    /// the config file, for error messages
+    origin: String,
+    run_dir: PathBuf,
+    tokenizer: PathBuf,
+    tok_sha: String,
+    device: Device,
+    dtype: DType,
+    comm: Comm,
+    mesh: Mesh,
+    /// which rank owns which parameter slices (the optimizer shards)
+    map: ShardMap,
+    /// architecture of the initial model (stages change its RoPE)
+    base_cfg: LlamaConfig,
+    layout: ParamLayout,
+    /// all parameters, fp32, gathered after every update: what a stage's model is built from
+    weights: FlatBuf,
+    optim: AdamW,
+    state: TrainState,
+    log: MetricsLog,
+    /// stop after this many steps in total (`--steps`)
+    limit: u64,
+    total_steps: u64,
+    sched: Schedule,
+    t_start: Instant,
+    bad_streak: u32,
+    last_saved: Option<PathBuf>,
+    /// set by SIGINT/SIGTERM: finish the step, checkpoint, exit 0
+    stop: Arc<AtomicBool>,
+}
+
+impl Run {
+    /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
+    fn open(args: &TrainArgs) -> Result<Run> {
+        let origin = args.config.display().to_string();
+        let resolved = RunConfig::load(&args.config, &args.set)?;
+        let cfg = resolved.cfg;
+        let comm = Comm::from_config(&cfg.dist, &origin)?;
+        let mesh = comm.mesh();
+        let run_dir = args.run_dir();
+        println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
+        prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
+        let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
+        let stop = stop_flag()?;
+        let device = match cfg.train.device {
+            DeviceKind::Cpu => Device::Cpu,
+            DeviceKind::Cuda => Device::new_cuda(0)
+                .map_err(|e| anyhow!("{origin}: train.device = \"cuda\" is not available: {e}\nhint: build with --features cuda on a GPU machine, or set train.device = \"cpu\""))?,
+        };
+        let dtype = match cfg.train.dtype {
+            ComputeDtype::Bf16 => DType::BF16,
+            ComputeDtype::F32 => DType::F32,
+        };
+
+        let (base_cfg, init) = initial_model(&cfg, &origin)?;
+        let tokenizer = tokenizer_path(&cfg, &run_dir)?;
+        let tok_sha = tokenizer_sha256(&tokenizer)?;
+        let (layout, mut weights) = flatten_params(&init)?;
+        drop(init);
+        let map = ShardMap::new(&layout, mesh.world(), Split::Slices);
+        let mut optim = AdamW::new(&layout, &weights, &map, mesh.rank(), AdamWHyper::from_config(&cfg.optim))?;
+        let state = match &resume_from {
+            Some(dir) => resume(dir, args.force, &resolved.hash, &comm, &map, &mut optim, &mut weights)?,
+            None => TrainState {
+                format: checkpoint::FORMAT,
+                step: 0,
+                stage: 0,
+                stage_step: 0,
+                tokens_seen: 0,
+                data_cursor: serde_json::Value::Null,
+                seed: cfg.train.seed,
+                config_hash: resolved.hash.clone(),
+                rope: base_cfg.rope.clone(),
+                skipped_steps: 0,
+            },
+        };
+        Ok(Run {
+            log: MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?,
+            limit: args.steps.unwrap_or(u64::MAX),
+            total_steps: (0..cfg.stages.len()).map(|i| cfg.stage_steps(i).0).sum(),
+            sched: cfg.schedule.schedule(),
+            t_start: Instant::now(),
+            bad_streak: 0,
+            last_saved: resume_from,
+            cfg,
+            origin,
+            run_dir,
+            tokenizer,
+            tok_sha,
+            device,
+            dtype,
+            comm,
+            mesh,
+            map,
+            base_cfg,
+            layout,
+            weights,
+            optim,
+            state,
+            stop,
+        })
+    }
+
+    /// Stop the run after `max_bad_steps` consecutive non-finite steps, naming the last good checkpoint.
+    fn check_bad_streak(&self) -> Result<()> {
+        if self.bad_streak < self.cfg.train.max_bad_steps.max(1) {
+            return Ok(());
+        }
+        let last = self
+            .last_saved
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "none (no checkpoint was written yet)".into());
+        bail!(
+            "{} consecutive steps had a non-finite loss or gradient (last: step {}); training stopped. Last good checkpoint: {last}\nhint: lower the learning rate, keep optim.grad_clip on, or check the data; continue with --resume",
+            self.bad_streak,
+            self.state.step
+        )
+    }
+
+    /// Print a line above the progress bar (or plainly without one).
+    fn say(&self, stage: &Stage, line: String) {
+        match &stage.pb {
+            Some(pb) => pb.println(line),
+            None => println!("{line}"),
+        }
+    }
+}
+
+/// One stage: its model (the run's weights with the stage's RoPE), data and step arithmetic.
+struct Stage {
+    si: usize,
+    /// model config of this stage (its RoPE scheme), written into checkpoints
+    mc: LlamaConfig,
+    model: Llama,
+    vars: Vec<Var>,
+    tables: Vec<RopeTables>,
+    loader: Loader,
+    sources: Vec<String>,
+    grads: GradAccum,
+    steps: u64,
+    tokens_per_step: u64,
+    accum: usize,
+    bsz: usize,
+    seq_len: usize,
+    lr_peak: f64,
+    /// layers per activation-checkpointing segment
+    seg: usize,
+    targets_per_step: f64,
+    flops_tok: f64,
+    pb: Option<indicatif::ProgressBar>,
+}
+
+impl Stage {
+    /// Build stage `si`'s model from the run's weights, open its data (restoring the cursor when the
+    /// run resumes inside it), and apply the stage boundary (optimizer reset) when it starts fresh.
+    fn open(r: &mut Run, si: usize) -> Result<Stage> {
+        let cfg = &r.cfg;
+        let seq_len = cfg.stages[si].seq_len;
+        let (steps, tokens_per_step) = cfg.stage_steps(si);
+        let mut mc = r.base_cfg.clone();
+        if let Some(rope) = cfg.stage_rope(si) {
+            mc.rope = rope;
+        }
+        mc.max_position_embeddings = mc.max_position_embeddings.max(seq_len);
+        mc.validate(&format!("{}: stage {si}", r.origin))?;
+        let (model, vars) = trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?;
+        let tables = rope_tables(&model, seq_len)?;
+        let mut loader = open_loader(r, si)?;
+        if si == r.state.stage && r.state.stage_step > 0 {
+            let cursor = serde_json::from_value(r.state.data_cursor.clone())
+                .map_err(|e| anyhow!("state.json: data_cursor: {e}\nhint: the checkpoint is damaged"))?;
+            loader.restore(&cursor)?;
+        } else {
+            r.state.stage = si;
+            r.state.stage_step = 0;
+            if si > 0 && cfg.stage_resets_optimizer(si) {
+                r.optim.reset_moments();
+            }
+        }
+        r.state.rope = mc.rope.clone();
+        let (accum, bsz) = (cfg.accumulation(si), cfg.train.micro_batch_size);
+        Ok(Stage {
+            si,
+            sources: loader.manifest().source_names.clone(),
+            grads: GradAccum::new(&r.layout, &r.weights.device())?,
+            steps,
+            tokens_per_step,
+            accum,
+            bsz,
+            seq_len,
+            lr_peak: cfg.stage_lr(si),
+            seg: cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers),
+            targets_per_step: (accum * bsz * (seq_len - 1)) as f64,
+            flops_tok: metrics::flops_per_token(r.layout.total, mc.num_hidden_layers, mc.hidden_size, seq_len),
+            pb: progress_bar(cfg.log.progress, si, steps, r.state.stage_step),
+            mc,
+            model,
+            vars,
+            tables,
+            loader,
+        })
+    }
+
+    /// Clear the progress bar.
+    fn close(&mut self) {
+        if let Some(pb) = self.pb.take() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+/// The dataset loader of stage `si` for this rank's data-parallel slice, checked against the tokenizer.
+fn open_loader(r: &Run, si: usize) -> Result<Loader> {
+    let data_dir = stage_dataset(&r.cfg, si, &r.run_dir, &r.tokenizer)?;
+    let lcfg = LoaderConfig {
+        seq_len: r.cfg.stages[si].seq_len,
+        shuffle: r.cfg.data.shuffle,
+        seed: r.cfg.train.seed,
+        rank: r.mesh.dp_rank,
+        world_size: r.mesh.dp_size,
+    };
+    let loader =
+        Loader::open(&data_dir, lcfg).with_context(|| format!("stage {si}: opening dataset {}", data_dir.display()))?;
+    let sha = &loader.manifest().tokenizer_sha256;
+    if *sha != r.tok_sha {
+        bail!(
+            "stage {si}: dataset {} was tokenized with another tokenizer (sha256 {}) than {} ({})\nhint: prepare the data with the model's tokenizer.json",
+            data_dir.display(),
+            &sha[..12.min(sha.len())],
+            r.tokenizer.display(),
+            &r.tok_sha[..12]
+        );
+    }
+    Ok(loader)
+}
+
+/// What one optimizer step measured.
+struct StepOut {
+    loss: f64,
+    grad_norm: f64,
+    lr: f64,
+    skipped: bool,
+    per_source: BTreeMap<String, (f64, f64)>,
+    seconds: f64,
+    start_bytes: u64,
+}
+
+/// One optimizer step: `accum` micro-batches forward/backward, gradient all-reduce, norm, then either
+/// a skip (non-finite loss or gradient) or clip + AdamW on this rank's shard + all-gather + write-back.
+fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
+    mem::reset_peak();
+    let start_bytes = mem::rss_bytes();
+    let t0 = Instant::now();
+    s.grads.zero();
+    let mut sums = [0f64; 2]; // nll sum, target count
+    let mut per_source = BTreeMap::new();
+    for _ in 0..s.accum {
+        let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
+        let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
+        let (ids, targets) = batch_tensors(&toks, &r.device)?;
+        let out = forward_backward(
+            &s.model,
+            &s.vars,
+            &r.layout,
+            &s.tables,
+            &ids,
+            &targets,
+            s.seg,
+            r.cfg.train.loss_chunk_tokens,
+            1.0 / s.targets_per_step,
+            &mut s.grads,
+        )?;
+        sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
+        sums[1] += (s.bsz * (s.seq_len - 1)) as f64;
+        accumulate_per_source(&seqs, &out.nll, &s.sources, &mut per_source);
+    }
+    r.comm.all_reduce_mean(s.grads.buf_mut())?;
+    r.comm.all_reduce_sum_f64(&mut sums)?;
+    let loss = sums[0] / sums[1];
+    let grad_norm = grads::global_norm(s.grads.buf());
+    let lr = r.sched.lr_at(s.lr_peak, r.state.stage_step, s.steps);
+    let skipped = !(loss.is_finite() && grad_norm.is_finite());
+    if skipped {
+        r.bad_streak += 1;
+        r.state.skipped_steps += 1;
+    } else {
+        r.bad_streak = 0;
+        grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip);
+        r.optim.step(s.grads.buf(), lr)?;
+        zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
+    }
+    r.state.step += 1;
+    r.state.stage_step += 1;
+    r.state.tokens_seen += s.tokens_per_step;
+    r.state.data_cursor = serde_json::to_value(s.loader.cursor())?;
+    Ok(StepOut { loss, grad_norm, lr, skipped, per_source, seconds: t0.elapsed().as_secs_f64(), start_bytes })
+}
+
+/// Append the step's record to metrics.jsonl; print a line every `log.every` steps and on a skip.
+fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
+    let tokens = s.tokens_per_step;
+    let tflops = s.flops_tok * tokens as f64 / out.seconds / 1e12;
+    let rec = StepRecord {
+        step: r.state.step,
+        stage: s.si,
+        seq_len: s.seq_len,
+        loss: out.loss,
+        grad_norm: out.grad_norm,
+        lr: out.lr,
+        tokens,
+        tokens_seen: r.state.tokens_seen,
+        tokens_per_s: tokens as f64 / out.seconds,
+        tflops,
+        mfu: (r.cfg.log.peak_tflops > 0.0).then(|| tflops / r.cfg.log.peak_tflops),
+        rss_bytes: mem::rss_bytes(),
+        step_peak_bytes: mem::peak_bytes(),
+        step_start_bytes: out.start_bytes,
+        skipped: out.skipped,
+        per_source: out.per_source.iter().map(|(k, (sum, n))| (k.clone(), sum / n.max(1.0))).collect(),
+        elapsed_s: r.t_start.elapsed().as_secs_f64(),
+    };
+    r.log.write(&rec)?;
+    if r.state.step.is_multiple_of(r.cfg.log.every.max(1)) || out.skipped {
+        r.say(s, metrics::step_line(&rec, r.total_steps));
+    }
+    if let Some(pb) = &s.pb {
+        pb.set_position(r.state.stage_step);
+    }
+    Ok(())
+}
+
+/// Save after a good step that ends the stage, hits `checkpoint.every`, reaches `--steps` or follows a
+/// signal. A checkpoint at a stage's end already points at the next stage.
+fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
+    let stage_end = r.state.stage_step == s.steps;
+    let periodic = r.cfg.checkpoint.every > 0 && r.state.step.is_multiple_of(r.cfg.checkpoint.every);
+    let stopping = r.stop.load(Ordering::SeqCst) || r.state.step >= r.limit;
+    if !(periodic || stage_end || stopping) || out.skipped || r.bad_streak > 0 {
+        return Ok(());
+    }
+    let mut snap = r.state.clone();
+    if stage_end {
+        snap.stage = s.si + 1;
+        snap.stage_step = 0;
+        snap.data_cursor = serde_json::Value::Null;
+    }
+    let write_model = |dir: &Path| -> Result<()> {
+        let tensors: Vec<(String, Tensor)> =
+            r.layout.params.iter().zip(&s.vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect();
+        save_model_dir(dir, &s.mc, &tensors, r.cfg.checkpoint.max_shard_bytes)?;
+        std::fs::copy(&r.tokenizer, dir.join("tokenizer.json"))
+            .with_context(|| format!("copying {} into the checkpoint", r.tokenizer.display()))?;
+        Ok(())
+    };
+    let root = r.run_dir.join("checkpoints");
+    let p = checkpoint::save(&root, &snap, &r.optim, &r.comm, r.cfg.checkpoint.keep_last, &write_model)?;
+    r.say(s, format!("saved {}", p.display()));
+    r.last_saved = Some(p);
+    Ok(())
+}
+
+/// How a session ended.
+enum End {
+    /// every stage done, or `--steps` reached
+    Done,
+    /// SIGINT/SIGTERM after a checkpoint
+    Signal,
+}
+
+/// End of a session (the only one, on every path): the loss curve of the whole run, then a summary.
+fn finish(r: &Run, end: End) -> Result<()> {
+    if r.cfg.log.plot {
+        let recs = metrics::read_records(&r.run_dir.join("metrics.jsonl"))?;
+        metrics::plot_loss(&recs, &r.run_dir.join("loss.png"), "harpe train: loss")?;
+    }
+    match end {
+        End::Signal => println!("stopped by signal after step {}; resume with --resume", r.state.step),
+        End::Done => {
+            let st = &r.state;
+            println!(
+                "done: {} steps, {} tokens, {} skipped; last checkpoint {}; {:.0} tokens/s this session",
+                st.step,
+                st.tokens_seen,
+                st.skipped_steps,
+                r.last_saved.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
+                st.tokens_seen as f64 / r.t_start.elapsed().as_secs_f64().max(1e-9)
             );
         }
     }
+    Ok(())
+}
 
-    // SIGINT/SIGTERM: finish the step, checkpoint, exit 0 (a second SIGINT kills at once).
+/// SIGINT/SIGTERM set the returned flag (the loop finishes the step, checkpoints, exits 0); a second
+/// SIGINT kills at once.
+fn stop_flag() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register_conditional_shutdown(sig, 1, Arc::clone(&stop))?;
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
     }
-
-    let device = match cfg.train.device {
-        DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(0)
-            .map_err(|e| anyhow!("{origin}: train.device = \"cuda\" is not available: {e}\nhint: build with --features cuda on a GPU machine, or set train.device = \"cpu\""))?,
-    };
-    let dtype = match cfg.train.dtype {
-        ComputeDtype::Bf16 => DType::BF16,
-        ComputeDtype::F32 => DType::F32,
-    };
-    let comm = Comm::Single;
-    let (rank, world) = (comm.rank(), comm.world_size());
-
-    let (base_cfg, init) = initial_model(cfg, &origin)?;
-    let tokenizer = tokenizer_path(cfg, &run_dir)?;
-    let tok_sha = tokenizer_sha256(&tokenizer)?;
-    let (layout, flat) = flatten_params(&init)?;
-    drop(init);
-    let n_params = layout.total;
-    let mut optim = AdamW::new(&layout, &flat, comm.shard_range(layout.total), adamw_hyper(cfg));
-    drop(flat);
-
-    let mut state = TrainState {
-        format: checkpoint::FORMAT,
-        step: 0,
-        stage: 0,
-        stage_step: 0,
-        tokens_seen: 0,
-        data_cursor: serde_json::Value::Null,
-        seed: cfg.train.seed,
-        config_hash: resolved.hash.clone(),
-        rope: base_cfg.rope.clone(),
-        skipped_steps: 0,
-    };
-    if let Some(dir) = &resume_from {
-        state = checkpoint::load_state(dir)?;
-        if state.config_hash != resolved.hash && !args.force {
-            bail!(
-                "{} was written by a different config\nhint: resume with the same config and --set values, or pass --force",
-                dir.display()
-            );
-        }
-        checkpoint::load_optim(dir, (rank, world), &mut optim)?;
-        println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
-    }
-    let mut log = MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?;
-    let total_steps: u64 = (0..cfg.stages.len()).map(|i| cfg.stage_steps(i).0).sum();
-    let limit = args.steps.unwrap_or(u64::MAX);
-    let sched = cfg.schedule.schedule();
-    let t_start = Instant::now();
-    let mut bad_streak = 0u32;
-    let mut last_saved: Option<PathBuf> = resume_from.clone();
-
-    'stages: for si in state.stage..cfg.stages.len() {
-        let st = &cfg.stages[si];
-        let (steps, tokens_per_step) = cfg.stage_steps(si);
-        let accum = cfg.accumulation(si);
-        let bsz = cfg.train.micro_batch_size;
-        let mut mc = base_cfg.clone();
-        if let Some(r) = st.rope.clone().or_else(|| cfg.rope.clone()) {
-            mc.rope = r;
-        }
-        mc.max_position_embeddings = mc.max_position_embeddings.max(st.seq_len);
-        mc.validate(&format!("{origin}: stage {si}"))?;
-        let (model, vars) = trainable_model(&mc, &layout, &optim.master, dtype, &device)?;
-        let tables = rope_tables(&model, st.seq_len)?;
-        let data_dir = stage_dataset(cfg, si, &run_dir, &tokenizer)?;
-        let lcfg = LoaderConfig {
-            seq_len: st.seq_len,
-            shuffle: cfg.data.shuffle,
-            seed: cfg.train.seed,
-            rank,
-            world_size: world,
-        };
-        let mut loader = Loader::open(&data_dir, lcfg)
-            .with_context(|| format!("stage {si}: opening dataset {}", data_dir.display()))?;
-        if loader.manifest().tokenizer_sha256 != tok_sha {
-            bail!(
-                "stage {si}: dataset {} was tokenized with another tokenizer (sha256 {}) than {} ({})\nhint: prepare the data with the model's tokenizer.json",
-                data_dir.display(),
-                &loader.manifest().tokenizer_sha256[..12.min(loader.manifest().tokenizer_sha256.len())],
-                tokenizer.display(),
-                &tok_sha[..12]
-            );
-        }
-        let sources = loader.manifest().source_names.clone();
-        if si == state.stage && state.stage_step > 0 {
-            let cursor = serde_json::from_value(state.data_cursor.clone())
-                .map_err(|e| anyhow!("state.json: data_cursor: {e}\nhint: the checkpoint is damaged"))?;
-            loader.restore(&cursor)?;
-        } else {
-            state.stage = si;
-            state.stage_step = 0;
-            if si > 0 && st.reset_optimizer.unwrap_or(cfg.optim.reset_between_stages) {
-                optim.reset_moments();
-            }
-        }
-        state.rope = mc.rope.clone();
-        let lr_peak = st.lr.unwrap_or(cfg.optim.lr);
-        let seg = cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers);
-        let targets_per_step = (accum * bsz * (st.seq_len - 1)) as f64;
-        let flops_tok = metrics::flops_per_token(n_params, mc.num_hidden_layers, mc.hidden_size, st.seq_len);
-        let pb = progress_bar(cfg.log.progress, si, steps, state.stage_step);
-        let mut grads = GradAccum::new(&layout);
-        let save = |state: &TrainState, optim: &AdamW, vars: &[Var]| -> Result<PathBuf> {
-            let write_model = |dir: &Path| -> Result<()> {
-                let tensors: Vec<(String, Tensor)> =
-                    layout.params.iter().zip(vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect();
-                save_model_dir(dir, &mc, &tensors, cfg.checkpoint.max_shard_bytes)?;
-                std::fs::copy(&tokenizer, dir.join("tokenizer.json"))
-                    .with_context(|| format!("copying {} into the checkpoint", tokenizer.display()))?;
-                Ok(())
-            };
-            checkpoint::save(&ckpt_root, state, optim, (rank, world), cfg.checkpoint.keep_last, &write_model)
-        };
-
-        while state.stage_step < steps {
-            if state.step >= limit {
-                break 'stages;
-            }
-            // ---- one optimizer step ----
-            mem::reset_peak();
-            let step_start_bytes = mem::rss_bytes();
-            let t0 = Instant::now();
-            grads.zero();
-            let mut sums = [0f64; 2]; // nll sum, target count
-            let mut per_src: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-            for _ in 0..accum {
-                let seqs: Vec<Sequence> = (0..bsz).map(|_| loader.next_sequence()).collect::<Result<_>>()?;
-                let toks: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
-                let (ids, targets) = batch_tensors(&toks, &device)?;
-                let out = forward_backward(
-                    &model,
-                    &vars,
-                    &layout,
-                    &tables,
-                    &ids,
-                    &targets,
-                    seg,
-                    cfg.train.loss_chunk_tokens,
-                    1.0 / targets_per_step,
-                    &mut grads,
-                )?;
-                sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
-                sums[1] += (bsz * (st.seq_len - 1)) as f64;
-                accumulate_per_source(&seqs, &out.nll, &sources, &mut per_src);
-            }
-            comm.all_reduce_mean(&mut grads.flat)?;
-            comm.all_reduce_sum_f64(&mut sums)?;
-            let loss = sums[0] / sums[1];
-            let gnorm = grads::global_norm(&grads.flat);
-            let lr = sched.lr_at(lr_peak, state.stage_step, steps);
-            let skipped = !(loss.is_finite() && gnorm.is_finite());
-            if skipped {
-                bad_streak += 1;
-                state.skipped_steps += 1;
-            } else {
-                bad_streak = 0;
-                grads::clip_by_global_norm(&mut grads.flat, gnorm, cfg.optim.grad_clip);
-                let range = optim.range.clone();
-                optim.step(&grads.flat[range.clone()], lr);
-                write_back(&vars, &layout, &optim.master, range)?;
-            }
-            state.step += 1;
-            state.stage_step += 1;
-            state.tokens_seen += tokens_per_step;
-            state.data_cursor = serde_json::to_value(loader.cursor())?;
-            let dt = t0.elapsed().as_secs_f64();
-            let tflops = flops_tok * tokens_per_step as f64 / dt / 1e12;
-            let rec = StepRecord {
-                step: state.step,
-                stage: si,
-                seq_len: st.seq_len,
-                loss,
-                grad_norm: gnorm,
-                lr,
-                tokens: tokens_per_step,
-                tokens_seen: state.tokens_seen,
-                tokens_per_s: tokens_per_step as f64 / dt,
-                tflops,
-                mfu: (cfg.log.peak_tflops > 0.0).then(|| tflops / cfg.log.peak_tflops),
-                rss_bytes: mem::rss_bytes(),
-                step_peak_bytes: mem::peak_bytes(),
-                step_start_bytes,
-                skipped,
-                per_source: per_src.into_iter().map(|(k, (s, n))| (k, s / n.max(1.0))).collect(),
-                elapsed_s: t_start.elapsed().as_secs_f64(),
-            };
-            log.write(&rec)?;
-            if state.step.is_multiple_of(cfg.log.every.max(1)) || skipped {
-                let line = metrics::step_line(&rec, total_steps);
-                match &pb {
-                    Some(pb) => pb.println(line),
-                    None => println!("{line}"),
-                }
-            }
-            if let Some(pb) = &pb {
-                pb.set_position(state.stage_step);
-            }
-            if bad_streak >= cfg.train.max_bad_steps.max(1) {
-                let last = last_saved
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|| "none (no checkpoint was written yet)".into());
-                bail!(
-                    "{bad_streak} consecutive steps had a non-finite loss or gradient (last: step {}); training stopped. Last good checkpoint: {last}\nhint: lower the learning rate, keep optim.grad_clip on, or check the data; continue with --resume",
-                    state.step
-                );
-            }
-            let stage_end = state.stage_step == steps;
-            let periodic = cfg.checkpoint.every > 0 && state.step.is_multiple_of(cfg.checkpoint.every);
-            let stopping = stop.load(Ordering::SeqCst) || state.step >= limit;
-            if (periodic || stage_end || stopping) && !skipped && bad_streak == 0 {
-                let mut snap = state.clone();
-                if stage_end {
-                    snap.stage = si + 1;
-                    snap.stage_step = 0;
-                    snap.data_cursor = serde_json::Value::Null;
-                }
-                let p = save(&snap, &optim, &vars)?;
-                if let Some(pb) = &pb {
-                    pb.println(format!("saved {}", p.display()));
-                } else {
-                    println!("saved {}", p.display());
-                }
-                last_saved = Some(p);
-            }
-            if stop.load(Ordering::SeqCst) {
-                if let Some(pb) = &pb {
-                    pb.finish_and_clear();
-                }
-                println!("stopped by signal after step {}; resume with --resume", state.step);
-                finish(cfg, &run_dir)?;
-                return Ok(());
-            }
-        }
-        if let Some(pb) = &pb {
-            pb.finish_and_clear();
-        }
-    }
-    finish(cfg, &run_dir)?;
-    let tok_s = state.tokens_seen as f64 / t_start.elapsed().as_secs_f64().max(1e-9);
-    println!(
-        "done: {} steps, {} tokens, {} skipped; last checkpoint {}; {:.0} tokens/s this session",
-        state.step,
-        state.tokens_seen,
-        state.skipped_steps,
-        last_saved.map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
-        tok_s
-    );
-    Ok(())
+    Ok(stop)
 }
 
-/// End of a session: the loss curve of the whole run (all records in metrics.jsonl).
-fn finish(cfg: &RunConfig, run_dir: &Path) -> Result<()> {
-    if cfg.log.plot {
-        let recs = metrics::read_records(&run_dir.join("metrics.jsonl"))?;
-        metrics::plot_loss(&recs, &run_dir.join("loss.png"), "harpe train: loss")?;
+/// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`), this
+/// rank's optimizer shard, and the weights gathered from every rank's shard.
+fn resume(
+    dir: &Path,
+    force: bool,
+    hash: &str,
+    comm: &Comm,
+    map: &ShardMap,
+    optim: &mut AdamW,
+    weights: &mut FlatBuf,
+) -> Result<TrainState> {
+    let state = checkpoint::load_state(dir)?;
+    if state.config_hash != hash && !force {
+        bail!(
+            "{} was written by a different config\nhint: resume with the same config and --set values, or pass --force",
+            dir.display()
+        );
     }
-    Ok(())
+    let mesh = comm.mesh();
+    checkpoint::load_optim(dir, &mesh, optim)?;
+    map.place(mesh.rank(), optim.master(), weights)?;
+    comm.all_gather(weights, map)?;
+    println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
+    Ok(state)
+}
+
+/// The checkpoint to resume from (`--resume`), refusing to start over a run that already has one.
+fn resume_point(ckpt_root: &Path, resume: bool) -> Result<Option<PathBuf>> {
+    let latest = checkpoint::latest_complete(ckpt_root)?;
+    if let (false, Some(p)) = (resume, &latest) {
+        bail!(
+            "{} already holds checkpoint {}\nhint: pass --resume to continue it, or choose another --out",
+            ckpt_root.parent().unwrap_or(ckpt_root).display(),
+            p.display()
+        );
+    }
+    Ok(latest)
 }
 
 /// Add the nll of every predicted token to the source of that token (position p predicts p + 1).

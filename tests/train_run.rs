@@ -133,7 +133,7 @@ fn bad_input_is_refused_with_a_hint() {
     let tok = d.path().join("tokenizer.json");
     std::fs::write(&tok, harpe::model::testing::byte_tokenizer_json()).unwrap();
     let ds = d.path().join("ds48");
-    harpe::data::prepare_from_texts(&harpe::train::builtin_texts(1), &tok, &harpe::data::PrepareOptions::new(48), &ds)
+    harpe::data::prepare_from_texts(&harpe::data::builtin_texts(1), &tok, &harpe::data::PrepareOptions::new(48), &ds)
         .unwrap();
     let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let e = format!(
@@ -154,7 +154,7 @@ fn bad_input_is_refused_with_a_hint() {
     .unwrap();
     let ds32 = d.path().join("ds32");
     harpe::data::prepare_from_texts(
-        &harpe::train::builtin_texts(1),
+        &harpe::data::builtin_texts(1),
         &tok2,
         &harpe::data::PrepareOptions::new(32),
         &ds32,
@@ -247,4 +247,17 @@ fn sigterm_finishes_the_step_checkpoints_and_exits_0() {
     let last = harpe::checkpoint::latest_complete(&out.join("checkpoints")).unwrap().expect("a checkpoint");
     let steps = read_records(&metrics).unwrap().len() as u64;
     assert_eq!(harpe::checkpoint::load_state(&last).unwrap().step, steps);
+}
+
+#[test]
+fn a_backend_this_build_lacks_is_refused_with_a_hint() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path(), TINY);
+    for b in ["nccl", "local"] {
+        let out = d.path().join(b);
+        let set = vec![format!("dist.backend=\"{b}\"")];
+        let e = format!("{:#}", run(TrainArgs { set, ..args(&cfg, &out) }).unwrap_err());
+        assert!(e.contains("dist.backend") && e.contains(b) && e.contains("hint:"), "{e}");
+        assert!(!out.exists(), "{b}: refused before the run directory is made");
+    }
 }

@@ -3,16 +3,18 @@
 //! These call the same functions the `harpe train` loop calls (`forward_backward`, `AdamW::step`).
 use candle_core::{DType, Device, Tensor};
 use harpe::config::Checkpointing;
-use harpe::grads::{GradAccum, ParamLayout};
+use harpe::comms::zero::{ShardMap, Split};
+use harpe::flatbuf::FlatBuf;
+use harpe::grads::{flatten_params, GradAccum, ParamLayout};
 use harpe::model::config::LlamaConfig;
 use harpe::model::rope::RopeScheme;
 use harpe::model::weights::{init_random, load_tensors};
 use harpe::model::Llama;
 use harpe::optim::adamw::{AdamW, AdamWHyper};
-use harpe::train::{batch_tensors, flatten_params, forward_backward, rope_tables, trainable_model};
+use harpe::train::{batch_tensors, forward_backward, rope_tables, trainable_model};
 use std::path::Path;
 
-fn tiny(layers: usize, rope: RopeScheme) -> (LlamaConfig, ParamLayout, Vec<f32>) {
+fn tiny(layers: usize, rope: RopeScheme) -> (LlamaConfig, ParamLayout, FlatBuf) {
     let mut cfg = harpe::model::testing::tiny_config(rope);
     cfg.num_hidden_layers = layers;
     let t = init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
@@ -28,7 +30,7 @@ fn seqs(n: usize, t: usize, v: u32) -> Vec<Vec<u32>> {
 fn step_grads(
     cfg: &LlamaConfig,
     layout: &ParamLayout,
-    flat: &[f32],
+    flat: &FlatBuf,
     data: &[Vec<u32>],
     micro: usize,
     ck: Checkpointing,
@@ -37,7 +39,7 @@ fn step_grads(
     let (model, vars) = trainable_model(cfg, layout, flat, dtype, &Device::Cpu).unwrap();
     let t = data[0].len();
     let tables = rope_tables(&model, t).unwrap();
-    let mut g = GradAccum::new(layout);
+    let mut g = GradAccum::new(layout, &Device::Cpu).unwrap();
     let total = (data.len() * (t - 1)) as f64;
     let mut nll = 0.0;
     for chunk in data.chunks(data.len() / micro) {
@@ -47,7 +49,7 @@ fn step_grads(
         let out = forward_backward(&model, &vars, layout, &tables, &ids, &tg, seg, 7, 1.0 / total, &mut g).unwrap();
         nll += out.nll.iter().map(|&x| x as f64).sum::<f64>();
     }
-    (g.flat, nll / total)
+    (g.buf().host().unwrap().to_vec(), nll / total)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -76,7 +78,7 @@ fn accumulation_equals_a_larger_batch_and_checkpointing_changes_nothing() {
     // the loss is the model's own full-logits cross-entropy (candle_nn) on the same batch
     let mut m = std::collections::HashMap::new();
     for p in &layout.params {
-        m.insert(p.name.clone(), Tensor::from_slice(&flat[p.range.clone()], p.shape.as_slice(), &Device::Cpu).unwrap());
+        m.insert(p.name.clone(), flat.param_tensor(p.range.clone(), &p.shape, DType::F32, &Device::Cpu).unwrap());
     }
     let model = Llama::from_tensors(cfg.clone(), m, "test").unwrap();
     let flat_ids: Vec<u32> = data.concat();
@@ -127,12 +129,12 @@ fn one_step_matches_torch_adamw_golden() {
         wd_embedding: wd,
         wd_norm: 0.0,
     };
-    let mut opt = AdamW::new(&layout, &flat, 0..layout.total, h);
-    opt.step(&g, f("lr"));
+    let mut opt = AdamW::new(&layout, &flat, &ShardMap::new(&layout, 1, Split::Slices), 0, h).unwrap();
+    opt.step(&FlatBuf::from_vec(g), f("lr")).unwrap();
     let mut worst = (0f32, String::new());
     for p in &layout.params {
         let want = golden[&format!("param.{}", p.name)].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for (a, b) in opt.master[p.range.clone()].iter().zip(&want) {
+        for (a, b) in opt.master().host().unwrap()[p.range.clone()].iter().zip(&want) {
             let rel = (a - b).abs() / b.abs().max(1e-3);
             if rel > worst.0 {
                 worst = (rel, p.name.clone());

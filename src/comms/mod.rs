@@ -1,14 +1,53 @@
-//! Collectives between training ranks: `Comm` with the operations the loop needs.
+//! Collectives between training ranks: `Comm` with the operations the loop needs, the rank `Mesh`, and
+//! ZeRO ownership (`zero`).
 //!
-//! Reference: DESIGN.md §6 (`Comm` = Single | Local | Nccl), llm.c `llmc/zero.cuh` (ZeRO as a no-op at
-//! one process). The non-obvious decision: the training loop always calls the collectives (gradient
-//! all-reduce, master-weight all-gather, metric reduction), so one process and many processes run the
-//! same straight-line code and `train.rs` has no `if distributed` branch. all_gather / reduce_scatter /
-//! broadcast / all_to_all arrive with the backends that need them.
-//! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; only
-//! `Single` exists, and configs that ask for anything else are refused by `config.rs`.
-use anyhow::Result;
-use std::ops::Range;
+//! Reference: DESIGN.md §6 (`Comm` = Single | Local | Nccl, `Mesh {dp, sp}`), llm.c `llmc/zero.cuh`
+//! (ZeRO as a no-op at one process). The non-obvious decisions: the training loop always calls the
+//! collectives (gradient all-reduce, master-weight all-gather, metric reduction, checkpoint barrier),
+//! so one process and many processes run the same straight-line code and `train.rs` has no
+//! `if distributed` branch; collectives take `FlatBuf`s (host or device), never host slices. The mesh
+//! separates the data-parallel rank (which data a rank reads) from the sequence-parallel rank (which
+//! part of a sequence it holds); the optimizer shard and the checkpoint file names use the global rank
+//! `dp_rank * sp_size + sp_rank` of `dp_size * sp_size` (ZeRO shards over every rank, as DeepSpeed-Ulysses
+//! does), which is `optim-00000-of-00001` at one rank, as before.
+//! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; a config
+//! asking for them is refused by `Comm::from_config` with a hint. A new backend is one more variant.
+pub mod zero;
+
+use crate::config::{Backend, DistSection};
+use crate::flatbuf::FlatBuf;
+use anyhow::{bail, Result};
+use zero::ShardMap;
+
+/// Who this process is among the training ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    /// data-parallel rank: which slice of the data stream this rank reads
+    pub dp_rank: usize,
+    /// number of data-parallel ranks
+    pub dp_size: usize,
+    /// sequence-parallel rank: which part of each sequence this rank holds
+    pub sp_rank: usize,
+    /// ranks sharing one sequence (1 = no sequence parallelism)
+    pub sp_size: usize,
+}
+
+impl Mesh {
+    /// The mesh of one process.
+    pub fn single() -> Mesh {
+        Mesh { dp_rank: 0, dp_size: 1, sp_rank: 0, sp_size: 1 }
+    }
+
+    /// Global rank: the optimizer shard this rank owns and its checkpoint file.
+    pub fn rank(&self) -> usize {
+        self.dp_rank * self.sp_size + self.sp_rank
+    }
+
+    /// Number of ranks in total.
+    pub fn world(&self) -> usize {
+        self.dp_size * self.sp_size
+    }
+}
 
 /// The communicator of this process.
 #[derive(Clone, Debug)]
@@ -18,22 +57,26 @@ pub enum Comm {
 }
 
 impl Comm {
-    /// This process's rank.
-    pub fn rank(&self) -> usize {
-        match self {
-            Comm::Single => 0,
+    /// The communicator `[dist]` asks for; `origin` (the config file) names where the request came from.
+    pub fn from_config(dist: &DistSection, origin: &str) -> Result<Comm> {
+        match dist.backend {
+            Backend::Single => Ok(Comm::Single),
+            b @ (Backend::Local | Backend::Nccl) => bail!(
+                "{origin}: dist.backend = \"{}\" is not implemented in this build of harpe\nhint: use dist.backend = \"single\" (one process, one device); multi-rank training arrives with the Local and NCCL backends",
+                b.name()
+            ),
         }
     }
 
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
+    /// This process's place in the rank mesh.
+    pub fn mesh(&self) -> Mesh {
         match self {
-            Comm::Single => 1,
+            Comm::Single => Mesh::single(),
         }
     }
 
-    /// Sum `buf` over all ranks, then divide by the world size (gradient averaging).
-    pub fn all_reduce_mean(&self, buf: &mut [f32]) -> Result<()> {
+    /// Sum `buf` over all ranks, then divide by the number of ranks (gradient averaging).
+    pub fn all_reduce_mean(&self, buf: &mut FlatBuf) -> Result<()> {
         match self {
             Comm::Single => {
                 let _ = buf;
@@ -42,7 +85,7 @@ impl Comm {
         }
     }
 
-    /// Sum a few f64 scalars (loss sums, token counts) over all ranks.
+    /// Sum a few f64 scalars (loss sums, token counts, error flags) over all ranks.
     pub fn all_reduce_sum_f64(&self, vals: &mut [f64]) -> Result<()> {
         match self {
             Comm::Single => {
@@ -52,14 +95,31 @@ impl Comm {
         }
     }
 
-    /// The slice of a flat parameter vector of length `n` that this rank's optimizer owns (ZeRO-1):
-    /// contiguous, equal-sized up to rounding, the last rank takes the remainder.
-    pub fn shard_range(&self, n: usize) -> Range<usize> {
-        let (r, w) = (self.rank(), self.world_size());
-        let per = n.div_ceil(w);
-        let lo = (r * per).min(n);
-        let hi = ((r + 1) * per).min(n);
-        lo..hi
+    /// On entry every rank's own range of `buf` (per `map`) is valid; on exit the whole buffer is.
+    pub fn all_gather(&self, buf: &mut FlatBuf, map: &ShardMap) -> Result<()> {
+        if map.world() != self.mesh().world() {
+            bail!("internal: a shard map for {} ranks used with {} ranks", map.world(), self.mesh().world());
+        }
+        match self {
+            Comm::Single => {
+                let _ = buf;
+                Ok(())
+            }
+        }
+    }
+
+    /// Wait until every rank has arrived.
+    pub fn barrier(&self) -> Result<()> {
+        match self {
+            Comm::Single => Ok(()),
+        }
+    }
+
+    /// Barrier that also agrees on success: true only when `ok` is true on every rank.
+    pub fn all_ok(&self, ok: bool) -> Result<bool> {
+        let mut bad = [if ok { 0.0 } else { 1.0 }];
+        self.all_reduce_sum_f64(&mut bad)?;
+        Ok(bad[0] == 0.0)
     }
 }
 
@@ -69,10 +129,20 @@ mod tests {
 
     #[test]
     fn single_rank_owns_everything_and_collectives_keep_values() {
-        let c = Comm::Single;
-        assert_eq!(c.shard_range(10), 0..10);
-        let mut g = vec![1.0f32, -2.0];
+        let c = Comm::from_config(&DistSection::default(), "test.toml").unwrap();
+        assert_eq!(c.mesh(), Mesh::single());
+        assert_eq!((c.mesh().rank(), c.mesh().world()), (0, 1));
+        let mut g = FlatBuf::from_vec(vec![1.0f32, -2.0]);
         c.all_reduce_mean(&mut g).unwrap();
-        assert_eq!(g, vec![1.0, -2.0]);
+        assert_eq!(g.host().unwrap(), &[1.0, -2.0]);
+        assert!(c.all_ok(true).unwrap() && !c.all_ok(false).unwrap());
+    }
+
+    #[test]
+    fn unimplemented_backends_are_refused_with_a_hint() {
+        for b in [Backend::Local, Backend::Nccl] {
+            let e = Comm::from_config(&DistSection { backend: b }, "run.toml").unwrap_err().to_string();
+            assert!(e.contains("run.toml: dist.backend") && e.contains(b.name()) && e.contains("hint:"), "{e}");
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! The non-obvious decision: every random choice is a pure function of (seed, file, document) or
 //! (seed, epoch), so preparation and loading are reproducible and resumable byte for byte.
 //! What this module does not do: tokenization training, deduplication or quality filtering.
+pub mod builtin;
 pub mod inspect;
 pub mod loader;
 pub mod mixture;
@@ -14,6 +15,7 @@ pub mod shard;
 pub mod source;
 pub mod tokenize;
 
+pub use builtin::builtin_texts;
 pub use loader::{Cursor, Loader, LoaderConfig, Sequence, SourceSpan};
 pub use prepare::{prepare, prepare_from_texts, PrepareOptions};
 pub use shard::Manifest;

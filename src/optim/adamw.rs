@@ -1,12 +1,20 @@
-//! AdamW on flat fp32 master weights and moments; the parameters this rank owns are one contiguous
-//! slice (`range`) of the flat vector, so ZeRO-1 is "give each rank a different range".
+//! AdamW on flat fp32 master weights and moments (`FlatBuf`s) of the part of the flat parameter space
+//! this rank owns; ownership comes from `comms::zero::ShardMap`, so ZeRO-1 is "each rank its shard".
 //!
 //! Reference: Loshchilov & Hutter (decoupled weight decay); torch `optim/adamw.py` `_single_tensor_adamw`
 //! (the order of operations below is torch's: decay, lerp m, v, bias corrections, addcdiv).
-//! The non-obvious decision: one step counter for all parameters (torch keeps one per tensor, always
-//! equal in practice), and the per-group weight decay is resolved to per-range values at construction.
-//! What this file does not do: gradient clipping or communication (grads.rs, comms/).
+//! The non-obvious decisions: one step counter for all parameters (torch keeps one per tensor, always
+//! equal in practice); the per-group weight decay is resolved to per-slice values at construction from
+//! the shard map's (parameter, element range) slices; `step` reads this rank's part of the full-length
+//! gradient buffer, so a ZeRO-2 reduce-scatter can fill that part in place. State is private: the
+//! checkpoint code reads it through `master/m/v/t` and restores it with `restore`.
+//! What this file does not do: gradient clipping, communication or the write-back of updated weights
+//! into the model (grads.rs, comms/).
+use crate::comms::zero::ShardMap;
+use crate::config::OptimSection;
+use crate::flatbuf::FlatBuf;
 use crate::grads::{ParamGroup, ParamLayout};
+use anyhow::{bail, Result};
 use std::ops::Range;
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule each step).
@@ -21,6 +29,18 @@ pub struct AdamWHyper {
 }
 
 impl AdamWHyper {
+    /// Hyper-parameters from `[optim]`.
+    pub fn from_config(o: &OptimSection) -> AdamWHyper {
+        AdamWHyper {
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            eps: o.eps as f32,
+            wd_matrix: o.weight_decay as f32,
+            wd_embedding: o.embedding_weight_decay() as f32,
+            wd_norm: o.weight_decay_norm as f32,
+        }
+    }
+
     fn wd(&self, g: ParamGroup) -> f32 {
         match g {
             ParamGroup::Matrix => self.wd_matrix,
@@ -30,65 +50,109 @@ impl AdamWHyper {
     }
 }
 
-/// Optimizer state of one rank: fp32 master weights, first and second moments of `range`.
+/// Optimizer state of one rank: fp32 master weights, first and second moments of its shard.
 #[derive(Clone, Debug)]
 pub struct AdamW {
-    pub hp: AdamWHyper,
-    /// the slice of the flat parameter vector owned here
-    pub range: Range<usize>,
-    pub master: Vec<f32>,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
+    hp: AdamWHyper,
+    /// the slice of the flat parameter space owned here (a shard is contiguous, see `ShardMap`)
+    range: Range<usize>,
+    master: FlatBuf,
+    m: FlatBuf,
+    v: FlatBuf,
     /// number of updates applied (torch's `step`)
-    pub t: u64,
-    /// (local range, weight decay) pieces covering `0..range.len()`
+    t: u64,
+    /// (local range, weight decay) pieces covering `0..range.len()`, one per owned parameter slice
     segments: Vec<(Range<usize>, f32)>,
 }
 
 impl AdamW {
-    /// New state for `range` of the flat vector, master weights copied from `full_params`.
-    pub fn new(layout: &ParamLayout, full_params: &[f32], range: Range<usize>, hp: AdamWHyper) -> AdamW {
-        let segments = layout
-            .params
+    /// State for the shard `rank` owns in `map`, master weights copied from `params` (the whole flat
+    /// space, on the device the state should live on).
+    pub fn new(layout: &ParamLayout, params: &FlatBuf, map: &ShardMap, rank: usize, hp: AdamWHyper) -> Result<AdamW> {
+        let range = map.flat_range(rank);
+        let segments = map
+            .slices(rank)
             .iter()
-            .filter_map(|p| {
-                let lo = p.range.start.max(range.start);
-                let hi = p.range.end.min(range.end);
-                (lo < hi).then(|| (lo - range.start..hi - range.start, hp.wd(p.group)))
-            })
+            .map(|s| (s.flat.start - range.start..s.flat.end - range.start, hp.wd(layout.params[s.param].group)))
             .collect();
-        let n = range.len();
-        AdamW {
+        let device = params.device();
+        Ok(AdamW {
             hp,
-            master: full_params[range.clone()].to_vec(),
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            master: params.slice_to_owned(range.clone())?,
+            m: FlatBuf::zeros(range.len(), &device)?,
+            v: FlatBuf::zeros(range.len(), &device)?,
             t: 0,
             range,
             segments,
+        })
+    }
+
+    /// The slice of the flat parameter space this state covers.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// fp32 master weights of the shard.
+    pub fn master(&self) -> &FlatBuf {
+        &self.master
+    }
+
+    /// First moments of the shard.
+    pub fn m(&self) -> &FlatBuf {
+        &self.m
+    }
+
+    /// Second moments of the shard.
+    pub fn v(&self) -> &FlatBuf {
+        &self.v
+    }
+
+    /// Number of updates applied so far.
+    pub fn t(&self) -> u64 {
+        self.t
+    }
+
+    /// Replace the state with values read from a checkpoint (lengths must match the shard).
+    pub fn restore(&mut self, master: FlatBuf, m: FlatBuf, v: FlatBuf, t: u64) -> Result<()> {
+        let n = self.range.len();
+        if master.len() != n || m.len() != n || v.len() != n {
+            bail!(
+                "internal: restoring {}/{}/{} values into a shard of {n}",
+                master.len(),
+                m.len(),
+                v.len()
+            );
         }
+        (self.master, self.m, self.v, self.t) = (master, m, v, t);
+        Ok(())
     }
 
     /// Forget the moments and the step count (a stage configured with `reset_optimizer`).
     pub fn reset_moments(&mut self) {
-        self.m.iter_mut().for_each(|x| *x = 0.0);
-        self.v.iter_mut().for_each(|x| *x = 0.0);
+        self.m.fill(0.0);
+        self.v.fill(0.0);
         self.t = 0;
     }
 
-    /// One update with learning rate `lr`; `grad` is this rank's slice (same length as `range`).
-    pub fn step(&mut self, grad: &[f32], lr: f64) {
+    /// One update with learning rate `lr`; `grads` is the full-length flat gradient buffer, of which
+    /// this rank reads its own range.
+    pub fn step(&mut self, grads: &FlatBuf, lr: f64) -> Result<()> {
+        if grads.len() < self.range.end {
+            bail!("internal: a gradient buffer of {} values for a shard ending at {}", grads.len(), self.range.end);
+        }
         self.t += 1;
         let AdamWHyper { beta1, beta2, eps, .. } = self.hp;
         let bc1 = 1.0 - (beta1 as f64).powi(self.t as i32);
         let bc2_sqrt = (1.0 - (beta2 as f64).powi(self.t as i32)).sqrt();
         let step_size = (lr / bc1) as f32;
         let (bc2_sqrt, lr) = (bc2_sqrt as f32, lr as f32);
+        let grad = &grads.host()?[self.range.clone()];
+        let (master, m, v) = (self.master.host_mut()?, self.m.host_mut()?, self.v.host_mut()?);
         for (seg, wd) in &self.segments {
             let decay = 1.0 - lr * wd;
-            let p = &mut self.master[seg.clone()];
-            let m = &mut self.m[seg.clone()];
-            let v = &mut self.v[seg.clone()];
+            let p = &mut master[seg.clone()];
+            let m = &mut m[seg.clone()];
+            let v = &mut v[seg.clone()];
             let g = &grad[seg.clone()];
             for i in 0..p.len() {
                 p[i] *= decay;
@@ -98,24 +162,31 @@ impl AdamW {
                 p[i] -= step_size * m[i] / denom;
             }
         }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comms::zero::Split;
 
     fn hp(wd: f32) -> AdamWHyper {
         AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: wd, wd_embedding: wd, wd_norm: 0.0 }
+    }
+
+    fn opt(l: &ParamLayout, p: &[f32], world: usize, rank: usize, wd: f32) -> AdamW {
+        let map = ShardMap::new(l, world, Split::Slices);
+        AdamW::new(l, &FlatBuf::from_vec(p.to_vec()), &map, rank, hp(wd)).unwrap()
     }
 
     #[test]
     fn first_step_moves_each_weight_by_lr_against_the_gradient_sign() {
         // With bias correction, |update| of step 1 is lr * |g| / (|g| + eps) ~= lr, whatever |g| is.
         let l = ParamLayout::new(&[("w".into(), vec![3])]);
-        let mut o = AdamW::new(&l, &[1.0, 1.0, 1.0], 0..3, hp(0.0));
-        o.step(&[0.5, -2.0, 1e-3], 0.1);
-        let d: Vec<f32> = o.master.iter().map(|p| p - 1.0).collect();
+        let mut o = opt(&l, &[1.0, 1.0, 1.0], 1, 0, 0.0);
+        o.step(&FlatBuf::from_vec(vec![0.5, -2.0, 1e-3]), 0.1).unwrap();
+        let d: Vec<f32> = o.master().host().unwrap().iter().map(|p| p - 1.0).collect();
         assert!((d[0] + 0.1).abs() < 1e-5 && (d[1] - 0.1).abs() < 1e-5 && (d[2] + 0.1).abs() < 1e-4, "{d:?}");
     }
 
@@ -123,22 +194,30 @@ mod tests {
     fn norms_get_no_decay_and_shards_equal_the_whole() {
         let l = ParamLayout::new(&[("a.weight".into(), vec![3]), ("model.norm.weight".into(), vec![2])]);
         let p0 = [1.0, 2.0, 3.0, 4.0, 5.0];
-        let g = [0.0f32; 5];
-        let mut o = AdamW::new(&l, &p0, 0..5, hp(0.5));
-        o.step(&g, 0.1);
+        let g = FlatBuf::from_vec(vec![0.0f32; 5]);
+        let mut o = opt(&l, &p0, 1, 0, 0.5);
+        o.step(&g, 0.1).unwrap();
         // zero gradient: only decoupled decay acts, p *= 1 - lr * wd on matrices, norms untouched
-        assert_eq!(o.master, vec![0.95, 1.9, 2.85, 4.0, 5.0]);
-        // two shards cut through the middle of a parameter give the same result as the whole
-        let g = [0.3, -0.1, 0.7, 0.2, -0.4];
-        let mut whole = AdamW::new(&l, &p0, 0..5, hp(0.1));
-        let mut s0 = AdamW::new(&l, &p0, 0..2, hp(0.1));
-        let mut s1 = AdamW::new(&l, &p0, 2..5, hp(0.1));
+        assert_eq!(o.master().host().unwrap(), &[0.95, 1.9, 2.85, 4.0, 5.0]);
+        // two shards that cut through the middle of a parameter give the same result as the whole
+        let g = FlatBuf::from_vec(vec![0.3, -0.1, 0.7, 0.2, -0.4]);
+        let mut whole = opt(&l, &p0, 1, 0, 0.1);
+        let mut s0 = opt(&l, &p0, 2, 0, 0.1);
+        let mut s1 = opt(&l, &p0, 2, 1, 0.1);
+        assert_eq!((s0.range(), s1.range()), (0..3, 3..5));
+        // a 3-way split cuts `a.weight` after its second element
+        let map3 = ShardMap::new(&l, 3, Split::Slices);
+        let mut t: Vec<AdamW> =
+            (0..3).map(|r| AdamW::new(&l, &FlatBuf::from_vec(p0.to_vec()), &map3, r, hp(0.1)).unwrap()).collect();
         for _ in 0..3 {
-            whole.step(&g, 0.01);
-            s0.step(&g[0..2], 0.01);
-            s1.step(&g[2..5], 0.01);
+            whole.step(&g, 0.01).unwrap();
+            s0.step(&g, 0.01).unwrap();
+            s1.step(&g, 0.01).unwrap();
+            t.iter_mut().for_each(|o| o.step(&g, 0.01).unwrap());
         }
-        let joined: Vec<f32> = s0.master.iter().chain(&s1.master).copied().collect();
-        assert_eq!(joined, whole.master);
+        let joined: Vec<f32> = [&s0, &s1].iter().flat_map(|o| o.master().host().unwrap().to_vec()).collect();
+        assert_eq!(joined, whole.master().host().unwrap());
+        let joined3: Vec<f32> = t.iter().flat_map(|o| o.master().host().unwrap().to_vec()).collect();
+        assert_eq!(joined3, whole.master().host().unwrap());
     }
 }
