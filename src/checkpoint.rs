@@ -81,8 +81,11 @@ fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
 /// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
 fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
     let (master, m, v) = (o.master().to_host()?, o.m().to_host()?, o.v().to_host()?);
-    let views =
-        [("master", TensorBytes::from_f32(&master)), ("m", TensorBytes::from_f32(&m)), ("v", TensorBytes::from_f32(&v))];
+    let views = [
+        ("master", TensorBytes::from_f32(&master)),
+        ("m", TensorBytes::from_f32(&m)),
+        ("v", TensorBytes::from_f32(&v)),
+    ];
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
     let info =
@@ -162,7 +165,13 @@ fn fresh_dir(root: &Path, tmp: &Path) -> Result<()> {
 }
 
 /// Rank 0's part: model files, `state.json`, fsync everything, `DONE`, rename `tmp` to `fin`.
-fn commit(root: &Path, tmp: &Path, fin: &Path, state: &TrainState, write_model: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
+fn commit(
+    root: &Path,
+    tmp: &Path,
+    fin: &Path,
+    state: &TrainState,
+    write_model: &dyn Fn(&Path) -> Result<()>,
+) -> Result<()> {
     write_model(tmp)?;
     write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
     for entry in std::fs::read_dir(tmp)? {

@@ -8,12 +8,12 @@
 //! Not done here: anything that needs downloaded data or weights; the tiny model is not expected to
 //! retrieve passkeys (the stage shows the evaluation runs, with its honest score).
 use crate::checkpoint::latest_complete;
+use crate::data::builtin_texts;
 use crate::eval::eval_loss::EvalLossArgs;
 use crate::eval::generate::{greedy_generate, GenerateOptions};
 use crate::eval::ppl::{eval_file, PplResult};
 use crate::model::testing::write_random_model_dir;
 use crate::model::{load_model_dir, load_tokenizer};
-use crate::data::builtin_texts;
 use crate::train::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};

@@ -3,8 +3,8 @@
 //!
 //! Reference: llm.c `train_gpt2.cu` (one contiguous grad buffer, `global_norm_squared`), torch
 //! `clip_grad_norm_` (scale = max_norm / (norm + 1e-6), applied only when the norm exceeds max_norm).
-//! The non-obvious decision: every parameter owns a fixed range of one flat vector (HF order), so the
-//! optimizer, the all-reduce and a ZeRO shard are all plain slices of the same index space; the norm is
+//! The non-obvious decision: every parameter owns a fixed range of one flat buffer (HF order), so the
+//! optimizer, the all-reduce and a ZeRO shard are all ranges of the same index space; the norm is
 //! accumulated in f64 so it does not depend on summation order at the precision we log.
 //! What this file does not do: decide what to do with a bad step (that is the loop's guard).
 use crate::flatbuf::FlatBuf;

@@ -10,6 +10,9 @@
 //!                                         ▼
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
+//!
+//! Training state (fp32 master weights, AdamW moments, gradients) is `flatbuf::FlatBuf`s over one flat
+//! index space in HF parameter order, shared by `grads`, `optim`, `comms` and `checkpoint`.
 pub mod config;
 pub mod data;
 pub mod model;

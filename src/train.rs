@@ -27,7 +27,9 @@ use crate::checkpoint::{self, TrainState};
 use crate::comms::zero::{self, ShardMap, Split};
 use crate::comms::{Comm, Mesh};
 use crate::config::{ComputeDtype, DataSource, DeviceKind, RunConfig};
-use crate::data::{builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence};
+use crate::data::{
+    builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence,
+};
 use crate::flatbuf::FlatBuf;
 use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};

@@ -2,8 +2,8 @@
 //! checkpointing on/off, every parameter reached, loss equal to the model's full-logits loss.
 //! These call the same functions the `harpe train` loop calls (`forward_backward`, `AdamW::step`).
 use candle_core::{DType, Device, Tensor};
-use harpe::config::Checkpointing;
 use harpe::comms::zero::{ShardMap, Split};
+use harpe::config::Checkpointing;
 use harpe::flatbuf::FlatBuf;
 use harpe::grads::{flatten_params, GradAccum, ParamLayout};
 use harpe::model::config::LlamaConfig;

@@ -61,14 +61,18 @@ impl ShardMap {
             Split::WholeParams => {
                 // a parameter goes to the rank its middle element falls into under an even cut: monotone
                 // in the parameter index, so every rank gets a consecutive run of parameters
-                let owner = |p: &crate::grads::ParamInfo| ((p.range.start + p.range.end) / 2 * world / n.max(1)).min(world - 1);
-                let mut ranges = vec![0..0; world];
+                let owner =
+                    |p: &crate::grads::ParamInfo| ((p.range.start + p.range.end) / 2 * world / n.max(1)).min(world - 1);
                 let mut start = 0;
-                for r in 0..world {
-                    let end = layout.params.iter().filter(|p| owner(p) <= r).map(|p| p.range.end).max().unwrap_or(0).max(start);
-                    ranges[r] = start..end;
-                    start = end;
-                }
+                let mut ranges: Vec<Range<usize>> = (0..world)
+                    .map(|r| {
+                        let ends = layout.params.iter().filter(|p| owner(p) <= r).map(|p| p.range.end);
+                        let end = ends.max().unwrap_or(0).max(start);
+                        let range = start..end;
+                        start = end;
+                        range
+                    })
+                    .collect();
                 ranges[world - 1].end = n;
                 ranges
             }
@@ -138,7 +142,12 @@ pub fn gather_and_write_back(
 /// Write every parameter of the full flat buffer `weights` into the model's Vars (compute dtype).
 pub fn write_back(vars: &[Var], layout: &ParamLayout, weights: &FlatBuf) -> Result<()> {
     if weights.len() != layout.total || vars.len() != layout.params.len() {
-        bail!("internal: write-back of {} values into {} parameters of a layout of {}", weights.len(), vars.len(), layout.total);
+        bail!(
+            "internal: write-back of {} values into {} parameters of a layout of {}",
+            weights.len(),
+            vars.len(),
+            layout.total
+        );
     }
     for (p, v) in layout.params.iter().zip(vars) {
         v.set(&weights.param_tensor(p.range.clone(), &p.shape, v.dtype(), v.device())?)?;
@@ -155,7 +164,9 @@ mod tests {
     /// Parameters of awkward (odd, prime, tiny) sizes.
     fn layout() -> ParamLayout {
         let shapes: [&[usize]; 7] = [&[7, 3], &[1], &[5], &[13, 1], &[2, 2, 3], &[1], &[11]];
-        ParamLayout::new(&shapes.iter().enumerate().map(|(i, s)| (format!("p{i}.weight"), s.to_vec())).collect::<Vec<_>>())
+        ParamLayout::new(
+            &shapes.iter().enumerate().map(|(i, s)| (format!("p{i}.weight"), s.to_vec())).collect::<Vec<_>>(),
+        )
     }
 
     #[test]
@@ -213,7 +224,10 @@ mod tests {
             let vars: Vec<Var> = l
                 .params
                 .iter()
-                .map(|p| Var::from_tensor(&Tensor::from_slice(&p0[p.range.clone()], p.shape.as_slice(), &dev).unwrap()).unwrap())
+                .map(|p| {
+                    Var::from_tensor(&Tensor::from_slice(&p0[p.range.clone()], p.shape.as_slice(), &dev).unwrap())
+                        .unwrap()
+                })
                 .collect();
             write_back(&vars, &l, &weights).unwrap();
             for (p, v) in l.params.iter().zip(&vars) {
@@ -226,8 +240,11 @@ mod tests {
         let comm = Comm::Single;
         let map = ShardMap::new(&l, 1, Split::Slices);
         let mut weights = init.clone();
-        let vars: Vec<Var> =
-            l.params.iter().map(|p| Var::from_tensor(&Tensor::zeros(p.shape.as_slice(), DType::F32, &dev).unwrap()).unwrap()).collect();
+        let vars: Vec<Var> = l
+            .params
+            .iter()
+            .map(|p| Var::from_tensor(&Tensor::zeros(p.shape.as_slice(), DType::F32, &dev).unwrap()).unwrap())
+            .collect();
         gather_and_write_back(&comm, &map, &whole, &mut weights, &l, &vars).unwrap();
         assert_eq!(weights.host().unwrap(), whole.master().host().unwrap());
     }

@@ -116,12 +116,7 @@ impl AdamW {
     pub fn restore(&mut self, master: FlatBuf, m: FlatBuf, v: FlatBuf, t: u64) -> Result<()> {
         let n = self.range.len();
         if master.len() != n || m.len() != n || v.len() != n {
-            bail!(
-                "internal: restoring {}/{}/{} values into a shard of {n}",
-                master.len(),
-                m.len(),
-                v.len()
-            );
+            bail!("internal: restoring {}/{}/{} values into a shard of {n}", master.len(), m.len(), v.len());
         }
         (self.master, self.m, self.v, self.t) = (master, m, v, t);
         Ok(())
