@@ -55,6 +55,24 @@ pub struct TrainState {
     pub skipped_steps: u64,
 }
 
+impl TrainState {
+    /// The state of a run before its first step.
+    pub fn new(seed: u64, config_hash: &str, rope: RopeScheme) -> TrainState {
+        TrainState {
+            format: FORMAT,
+            step: 0,
+            stage: 0,
+            stage_step: 0,
+            tokens_seen: 0,
+            data_cursor: serde_json::Value::Null,
+            seed,
+            config_hash: config_hash.to_string(),
+            rope,
+            skipped_steps: 0,
+        }
+    }
+}
+
 /// Directory name of the checkpoint after `step` steps.
 pub fn step_dir_name(step: u64) -> String {
     format!("step_{step:06}")

@@ -375,18 +375,7 @@ impl Run {
         let mut optim = AdamW::new(&layout, &weights, &map, mesh.rank(), AdamWHyper::from_config(&cfg.optim))?;
         let state = match &resume_from {
             Some(dir) => resume(dir, args.force, &resolved.hash, &comm, &map, &mut optim, &mut weights)?,
-            None => TrainState {
-                format: checkpoint::FORMAT,
-                step: 0,
-                stage: 0,
-                stage_step: 0,
-                tokens_seen: 0,
-                data_cursor: serde_json::Value::Null,
-                seed: cfg.train.seed,
-                config_hash: resolved.hash.clone(),
-                rope: base_cfg.rope.clone(),
-                skipped_steps: 0,
-            },
+            None => TrainState::new(cfg.train.seed, &resolved.hash, base_cfg.rope.clone()),
         };
         Ok(Run {
             log: MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?,
