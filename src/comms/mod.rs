@@ -7,6 +7,10 @@
 //! broadcast / all_to_all arrive with the backends that need them.
 //! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; only
 //! `Single` exists, and configs that ask for anything else are refused by `config.rs`.
+pub mod launch;
+pub mod local;
+pub mod rendezvous;
+
 use anyhow::Result;
 use std::ops::Range;
 
