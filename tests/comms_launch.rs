@@ -1,7 +1,8 @@
 //! The launcher environment (torchrun, Slurm, hostlists), the worker spawner, and the TCP rendezvous
 //! (threads and real processes on localhost).
 use harpe::comms::launch::{
-    expand_nodelist, free_port, spawn_workers, strip_nproc_flag, LaunchEnv, LaunchSource, SpawnOptions,
+    expand_nodelist, free_port, micro_batches_per_rank, spawn_workers, strip_nproc_flag, BackendKind, DistConfig,
+    LaunchEnv, LaunchSource, SpawnOptions,
 };
 use harpe::comms::rendezvous::{binary_version, config_hash, rendezvous, Rendezvous, RendezvousSpec};
 use std::collections::BTreeMap;
@@ -362,4 +363,56 @@ fn processes_with_different_configs_are_refused_before_any_work() {
     assert!(!o0.status.success() && !o1.status.success());
     assert!(e0.contains("rank 1 has a different resolved config") && e0.contains("hint:"), "{e0}");
     assert!(e1.contains("rendezvous refused"), "{e1}");
+}
+
+fn launched(rank: usize, world: usize) -> Option<LaunchEnv> {
+    let (r, w) = (rank.to_string(), world.to_string());
+    LaunchEnv::from_map(&env(&[
+        ("RANK", &r),
+        ("WORLD_SIZE", &w),
+        ("LOCAL_RANK", &r),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ]))
+    .unwrap()
+}
+
+#[test]
+fn dist_config_is_reconciled_with_the_launcher_before_any_work() {
+    let cfg = |backend, world_size| DistConfig { backend, world_size, ..DistConfig::default() };
+    let placed = |c: DistConfig, l| c.place("run.toml", l).map(|p| (p.backend, p.world, p.rank));
+    let err = |c: DistConfig, l| format!("{:#}", c.place("run.toml", l).unwrap_err());
+    assert_eq!(placed(DistConfig::default(), None).unwrap(), (BackendKind::Single, 1, 0));
+    assert_eq!(placed(cfg(BackendKind::Local, 4), None).unwrap(), (BackendKind::Local, 4, 0));
+    let e = err(cfg(BackendKind::Local, 0), None);
+    assert!(e.contains("run.toml: dist.backend = \"local\" needs dist.world_size >= 1") && e.contains("hint:"), "{e}");
+    let e = err(cfg(BackendKind::Local, 2), launched(1, 2));
+    assert!(e.contains("several processes") && e.contains("hint:"), "{e}");
+    let e = err(cfg(BackendKind::Single, 4), None);
+    assert!(e.contains("dist.world_size = 4 with dist.backend = \"single\""), "{e}");
+    let e = err(cfg(BackendKind::Single, 0), launched(3, 8));
+    assert!(e.contains("started as rank 3 of 8") && e.contains("hint:"), "{e}");
+    if cfg!(feature = "nccl") {
+        assert_eq!(placed(cfg(BackendKind::Nccl, 0), launched(3, 8)).unwrap(), (BackendKind::Nccl, 8, 3));
+        let e = err(cfg(BackendKind::Nccl, 4), launched(3, 8));
+        assert!(e.contains("dist.world_size = 4") && e.contains("WORLD_SIZE=8"), "{e}");
+    } else {
+        let e = err(cfg(BackendKind::Nccl, 0), launched(3, 8));
+        assert!(e.contains("built without NCCL") && e.contains("hint:"), "{e}");
+    }
+    for (c, want) in [
+        (DistConfig { zero_stage: 4, ..DistConfig::default() }, "dist.zero_stage = 4 is not a ZeRO stage"),
+        (DistConfig { bucket_mb: 0.0, ..DistConfig::default() }, "dist.bucket_mb = 0 must be a positive size"),
+        (DistConfig { timeout_s: f64::NAN, ..DistConfig::default() }, "dist.timeout_s = NaN must be a positive"),
+    ] {
+        let e = err(c, None);
+        assert!(e.contains(want) && e.contains("hint:"), "{e}");
+    }
+    assert_eq!(DistConfig { bucket_mb: 1.0, ..DistConfig::default() }.bucket_elems(4), 262_144);
+    assert_eq!(micro_batches_per_rank("run.toml", "stage 0", 8, 4).unwrap(), 2);
+    let e = format!("{:#}", micro_batches_per_rank("run.toml", "stage 1", 6, 4).unwrap_err());
+    assert!(
+        e.contains("stage 1: 6 micro-batches per optimizer step cannot be split evenly over 4") && e.contains("hint:"),
+        "{e}"
+    );
 }

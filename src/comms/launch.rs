@@ -255,6 +255,166 @@ impl LaunchEnv {
     }
 }
 
+/// Communication backend named by `dist.backend`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// `single`: one process, one device; collectives are no-ops.
+    Single,
+    /// `local`: `dist.world_size` ranks as threads of this one process (tests, CPU equivalence runs).
+    Local,
+    /// `nccl`: one process per GPU, started by `--nproc-per-node`, torchrun or srun.
+    Nccl,
+}
+
+/// The `[dist]` keys as this module reads them (config.rs's `DistSection` maps onto it one to one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DistConfig {
+    /// `dist.backend`: "single" | "local" | "nccl".
+    pub backend: BackendKind,
+    /// `dist.world_size`: ranks in total; 0 = "whatever the launcher started" (1 without a launcher).
+    /// `local` needs it explicitly; with a launcher a non-zero value must equal the launcher's.
+    pub world_size: usize,
+    /// `dist.zero_stage`: 0 replicated optimizer, gradients all-reduced; 1 master/m/v sharded;
+    /// 2 gradients reduce-scattered in buckets too; 3 parameters sharded and gathered per layer.
+    pub zero_stage: u8,
+    /// `dist.bucket_mb`: MiB of gradients per reduce(-scatter) bucket; changes speed, never results.
+    pub bucket_mb: f64,
+    /// `dist.timeout_s`: seconds a collective, barrier or the rendezvous waits for the slowest rank
+    /// before every rank stops with an error naming it.
+    pub timeout_s: f64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig { backend: BackendKind::Single, world_size: 0, zero_stage: 0, bucket_mb: 25.0, timeout_s: 600.0 }
+    }
+}
+
+/// Where this process sits once `[dist]` and the launcher environment are reconciled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    /// The backend to build.
+    pub backend: BackendKind,
+    /// Ranks in total.
+    pub world: usize,
+    /// This process's rank (`local`: 0, the process runs every rank as a thread).
+    pub rank: usize,
+    /// The launcher's variables, when a launcher started this process.
+    pub launch: Option<LaunchEnv>,
+}
+
+impl DistConfig {
+    /// Range checks of the keys themselves; `origin` names the config file.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        if self.zero_stage > 3 {
+            bail!(
+                "{origin}: dist.zero_stage = {} is not a ZeRO stage\nhint: 0 (replicated), 1 (optimizer state \
+                 sharded), 2 (+ gradients), 3 (+ parameters)",
+                self.zero_stage
+            );
+        }
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            bail!("{origin}: dist.bucket_mb = {} must be a positive size in MiB\nhint: e.g. 25", self.bucket_mb);
+        }
+        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+            bail!("{origin}: dist.timeout_s = {} must be a positive number of seconds\nhint: e.g. 600", self.timeout_s);
+        }
+        Ok(())
+    }
+
+    /// `dist.timeout_s` as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_s)
+    }
+
+    /// Elements of `elem_bytes` bytes per gradient bucket (at least 1).
+    pub fn bucket_elems(&self, elem_bytes: usize) -> usize {
+        ((self.bucket_mb * 1024.0 * 1024.0) as usize / elem_bytes.max(1)).max(1)
+    }
+
+    /// Reconcile `[dist]` with the launcher's environment (`LaunchEnv::from_env()`), before any work.
+    pub fn place(&self, origin: &str, launch: Option<LaunchEnv>) -> Result<Placement> {
+        self.validate(origin)?;
+        let launched_many = launch.as_ref().is_some_and(|l| l.world_size > 1);
+        let (world, rank) = match self.backend {
+            BackendKind::Single => {
+                if self.world_size > 1 {
+                    bail!(
+                        "{origin}: dist.world_size = {} with dist.backend = \"single\"\nhint: use dist.backend = \
+                         \"local\" (ranks as threads) or \"nccl\" (one process per GPU)",
+                        self.world_size
+                    );
+                }
+                if let Some(l) = launch.as_ref().filter(|_| launched_many) {
+                    bail!(
+                        "{origin}: this process was started as rank {} of {} ({:?} environment), but dist.backend = \
+                         \"single\"\nhint: set dist.backend = \"nccl\" for multi-process runs",
+                        l.rank,
+                        l.world_size,
+                        l.source
+                    );
+                }
+                (1, 0)
+            }
+            BackendKind::Local => {
+                if launched_many {
+                    bail!(
+                        "{origin}: dist.backend = \"local\" runs every rank as a thread of one process, but a \
+                         launcher started several processes\nhint: run one process with dist.backend = \"local\", \
+                         or use dist.backend = \"nccl\" under the launcher"
+                    );
+                }
+                if self.world_size == 0 {
+                    bail!("{origin}: dist.backend = \"local\" needs dist.world_size >= 1\nhint: e.g. --set dist.world_size=4");
+                }
+                (self.world_size, 0)
+            }
+            BackendKind::Nccl => {
+                if !cfg!(feature = "nccl") {
+                    bail!(
+                        "{origin}: dist.backend = \"nccl\", but this harpe was built without NCCL\nhint: build with \
+                         --features nccl (see scripts/cuda-env.sh), or use dist.backend = \"local\" on CPU"
+                    );
+                }
+                match &launch {
+                    Some(l) => {
+                        if self.world_size != 0 {
+                            l.check_world_size(self.world_size)?;
+                        }
+                        (l.world_size, l.rank)
+                    }
+                    None if self.world_size > 1 => bail!(
+                        "{origin}: dist.world_size = {} with dist.backend = \"nccl\", but no launcher started this \
+                         process\nhint: harpe train --nproc-per-node {} ..., or torchrun / srun",
+                        self.world_size,
+                        self.world_size
+                    ),
+                    None => (1, 0),
+                }
+            }
+        };
+        Ok(Placement { backend: self.backend, world, rank, launch })
+    }
+}
+
+/// Micro-batches each data-parallel rank runs per optimizer step: `micro_batches_per_step / dp_size`,
+/// refused when the world does not divide the global batch (results must not depend on the world).
+pub fn micro_batches_per_rank(
+    origin: &str,
+    stage: &str,
+    micro_batches_per_step: usize,
+    dp_size: usize,
+) -> Result<usize> {
+    if dp_size == 0 || !micro_batches_per_step.is_multiple_of(dp_size) {
+        bail!(
+            "{origin}: {stage}: {micro_batches_per_step} micro-batches per optimizer step cannot be split evenly over \
+             {dp_size} data-parallel ranks\nhint: make train.global_batch_tokens / (train.micro_batch_size x seq_len) \
+             a multiple of the data-parallel world size"
+        );
+    }
+    Ok(micro_batches_per_step / dp_size)
+}
+
 /// Expand a Slurm hostlist (`node[01-03,07],gpu5`, `r[1-2]-n[1-2]`) into host names, in order.
 pub fn expand_nodelist(list: &str) -> Result<Vec<String>> {
     let hint = "a Slurm hostlist is comma-separated names with optional [a-b,c] ranges, e.g. node[01-03,07],gpu5";

@@ -156,6 +156,8 @@ struct State {
     deposits: Vec<Option<Deposit>>,
     /// The deposits of the last completed round (read by its ranks after it completes).
     last: Arc<Vec<Deposit>>,
+    /// Ranks that have not yet taken `last`; the group lets go of it when this reaches 0.
+    unread: usize,
     failed: Option<GroupFailure>,
     /// Ranks that dropped their handle (they will never arrive again).
     left: Vec<bool>,
@@ -183,6 +185,7 @@ impl LocalGroup {
                 round: 0,
                 deposits: (0..world).map(|_| None).collect(),
                 last: Arc::new(Vec::new()),
+                unread: 0,
                 failed: None,
                 left: vec![false; world],
                 whereabouts: vec![Whereabouts::default(); world],
@@ -306,6 +309,7 @@ impl LocalComm {
         if st.deposits.iter().all(Option::is_some) {
             let all: Vec<Deposit> = st.deposits.iter_mut().filter_map(Option::take).collect();
             st.last = Arc::new(all);
+            st.unread = g.world;
             st.round += 1;
             g.cv.notify_all();
         }
@@ -315,6 +319,10 @@ impl LocalComm {
             if st.round > my_round {
                 st.whereabouts[self.rank].inside = false;
                 let all = Arc::clone(&st.last);
+                st.unread -= 1;
+                if st.unread == 0 {
+                    st.last = Arc::new(Vec::new()); // the copies live only as long as a reader needs them
+                }
                 drop(st);
                 return self.check_descs(&all, n, &what).map(|()| all);
             }
