@@ -731,6 +731,10 @@ fn run_workers(
         std::thread::sleep(Duration::from_millis(20));
     }
     let statuses: Vec<ExitStatus> = statuses.into_iter().flatten().collect();
+    if first_failure.is_some() {
+        let all: Vec<String> = statuses.iter().enumerate().map(|(r, s)| format!("rank {r}: {s}")).collect();
+        eprintln!("harpe: worker exit statuses: {}", all.join("; "));
+    }
     Ok(WorkersOutcome { statuses, first_failure, forwarded_signal })
 }
 

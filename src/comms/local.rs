@@ -540,13 +540,15 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
     }
 }
 
-/// Run `f(&rank_comm)` on `world` threads (rank r on thread r) sharing one `Local` group whose
+/// Run `f(rank_comm)` on `world` threads (rank r on thread r) sharing one `Local` group whose
 /// collectives time out after `timeout`. Returns the per-rank results in rank order, or a
 /// `LocalRunError` naming the rank that failed first (error, panic, or timeout) and what it was doing.
+/// The handle comes as an `Arc` so the rank can keep it in a `Comm`; this function holds a clone until
+/// the rank's error is recorded, so a failing rank is reported by its error, not as "left the group".
 pub fn spawn_local<R, F>(world: usize, timeout: Duration, f: F) -> Result<Vec<R>, LocalRunError>
 where
     R: Send,
-    F: Fn(&LocalComm) -> Result<R> + Sync,
+    F: Fn(Arc<LocalComm>) -> Result<R> + Sync,
 {
     let group = match LocalGroup::new(world, timeout) {
         Ok(g) => g,
@@ -562,7 +564,8 @@ where
             .map(|comm| {
                 let f = &f;
                 std::thread::Builder::new().name(format!("local-rank-{}", comm.rank())).spawn_scoped(s, move || {
-                    let res = catch_unwind(AssertUnwindSafe(|| f(&comm)));
+                    let comm = Arc::new(comm);
+                    let res = catch_unwind(AssertUnwindSafe(|| f(Arc::clone(&comm))));
                     match res {
                         Ok(Ok(v)) => Ok(v),
                         Ok(Err(e)) => {
