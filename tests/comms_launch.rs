@@ -277,7 +277,7 @@ fn a_duplicate_rank_is_refused() {
 #[test]
 fn a_missing_rank_times_out_naming_it() {
     let port = free_port("127.0.0.1").unwrap();
-    let res = group(vec![spec(port, 0, 3, 500), spec(port, 1, 3, 20_000)], |_| Ok(()));
+    let res = group(vec![spec(port, 0, 3, 2_000), spec(port, 1, 3, 20_000)], |_| Ok(()));
     let e0 = res[0].as_ref().unwrap_err();
     assert!(e0.contains("timed out") && e0.contains("ranks [2] never connected") && e0.contains("hint:"), "{e0}");
     let e1 = res[1].as_ref().unwrap_err();
