@@ -416,3 +416,15 @@ fn dist_config_is_reconciled_with_the_launcher_before_any_work() {
         "{e}"
     );
 }
+
+#[test]
+fn nproc_per_node_inside_an_already_launched_rank_is_refused() {
+    let out = harpe()
+        .args(["dist-check", "--nproc-per-node", "2"])
+        .envs([("RANK", "0"), ("WORLD_SIZE", "1")])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("already rank 0 of a launched run") && stderr.contains("hint:"), "{stderr}");
+}

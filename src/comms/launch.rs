@@ -516,6 +516,21 @@ pub fn strip_nproc_flag(args: &[OsString]) -> Vec<OsString> {
     out
 }
 
+/// `--nproc-per-node N`: when `nproc` is given, start N workers running this process's command line
+/// without the flag and return how they ended (the caller exits with `exit_code()`); `None` when
+/// there is nothing to spawn and this process should do the work itself.
+pub fn launch_if_asked(nproc: Option<usize>) -> Result<Option<WorkersOutcome>> {
+    let Some(n) = nproc else { return Ok(None) };
+    if let Ok(r) = std::env::var("RANK") {
+        bail!(
+            "--nproc-per-node {n}, but this process is already rank {r} of a launched run (RANK is set)\nhint: drop \
+             --nproc-per-node under torchrun/srun, or unset RANK and WORLD_SIZE to let harpe start the workers"
+        );
+    }
+    let args = strip_nproc_flag(&std::env::args_os().skip(1).collect::<Vec<_>>());
+    spawn_workers(n, &args, &SpawnOptions::default()).map(Some)
+}
+
 /// How the spawner starts workers.
 #[derive(Clone, Debug)]
 pub struct SpawnOptions {
@@ -771,9 +786,8 @@ pub struct DistCheckArgs {
 pub fn run_check(a: DistCheckArgs) -> Result<()> {
     use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
     use sha2::{Digest, Sha256};
-    if let Some(n) = a.nproc_per_node {
-        let args = strip_nproc_flag(&std::env::args_os().skip(1).collect::<Vec<_>>());
-        let out = spawn_workers(n, &args, &SpawnOptions::default())?;
+    if let Some(out) = launch_if_asked(a.nproc_per_node)? {
+        let n = out.statuses.len();
         if let Some(r) = out.first_failure {
             bail!("rank {r} failed first ({}); see its message above\nhint: run with the same flags in one process to debug it", out.statuses[r]);
         }
