@@ -282,7 +282,7 @@ fn many_back_to_back_rounds_of_mixed_collectives_stay_in_step() {
                     assert_eq!(out, (0..world).flat_map(|q| data(q, n, it)).collect::<Vec<_>>(), "round {it}");
                 }
                 _ => {
-                    if (it as usize + r) % 3 == 0 {
+                    if (it as usize + r).is_multiple_of(3) {
                         std::thread::yield_now(); // perturb the arrival order
                     }
                     c.barrier("b")?;
