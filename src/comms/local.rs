@@ -350,7 +350,8 @@ impl LocalComm {
                     self.rank,
                     who.join(", ")
                 );
-                g.mark_failed(&mut st, missing[0], reason);
+                let blamed = missing.first().copied().unwrap_or(self.rank);
+                g.mark_failed(&mut st, blamed, reason);
                 continue;
             }
             st = g.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
