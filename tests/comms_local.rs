@@ -295,3 +295,65 @@ fn many_back_to_back_rounds_of_mixed_collectives_stay_in_step() {
         panic!("{e}");
     }
 }
+
+/// Least-squares gradient of `w` over samples `idx` of a fixed toy dataset: sum_i (x_i.w - y_i) x_i.
+fn toy_grad(w: &[f32], idx: std::ops::Range<usize>) -> Vec<f32> {
+    let d = w.len();
+    let mut g = vec![0.0f32; d];
+    for i in idx {
+        let x: Vec<f32> = (0..d).map(|j| ((i * 31 + j * 17) % 13) as f32 / 13.0 - 0.5).collect();
+        let y = (i % 5) as f32 * 0.3 - 0.6;
+        let e: f32 = x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>() - y;
+        for j in 0..d {
+            g[j] += e * x[j];
+        }
+    }
+    g
+}
+
+/// k SGD steps on a global batch of `batch` samples split over the ranks, with the ZeRO-1 pattern:
+/// gradients reduce-scattered onto ragged owner slices, each rank updates its slice, then the
+/// weights are all-gathered in place. Returns the final weights of every rank.
+fn zero1_sgd(world: usize, d: usize, batch: usize, steps: usize) -> Vec<Vec<f32>> {
+    // ragged ownership: rank r owns about d/world elements, the first rank one fewer
+    let mut counts = vec![d / world; world];
+    counts[world - 1] += d % world;
+    if world > 1 && counts[0] > 0 {
+        counts[0] -= 1;
+        counts[1] += 1;
+    }
+    let offs: Vec<usize> = counts.iter().scan(0, |s, &c| Some(std::mem::replace(s, *s + c))).collect();
+    spawn_local(world, LONG, |c| {
+        let r = c.rank();
+        let per = batch / world;
+        let mut w = vec![0.1f32; d];
+        for step in 0..steps {
+            let lo = step * batch + r * per;
+            let g = toy_grad(&w, lo..lo + per);
+            let mut mine = vec![0.0f32; counts[r]];
+            c.reduce_scatter_v(&g, &mut mine, &counts, ReduceOp::Sum, "grads")?;
+            for (k, gk) in mine.iter().enumerate() {
+                w[offs[r] + k] -= 0.05 * gk / batch as f32;
+            }
+            c.all_gather_v_inplace(&mut w, &counts, "weights")?;
+        }
+        Ok(w)
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn zero1_pattern_on_2_and_4_ranks_reaches_the_weights_of_one_rank() {
+    let (d, batch, steps) = (23, 8, 5);
+    let one = zero1_sgd(1, d, batch, steps).remove(0);
+    for world in [2, 4] {
+        let ws = zero1_sgd(world, d, batch, steps);
+        for (r, w) in ws.iter().enumerate() {
+            assert_eq!(w, &ws[0], "world {world}: rank {r} differs from rank 0 (must be bit-identical)");
+        }
+        for (a, b) in ws[0].iter().zip(&one) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "world {world}: {a} vs one rank {b}");
+        }
+        assert_ne!(one, vec![0.1f32; d], "the weights moved");
+    }
+}
