@@ -32,6 +32,9 @@ enum Cmd {
     Inspect(harpe::model::inspect::InspectArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
+    /// Start or join a multi-process group, rendezvous, share a payload, barrier (launcher smoke test)
+    #[command(hide = true)]
+    DistCheck(harpe::comms::launch::DistCheckArgs),
 }
 
 fn main() {
@@ -46,6 +49,7 @@ fn main() {
         Cmd::SearchBases(a) => harpe::model::base_search::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
+        Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

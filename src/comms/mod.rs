@@ -12,6 +12,9 @@
 //! does), which is `optim-00000-of-00001` at one rank, as before.
 //! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; a config
 //! asking for them is refused by `Comm::from_config` with a hint. A new backend is one more variant.
+pub mod launch;
+pub mod local;
+pub mod rendezvous;
 pub mod zero;
 
 use crate::config::{Backend, DistSection};
