@@ -11,6 +11,7 @@
 //!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
 //! ```
 pub mod config;
+pub mod device;
 pub mod data;
 pub mod model;
 pub mod ops;

@@ -19,11 +19,12 @@
 //! masks inside packed sequences (Fu et al. train without them), evaluation during training.
 use crate::checkpoint::{self, TrainState};
 use crate::comms::Comm;
-use crate::config::{ComputeDtype, DataSource, DeviceKind, RunConfig};
+use crate::config::{DataSource, RunConfig};
 use crate::data::{prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence};
 use crate::grads::{self, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
+use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::rms_norm;
 use crate::model::rope::RopeTables;
@@ -355,15 +356,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
     }
 
-    let device = match cfg.train.device {
-        DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(0)
-            .map_err(|e| anyhow!("{origin}: train.device = \"cuda\" is not available: {e}\nhint: build with --features cuda on a GPU machine, or set train.device = \"cpu\""))?,
-    };
-    let dtype = match cfg.train.dtype {
-        ComputeDtype::Bf16 => DType::BF16,
-        ComputeDtype::F32 => DType::F32,
-    };
+    let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
+    let dtype = cfg.train.dtype.dtype();
     let comm = Comm::Single;
     let (rank, world) = (comm.rank(), comm.world_size());
 
@@ -419,6 +413,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         mc.max_position_embeddings = mc.max_position_embeddings.max(st.seq_len);
         mc.validate(&format!("{origin}: stage {si}"))?;
         let (model, vars) = trainable_model(&mc, &layout, &optim.master, dtype, &device)?;
+        let model = model.with_attention(AttentionImpl::for_device(&device)); // issue 9: the attention seam
         let tables = rope_tables(&model, st.seq_len)?;
         let data_dir = stage_dataset(cfg, si, &run_dir, &tokenizer)?;
         let lcfg = LoaderConfig {
