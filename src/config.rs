@@ -252,7 +252,7 @@ pub struct CheckpointSection {
     /// complete checkpoints to keep (older ones are deleted after a new one is complete)
     #[serde(default = "d_keep")]
     pub keep_last: usize,
-    /// largest model shard file in bytes
+    /// largest model shard file in bytes (default 5 GiB = 5 x 2^30, `model::weights::DEFAULT_MAX_SHARD_BYTES`)
     #[serde(default = "d_shard")]
     pub max_shard_bytes: usize,
 }
@@ -374,7 +374,7 @@ fn d_keep() -> usize {
     3
 }
 fn d_shard() -> usize {
-    5 << 30
+    crate::model::weights::DEFAULT_MAX_SHARD_BYTES
 }
 
 /// A loaded recipe: the config, its resolved TOML text and that text's sha256.

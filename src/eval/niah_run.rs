@@ -132,7 +132,7 @@ pub fn pred_path(out: &Path, length: usize, task: &str) -> PathBuf {
 
 /// Settings that define the prepared samples.
 #[derive(Clone, Debug)]
-pub struct PrepareOptions {
+pub struct NiahSampleOptions {
     /// Selected tasks.
     pub tasks: Vec<TaskSel>,
     /// RULER and passkey lengths.
@@ -153,7 +153,7 @@ pub struct PrepareOptions {
 
 /// Build (or load from the per-cell cache) every cell's samples, writing the data files under `out`.
 pub fn prepare_cells(
-    opts: &PrepareOptions,
+    opts: &NiahSampleOptions,
     tok: &Tokenizer,
     tokenizer_sha: &str,
     essays: Option<&Essays>,
@@ -738,7 +738,7 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
                 bail!("--out DIR is required\nhint: e.g. --out runs/niah");
             };
             let essays = args.essays.as_deref().map(Essays::load).transpose()?;
-            let opts = PrepareOptions {
+            let opts = NiahSampleOptions {
                 tasks,
                 grid_lengths,
                 lengths,
