@@ -23,5 +23,6 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod train;
 pub mod eval;
+pub mod bases;
 pub mod demo;
 pub mod util;

@@ -3,8 +3,6 @@
 //! Shape legend used in comments throughout: B batch, T tokens, C hidden, H heads, Hkv kv heads,
 //! D head dim, V vocab, L layers, I intermediate (MLP) size.
 pub mod attention;
-pub mod base_plot;
-pub mod base_search;
 pub mod config;
 pub mod inspect;
 pub mod llama;
