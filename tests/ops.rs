@@ -164,6 +164,7 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
 
 /// Forward and backward of the three attention implementations on one case: the CPU op (with its
 /// own backward op), the blocked reference (query blocks, autograd) and the slow full-matrix one.
+#[allow(clippy::too_many_arguments)]
 fn three_way_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, block: usize) {
     use harpe::ops::attention::attention_blocked;
     let q = Var::from_tensor(&randn(&[b, h, tq, d], 51)).unwrap();

@@ -4,8 +4,9 @@
 //! The rule, pinned: with N tokens, window k spans [kS, min(kS + W, N)) and scores the targets t with
 //! max(end of window k-1, 1) <= t < end of window k, each from the context inside its window; stop after
 //! the window that reaches N. So x_1..x_{N-1} are each scored exactly once (this needs S < W).
-//! Log-softmax runs in f32 on chunks of `--loss-chunk` positions (never (T x V) logits at once) and
-//! sums in f64. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+//! The NLL is `loss::chunked_nll` (the training loss's rule): f32 logits on chunks of `--loss-chunk`
+//! positions (never (T x V) logits at once), log-sum-exp and sums in f64, only the NLLs leave the
+//! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
 use crate::device::{ComputeDtype, DeviceSpec};
 use crate::model::attention::AttentionImpl;
 use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
