@@ -6,6 +6,7 @@
 //!    ahead) into a per-file token spill, marked finished by its summary JSON. When every budget is known
 //!    in advance (global strategies, or given source weights) reading stops once the budgets are full.
 //! 2. plan (sampling pass, then top-up of short sources) and pack from the memory-mapped spills into shards.
+//!
 //! `prepare_inner` reads as those steps: `open_output`, `pass1`, `input_stats`, `plan`, `pack`, `manifest`.
 //!
 //! The non-obvious decision: the spill makes default target shares ("each source's share of the input
