@@ -112,24 +112,7 @@ impl Default for DataSection {
     }
 }
 
-/// Compute dtype of weights and activations (master weights and moments are always f32).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ComputeDtype {
-    #[default]
-    Bf16,
-    F32,
-}
-
-/// Device to train on.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    #[default]
-    Cpu,
-    /// CUDA device 0 (needs a build with `--features cuda`)
-    Cuda,
-}
+pub use crate::device::{ComputeDtype, DeviceSpec};
 
 /// Activation checkpointing: `"none"`, `"every-layer"`, or `{ every = k }` (one saved input per k layers).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -159,8 +142,9 @@ pub struct TrainSection {
     /// seed of the random initialization and the data order
     #[serde(default)]
     pub seed: u64,
+    /// `cpu`, `cuda` or `cuda:N`
     #[serde(default)]
-    pub device: DeviceKind,
+    pub device: DeviceSpec,
     #[serde(default)]
     pub dtype: ComputeDtype,
     /// sequences per forward/backward
@@ -184,7 +168,7 @@ impl Default for TrainSection {
     fn default() -> Self {
         TrainSection {
             seed: 0,
-            device: DeviceKind::default(),
+            device: DeviceSpec::default(),
             dtype: ComputeDtype::default(),
             micro_batch_size: 1,
             global_batch_tokens: None,
@@ -275,7 +259,7 @@ pub struct CheckpointSection {
     /// complete checkpoints to keep (older ones are deleted after a new one is complete)
     #[serde(default = "d_keep")]
     pub keep_last: usize,
-    /// largest model shard file in bytes
+    /// largest model shard file in bytes (default 5 GiB = 5 x 2^30, `model::weights::DEFAULT_MAX_SHARD_BYTES`)
     #[serde(default = "d_shard")]
     pub max_shard_bytes: usize,
 }
@@ -413,7 +397,7 @@ fn d_keep() -> usize {
     3
 }
 fn d_shard() -> usize {
-    5 << 30
+    crate::model::weights::DEFAULT_MAX_SHARD_BYTES
 }
 
 /// A loaded recipe: the config, its resolved TOML text and that text's sha256.
@@ -556,6 +540,9 @@ impl RunConfig {
             if self.data.source == DataSource::Prepared && s.data.is_none() && self.data.path.is_none() {
                 bail!("{what} has no dataset\nhint: set [data] path = \"DIR\" (from harpe prepare-data), `data = \"DIR\"` in the stage, or [data] source = \"builtin\"");
             }
+        }
+        if self.train.dtype == ComputeDtype::F16 {
+            bail!("{origin}: train.dtype = \"f16\" is not supported for training (no loss scaling)\nhint: use \"bf16\" or \"f32\"");
         }
         if self.train.micro_batch_size == 0 {
             bail!("{origin}: train.micro_batch_size must be > 0\nhint: e.g. micro_batch_size = 1");

@@ -27,7 +27,7 @@ pub enum ParamGroup {
 impl ParamGroup {
     /// Group of an HF Llama parameter name.
     pub fn of(name: &str) -> ParamGroup {
-        if name.ends_with("norm.weight") {
+        if crate::model::llama::is_norm_param(name) {
             ParamGroup::Norm
         } else if name.contains("embed_tokens") {
             ParamGroup::Embedding

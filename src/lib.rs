@@ -14,6 +14,7 @@
 //! Training state (fp32 master weights, AdamW moments, gradients) is `flatbuf::FlatBuf`s over one flat
 //! index space in HF parameter order, shared by `grads`, `optim`, `comms` and `checkpoint`.
 pub mod config;
+pub mod device;
 pub mod data;
 pub mod model;
 pub mod ops;
@@ -26,5 +27,6 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod train;
 pub mod eval;
+pub mod bases;
 pub mod demo;
 pub mod util;

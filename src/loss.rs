@@ -8,6 +8,7 @@
 //! The non-obvious decision: the op returns the per-token nll (N), not a scalar, so the loop can report
 //! loss per data source and scale the sum by the number of target tokens of the whole optimizer step
 //! (exact gradient accumulation). Targets equal to `IGNORE_INDEX` contribute 0 and get no gradient.
+//! `chunked_nll` / `nll_rows` are the one NLL rule: eval-ppl calls them too (accumulating in f64).
 //! The CPU path uses candle's gemm on chunks; a CUDA kernel is a later issue. Not done here: z-loss,
 //! label smoothing.
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
@@ -62,11 +63,47 @@ fn check(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(usize, usize, usize)> {
     Ok((n, c, v))
 }
 
+/// Row-wise logsumexp of f32 logits (n, V) -> (n, 1), accumulated in `acc` (f32 for training, f64 for
+/// eval-ppl): max in f32, then ln(sum(exp(x - max))) + max.
+pub fn logsumexp_rows(logits: &Tensor, acc: DType) -> Result<Tensor> {
+    let m = logits.max_keepdim(D::Minus1)?; // (n, 1)
+    logits.broadcast_sub(&m)?.to_dtype(acc)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m.to_dtype(acc)?
+}
+
+/// The one NLL rule: logsumexp(logits) - logits[target] per row, logits (n, V) f32, idx (n, 1) u32
+/// -> (n, 1) in `acc`.
+pub fn nll_rows(logits: &Tensor, idx: &Tensor, acc: DType) -> Result<Tensor> {
+    logsumexp_rows(logits, acc)? - logits.gather(idx, 1)?.to_dtype(acc)?
+}
+
+/// The one chunked NLL (used by the training loss and eval-ppl): rows 0..n, `chunk` at a time,
+/// `logits_of(start, len)` making that chunk's (len, V) f32 logits; targets (n) u32, rows whose target is
+/// `IGNORE_INDEX` give 0. Returns (n) in `acc`; only one (chunk x V) block exists at a time.
+pub fn chunked_nll(
+    targets: &Tensor,
+    chunk: usize,
+    acc: DType,
+    mut logits_of: impl FnMut(usize, usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let n = targets.dims1()?;
+    let chunk = chunk.max(1);
+    let mut parts = Vec::with_capacity(n.div_ceil(chunk));
+    for start in (0..n).step_by(chunk) {
+        let len = chunk.min(n - start);
+        let (idx, mask) = targets_and_mask(&targets.narrow(0, start, len)?)?;
+        let nll = nll_rows(&logits_of(start, len)?, &idx, acc)?; // (len, 1)
+        parts.push((nll * mask.to_dtype(acc)?)?);
+    }
+    if parts.is_empty() {
+        return Tensor::zeros(0, acc, targets.device());
+    }
+    Tensor::cat(&parts, 0)?.flatten_all()
+}
+
 /// Logits of one chunk in f32 and their logsumexp: (n, V), (n, 1).
 fn chunk_logits(h: &Tensor, w_t: &Tensor) -> Result<(Tensor, Tensor)> {
     let logits = h.matmul(w_t)?.to_dtype(DType::F32)?; // (n, V)
-    let m = logits.max_keepdim(D::Minus1)?; // (n, 1)
-    let lse = (logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &m)?; // (n, 1)
+    let lse = logsumexp_rows(&logits, DType::F32)?; // (n, 1)
     Ok((logits, lse))
 }
 
@@ -89,15 +126,10 @@ impl CustomOp3 for ChunkedCe {
         let t = cpu_tensor(s3, l3, "targets")?; // (N)
         let (n, _c, _v) = check(&h, &w, &t)?;
         let w_t = w.t()?; // (C, V), strided view: gemm reads it in place
-        let mut nll = Vec::with_capacity(n);
-        for start in (0..n).step_by(self.chunk) {
-            let len = self.chunk.min(n - start);
-            let (idx, mask) = targets_and_mask(&t.narrow(0, start, len)?)?;
-            let (logits, lse) = chunk_logits(&h.narrow(0, start, len)?, &w_t)?;
-            let picked = logits.gather(&idx, 1)?; // (n, 1)
-            let l = ((lse - picked)? * mask)?.flatten_all()?.to_vec1::<f32>()?;
-            nll.extend(l);
-        }
+        let nll = chunked_nll(&t, self.chunk, DType::F32, |start, len| {
+            h.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32) // (len, V)
+        })?
+        .to_vec1::<f32>()?;
         Ok((CpuStorage::F32(nll), Shape::from_dims(&[n])))
     }
 

@@ -27,7 +27,7 @@ enum Cmd {
     /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
     EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
     /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
-    SearchBases(harpe::model::base_search::SearchBasesArgs),
+    SearchBases(harpe::bases::cli::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
@@ -46,7 +46,7 @@ fn main() {
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
-        Cmd::SearchBases(a) => harpe::model::base_search::run(a),
+        Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),

@@ -26,7 +26,8 @@
 use crate::checkpoint::{self, TrainState};
 use crate::comms::zero::{self, ShardMap, Split};
 use crate::comms::{Comm, Mesh};
-use crate::config::{ComputeDtype, DataSource, DeviceKind, RunConfig};
+use crate::config::{DataSource, RunConfig};
+use crate::data::loader::source_name;
 use crate::data::{
     builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence,
 };
@@ -34,6 +35,7 @@ use crate::flatbuf::FlatBuf;
 use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
+use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::rms_norm;
 use crate::model::rope::RopeTables;
@@ -356,15 +358,8 @@ impl Run {
         prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
         let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
         let stop = stop_flag()?;
-        let device = match cfg.train.device {
-            DeviceKind::Cpu => Device::Cpu,
-            DeviceKind::Cuda => Device::new_cuda(0)
-                .map_err(|e| anyhow!("{origin}: train.device = \"cuda\" is not available: {e}\nhint: build with --features cuda on a GPU machine, or set train.device = \"cpu\""))?,
-        };
-        let dtype = match cfg.train.dtype {
-            ComputeDtype::Bf16 => DType::BF16,
-            ComputeDtype::F32 => DType::F32,
-        };
+        let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
+        let dtype = cfg.train.dtype.dtype();
 
         let (base_cfg, init) = initial_model(&cfg, &origin)?;
         let tokenizer = tokenizer_path(&cfg, &run_dir)?;
@@ -468,6 +463,7 @@ impl Stage {
         mc.max_position_embeddings = mc.max_position_embeddings.max(seq_len);
         mc.validate(&format!("{}: stage {si}", r.origin))?;
         let (model, vars) = trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?;
+        let model = model.with_attention(AttentionImpl::for_device(&r.device)); // the attention seam
         let tables = rope_tables(&model, seq_len)?;
         let mut loader = open_loader(r, si)?;
         if si == r.state.stage && r.state.stage_step > 0 {
@@ -751,11 +747,10 @@ fn accumulate_per_source(seqs: &[Sequence], nll: &[f32], names: &[String], acc: 
     }
     for (i, s) in seqs.iter().enumerate() {
         let t = s.tokens.len();
-        for span in &s.sources {
-            let name = names.get(span.source as usize).cloned().unwrap_or_else(|| format!("source{}", span.source));
-            let e = acc.entry(name).or_insert((0.0, 0.0));
-            // targets at positions max(start,1)-1 .. end-1 predict tokens start..end
-            for p in span.start.max(1) - 1..span.end.min(t) - 1 {
+        // position p predicts token p + 1; its source is that token's (Sequence::source_of, the one rule)
+        for p in 0..t.saturating_sub(1) {
+            if let Some(id) = s.source_of(p + 1) {
+                let e = acc.entry(source_name(names, Some(id))).or_insert((0.0, 0.0));
                 e.0 += nll[i * t + p] as f64;
                 e.1 += 1.0;
             }

@@ -237,3 +237,21 @@ fn bad_model_directories_get_clear_errors() {
     assert_eq!(enc.get_ids()[0], 1);
     assert_eq!(tok.decode(&enc.get_ids()[1..], false).unwrap(), "héllo 7");
 }
+
+#[test]
+fn attention_seam_blocked_reference_gives_the_same_loss_and_gradients() {
+    use harpe::model::attention::AttentionImpl;
+    let rope = RopeScheme::Harpe { head_bases: vec![1e4, 1e6], layer_head_bases: None };
+    let (op, vars) = tiny(rope, false).into_trainable().unwrap();
+    let blocked = op.clone().with_attention(AttentionImpl::Blocked { block: 5 });
+    let x = ids(2, 12);
+    let (la, lb) = (op.loss_full(&x).unwrap(), blocked.loss_full(&x).unwrap());
+    let (a, b) = (la.to_scalar::<f32>().unwrap(), lb.to_scalar::<f32>().unwrap());
+    assert!((a - b).abs() < 1e-5, "loss {a} vs {b}");
+    let (ga, gb) = (la.backward().unwrap(), lb.backward().unwrap());
+    for (name, v) in &vars {
+        let d = (ga.get(v.as_tensor()).unwrap() - gb.get(v.as_tensor()).unwrap()).unwrap();
+        let e = d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert!(e < 1e-4, "{name}: gradients differ by {e}");
+    }
+}

@@ -2,7 +2,7 @@
 //! (a whitespace WordLevel and the byte-level BPE of `model::testing`), and essays that are too short
 //! are refused with the length they would need.
 use harpe::eval::niah::{count_tokens, Essays, Sizing, NIAH_TOKENS_TO_GENERATE};
-use harpe::eval::niah_run::{data_path, parse_tasks, prepare_cells, PrepareOptions};
+use harpe::eval::niah_run::{data_path, parse_tasks, prepare_cells, NiahSampleOptions};
 use tokenizers::Tokenizer;
 
 fn word_level() -> Tokenizer {
@@ -40,7 +40,7 @@ fn every_prompt_fits_its_budget_for_two_tokenizers() {
     let es = essays(1500);
     for (name, tok) in [("wordlevel", word_level()), ("bytes", byte_bpe())] {
         let dir = tempfile::tempdir().unwrap();
-        let opts = PrepareOptions {
+        let opts = NiahSampleOptions {
             tasks: parse_tasks("all").unwrap(),
             lengths: vec![4096, 8192],
             grid_lengths: vec![4096],
@@ -80,7 +80,7 @@ fn every_prompt_fits_its_budget_for_two_tokenizers() {
 fn linear_sizing_also_fits() {
     let tok = byte_bpe();
     let dir = tempfile::tempdir().unwrap();
-    let opts = PrepareOptions {
+    let opts = NiahSampleOptions {
         tasks: parse_tasks("noise").unwrap(),
         lengths: vec![2048],
         grid_lengths: vec![],
@@ -103,7 +103,7 @@ fn linear_sizing_also_fits() {
 fn short_essays_say_how_long_they_must_be() {
     let tok = byte_bpe();
     let dir = tempfile::tempdir().unwrap();
-    let opts = PrepareOptions {
+    let opts = NiahSampleOptions {
         tasks: parse_tasks("niah_single_2").unwrap(),
         lengths: vec![8192],
         grid_lengths: vec![],

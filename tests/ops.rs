@@ -161,3 +161,46 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     let (cos, sin) = tables(&[1e4], 8, 5, 0);
     assert_eq!(rope(&q, &cos, &sin).unwrap().dtype(), DType::BF16);
 }
+
+/// Forward and backward of the three attention implementations on one case: the CPU op (with its
+/// own backward op), the blocked reference (query blocks, autograd) and the slow full-matrix one.
+#[allow(clippy::too_many_arguments)]
+fn three_way_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, block: usize) {
+    use harpe::ops::attention::attention_blocked;
+    let q = Var::from_tensor(&randn(&[b, h, tq, d], 51)).unwrap();
+    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 52)).unwrap();
+    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 53)).unwrap();
+    let w = randn(&[b, h, tq, d], 54);
+    let scale = 0.9;
+    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+    let outs = [
+        ("op", attention(qt, kt, vt, scale, causal).unwrap()),
+        ("blocked", attention_blocked(qt, kt, vt, scale, causal, block).unwrap()),
+        ("slow", attention_slow(qt, kt, vt, scale, causal).unwrap()),
+    ];
+    let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal} block {block}");
+    let grads: Vec<_> = outs.iter().map(|(_, y)| (y * &w).unwrap().sum_all().unwrap().backward().unwrap()).collect();
+    for i in 0..3 {
+        for j in i + 1..3 {
+            let (ni, nj) = (outs[i].0, outs[j].0);
+            let e = max_abs_diff(&outs[i].1, &outs[j].1);
+            assert!(e < 1e-5, "{tag}: forward {ni} vs {nj} differs by {e}");
+            for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+                let (gi, gj) = (grads[i].get(var.as_tensor()).unwrap(), grads[j].get(var.as_tensor()).unwrap());
+                let e = max_abs_diff(gi, gj);
+                assert!(e < 1e-5, "{tag}: {n} {ni} vs {nj} differs by {e}");
+                let norm = gi.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(norm > 0.0, "{tag}: {n} of {ni} is zero");
+            }
+        }
+    }
+}
+
+#[test]
+fn blocked_reference_matches_op_and_slow_forward_and_backward() {
+    three_way_case(2, 4, 2, 9, 9, 8, true, 4); // GQA, causal, last block partial
+    three_way_case(1, 4, 1, 3, 11, 8, true, 2); // MQA, decode-style Tq < Tk
+    three_way_case(1, 2, 2, 6, 6, 8, false, 4); // full attention
+    three_way_case(1, 2, 1, 70, 70, 4, true, 16); // several blocks and key blocks of the op
+    three_way_case(1, 2, 2, 5, 5, 4, true, 64); // one block larger than Tq
+}

@@ -1,7 +1,7 @@
 //! CLI tests of `harpe search-bases`: JSON output, the `[rope]` TOML snippet, the waveform plot, model
 //! head counts (GQA) and every bad-input error. The peak-valley runs use the Attention-Buckets scale
 //! (`--orig-len 4096 --target-len 4096`, a 3091-point grid) so each takes well under a second; the
-//! full 128K search is a unit test in `model::base_search`.
+//! full 128K search is a unit test in `bases::search`.
 use harpe::model::rope::{RopeScheme, TABLE2_BASES};
 use serde_json::Value;
 use std::path::Path;

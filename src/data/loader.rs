@@ -64,6 +64,24 @@ pub struct Sequence {
     pub epoch: u64,
 }
 
+impl Sequence {
+    /// Source id of the token at `target` (the one rule attributing a predicted token to a source:
+    /// the span holding it; spans are sorted and tile the sequence). None outside every span.
+    pub fn source_of(&self, target: usize) -> Option<u32> {
+        let i = self.sources.partition_point(|s| s.end <= target);
+        self.sources.get(i).filter(|s| s.start <= target).map(|s| s.source)
+    }
+}
+
+/// Display name of a source id from `Manifest::source_names`: `source{id}` for an id without a name,
+/// `unknown` for a token in no span.
+pub fn source_name(names: &[String], id: Option<u32>) -> String {
+    match id {
+        Some(i) => names.get(i as usize).cloned().unwrap_or_else(|| format!("source{i}")),
+        None => "unknown".to_string(),
+    }
+}
+
 /// Where a rank is in the stream; stored in checkpoints.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cursor {
@@ -299,5 +317,29 @@ impl Loader {
         self.set_epoch(c.epoch);
         self.position = c.position;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_of_finds_the_span_holding_a_target() {
+        let span = |source, start, end| SourceSpan { source, start, end };
+        let seq = Sequence {
+            tokens: vec![0; 10],
+            sources: vec![span(2, 0, 3), span(0, 3, 4), span(1, 4, 10)],
+            doc_starts: vec![0, 3, 4],
+            index: 0,
+            epoch: 0,
+        };
+        let got: Vec<Option<u32>> = (0..11).map(|t| seq.source_of(t)).collect();
+        let s = Some;
+        assert_eq!(got, [s(2), s(2), s(2), s(0), s(1), s(1), s(1), s(1), s(1), s(1), None]);
+        let names = ["a".to_string(), "b".to_string()];
+        assert_eq!(source_name(&names, Some(1)), "b");
+        assert_eq!(source_name(&names, Some(2)), "source2");
+        assert_eq!(source_name(&names, None), "unknown");
     }
 }

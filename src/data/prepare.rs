@@ -7,6 +7,8 @@
 //!    in advance (global strategies, or given source weights) reading stops once the budgets are full.
 //! 2. plan (sampling pass, then top-up of short sources) and pack from the memory-mapped spills into shards.
 //!
+//! `prepare_inner` reads as those steps: `open_output`, `pass1`, `input_stats`, `plan`, `pack`, `manifest`.
+//!
 //! The non-obvious decision: the spill makes default target shares ("each source's share of the input
 //! tokens read") exact without tokenizing twice, and makes a killed run resumable at file granularity
 //! in pass 1 and shard granularity in pass 2; the bytes are identical because every choice depends only
@@ -26,6 +28,7 @@ use std::time::Instant;
 
 use super::mixture::{parse_budget, DocInfo, Selector, StrategyKind, StrategyParams, Weights};
 use super::pack::Packer;
+use super::shard::ShardInfo;
 use super::shard::{hist_bucket, BadLine, Manifest, SourceStats, FORMAT, HIST_BUCKETS, VERSION};
 use super::source::{expand_inputs, parse_record, read_batches, Fields, InputFile, InputKind, DEFAULT_SOURCE_FIELD};
 use super::tokenize::{load_tokenizer, tokenizer_sha256, Encoder, SepTokens, Separator};
@@ -527,7 +530,28 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
         tokenizer_sha256: tok_sha.clone(),
         options: opts.clone(),
     };
-    let settings_json = serde_json::to_vec_pretty(&settings)?;
+    if let Some(finished) = open_output(out, &settings, opts)? {
+        return Ok(finished);
+    }
+    let work = out.join(".work");
+    let read = pass1(&files, &encoder, &sep, opts, &work)?;
+    let (names, stats) = input_stats(&read, files.len())?;
+    let plan = plan(&read.summaries, &names, stats, &sep, opts, &work)?;
+    let packed = pack(&plan, &sep, opts, out, &work)?;
+    let manifest = manifest(&files, &read, names, plan.notes, packed, &sep, tok_sha, opts);
+    std::fs::copy(tokenizer_path, out.join("tokenizer.json"))
+        .with_context(|| format!("cannot copy {} into {}", tokenizer_path.display(), out.display()))?;
+    crate::util::write_atomic(&out.join("manifest.json"), &serde_json::to_vec_pretty(&manifest)?)?;
+    if !opts.keep_work {
+        std::fs::remove_dir_all(&work).with_context(|| format!("cannot remove {}", work.display()))?;
+    }
+    Ok(manifest)
+}
+
+/// Make `out` ready: `--force` removes an earlier preparation; a finished one with the same settings is
+/// returned as is; one with other settings is refused; otherwise the settings and `.work` are written.
+fn open_output(out: &Path, settings: &Settings, opts: &PrepareOptions) -> Result<Option<Manifest>> {
+    let settings_json = serde_json::to_vec_pretty(settings)?;
     let work = out.join(".work");
     let settings_path = out.join("settings.json");
     if opts.force && out.exists() {
@@ -555,18 +579,28 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             );
         }
         if out.join("manifest.json").is_file() {
-            return Manifest::load(out); // already finished with the same settings
+            return Manifest::load(out).map(Some); // already finished with the same settings
         }
     }
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}\nhint: check --out", work.display()))?;
     crate::util::write_atomic(&settings_path, &settings_json)?;
+    Ok(None)
+}
 
+/// What pass 1 read: one summary per input file read (a prefix of the inputs when the budgets filled
+/// early) and the source names known before reading (given weights).
+struct Read {
+    summaries: Vec<FileSummary>,
+    upfront_names: Vec<String>,
+}
+
+/// Pass 1: read + tokenize every input file into the spill (files already spilled are skipped); stop
+/// early once every budget is full when the budgets are known up front.
+fn pass1(files: &[InputFile], encoder: &Encoder, sep: &SepTokens, opts: &PrepareOptions, work: &Path) -> Result<Read> {
     // sources known in advance (per-source strategies with given weights); unknown names are bad lines
     let known: Option<BTreeSet<String>> =
         if opts.strategy.per_source() { opts.strategy.weights.names().map(|v| v.into_iter().collect()) } else { None };
     let fields = Fields::new(&opts.text_field, &opts.source_field, opts.default_source.clone(), known.clone());
-
-    // ---- pass 1: read + tokenize into the spill ----
     let total_bytes: u64 = files.iter().map(|f| f.bytes).sum();
     let pb = bar(
         opts.quiet,
@@ -587,7 +621,7 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
     });
     let t0 = Instant::now();
     for (i, input) in files.iter().enumerate() {
-        let (_, idx_path, sum_path) = spill_paths(&work, i);
+        let (_, idx_path, sum_path) = spill_paths(work, i);
         let summary = match std::fs::read(&sum_path).ok().and_then(|b| serde_json::from_slice::<FileSummary>(&b).ok()) {
             Some(s) => {
                 bytes_read.fetch_add(input.bytes, Ordering::Relaxed);
@@ -595,10 +629,10 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             }
             None => {
                 let p1 = Pass1 {
-                    tok: &encoder,
+                    tok: encoder,
                     fields: &fields,
                     opts,
-                    work: &work,
+                    work,
                     bytes_read: bytes_read.clone(),
                     bad_before: summaries.iter().map(|s| s.bad_lines).sum(),
                     bar: &pb,
@@ -622,11 +656,14 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
         }
     }
     pb.finish_and_clear();
-    let inputs_read = summaries.len();
+    Ok(Read { summaries, upfront_names })
+}
 
-    // ---- global source ids and input statistics ----
+/// Global source ids (sorted names) and per-source input statistics; an empty corpus is an error.
+fn input_stats(read: &Read, n_inputs: usize) -> Result<(Vec<String>, Vec<SourceStats>)> {
+    let summaries = &read.summaries;
     let mut names: BTreeSet<String> = summaries.iter().flat_map(|s| s.sources.iter().cloned()).collect();
-    names.extend(upfront_names.iter().cloned());
+    names.extend(read.upfront_names.iter().cloned());
     let names: Vec<String> = names.into_iter().collect();
     let gid = |n: &str| names.iter().position(|m| m == n).unwrap_or(0) as u32;
     let mut stats: Vec<SourceStats> = (0..names.len())
@@ -637,7 +674,7 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             ..Default::default()
         })
         .collect();
-    for s in &summaries {
+    for s in summaries {
         for (l, name) in s.sources.iter().enumerate() {
             let st = &mut stats[gid(name) as usize];
             st.docs_in += s.counts[l][0];
@@ -648,23 +685,41 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             }
         }
     }
-    let bad_lines: u64 = summaries.iter().map(|s| s.bad_lines).sum();
     if stats.iter().map(|s| s.docs_in).sum::<u64>() == 0 {
+        let bad_lines: u64 = summaries.iter().map(|s| s.bad_lines).sum();
         bail!(
-            "empty corpus: no document could be read from {} input(s) ({bad_lines} bad record(s))\nhint: check --input, \
-             --text-field and --source-field",
-            files.len()
+            "empty corpus: no document could be read from {n_inputs} input(s) ({bad_lines} bad record(s))\nhint: check --input, \
+             --text-field and --source-field"
         );
     }
+    Ok((names, stats))
+}
 
-    // ---- plan: sampling pass, then top-up ----
+/// The selection: per input file read, per document (len, global source id, tokens taken).
+struct Plan {
+    docs: Vec<Vec<(u32, u32, u64)>>,
+    stats: Vec<SourceStats>,
+    notes: Vec<String>,
+}
+
+/// Plan the output: the sampling pass over every spilled document, then the top-up of short sources;
+/// fills the per-source targets, budgets and shortfalls and the notes for the manifest.
+fn plan(
+    summaries: &[FileSummary],
+    names: &[String],
+    mut stats: Vec<SourceStats>,
+    sep: &SepTokens,
+    opts: &PrepareOptions,
+    work: &Path,
+) -> Result<Plan> {
+    let gid = |n: &str| names.iter().position(|m| m == n).unwrap_or(0) as u32;
     let tokens_in: Vec<u64> = stats.iter().map(|s| s.tokens_in).collect();
-    let shares = if opts.strategy.per_source() { Some(opts.strategy.target_shares(&names, &tokens_in)?) } else { None };
+    let shares = if opts.strategy.per_source() { Some(opts.strategy.target_shares(names, &tokens_in)?) } else { None };
     let mut sel = Selector::new(&opts.strategy, opts.seed, sep.len(), names.len(), shares.as_deref());
-    let mut plan: Vec<Vec<(u32, u32, u64)>> = Vec::with_capacity(inputs_read); // per doc: (len, source id, take)
+    let mut plan: Vec<Vec<(u32, u32, u64)>> = Vec::with_capacity(summaries.len());
     for (i, s) in summaries.iter().enumerate() {
         let map: Vec<u32> = s.sources.iter().map(|n| gid(n)).collect();
-        let idx = read_index(&spill_paths(&work, i).1)?;
+        let idx = read_index(&spill_paths(work, i).1)?;
         plan.push(
             idx.into_iter()
                 .enumerate()
@@ -714,22 +769,33 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             notes.push(format!("the corpus gives {} tokens, less than the budget {b}", sel.used[0]));
         }
     }
+    Ok(Plan { docs: plan, stats, notes })
+}
 
-    // ---- pass 2: pack into shards ----
-    let planned: u64 = plan.iter().flatten().map(|d| d.2).sum();
+/// What pass 2 wrote.
+struct Packed {
+    shards: Vec<ShardInfo>,
+    stats: Vec<SourceStats>,
+    tail_tokens_dropped: u64,
+}
+
+/// Pass 2: pack the planned documents from the memory-mapped spills into shards; fills the output
+/// statistics. Fewer tokens than one sequence is an error.
+fn pack(plan: &Plan, sep: &SepTokens, opts: &PrepareOptions, out: &Path, work: &Path) -> Result<Packed> {
+    let planned: u64 = plan.docs.iter().flatten().map(|d| d.2).sum();
     let seqs_per_shard = (opts.shard_tokens / opts.seq_len as u64).max(1);
     let pb2 =
         bar(opts.quiet, planned / opts.seq_len as u64, "pack     [{bar:30}] {pos}/{len} sequences {per_sec} ETA {eta}");
-    let mut packer = Packer::new(out, &work, opts.seq_len, seqs_per_shard, stats);
+    let mut packer = Packer::new(out, work, opts.seq_len, seqs_per_shard, plan.stats.clone());
     let pb2c = pb2.clone();
     packer.on_sequence = Box::new(move || pb2c.inc(1));
     let threshold = opts.strategy.threshold;
     let mut buf: Vec<u32> = Vec::new();
-    for (i, docs) in plan.iter().enumerate() {
+    for (i, docs) in plan.docs.iter().enumerate() {
         if docs.iter().all(|d| d.2 == 0) {
             continue;
         }
-        let tok_path = spill_paths(&work, i).0;
+        let tok_path = spill_paths(work, i).0;
         let file = std::fs::File::open(&tok_path).with_context(|| format!("cannot open {}", tok_path.display()))?;
         // SAFETY: the spill file is ours, complete (renamed into place after writing) and not modified while mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", tok_path.display()))?;
@@ -776,34 +842,43 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
             opts.seq_len
         );
     }
+    Ok(Packed { shards, stats, tail_tokens_dropped: tail })
+}
+
+/// The manifest of a finished preparation.
+#[allow(clippy::too_many_arguments)]
+fn manifest(
+    files: &[InputFile],
+    read: &Read,
+    names: Vec<String>,
+    notes: Vec<String>,
+    packed: Packed,
+    sep: &SepTokens,
+    tokenizer_sha256: String,
+    opts: &PrepareOptions,
+) -> Manifest {
+    let summaries = &read.summaries;
     let mut bad_line_samples: Vec<BadLine> = summaries.iter().flat_map(|s| s.bad_samples.iter().cloned()).collect();
     bad_line_samples.truncate(MAX_BAD_SAMPLES);
-    let manifest = Manifest {
+    Manifest {
         format: FORMAT.to_string(),
         version: VERSION,
         seq_len: opts.seq_len,
         strategy: opts.strategy.clone(),
         seed: opts.seed,
-        tokenizer_sha256: tok_sha,
+        tokenizer_sha256,
         separator: opts.separator,
         bos_id: sep.bos,
         eos_id: sep.eos,
-        sources: names.iter().cloned().zip(stats).collect(),
+        sources: names.iter().cloned().zip(packed.stats).collect(),
         source_names: names,
         inputs: files.iter().map(|f| f.path.display().to_string()).collect(),
-        inputs_read,
-        bad_lines,
+        inputs_read: summaries.len(),
+        bad_lines: summaries.iter().map(|s| s.bad_lines).sum(),
         bad_line_samples,
-        tail_tokens_dropped: tail,
-        num_sequences: shards.iter().map(|s| s.sequences).sum(),
-        shards,
+        tail_tokens_dropped: packed.tail_tokens_dropped,
+        num_sequences: packed.shards.iter().map(|s| s.sequences).sum(),
+        shards: packed.shards,
         notes,
-    };
-    std::fs::copy(tokenizer_path, out.join("tokenizer.json"))
-        .with_context(|| format!("cannot copy {} into {}", tokenizer_path.display(), out.display()))?;
-    crate::util::write_atomic(&out.join("manifest.json"), &serde_json::to_vec_pretty(&manifest)?)?;
-    if !opts.keep_work {
-        std::fs::remove_dir_all(&work).with_context(|| format!("cannot remove {}", work.display()))?;
     }
-    Ok(manifest)
 }

@@ -84,12 +84,19 @@ impl SepTokens {
     }
 }
 
-/// Load a `tokenizer.json`.
+/// Load a `tokenizer.json` (a file, or a directory holding one): the one tokenizer loader.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| {
+    let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+    if !file.exists() {
+        return Err(anyhow!(
+            "{}: tokenizer.json not found\nhint: pass the model's tokenizer.json (or a model directory holding one; --tokenizer FILE where the command has it)",
+            file.display()
+        ));
+    }
+    Tokenizer::from_file(&file).map_err(|e| {
         anyhow!(
             "cannot load tokenizer {}: {e}\nhint: pass the model's tokenizer.json (HF fast-tokenizer format)",
-            path.display()
+            file.display()
         )
     })
 }

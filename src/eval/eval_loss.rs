@@ -5,6 +5,7 @@
 //! target t (1 <= t < T) is predicted from positions < t, attributed to the source span holding t and to
 //! the bucket of t. Logits are made in chunks (never (T x V) at once). The dataset must have been
 //! tokenized with the model's tokenizer.json (sha256 compared). Not done here: document masking.
+use crate::data::loader::source_name;
 use crate::data::{Loader, LoaderConfig};
 use crate::eval::ppl::{position_nlls, ScoringModel};
 use anyhow::{bail, Result};
@@ -125,12 +126,7 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
         let nlls = position_nlls(&model, &hidden, &seq.tokens, 0, t - 1, args.scoring.loss_chunk)?;
         for (p, nll) in nlls.into_iter().enumerate() {
             let target = p + 1;
-            let src = seq
-                .sources
-                .iter()
-                .find(|s| s.start <= target && target < s.end)
-                .and_then(|s| names.get(s.source as usize).cloned())
-                .unwrap_or_else(|| "unknown".to_string());
+            let src = source_name(&names, seq.source_of(target));
             let b = &labels[args.buckets.partition_point(|&e| e <= target)];
             rep.total.add(nll);
             rep.by_source.entry(src.clone()).or_default().add(nll);

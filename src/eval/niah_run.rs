@@ -132,7 +132,7 @@ pub fn pred_path(out: &Path, length: usize, task: &str) -> PathBuf {
 
 /// Settings that define the prepared samples.
 #[derive(Clone, Debug)]
-pub struct PrepareOptions {
+pub struct NiahSampleOptions {
     /// Selected tasks.
     pub tasks: Vec<TaskSel>,
     /// RULER and passkey lengths.
@@ -153,7 +153,7 @@ pub struct PrepareOptions {
 
 /// Build (or load from the per-cell cache) every cell's samples, writing the data files under `out`.
 pub fn prepare_cells(
-    opts: &PrepareOptions,
+    opts: &NiahSampleOptions,
     tok: &Tokenizer,
     tokenizer_sha: &str,
     essays: Option<&Essays>,
@@ -638,7 +638,10 @@ pub struct EvalNiahArgs {
     pub passkey_depths: usize,
     /// compute dtype of weights and activations
     #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: crate::eval::ppl::DTypeArg,
+    pub dtype: crate::device::ComputeDtype,
+    /// device to run the model on: cpu, cuda or cuda:N (CUDA needs a build with --features cuda)
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceSpec,
     /// prompt tokens per prefill forward pass (bounds activation memory)
     #[arg(long, default_value_t = 2048)]
     pub prefill_chunk: usize,
@@ -650,8 +653,9 @@ pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
 /// Load the model and return the `predict` closure: BOS + prompt, greedy, stop at EOS (dropped),
 /// decode the new tokens with special tokens skipped (spec §5).
 fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
-    let device = candle_core::Device::cuda_if_available(0).context("cannot open the CUDA device")?;
-    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?;
+    let device = args.device.open("--device")?;
+    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?
+        .with_attention(crate::model::attention::AttentionImpl::for_device(&device));
     if max_length > model.max_context() {
         let msg = format!(
             "length {max_length} is beyond what {} can address under its RoPE scheme ({} positions)",
@@ -734,7 +738,7 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
                 bail!("--out DIR is required\nhint: e.g. --out runs/niah");
             };
             let essays = args.essays.as_deref().map(Essays::load).transpose()?;
-            let opts = PrepareOptions {
+            let opts = NiahSampleOptions {
                 tasks,
                 grid_lengths,
                 lengths,

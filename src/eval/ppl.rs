@@ -4,11 +4,14 @@
 //! The rule, pinned: with N tokens, window k spans [kS, min(kS + W, N)) and scores the targets t with
 //! max(end of window k-1, 1) <= t < end of window k, each from the context inside its window; stop after
 //! the window that reaches N. So x_1..x_{N-1} are each scored exactly once (this needs S < W).
-//! Log-softmax runs in f32 on chunks of `--loss-chunk` positions (never (T x V) logits at once) and
-//! sums in f64. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+//! The NLL is `loss::chunked_nll` (the training loss's rule): f32 logits on chunks of `--loss-chunk`
+//! positions (never (T x V) logits at once), log-sum-exp and sums in f64, only the NLLs leave the
+//! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+use crate::device::{ComputeDtype, DeviceSpec};
+use crate::model::attention::AttentionImpl;
 use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -22,24 +25,6 @@ pub enum Aggregate {
     WindowMean,
 }
 
-/// Compute dtype for evaluation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DTypeArg {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl DTypeArg {
-    pub fn dtype(self) -> DType {
-        match self {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::F16 => DType::F16,
-        }
-    }
-}
-
 /// The model flags shared by the commands that score tokens (eval-ppl, eval-loss).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScoringModel {
@@ -48,7 +33,10 @@ pub struct ScoringModel {
     pub model: PathBuf,
     /// compute dtype of weights and activations (log-softmax is always f32)
     #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: DTypeArg,
+    pub dtype: ComputeDtype,
+    /// device to run the model on: cpu, cuda or cuda:N (CUDA needs a build with --features cuda)
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
     /// RoPE arithmetic: f64 angles (accurate at 128K) or transformers' f32 arithmetic
     #[arg(long, value_enum, default_value = "f64")]
     pub rope_parity: RopeParity,
@@ -62,17 +50,19 @@ impl ScoringModel {
     pub fn new(model: &Path) -> ScoringModel {
         ScoringModel {
             model: model.to_path_buf(),
-            dtype: DTypeArg::F32,
+            dtype: ComputeDtype::F32,
+            device: DeviceSpec::Cpu,
             rope_parity: RopeParity::F64,
             loss_chunk: 1024,
         }
     }
 
-    /// Load the model on CPU in the chosen dtype and RoPE arithmetic.
+    /// Load the model on the chosen device in the chosen dtype and RoPE arithmetic.
     pub fn load(&self) -> Result<Llama> {
-        let mut model = load_model_dir(&self.model, self.dtype.dtype(), &Device::Cpu)?;
+        let device = self.device.open("--device")?;
+        let mut model = load_model_dir(&self.model, self.dtype.dtype(), &device)?;
         model.parity = self.rope_parity;
-        Ok(model)
+        Ok(model.with_attention(AttentionImpl::for_device(&device)))
     }
 }
 
@@ -152,7 +142,7 @@ pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usi
 }
 
 /// Per-position NLLs: for window positions p in [p0, p1), -ln p(ids[p + 1] | ids[..=p]) from the
-/// final hidden states (1, L, C); logits are made `chunk` positions at a time, log-softmax in f32/f64.
+/// final hidden states (1, L, C), by `loss::chunked_nll` (f32 logits, f64 sums; only the NLLs leave the device).
 pub fn position_nlls(
     model: &Llama,
     hidden: &Tensor,
@@ -161,21 +151,16 @@ pub fn position_nlls(
     p1: usize,
     chunk: usize,
 ) -> Result<Vec<f64>> {
-    let mut out = Vec::with_capacity(p1.saturating_sub(p0));
-    let mut p = p0;
-    while p < p1 {
-        let len = chunk.max(1).min(p1 - p);
-        let logits = model.logits(&hidden.narrow(1, p, len)?)?.squeeze(0)?.to_dtype(DType::F32)?; // (len, V)
-        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-        for (r, row) in rows.iter().enumerate() {
-            let target = ids[p + r + 1] as usize;
-            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let lse = m as f64 + row.iter().map(|&v| ((v - m) as f64).exp()).sum::<f64>().ln();
-            out.push(lse - row[target] as f64);
-        }
-        p += len;
+    if p1 <= p0 {
+        return Ok(vec![]);
     }
-    Ok(out)
+    let targets = Tensor::new(&ids[p0 + 1..p1 + 1], hidden.device())?; // (p1 - p0)
+    let nll = crate::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
+        let logits =
+            model.logits(&hidden.narrow(1, p0 + start, len)?).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        logits.squeeze(0)?.to_dtype(DType::F32) // (len, V)
+    })?;
+    Ok(nll.to_vec1::<f64>()?)
 }
 
 /// NLL sums of one token sequence under the pinned sliding-window rule.

@@ -5,11 +5,14 @@
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
 //! `ops::attention`; candle's fused ones have none), RMSNorm is built from plain ops so it has a
 //! gradient, and RoPE tables come from the model's `RopeScheme` per call (per layer only when
-//! `layer_head_bases` makes layers differ). Parallelism (ZeRO, sequence parallel) is applied from
-//! outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
+//! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
+//! `AttentionImpl` the caller sets (CPU reference op, blocked reference, later CUDA or a
+//! sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
+//! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
+use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::{RopeParity, RopeTables};
-use crate::ops::{attention::attention, rotary::rope};
+use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use std::collections::HashMap;
@@ -37,35 +40,103 @@ pub struct Llama {
     pub norm: Tensor,    // model.norm.weight (C)
     pub lm_head: Tensor, // lm_head.weight (V, C); the same tensor as embed_tokens when tied
     pub parity: RopeParity,
+    /// The attention `layer_forward` calls; chosen by the caller (default: the CPU reference op).
+    pub attention: AttentionImpl,
+}
+
+/// The one table of a decoder layer's parameter names (after `model.layers.{i}.`), in HF order;
+/// `LayerWeights::tensors`, `layer_shapes` and `LayerWeights::from_array` follow this order.
+pub const LAYER_PARAMS: [&str; 9] = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+];
+/// The token embedding's name.
+pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
+/// The final RMSNorm's name.
+pub const FINAL_NORM: &str = "model.norm.weight";
+/// The (untied) LM head's name.
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// The HF name of layer `l`'s parameter `local` (an entry of `LAYER_PARAMS`).
+pub fn layer_param_name(l: usize, local: &str) -> String {
+    format!("model.layers.{l}.{local}")
+}
+
+/// Shapes of one layer's parameters, in `LAYER_PARAMS` order.
+fn layer_shapes(cfg: &LlamaConfig) -> [Vec<usize>; 9] {
+    let (c, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (h, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    [
+        vec![h * d, c],
+        vec![hkv * d, c],
+        vec![hkv * d, c],
+        vec![c, h * d],
+        vec![i, c],
+        vec![i, c],
+        vec![c, i],
+        vec![c],
+        vec![c],
+    ]
 }
 
 /// Every parameter name of a config, in HF order, with its shape.
 pub fn param_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-    let (c, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (h, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, c])];
+    let c = cfg.hidden_size;
+    let mut v = vec![(EMBED_TOKENS.to_string(), vec![cfg.vocab_size, c])];
     for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}.");
-        v.push((format!("{p}self_attn.q_proj.weight"), vec![h * d, c]));
-        v.push((format!("{p}self_attn.k_proj.weight"), vec![hkv * d, c]));
-        v.push((format!("{p}self_attn.v_proj.weight"), vec![hkv * d, c]));
-        v.push((format!("{p}self_attn.o_proj.weight"), vec![c, h * d]));
-        v.push((format!("{p}mlp.gate_proj.weight"), vec![i, c]));
-        v.push((format!("{p}mlp.up_proj.weight"), vec![i, c]));
-        v.push((format!("{p}mlp.down_proj.weight"), vec![c, i]));
-        v.push((format!("{p}input_layernorm.weight"), vec![c]));
-        v.push((format!("{p}post_attention_layernorm.weight"), vec![c]));
+        v.extend(LAYER_PARAMS.iter().zip(layer_shapes(cfg)).map(|(n, s)| (layer_param_name(l, n), s)));
     }
-    v.push(("model.norm.weight".to_string(), vec![c]));
+    v.push((FINAL_NORM.to_string(), vec![c]));
     if !cfg.tie_word_embeddings {
-        v.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, c]));
+        v.push((LM_HEAD.to_string(), vec![cfg.vocab_size, c]));
     }
     v
 }
 
-/// True for parameters that are norm weights (no weight decay by default).
+/// True for parameters that are RMSNorm weights (the one norm rule: no weight decay by default).
 pub fn is_norm_param(name: &str) -> bool {
-    name.ends_with("layernorm.weight") || name == "model.norm.weight"
+    name.ends_with("layernorm.weight") || name == FINAL_NORM
+}
+
+impl LayerWeights {
+    /// The layer's tensors in `LAYER_PARAMS` order.
+    pub fn tensors(&self) -> [&Tensor; 9] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+        ]
+    }
+
+    /// The layer from its tensors in `LAYER_PARAMS` order.
+    pub fn from_array(t: [Tensor; 9]) -> LayerWeights {
+        let [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, input_layernorm, post_attention_layernorm] =
+            t;
+        LayerWeights {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+            input_layernorm,
+            post_attention_layernorm,
+        }
+    }
 }
 
 /// RMSNorm from plain ops (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)).
@@ -120,7 +191,7 @@ impl Llama {
             }
         }
         if cfg.tie_word_embeddings {
-            t.remove("lm_head.weight");
+            t.remove(LM_HEAD);
         }
         let expected: std::collections::HashSet<String> = param_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
         let mut extra: Vec<&String> =
@@ -134,31 +205,33 @@ impl Llama {
         }
         let mut take =
             |n: &str| -> Result<Tensor> { t.remove(n).ok_or_else(|| anyhow!("{origin}: tensor `{n}` is missing")) };
-        let embed_tokens = take("model.embed_tokens.weight")?;
+        let embed_tokens = take(EMBED_TOKENS)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}.");
-            layers.push(LayerWeights {
-                q_proj: take(&format!("{p}self_attn.q_proj.weight"))?,
-                k_proj: take(&format!("{p}self_attn.k_proj.weight"))?,
-                v_proj: take(&format!("{p}self_attn.v_proj.weight"))?,
-                o_proj: take(&format!("{p}self_attn.o_proj.weight"))?,
-                gate_proj: take(&format!("{p}mlp.gate_proj.weight"))?,
-                up_proj: take(&format!("{p}mlp.up_proj.weight"))?,
-                down_proj: take(&format!("{p}mlp.down_proj.weight"))?,
-                input_layernorm: take(&format!("{p}input_layernorm.weight"))?,
-                post_attention_layernorm: take(&format!("{p}post_attention_layernorm.weight"))?,
-            });
+            let mut ts = Vec::with_capacity(LAYER_PARAMS.len());
+            for n in LAYER_PARAMS {
+                ts.push(take(&layer_param_name(l, n))?);
+            }
+            let ts: [Tensor; 9] = ts.try_into().map_err(|_| anyhow!("{origin}: layer {l}: wrong parameter count"))?;
+            layers.push(LayerWeights::from_array(ts));
         }
-        let norm = take("model.norm.weight")?;
-        let lm_head = if cfg.tie_word_embeddings { embed_tokens.clone() } else { take("lm_head.weight")? };
-        Ok(Llama { cfg, embed_tokens, layers, norm, lm_head, parity: RopeParity::F64 })
+        let norm = take(FINAL_NORM)?;
+        let lm_head = if cfg.tie_word_embeddings { embed_tokens.clone() } else { take(LM_HEAD)? };
+        Ok(Llama {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            parity: RopeParity::F64,
+            attention: AttentionImpl::default(),
+        })
     }
 
     /// Wrap every parameter in a candle `Var` and rebuild the model from them, so `backward()` yields a
     /// gradient per parameter (tied embeddings are one Var used twice).
     pub fn into_trainable(self) -> Result<(Llama, Vec<(String, Var)>)> {
-        let parity = self.parity;
+        let (parity, attention) = (self.parity, self.attention.clone());
         let mut vars = vec![];
         let mut map = HashMap::new();
         for (name, t) in self.tensors() {
@@ -168,33 +241,27 @@ impl Llama {
         }
         let mut m = Llama::from_tensors(self.cfg, map, "trainable model")?;
         m.parity = parity;
+        m.attention = attention;
         Ok((m, vars))
     }
 
     /// All parameters by HF name (tied models list the embedding once).
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
-        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        let mut v = vec![(EMBED_TOKENS.to_string(), self.embed_tokens.clone())];
         for (l, w) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}.");
-            for (n, t) in [
-                ("self_attn.q_proj.weight", &w.q_proj),
-                ("self_attn.k_proj.weight", &w.k_proj),
-                ("self_attn.v_proj.weight", &w.v_proj),
-                ("self_attn.o_proj.weight", &w.o_proj),
-                ("mlp.gate_proj.weight", &w.gate_proj),
-                ("mlp.up_proj.weight", &w.up_proj),
-                ("mlp.down_proj.weight", &w.down_proj),
-                ("input_layernorm.weight", &w.input_layernorm),
-                ("post_attention_layernorm.weight", &w.post_attention_layernorm),
-            ] {
-                v.push((format!("{p}{n}"), t.clone()));
-            }
+            v.extend(LAYER_PARAMS.iter().zip(w.tensors()).map(|(n, t)| (layer_param_name(l, n), t.clone())));
         }
-        v.push(("model.norm.weight".to_string(), self.norm.clone()));
+        v.push((FINAL_NORM.to_string(), self.norm.clone()));
         if !self.cfg.tie_word_embeddings {
-            v.push(("lm_head.weight".to_string(), self.lm_head.clone()));
+            v.push((LM_HEAD.to_string(), self.lm_head.clone()));
         }
         v
+    }
+
+    /// The same model calling attention through `attention` (chosen outside `model/`).
+    pub fn with_attention(mut self, attention: AttentionImpl) -> Llama {
+        self.attention = attention;
+        self
     }
 
     pub fn device(&self) -> &Device {
@@ -249,7 +316,7 @@ impl Llama {
             }
             cache.kv[layer] = Some((k.clone(), v.clone()));
         }
-        let o = attention(&q, &k, &v, 1.0 / (d as f32).sqrt(), true)?; // (B, H, T, D)
+        let o = self.attention.attend(&q, &k, &v, 1.0 / (d as f32).sqrt(), true)?; // (B, H, T, D)
         let o = o.transpose(1, 2)?.reshape((b, t, h * d))?;
         let x = (x + linear(&o, &w.o_proj)?)?;
         let hs = rms_norm(&x, &w.post_attention_layernorm, cfg.rms_norm_eps)?;

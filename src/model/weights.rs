@@ -14,8 +14,9 @@ use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// Default largest shard written by `save_model_dir` (HF's default is 5 GB).
-pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
+/// Default largest shard written by `save_model_dir`: 5 GiB (5 x 2^30 bytes; harpe's byte sizes are
+/// binary units everywhere, also `checkpoint.max_shard_bytes`' default and the GiB in messages).
+pub const DEFAULT_MAX_SHARD_BYTES: usize = 5 << 30;
 
 fn st_dtype(d: safetensors::Dtype, file: &Path, name: &str) -> Result<DType> {
     Ok(match d {

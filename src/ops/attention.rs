@@ -8,12 +8,15 @@
 //! saving lse = m + ln l per row. Nothing of size (Tq x Tk) is ever allocated: memory is O(T D).
 //! Backward, per (b, kv head) so that dK/dV have one owner: Δ_i = dO_i·O_i; for each allowed (i, j):
 //! p = exp(s_ij - lse_i), dV_j += p dO_i, ds = p (dO_i·V_j - Δ_i), dQ_i += scale ds K_j,
-//! dK_j += scale ds Q_i. The lse saved by the forward is kept in the op (recomputed if missing).
+//! dK_j += scale ds Q_i. The backward is its own op (`AttentionBwd`, `cpu_fwd` now, `cuda_fwd` later),
+//! fed by tensors only: the forward's output packs O with lse as a (B, H, Tq, D + 1) tensor, so the lse
+//! autograd saves lives where O lives (no host copy, no state in the op).
+//! `attention_blocked` (query blocks against all keys, plain candle ops) and `attention_slow` (full
+//! (Tq x Tk) scores) are the references; `model::attention::AttentionImpl` chooses among them.
 //! Not done here: dropout, sliding windows, document masks (later issues).
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
-use std::sync::Mutex;
 
 const BLOCK_K: usize = 64;
 
@@ -155,11 +158,12 @@ pub fn attention_bwd_cpu(
     (dq, dk, dv)
 }
 
-/// The custom op; keeps the forward's lse for the backward.
-struct Attention {
+/// The forward op. Its output packs O and the log-sum-exp as one (B, H, Tq, D + 1) tensor
+/// (`[.., ..D]` = O, `[.., D]` = lse), so the lse the backward needs is a tensor autograd keeps
+/// for us (on the device of the op), not state inside the op.
+struct AttentionFwd {
     scale: f32,
     causal: bool,
-    lse: Mutex<Option<Vec<f32>>>,
 }
 
 fn dims_of(lq: &Layout, lk: &Layout, lv: &Layout) -> Result<AttnDims> {
@@ -176,7 +180,17 @@ fn dims_of(lq: &Layout, lk: &Layout, lv: &Layout) -> Result<AttnDims> {
     Ok(AttnDims { b, h, hkv, tq, tk, d })
 }
 
-impl CustomOp3 for Attention {
+/// Interleave O (rows of D) and lse (one per row) into rows of D + 1.
+fn pack_o_lse(o: &[f32], lse: &[f32], d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(o.len() + lse.len());
+    for (row, l) in o.chunks(d).zip(lse) {
+        out.extend_from_slice(row);
+        out.push(*l);
+    }
+    out
+}
+
+impl CustomOp3 for AttentionFwd {
     fn name(&self) -> &'static str {
         "harpe-attention"
     }
@@ -198,11 +212,11 @@ impl CustomOp3 for Attention {
         let k = f32_slice(s2, l2, "attention", "k")?;
         let v = f32_slice(s3, l3, "attention", "v")?;
         let (o, lse) = attention_fwd_cpu(q, k, v, dims, self.scale, self.causal);
-        if let Ok(mut g) = self.lse.lock() {
-            *g = Some(lse);
-        }
-        Ok((CpuStorage::F32(o), l1.shape().clone()))
+        let AttnDims { b, h, tq, d, .. } = dims;
+        Ok((CpuStorage::F32(pack_o_lse(&o, &lse, d)), Shape::from_dims(&[b, h, tq, d + 1])))
     }
+
+    // cuda_fwd: the CUDA kernel (kernels/attention.cu) plugs in here with the same packed output.
 
     fn bwd(
         &self,
@@ -212,32 +226,99 @@ impl CustomOp3 for Attention {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let vec = |t: &Tensor| -> Result<Vec<f32>> { t.contiguous()?.flatten_all()?.to_vec1::<f32>() };
-        let (qv, kv, vv, ov, dov) = (vec(q)?, vec(k)?, vec(v)?, vec(res)?, vec(grad)?);
-        let (b, h, tq, d) = q.dims4()?;
-        let (_, hkv, tk, _) = k.dims4()?;
-        let dims = AttnDims { b, h, hkv, tq, tk, d };
-        let saved = self.lse.lock().ok().and_then(|mut g| g.take());
-        let lse = match saved {
-            Some(l) => l,
-            None => attention_fwd_cpu(&qv, &kv, &vv, dims, self.scale, self.causal).1,
-        };
-        let (dq, dk, dv) = attention_bwd_cpu(&qv, &kv, &vv, &ov, &lse, &dov, dims, self.scale, self.causal);
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), dev)?),
-            Some(Tensor::from_vec(dk, k.shape(), dev)?),
-            Some(Tensor::from_vec(dv, v.shape(), dev)?),
-        ))
+        let d = q.dim(3)?;
+        // (B, H, Tq, 3D + 2): q | O | lse | dO | d(lse) (zero: lse is not an output of `attention`)
+        let packed = Tensor::cat(&[&q.detach(), &res.detach(), &grad.detach()], 3)?;
+        let flat =
+            packed.apply_op3(&k.detach(), &v.detach(), AttentionBwd { scale: self.scale, causal: self.causal, d })?;
+        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let part = |at: usize, t: &Tensor| flat.narrow(0, at, t.elem_count())?.reshape(t.shape());
+        Ok((Some(part(0, q)?), Some(part(nq, k)?), Some(part(nq + nk, v)?)))
     }
+}
+
+/// The backward op: inputs `packed` (B, H, Tq, 3D + 2) = [q | O | lse | dO | unused], k, v;
+/// output dQ, dK, dV flattened one after the other (len q + len k + len v), f32.
+struct AttentionBwd {
+    scale: f32,
+    causal: bool,
+    d: usize,
+}
+
+impl CustomOp3 for AttentionBwd {
+    fn name(&self) -> &'static str {
+        "harpe-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, h, tq, w) = l1.shape().dims4()?;
+        let d = self.d;
+        if w != 3 * d + 2 {
+            candle_core::bail!("attention backward: packed input has last dim {w}, expected 3 * {d} + 2");
+        }
+        let q_layout = Layout::contiguous((b, h, tq, d));
+        let dims = dims_of(&q_layout, l2, l3)?;
+        let packed = f32_slice(s1, l1, "attention backward", "packed")?;
+        let k = f32_slice(s2, l2, "attention backward", "k")?;
+        let v = f32_slice(s3, l3, "attention backward", "v")?;
+        let rows = b * h * tq;
+        let (mut q, mut o, mut dout) =
+            (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
+        let mut lse = Vec::with_capacity(rows);
+        for row in packed.chunks(w) {
+            q.extend_from_slice(&row[..d]);
+            o.extend_from_slice(&row[d..2 * d]);
+            lse.push(row[2 * d]);
+            dout.extend_from_slice(&row[2 * d + 1..3 * d + 1]);
+        }
+        let (mut dq, dk, dv) = attention_bwd_cpu(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal);
+        dq.reserve(dk.len() + dv.len());
+        dq.extend(dk);
+        dq.extend(dv);
+        let n = dq.len();
+        Ok((CpuStorage::F32(dq), Shape::from_dims(&[n])))
+    }
+
+    // cuda_fwd: the CUDA backward kernel plugs in here with the same packed layout.
 }
 
 /// Causal (or full) attention softmax(q k^T * scale) v with GQA; differentiable in q, k, v.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
     let dtype = q.dtype();
+    let d = q.dim(3)?;
     let f = |t: &Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
-    let op = Attention { scale, causal, lse: Mutex::new(None) };
-    f(q)?.apply_op3(&f(k)?, &f(v)?, op)?.to_dtype(dtype)
+    let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal })?; // (B, H, Tq, D + 1)
+    packed.narrow(3, 0, d)?.to_dtype(dtype)
+}
+
+/// Query blocks of `block` rows against all keys, from plain candle ops (autograd gives the
+/// backward): O(block x Tk) scores at a time in the forward. The twin of a GPU kernel's tiling.
+pub fn attention_blocked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool, block: usize) -> Result<Tensor> {
+    let (_b, _h, tq, _d) = q.dims4()?;
+    let (_, _, tk, _) = k.dims4()?;
+    if causal && tk < tq {
+        candle_core::bail!("attention: causal attention needs Tk >= Tq, got Tq {tq} Tk {tk}");
+    }
+    let block = block.max(1);
+    let mut outs = vec![];
+    for start in (0..tq).step_by(block) {
+        let len = block.min(tq - start);
+        // rows start.. of the query sit at absolute positions (tk - tq) + start..; a causal block
+        // sees keys up to its last row
+        let q_blk = q.narrow(2, start, len)?; // (B, H, len, D)
+        let keys = if causal { tk - tq + start + len } else { tk };
+        let (kk, vv) = (k.narrow(2, 0, keys)?, v.narrow(2, 0, keys)?); // (B, Hkv, keys, D)
+        outs.push(attention_slow(&q_blk, &kk, &vv, scale, causal)?); // (B, H, len, D)
+    }
+    Tensor::cat(&outs, 2)
 }
 
 /// The same attention from plain candle ops (materializes (Tq x Tk): tests and tiny shapes only).

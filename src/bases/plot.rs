@@ -5,8 +5,8 @@
 //! The non-obvious decision: a waveform has ~10^5 grid points and oscillates every few positions (its
 //! j = 0 term is cos(m)), so each curve is drawn as its per-pixel-column min/max envelope: the image shows
 //! exactly the range the raw values span in each column, in 2 points per column instead of 10^5.
-//! What it does not do: choose bases or compute extrema (`model::base_search`).
-use crate::model::base_search::{waveform_grid, Extrema, PvParams};
+//! What it does not do: choose bases or compute extrema (`bases::search`).
+use crate::bases::search::{waveform_grid, Extrema, PvParams};
 use anyhow::{anyhow, bail, Result};
 use plotters::prelude::*;
 use rayon::prelude::*;

@@ -1,0 +1,140 @@
+//! Where and in what precision a model runs: `DeviceSpec` (`cpu`, `cuda`, `cuda:N`) parsed once, for
+//! `--device` on every command that runs a model and `train.device` in the config; `ComputeDtype`,
+//! the one dtype enum of configs (`train.dtype`) and flags (`--dtype`).
+//!
+//! Reference: PyTorch's device strings (`cuda:1`). The non-obvious decision: a CPU build still
+//! parses `cuda` (a recipe for a GPU run can be read, planned and hashed anywhere) and fails only when
+//! the device is opened, with a hint to rebuild with `--features cuda`. Not done here: choosing the
+//! attention implementation for a device (`model::attention::AttentionImpl::for_device`).
+use anyhow::{anyhow, bail, Result};
+use candle_core::{DType, Device};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::str::FromStr;
+
+/// A device as the user names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// CUDA device N (`cuda` is `cuda:0`); needs a build with `--features cuda`.
+    Cuda(usize),
+}
+
+/// The sentence every "no CUDA here" error ends with.
+pub const NO_CUDA_HINT: &str = "hint: this harpe was built without CUDA: rebuild with --features cuda, see README 'Build for GPUs', or use the cpu device";
+
+impl DeviceSpec {
+    /// True when this build can open the device at all (CPU always; CUDA only with `--features cuda`).
+    pub fn compiled_in(&self) -> bool {
+        match self {
+            DeviceSpec::Cpu => true,
+            DeviceSpec::Cuda(_) => cfg!(feature = "cuda"),
+        }
+    }
+
+    /// Open the device; `what` names the flag or config field for the error (e.g. `--device`).
+    pub fn open(&self, what: &str) -> Result<Device> {
+        match self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(n) if !self.compiled_in() => {
+                bail!("{what} = \"{self}\" asks for CUDA device {n}\n{NO_CUDA_HINT}")
+            }
+            DeviceSpec::Cuda(n) => Device::new_cuda(*n).map_err(|e| {
+                anyhow!("{what} = \"{self}\": cannot open CUDA device {n}: {e}\nhint: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and LD_LIBRARY_PATH (README 'Build for GPUs')")
+            }),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(0) => write!(f, "cuda"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<DeviceSpec, String> {
+        let bad = || format!("unknown device `{s}` (expected cpu, cuda or cuda:N)");
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(DeviceSpec::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+impl Serialize for DeviceSpec {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<DeviceSpec, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Compute dtype of weights and activations (training keeps master weights and moments in f32;
+/// log-softmax and reductions are f32 everywhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    #[default]
+    Bf16,
+    F32,
+    F16,
+}
+
+impl ComputeDtype {
+    /// The candle dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            ComputeDtype::F32 => DType::F32,
+            ComputeDtype::Bf16 => DType::BF16,
+            ComputeDtype::F16 => DType::F16,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_print_round_trip() {
+        for (s, d, back) in [
+            ("cpu", DeviceSpec::Cpu, "cpu"),
+            ("cuda", DeviceSpec::Cuda(0), "cuda"),
+            ("cuda:0", DeviceSpec::Cuda(0), "cuda"),
+            ("CUDA:3", DeviceSpec::Cuda(3), "cuda:3"),
+        ] {
+            assert_eq!(s.parse::<DeviceSpec>().unwrap(), d);
+            assert_eq!(d.to_string(), back);
+        }
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            let e = bad.parse::<DeviceSpec>().unwrap_err();
+            assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn cpu_opens_and_cuda_needs_the_feature() {
+        assert!(DeviceSpec::Cpu.open("--device").unwrap().is_cpu());
+        if !cfg!(feature = "cuda") {
+            let e = DeviceSpec::Cuda(1).open("--device").unwrap_err().to_string();
+            assert!(e.starts_with("--device = \"cuda:1\" asks for CUDA device 1"), "{e}");
+            assert!(e.contains("hint: this harpe was built without CUDA: rebuild with --features cuda"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! The attention seam: `Llama::layer_forward` calls attention through an `AttentionImpl` that the
+//! caller chooses (train, eval), so a CUDA kernel or a sequence-parallel wrapper plugs in without
+//! `model/` knowing about devices or ranks.
+//!
+//! Reference: torchtitan's `parallelize_llama` (parallelism applied to a single-device model from
+//! outside); DESIGN.md §6. The non-obvious decision: a closed enum for what `model/`+`ops/` provide,
+//! plus one `Custom` arm holding a trait object, because comms/ (which `model/` must not import)
+//! provides the Ulysses all-to-all wrapper and it is chosen at run time. Every arm computes the same
+//! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
+//! Not done here: the CUDA kernel (helper arm added by the GPU issue), the sequence-parallel wrapper.
+use crate::ops::attention::{attention, attention_blocked};
+use candle_core::{Device, Result, Tensor};
+use std::sync::Arc;
+
+/// Query rows per block of the blocked reference by default.
+pub const DEFAULT_BLOCK: usize = 256;
+
+/// An attention implementation provided from outside `model/` (e.g. comms' sequence-parallel wrapper).
+pub trait AttentionFn: Send + Sync + std::fmt::Debug {
+    /// Same contract as `AttentionImpl::attend`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor>;
+}
+
+/// Which attention `layer_forward` runs.
+#[derive(Clone, Debug, Default)]
+pub enum AttentionImpl {
+    /// `ops::attention`: the flash-style CPU reference op with its own backward op (today's default).
+    #[default]
+    CpuReference,
+    /// `ops::attention_blocked`: query blocks against all keys from plain candle ops (any device).
+    Blocked { block: usize },
+    /// Provided by the caller (sequence-parallel wrapper, experiments).
+    Custom(Arc<dyn AttentionFn>),
+}
+
+impl AttentionImpl {
+    /// The implementation a device runs by default: the reference op on CPU; on CUDA the blocked
+    /// reference until the CUDA kernel lands.
+    pub fn for_device(dev: &Device) -> AttentionImpl {
+        match dev {
+            Device::Cpu => AttentionImpl::CpuReference,
+            _ => AttentionImpl::Blocked { block: DEFAULT_BLOCK },
+        }
+    }
+
+    /// Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D); differentiable.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+        match self {
+            AttentionImpl::CpuReference => attention(q, k, v, scale, causal),
+            AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
+            AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
+        }
+    }
+}
