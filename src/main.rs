@@ -30,6 +30,8 @@ enum Cmd {
     SearchBases(harpe::model::base_search::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
+    Plan(harpe::plan::PlanArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
 }
@@ -45,6 +47,7 @@ fn main() {
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::SearchBases(a) => harpe::model::base_search::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Plan(a) => harpe::plan::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
     };
     if let Err(e) = res {
