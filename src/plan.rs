@@ -37,13 +37,17 @@ const GIB: f64 = (1u64 << 30) as f64;
 const GPU_FIXED_BYTES: u64 = 2 << 30;
 /// ZeRO gradient bucket of the CUDA path (double-buffered): 64 MiB of gradient elements each.
 const BUCKET_BYTES: u64 = 64 << 20;
-/// Resident bytes of a `harpe train` process before its model exists (binary, libc/rayon runtime,
-/// tokenizer, dataset index): calibrated from runs of configs with almost no parameters.
-pub const CPU_BASELINE_BYTES: u64 = 14 << 20;
-/// candle backward temporaries per token of one recomputed layer, in f32 elements per unit of the MLP
-/// width I and of the hidden size C (calibrated, see the file header).
-pub const CPU_BWD_PER_I: f64 = 12.0;
-pub const CPU_BWD_PER_C: f64 = 20.0;
+/// Resident bytes of a `harpe train` process besides its model, state and activations (binary, libc and
+/// rayon runtime, tokenizer, dataset index, allocator arenas): 17.5 MiB, calibrated (see below).
+pub const CPU_BASELINE_BYTES: u64 = 35 << 19;
+/// candle's backward temporaries per token of one recomputed layer (zeros + sum per gradient, silu's
+/// temporaries, matmul gradients) together with what glibc's allocator keeps resident between steps,
+/// in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on 2026-12-01 by a
+/// least-squares fit of the peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256, I 512/1024,
+/// L 4/8, T 512/1024; residuals <= 1.4 MiB) after subtracting every enumerated term; validated on a GQA
+/// config of other sizes by tests/plan_memory.rs.
+pub const CPU_BWD_PER_I: f64 = 14.5;
+pub const CPU_BWD_PER_C: f64 = 26.0;
 
 /// Hardware a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
