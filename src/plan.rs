@@ -218,9 +218,10 @@ impl Arch {
             let c = LlamaConfig::from_file(&p)?;
             return Ok(Arch::from_llama(&c));
         }
-        let a = cfg.model.init.as_ref().ok_or_else(|| {
-            anyhow!("{origin}: [model] has neither path nor init\nhint: see configs/tiny-cpu.toml")
-        })?;
+        let a =
+            cfg.model.init.as_ref().ok_or_else(|| {
+                anyhow!("{origin}: [model] has neither path nor init\nhint: see configs/tiny-cpu.toml")
+            })?;
         let mut c = LlamaConfig::tiny(a.vocab_size, crate::model::rope::RopeScheme::Default { theta: 10000.0 });
         c.hidden_size = a.hidden_size;
         c.intermediate_size = a.intermediate_size;
@@ -439,14 +440,23 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let gib = |b: f64| b / GIB;
 
     let mut terms = vec![];
-    let mut add = |name: &'static str, bytes: f64, note: String| terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
-    add("weights", n * wb / shard(z >= 3), format!("{} x {} B{}", arch.params, wb, if z >= 3 { " / world (ZeRO-3)" } else { "" }));
+    let mut add =
+        |name: &'static str, bytes: f64, note: String| terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
+    add(
+        "weights",
+        n * wb / shard(z >= 3),
+        format!("{} x {} B{}", arch.params, wb, if z >= 3 { " / world (ZeRO-3)" } else { "" }),
+    );
     if z >= 3 && world.gpus > 1 {
         let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
         add("gathered_layer", unit * wb, "the largest unit ZeRO-3 all-gathers at once (one layer or the head)".into());
     }
     add("gradients", n * gb / shard(z >= 2), format!("{gb} B/param{}", if z >= 2 { " / world (ZeRO-2+)" } else { "" }));
-    add("optimizer", n * 12.0 / shard(z >= 1), format!("fp32 master, m, v = 12 B/param{}", if z >= 1 { " / world (ZeRO-1+)" } else { "" }));
+    add(
+        "optimizer",
+        n * 12.0 / shard(z >= 1),
+        format!("fp32 master, m, v = 12 B/param{}", if z >= 1 { " / world (ZeRO-1+)" } else { "" }),
+    );
 
     // Activations: saved segment inputs + the larger of the recompute and the loss working sets.
     let inputs = if matches!(shape.checkpointing, Checkpointing::None) { 0.0 } else { n_seg as f64 * tl * c * wb };
@@ -463,7 +473,8 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
         let transient = i + c; // d(act) and the incoming gradient in the MLP backward
         let layers_alive = if matches!(shape.checkpointing, Checkpointing::None) { l } else { seg };
-        let re = (layers_alive as f64 * saved + transient) * tl * wb + (arch.heads as f64) * tl * 4.0 * layers_alive as f64;
+        let re =
+            (layers_alive as f64 * saved + transient) * tl * wb + (arch.heads as f64) * tl * 4.0 * layers_alive as f64;
         let lo = logits + 2.0 * tl * c * wb;
         (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
     };
@@ -606,7 +617,12 @@ fn suggest(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Option<
             let cost = |p: &Plan| p.world.gpus as f64 / p.tokens_per_s;
             cost(a).total_cmp(&cost(b)).then(a.world.gpus.cmp(&b.world.gpus))
         })
-        .map(|(change, p)| Suggestion { change, total_bytes: p.total_bytes, tokens_per_s: p.tokens_per_s, gpus: p.world.gpus })
+        .map(|(change, p)| Suggestion {
+            change,
+            total_bytes: p.total_bytes,
+            tokens_per_s: p.tokens_per_s,
+            gpus: p.world.gpus,
+        })
 }
 
 /// `harpe plan`: memory by term, time, fits, and the cheapest fix.
@@ -670,8 +686,9 @@ pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunC
     let text = std::fs::read_to_string(path).with_context(|| {
         format!("cannot read config {origin}\nhint: pass an existing TOML recipe, e.g. configs/harpe-128k.toml")
     })?;
-    let mut table: toml::Table =
-        text.parse().map_err(|e: toml::de::Error| anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end()))?;
     for o in overrides {
         apply_override(&mut table, o)?;
     }
@@ -689,7 +706,8 @@ pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunC
         keys.sp_degree = int("sp_degree")?.map(|v| v as usize);
     }
     let merged = toml::to_string(&table)?;
-    let label = if overrides.is_empty() { origin } else { format!("{origin} with --set {}", overrides.join(" --set ")) };
+    let label =
+        if overrides.is_empty() { origin } else { format!("{origin} with --set {}", overrides.join(" --set ")) };
     Ok((RunConfig::from_text(&merged, &label, &[])?.cfg, keys))
 }
 
@@ -770,7 +788,8 @@ pub fn render(p: &Plan) -> String {
         p.world.zero_stage,
         p.world.sp_degree
     );
-    let _ = writeln!(s, "\n| memory per {} | GiB | how |\n|---|---:|---|", if p.mode == "cpu" { "process" } else { "GPU" });
+    let _ =
+        writeln!(s, "\n| memory per {} | GiB | how |\n|---|---:|---|", if p.mode == "cpu" { "process" } else { "GPU" });
     for t in &p.terms {
         let _ = writeln!(s, "| {} | {:.2} | {} |", t.name, gib(t.bytes), t.note);
     }

@@ -129,10 +129,12 @@ fn bad_worlds_name_the_numbers_and_the_nearest_valid_choice() {
     assert_eq!(GpuKind::parse("H200").unwrap(), GpuKind::H200);
     // a model directory without config.json
     let d = tempfile::tempdir().unwrap();
-    let (cfg, _) =
-        load_config(Path::new(MISSION), &[format!("model.path=\"{}\"", d.path().display())]).unwrap();
+    let (cfg, _) = load_config(Path::new(MISSION), &[format!("model.path=\"{}\"", d.path().display())]).unwrap();
     let e = format!("{:#}", plan_for(&cfg, &World { gpus: 8, zero_stage: 3, sp_degree: 1 }, &a100).unwrap_err());
-    assert!(e.contains("has no config.json") && e.contains(&d.path().display().to_string()) && e.contains("hint:"), "{e}");
+    assert!(
+        e.contains("has no config.json") && e.contains(&d.path().display().to_string()) && e.contains("hint:"),
+        "{e}"
+    );
 }
 
 #[test]
