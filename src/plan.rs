@@ -405,6 +405,19 @@ pub fn peak_stage(cfg: &RunConfig) -> usize {
 pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     let arch = Arch::of_run(cfg, "config")?;
     validate_world(world, &arch)?;
+    for i in 0..cfg.stages.len() {
+        let sh = stage_shape(cfg, i, gpu);
+        if !splits_over_ranks(&sh, world) {
+            let unit = world.gpus / world.sp_degree.max(1) * sh.micro_batch * sh.seq_len;
+            bail!(
+                "stage {i}: {} sequences of {} tokens per step do not split evenly over {} data-parallel ranks x micro-batch {}\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
+                sh.tokens_per_step / sh.seq_len,
+                sh.seq_len,
+                world.gpus / world.sp_degree.max(1),
+                sh.micro_batch
+            );
+        }
+    }
     let si = peak_stage(cfg);
     let mut plan = plan_stage(&arch, &stage_shape(cfg, si, gpu), world, gpu);
     plan.stage = si;
@@ -559,6 +572,13 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     }
 }
 
+/// Whether the sequences of one step split into whole micro-batches on every data-parallel rank.
+fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
+    let dp = w.gpus / w.sp_degree.max(1);
+    let per_step = sh.micro_batch * sh.seq_len * dp;
+    per_step > 0 && sh.tokens_per_step.is_multiple_of(per_step)
+}
+
 /// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
 /// (`Llama::layer_forward`): RMSNorm sqr/div/mul (3C, twice), q/k/v projections (HD + 2 Hkv·D), RoPE's
 /// contiguous copy and output for q and k (2HD + 2 Hkv·D), v made contiguous (Hkv·D), attention output
@@ -611,6 +631,7 @@ fn suggest(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Option<
     }
     cands
         .into_iter()
+        .filter(|(_, s, w)| splits_over_ranks(s, w))
         .map(|(what, s, w)| (what, plan_stage(arch, &s, &w, gpu)))
         .filter(|(_, p)| p.fits)
         .min_by(|(_, a), (_, b)| {
@@ -729,7 +750,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
         gpu.mfu = f;
     }
-    if let Some(t) = args.peak_tflops.or((cfg.log.peak_tflops > 0.0).then_some(cfg.log.peak_tflops)) {
+    // the recipe's log.peak_tflops describes its own device: used only when --gpu does not name another
+    let recipe_peak = (args.gpu.is_none() && cfg.log.peak_tflops > 0.0).then_some(cfg.log.peak_tflops);
+    if let Some(t) = args.peak_tflops.or(recipe_peak) {
         gpu.peak_tflops = t;
     }
     if let Some(b) = args.link_gbs {

@@ -127,6 +127,12 @@ fn bad_worlds_name_the_numbers_and_the_nearest_valid_choice() {
     let e = format!("{:#}", GpuKind::parse("v100").unwrap_err());
     assert!(e.contains("v100") && e.contains("nearest known name is `a100`"), "{e}");
     assert_eq!(GpuKind::parse("H200").unwrap(), GpuKind::H200);
+    // a step's sequences must split over the data-parallel ranks: 4 sequences on 8 ranks do not, on 4 do
+    let (cfg4, _) =
+        load_config(Path::new(MISSION), &[LLAMA2_7B.into(), "train.global_batch_tokens=524288".into()]).unwrap();
+    let e = format!("{:#}", plan_for(&cfg4, &World { gpus: 8, zero_stage: 3, sp_degree: 1 }, &a100).unwrap_err());
+    assert!(e.contains("4 sequences") && e.contains("8 data-parallel ranks") && e.contains("hint:"), "{e}");
+    assert!(plan_for(&cfg4, &World { gpus: 8, zero_stage: 3, sp_degree: 2 }, &a100).is_ok());
     // a model directory without config.json
     let d = tempfile::tempdir().unwrap();
     let (cfg, _) = load_config(Path::new(MISSION), &[format!("model.path=\"{}\"", d.path().display())]).unwrap();
@@ -168,6 +174,14 @@ fn cli_json_has_the_contract_fields() {
     let sum: u64 = v["terms"].as_object().unwrap().values().map(|x| x.as_u64().unwrap()).sum();
     assert_eq!(sum, lib.total_bytes);
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // the recipe's log.peak_tflops (312, A100) is used for its own device, not for another --gpu
+    assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(312.0));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "h100", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(989.0));
     // the table names every term and the verdict; an unknown GPU is an error with a hint
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"])
