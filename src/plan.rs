@@ -403,7 +403,7 @@ pub fn peak_stage(cfg: &RunConfig) -> usize {
 /// Plan a run: memory and time of its longest stage on `world` x `gpu`, the whole run's hours, and when
 /// it does not fit the cheapest change that does.
 pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
-    let arch = Arch::of_run(cfg, "config")?;
+    let arch = Arch::of_run(cfg, "[model]")?;
     validate_world(world, &arch)?;
     for i in 0..cfg.stages.len() {
         let sh = stage_shape(cfg, i, gpu);
@@ -775,7 +775,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         if si >= cfg.stages.len() {
             bail!("--stage {si}: the config has {} stage(s)\nhint: stages count from 0", cfg.stages.len());
         }
-        let arch = Arch::of_run(&cfg, "config")?;
+        let arch = Arch::of_run(&cfg, "[model]")?;
         let run_hours = plan.run_hours;
         plan = plan_stage(&arch, &stage_shape(&cfg, si, &gpu), &world, &gpu);
         plan.stage = si;
@@ -795,13 +795,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
 /// The plan as a text table.
 pub fn render(p: &Plan) -> String {
     use std::fmt::Write;
-    let gib = |b: u64| b as f64 / GIB;
+    // one unit for the table: GiB for real models, MiB for the tiny ones
+    let (unit, div) = if p.total_bytes as f64 >= GIB { ("GiB", GIB) } else { ("MiB", (1u64 << 20) as f64) };
+    let gib = |b: u64| b as f64 / div;
     let mut s = String::new();
+    let params = if p.arch.params >= 1_000_000_000 {
+        format!("{:.2}B", p.arch.params as f64 / 1e9)
+    } else {
+        format!("{:.2}M", p.arch.params as f64 / 1e6)
+    };
     let dev = if p.mode == "cpu" { "process (cpu, f32)".to_string() } else { format!("{} GPU", p.gpu.kind.name()) };
     let _ = writeln!(
         s,
-        "plan: {:.2}B params, stage {} at T={} x micro-batch {}, checkpointing {}, {} x {}, ZeRO-{}, SP {}",
-        p.arch.params as f64 / 1e9,
+        "plan: {params} params, stage {} at T={} x micro-batch {}, checkpointing {}, {} x {}, ZeRO-{}, SP {}",
         p.stage,
         p.shape.seq_len,
         p.shape.micro_batch,
@@ -811,8 +817,11 @@ pub fn render(p: &Plan) -> String {
         p.world.zero_stage,
         p.world.sp_degree
     );
-    let _ =
-        writeln!(s, "\n| memory per {} | GiB | how |\n|---|---:|---|", if p.mode == "cpu" { "process" } else { "GPU" });
+    let _ = writeln!(
+        s,
+        "\n| memory per {} | {unit} | how |\n|---|---:|---|",
+        if p.mode == "cpu" { "process" } else { "GPU" }
+    );
     for t in &p.terms {
         let _ = writeln!(s, "| {} | {:.2} | {} |", t.name, gib(t.bytes), t.note);
     }
@@ -820,15 +829,15 @@ pub fn render(p: &Plan) -> String {
         s,
         "| **total** | **{:.2}** | of {:.1} GiB, {:.1} GiB usable with a {:.0}% margin: {} |",
         gib(p.total_bytes),
-        gib(p.gpu.mem_bytes),
-        gib(p.usable_bytes),
+        p.gpu.mem_bytes as f64 / GIB,
+        p.usable_bytes as f64 / GIB,
         100.0 * p.gpu.margin,
         if p.fits { "FITS" } else { "DOES NOT FIT" }
     );
     let _ = writeln!(
         s,
-        "\ntime: {:.1} TFLOP per token-step ({:.2} GFLOP/token with recompute), compute {:.2} s/step at {:.0}% of {:.0} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s)",
-        p.hw_flops_per_token * p.shape.tokens_per_step as f64 / 1e12,
+        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s)",
+        p.hw_flops_per_token * p.shape.tokens_per_step as f64 / 1e15,
         p.hw_flops_per_token / 1e9,
         p.compute_s,
         100.0 * p.gpu.mfu,
