@@ -485,10 +485,12 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     } else {
         let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
         let transient = i + c; // d(act) and the incoming gradient in the MLP backward
-        let layers_alive = if matches!(shape.checkpointing, Checkpointing::None) { l } else { seg };
-        let re =
-            (layers_alive as f64 * saved + transient) * tl * wb + (arch.heads as f64) * tl * 4.0 * layers_alive as f64;
-        let lo = logits + 2.0 * tl * c * wb;
+        let none = matches!(shape.checkpointing, Checkpointing::None);
+        let layers_alive = if none { l } else { seg };
+        let kept = layers_alive as f64 * (saved * wb + arch.heads as f64 * 4.0) * tl; // + lse (H f32)
+        let re = kept + transient * tl * wb;
+        // without checkpointing every layer's activations are still alive while the loss runs
+        let lo = if none { kept } else { 0.0 } + logits + 2.0 * tl * c * wb;
         (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
     };
     add("layer_inputs", inputs, format!("{n_seg} saved segment inputs x {tl} tokens x {} x {wb} B", arch.hidden));
