@@ -30,6 +30,8 @@ enum Cmd {
     SearchBases(harpe::bases::cli::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
+    Plan(harpe::plan::PlanArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
     /// Start or join a multi-process group, rendezvous, share a payload, barrier (launcher smoke test)
@@ -48,6 +50,7 @@ fn main() {
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Plan(a) => harpe::plan::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),
     };

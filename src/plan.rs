@@ -1,0 +1,878 @@
+//! `harpe plan`: per-GPU memory by term and the step time of a run before it starts, whether it fits,
+//! and when it does not, the cheapest change that does.
+//!
+//! Reference: DESIGN §5 (the budget this reproduces: Llama-2-7B at 128K on 8 x 80 GB), Rajbhandari et
+//! al. 2020 (ZeRO: 2 B bf16 weight + 2 B bf16 grad + 12 B fp32 master/m/v per parameter, stage s shards
+//! the last s of them), Jacobs et al. 2023 (DeepSpeed-Ulysses: activations / P, four all-to-alls per
+//! layer), Korthikanti et al. 2022 (activations counted tensor by tensor per layer), Chen et al. 2016
+//! (checkpointing), `metrics::flops_per_token` (6N + 12·L·C·T, the FLOPs the MFU column uses).
+//! The non-obvious decisions:
+//! - Two device modes. `gpu` models harpe's CUDA path (bf16 weights/activations, flash attention, the
+//!   chunked loss: nothing T x T or T x V, SwiGLU backward in place, norm outputs recomputed). `cpu`
+//!   models the CPU path as it is today: f32 everywhere, candle's autograd keeping every op output of a
+//!   recomputed segment, and `train::forward_backward` keeping the last segment's graph (built in the
+//!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
+//!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
+//!   gradient, silu's five temporaries) and the process baseline are *calibrated* constants, measured
+//!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/plan_memory.rs.
+//! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
+//!   before any segment is recomputed, so their buffers are never alive together (GPU path).
+//! - Step time = max(compute, ZeRO collectives) + Ulysses all-to-alls: ZeRO traffic is bucketed and
+//!   overlaps compute; the all-to-alls sit between the projections and attention, so they do not.
+//!   Compute counts the recomputed forward; `mfu` is the achieved fraction of peak on those FLOPs.
+//! - "Cheapest change" = the candidate (checkpoint every layer, micro-batch 1 with more accumulation,
+//!   higher ZeRO stage, SP degree, more GPUs) that fits with the fewest GPU-seconds per token.
+//!
+//! What this file does not do: tensor/pipeline parallelism, CPU offload, the data loader's prefetch,
+//! fragmentation beyond the stated margin; it predicts, the training loop measures (`metrics.jsonl`).
+use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceKind, RunConfig};
+use crate::model::config::LlamaConfig;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use std::path::PathBuf;
+
+const GIB: f64 = (1u64 << 30) as f64;
+/// Per-GPU fixed overhead of the CUDA path: CUDA context and kernels (~0.6 GiB), cuBLAS workspaces,
+/// NCCL channel buffers and the caching allocator's slack (~1.4 GiB): 2 GiB.
+const GPU_FIXED_BYTES: u64 = 2 << 30;
+/// ZeRO gradient bucket of the CUDA path (double-buffered): 64 MiB of gradient elements each.
+const BUCKET_BYTES: u64 = 64 << 20;
+/// Resident bytes of a `harpe train` process besides its model, state and activations (binary, libc and
+/// rayon runtime, tokenizer, dataset index, allocator arenas): 17.5 MiB, calibrated (see below).
+pub const CPU_BASELINE_BYTES: u64 = 35 << 19;
+/// candle's backward temporaries per token of one recomputed layer (zeros + sum per gradient, silu's
+/// temporaries, matmul gradients) together with what glibc's allocator keeps resident between steps,
+/// in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on 2026-12-01 by a
+/// least-squares fit of the peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256, I 512/1024,
+/// L 4/8, T 512/1024; residuals <= 1.4 MiB) after subtracting every enumerated term; validated on a GQA
+/// config of other sizes by tests/plan_memory.rs.
+pub const CPU_BWD_PER_I: f64 = 14.5;
+pub const CPU_BWD_PER_C: f64 = 26.0;
+
+/// Hardware a plan is made for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuKind {
+    A100,
+    H100,
+    H200,
+    /// harpe's CPU path (host memory, f32)
+    Cpu,
+}
+
+impl GpuKind {
+    const NAMES: [(&'static str, GpuKind); 4] =
+        [("a100", GpuKind::A100), ("h100", GpuKind::H100), ("h200", GpuKind::H200), ("cpu", GpuKind::Cpu)];
+
+    /// Parse a name (`a100`, `h100`, `h200`, `cpu`), naming the nearest valid one when unknown.
+    pub fn parse(s: &str) -> Result<GpuKind> {
+        let low = s.trim().to_ascii_lowercase();
+        if let Some((_, k)) = Self::NAMES.iter().find(|(n, _)| *n == low) {
+            return Ok(*k);
+        }
+        let nearest = Self::NAMES.iter().min_by_key(|(n, _)| edit_distance(n, &low)).map(|(n, _)| *n).unwrap_or("a100");
+        bail!("--gpu: unknown GPU `{s}` (known: a100, h100, h200, cpu)\nhint: the nearest known name is `{nearest}`; other GPUs: pass --gpu-mem, --peak-tflops and --link-gbs with the closest kind")
+    }
+
+    fn name(&self) -> &'static str {
+        Self::NAMES.iter().find(|(_, k)| k == self).map(|(n, _)| *n).unwrap_or("?")
+    }
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur.push((prev[j] + (ca != *cb) as usize).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// One device and what is assumed about running on it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Gpu {
+    pub kind: GpuKind,
+    /// memory of one device in bytes
+    pub mem_bytes: u64,
+    /// dense peak TFLOP/s in the compute dtype
+    pub peak_tflops: f64,
+    /// achieved fraction of peak on the FLOPs executed (recompute included)
+    pub mfu: f64,
+    /// intra-node interconnect, GB/s per GPU both directions together (NVLink: A100 600, H100/H200 900)
+    pub link_gbs: f64,
+    /// inter-node bandwidth per GPU and direction in GB/s (200 Gb/s InfiniBand per GPU = 25)
+    pub inter_node_gbs: f64,
+    /// GPUs sharing the fast interconnect
+    pub gpus_per_node: usize,
+    /// fraction of memory kept free for fragmentation and transient spikes
+    pub margin: f64,
+}
+
+impl Gpu {
+    /// The stated defaults of a kind: A100 SXM 80 GB (312 TFLOP/s bf16, NVLink 600 GB/s), H100 SXM 80 GB
+    /// (989, 900), H200 141 GB (989, 900); `cpu`: this machine's memory, 0.05 TFLOP/s f32; MFU 0.4
+    /// (0.5 on CPU), margin 10%, 8 GPUs per node.
+    pub fn new(kind: GpuKind) -> Gpu {
+        let (mem_bytes, peak_tflops, link_gbs, mfu) = match kind {
+            GpuKind::A100 => (81920u64 << 20, 312.0, 600.0, 0.4),
+            GpuKind::H100 => (81559u64 << 20, 989.0, 900.0, 0.4),
+            GpuKind::H200 => (143771u64 << 20, 989.0, 900.0, 0.4),
+            GpuKind::Cpu => (host_memory_bytes().unwrap_or(16 << 30), 0.05, 0.0, 0.5),
+        };
+        Gpu { kind, mem_bytes, peak_tflops, mfu, link_gbs, inter_node_gbs: 25.0, gpus_per_node: 8, margin: 0.10 }
+    }
+
+    fn is_cpu(&self) -> bool {
+        self.kind == GpuKind::Cpu
+    }
+}
+
+fn host_memory_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// Parse a memory size: `80GiB`, `80GB`, `81920MiB`, `141e9B`, or a bare number of GiB.
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "gib" | "g" => GIB,
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => (1u64 << 20) as f64,
+        "tib" => (1u64 << 40) as f64,
+        u => bail!("--gpu-mem `{s}`: unknown unit `{u}`\nhint: write e.g. 80GiB, 80GB or 81920MiB"),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| anyhow!("--gpu-mem `{s}`: `{}` is not a number\nhint: write e.g. 80GiB", num.trim()))?;
+    if !(v.is_finite() && v > 0.0) {
+        bail!("--gpu-mem `{s}` must be positive\nhint: write e.g. 80GiB");
+    }
+    Ok((v * mult) as u64)
+}
+
+/// How the run is spread over devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct World {
+    /// devices in all (data-parallel x sequence-parallel)
+    pub gpus: usize,
+    /// 0: replicate everything, 1: shard master/m/v, 2: also gradients, 3: also weights
+    pub zero_stage: u8,
+    /// Ulysses sequence-parallel degree P (divides the kv heads and `gpus`)
+    pub sp_degree: usize,
+}
+
+/// What of the model the plan needs (from config.json or `[model.init]`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Arch {
+    pub params: u64,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub tied: bool,
+}
+
+impl Arch {
+    /// From an HF config.
+    pub fn from_llama(c: &LlamaConfig) -> Arch {
+        Arch {
+            params: c.num_params() as u64,
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            tied: c.tie_word_embeddings,
+        }
+    }
+
+    /// The architecture of a run: `[model] path`/config.json, or `[model.init]`.
+    pub fn of_run(cfg: &RunConfig, origin: &str) -> Result<Arch> {
+        if let Some(dir) = &cfg.model.path {
+            let p = dir.join("config.json");
+            if !p.exists() {
+                bail!(
+                    "{origin}: model.path {} has no config.json\nhint: point [model] path at an HF model directory (config.json is enough for a plan), e.g. --set model.path=configs/arch/llama-2-7b",
+                    dir.display()
+                );
+            }
+            let c = LlamaConfig::from_file(&p)?;
+            return Ok(Arch::from_llama(&c));
+        }
+        let a =
+            cfg.model.init.as_ref().ok_or_else(|| {
+                anyhow!("{origin}: [model] has neither path nor init\nhint: see configs/tiny-cpu.toml")
+            })?;
+        let mut c = LlamaConfig::tiny(a.vocab_size, crate::model::rope::RopeScheme::Default { theta: 10000.0 });
+        c.hidden_size = a.hidden_size;
+        c.intermediate_size = a.intermediate_size;
+        c.num_hidden_layers = a.num_hidden_layers;
+        c.num_attention_heads = a.num_attention_heads;
+        c.num_key_value_heads = a.num_key_value_heads.unwrap_or(a.num_attention_heads);
+        c.head_dim = a.head_dim.unwrap_or(a.hidden_size / a.num_attention_heads.max(1));
+        c.tie_word_embeddings = a.tie_word_embeddings;
+        Ok(Arch::from_llama(&c))
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn layer_params(&self) -> u64 {
+        let (c, i, d) = (self.hidden as u64, self.intermediate as u64, self.head_dim as u64);
+        let (h, hkv) = (self.heads as u64, self.kv_heads as u64);
+        2 * c * h * d + 2 * c * hkv * d + 3 * c * i + 2 * c
+    }
+}
+
+/// The per-sequence shape of one stage.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StageShape {
+    pub seq_len: usize,
+    pub micro_batch: usize,
+    pub tokens_per_step: usize,
+    #[serde(serialize_with = "ser_ckpt")]
+    pub checkpointing: Checkpointing,
+    pub loss_chunk: usize,
+    pub bf16: bool,
+}
+
+fn ser_ckpt<S: serde::Serializer>(c: &Checkpointing, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(&ckpt_name(c))
+}
+
+fn ckpt_name(c: &Checkpointing) -> String {
+    match c {
+        Checkpointing::None => "none".into(),
+        Checkpointing::EveryLayer => "every-layer".into(),
+        Checkpointing::Every(k) => format!("every {k}"),
+    }
+}
+
+/// One memory term.
+#[derive(Clone, Debug, Serialize)]
+pub struct Term {
+    pub name: &'static str,
+    pub bytes: u64,
+    pub note: String,
+}
+
+/// Memory and time of one stage on one device.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub mode: &'static str,
+    pub gpu: Gpu,
+    pub world: World,
+    pub arch: Arch,
+    pub stage: usize,
+    pub shape: StageShape,
+    #[serde(serialize_with = "ser_terms")]
+    pub terms: Vec<Term>,
+    /// per GPU
+    pub total_bytes: u64,
+    /// memory minus the margin
+    pub usable_bytes: u64,
+    pub fits: bool,
+    /// model FLOPs per token (6N + 12·L·C·T, as the MFU column) and executed (causal, with recompute)
+    pub flops_per_token: f64,
+    pub hw_flops_per_token: f64,
+    pub compute_s: f64,
+    /// bytes each GPU sends per optimizer step for ZeRO / Ulysses, and their time
+    pub zero_comm_bytes: f64,
+    pub zero_comm_s: f64,
+    pub sp_comm_bytes: f64,
+    pub sp_comm_s: f64,
+    pub step_time_s: f64,
+    pub tokens_per_s: f64,
+    /// the whole run (every stage at its own plan), hours
+    pub run_hours: f64,
+    /// when it does not fit: the cheapest change that does
+    pub suggestion: Option<Suggestion>,
+}
+
+/// A change that makes a run fit.
+#[derive(Clone, Debug, Serialize)]
+pub struct Suggestion {
+    pub change: String,
+    pub total_bytes: u64,
+    pub tokens_per_s: f64,
+    pub gpus: usize,
+}
+
+fn ser_terms<S: serde::Serializer>(t: &[Term], s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(t.len()))?;
+    for x in t {
+        m.serialize_entry(x.name, &x.bytes)?;
+    }
+    m.end()
+}
+
+impl Plan {
+    /// Bytes of a term (0 when absent).
+    pub fn term(&self, name: &str) -> u64 {
+        self.terms.iter().find(|t| t.name == name).map(|t| t.bytes).unwrap_or(0)
+    }
+
+    /// An error when the run will not fit (for `harpe train` at start-up; `--force` skips the check).
+    pub fn check_fits(&self) -> Result<()> {
+        if self.fits {
+            return Ok(());
+        }
+        let fix = match &self.suggestion {
+            Some(s) => format!("{} ({:.1} GiB per GPU)", s.change, s.total_bytes as f64 / GIB),
+            None => "no single change found; shorten seq_len or use more memory".into(),
+        };
+        bail!(
+            "stage {} (seq_len {}) needs {:.1} GiB per {} but {:.1} GiB are usable ({:.1} GiB less a {:.0}% margin); largest term: {}\nhint: {fix}; `harpe plan --config ...` shows every term; --force trains anyway",
+            self.stage,
+            self.shape.seq_len,
+            self.total_bytes as f64 / GIB,
+            if self.gpu.is_cpu() { "process" } else { "GPU" },
+            self.usable_bytes as f64 / GIB,
+            self.gpu.mem_bytes as f64 / GIB,
+            100.0 * self.gpu.margin,
+            self.terms.iter().max_by_key(|t| t.bytes).map(|t| t.name).unwrap_or("?")
+        )
+    }
+}
+
+/// Check a world against a model: ZeRO stage, SP degree vs kv heads and world size.
+pub fn validate_world(w: &World, arch: &Arch) -> Result<()> {
+    if w.gpus == 0 {
+        bail!("--gpus 0: a run needs at least one device\nhint: e.g. --gpus 8");
+    }
+    if w.zero_stage > 3 {
+        bail!("dist.zero_stage {} does not exist\nhint: choose 0, 1, 2 or 3 (nearest: 3)", w.zero_stage);
+    }
+    let p = w.sp_degree;
+    let hkv = arch.kv_heads;
+    if p == 0 || p > hkv || !hkv.is_multiple_of(p) {
+        let valid: Vec<usize> = (1..=hkv).filter(|d| hkv.is_multiple_of(*d)).collect();
+        let nearest = valid.iter().min_by_key(|d| d.abs_diff(p)).copied().unwrap_or(1);
+        bail!(
+            "dist.sp_degree {p} does not divide the model's {hkv} kv heads (Ulysses gives each rank whole kv heads)\nhint: the nearest valid degree is {nearest}; valid: {valid:?}"
+        );
+    }
+    if !w.gpus.is_multiple_of(p) {
+        let lo = w.gpus / p * p;
+        let hi = lo + p;
+        let near = if lo > 0 { format!("--gpus {lo} or {hi}") } else { format!("--gpus {hi}") };
+        bail!(
+            "world size {} is not divisible by dist.sp_degree {p} (each sequence-parallel group needs {p} ranks)\nhint: nearest valid: {near}, or an SP degree that divides {}",
+            w.gpus,
+            w.gpus
+        );
+    }
+    Ok(())
+}
+
+/// The shape of stage `i` of a run.
+pub fn stage_shape(cfg: &RunConfig, i: usize, gpu: &Gpu) -> StageShape {
+    StageShape {
+        seq_len: cfg.stages[i].seq_len,
+        micro_batch: cfg.train.micro_batch_size,
+        tokens_per_step: cfg.tokens_per_step(i),
+        checkpointing: cfg.train.activation_checkpointing,
+        loss_chunk: cfg.train.loss_chunk_tokens,
+        bf16: cfg.train.dtype == ComputeDtype::Bf16 && !gpu.is_cpu(),
+    }
+}
+
+/// The stage with the longest sequences (the memory peak of the run).
+pub fn peak_stage(cfg: &RunConfig) -> usize {
+    (0..cfg.stages.len()).max_by_key(|&i| (cfg.stages[i].seq_len, std::cmp::Reverse(i))).unwrap_or(0)
+}
+
+/// Plan a run: memory and time of its longest stage on `world` x `gpu`, the whole run's hours, and when
+/// it does not fit the cheapest change that does.
+pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
+    let arch = Arch::of_run(cfg, "[model]")?;
+    validate_world(world, &arch)?;
+    for i in 0..cfg.stages.len() {
+        let sh = stage_shape(cfg, i, gpu);
+        if !splits_over_ranks(&sh, world) {
+            let unit = world.gpus / world.sp_degree.max(1) * sh.micro_batch * sh.seq_len;
+            bail!(
+                "stage {i}: {} sequences of {} tokens per step do not split evenly over {} data-parallel ranks x micro-batch {}\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
+                sh.tokens_per_step / sh.seq_len,
+                sh.seq_len,
+                world.gpus / world.sp_degree.max(1),
+                sh.micro_batch
+            );
+        }
+    }
+    let si = peak_stage(cfg);
+    let mut plan = plan_stage(&arch, &stage_shape(cfg, si, gpu), world, gpu);
+    plan.stage = si;
+    plan.run_hours = (0..cfg.stages.len())
+        .map(|i| {
+            let p = plan_stage(&arch, &stage_shape(cfg, i, gpu), world, gpu);
+            let (steps, per_step) = cfg.stage_steps(i);
+            steps as f64 * per_step as f64 / p.tokens_per_s / 3600.0
+        })
+        .sum();
+    if !plan.fits {
+        plan.suggestion = suggest(&arch, &plan.shape, world, gpu);
+    }
+    Ok(plan)
+}
+
+/// Memory and time of one stage shape (pure arithmetic; `plan_for` adds the run-level parts).
+pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Plan {
+    let cpu = gpu.is_cpu();
+    let n = arch.params as f64;
+    let w = world.gpus as f64;
+    let p = world.sp_degree.max(1);
+    let z = world.zero_stage;
+    let (c, i, l) = (arch.hidden as f64, arch.intermediate as f64, arch.layers);
+    let (hd, kvd) = ((arch.heads * arch.head_dim) as f64, (arch.kv_heads * arch.head_dim) as f64);
+    let wb = if shape.bf16 { 2.0 } else { 4.0 }; // weights and activations
+    let gb = if cpu { 4.0 } else { wb }; // gradients: the CPU loop accumulates f32
+    let tl = (shape.micro_batch * shape.seq_len.div_ceil(p)) as f64; // tokens per rank per micro-batch
+    let seg = shape.checkpointing.segment_len(l);
+    let n_seg = l.div_ceil(seg);
+    let last_seg = l - (n_seg - 1) * seg;
+    let shard = |on: bool| if on { w } else { 1.0 };
+    let gib = |b: f64| b / GIB;
+
+    let mut terms = vec![];
+    let mut add =
+        |name: &'static str, bytes: f64, note: String| terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
+    add(
+        "weights",
+        n * wb / shard(z >= 3),
+        format!("{} x {} B{}", arch.params, wb, if z >= 3 { " / world (ZeRO-3)" } else { "" }),
+    );
+    if z >= 3 && world.gpus > 1 {
+        let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
+        add("gathered_layer", unit * wb, "the largest unit ZeRO-3 all-gathers at once (one layer or the head)".into());
+    }
+    add("gradients", n * gb / shard(z >= 2), format!("{gb} B/param{}", if z >= 2 { " / world (ZeRO-2+)" } else { "" }));
+    add(
+        "optimizer",
+        n * 12.0 / shard(z >= 1),
+        format!("fp32 master, m, v = 12 B/param{}", if z >= 1 { " / world (ZeRO-1+)" } else { "" }),
+    );
+
+    // Activations: saved segment inputs + the larger of the recompute and the loss working sets.
+    let inputs = if matches!(shape.checkpointing, Checkpointing::None) { 0.0 } else { n_seg as f64 * tl * c * wb };
+    let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
+    let (recompute, loss, ws_note) = if cpu {
+        let g = cpu_graph_per_token(arch) * tl * 4.0; // one layer's autograd graph
+        let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
+        let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
+        let kept = last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
+        let re = if n_seg > 1 { kept + seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
+        let lo = kept + 3.0 * logits + 2.0 * tl * c * 4.0 + seg_grads;
+        (re, lo, "candle autograd: last segment's graph kept + one recomputed segment + backward temporaries")
+    } else {
+        let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
+        let transient = i + c; // d(act) and the incoming gradient in the MLP backward
+        let none = matches!(shape.checkpointing, Checkpointing::None);
+        let layers_alive = if none { l } else { seg };
+        let kept = layers_alive as f64 * (saved * wb + arch.heads as f64 * 4.0) * tl; // + lse (H f32)
+        let re = kept + transient * tl * wb;
+        // without checkpointing every layer's activations are still alive while the loss runs
+        let lo = if none { kept } else { 0.0 } + logits + 2.0 * tl * c * wb;
+        (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
+    };
+    add("layer_inputs", inputs, format!("{n_seg} saved segment inputs x {tl} tokens x {} x {wb} B", arch.hidden));
+    let (ws, which) = if recompute >= loss { (recompute, "recompute") } else { (loss, "loss") };
+    add(
+        "working_set",
+        ws,
+        format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
+    );
+    if world.gpus > 1 {
+        let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
+        add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+    }
+    if p > 1 {
+        add("sp_all_to_all", tl * (hd + 2.0 * kvd) * wb, "Ulysses: q, k, v in the head-sharded layout".into());
+    }
+    if cpu {
+        add("fixed_overhead", CPU_BASELINE_BYTES as f64, "harpe process baseline (calibrated)".into());
+    } else {
+        add("fixed_overhead", GPU_FIXED_BYTES as f64, "CUDA context, cuBLAS workspace, NCCL, allocator slack".into());
+    }
+    let total_bytes: u64 = terms.iter().map(|t| t.bytes).sum();
+    let usable_bytes = (gpu.mem_bytes as f64 * (1.0 - gpu.margin)) as u64;
+
+    // Time: FLOPs with recompute at the stated MFU; collectives over the interconnect.
+    let flops_per_token = crate::metrics::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
+    let recomputed = if matches!(shape.checkpointing, Checkpointing::None) { 0 } else { l - last_seg };
+    // Executed FLOPs: causal flash attention skips the masked half of 12·L·C·T; recompute repeats the
+    // forward (a third) of the recomputed layers.
+    let executed = flops_per_token - 6.0 * (l * arch.hidden * shape.seq_len) as f64;
+    let hw_flops_per_token = executed * (1.0 + recomputed as f64 / l as f64 / 3.0);
+    let tokens = shape.tokens_per_step as f64;
+    let compute_s = tokens * hw_flops_per_token / (w * gpu.peak_tflops * 1e12 * gpu.mfu);
+    let accum = (tokens / (shape.micro_batch * shape.seq_len) as f64 * p as f64 / w).max(1.0); // per rank
+    let ring = (w - 1.0) / w;
+    let zero_comm_bytes = if world.gpus > 1 {
+        ring * n
+            * match z {
+                0 => 2.0 * gb,
+                1 => gb + wb,
+                2 => gb * accum + wb,
+                _ => (2.0 * wb + gb) * accum,
+            }
+    } else {
+        0.0
+    };
+    let passes = if recomputed > 0 { 3.0 } else { 2.0 };
+    let sp_comm_bytes = if p > 1 {
+        (p as f64 - 1.0) / p as f64 * tl * (hd + 2.0 * kvd + hd) * wb * l as f64 * passes * accum
+    } else {
+        0.0
+    };
+    let bus = |gbs: f64| gbs * 1e9;
+    let intra = bus(gpu.link_gbs / 2.0 * 0.8);
+    let zero_bw = if world.gpus > gpu.gpus_per_node { bus(gpu.inter_node_gbs * 0.8) } else { intra };
+    let zero_comm_s = if zero_comm_bytes > 0.0 { zero_comm_bytes / zero_bw } else { 0.0 };
+    let sp_comm_s = if sp_comm_bytes > 0.0 { sp_comm_bytes / intra } else { 0.0 };
+    let step_time_s = compute_s.max(zero_comm_s) + sp_comm_s;
+    Plan {
+        mode: if cpu { "cpu" } else { "gpu" },
+        gpu: gpu.clone(),
+        world: *world,
+        arch: arch.clone(),
+        stage: 0,
+        shape: *shape,
+        terms,
+        total_bytes,
+        usable_bytes,
+        fits: total_bytes <= usable_bytes,
+        flops_per_token,
+        hw_flops_per_token,
+        compute_s,
+        zero_comm_bytes,
+        zero_comm_s,
+        sp_comm_bytes,
+        sp_comm_s,
+        step_time_s,
+        tokens_per_s: tokens / step_time_s,
+        run_hours: 0.0,
+        suggestion: None,
+    }
+}
+
+/// Whether the sequences of one step split into whole micro-batches on every data-parallel rank.
+fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
+    let dp = w.gpus / w.sp_degree.max(1);
+    let per_step = sh.micro_batch * sh.seq_len * dp;
+    per_step > 0 && sh.tokens_per_step.is_multiple_of(per_step)
+}
+
+/// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
+/// (`Llama::layer_forward`): RMSNorm sqr/div/mul (3C, twice), q/k/v projections (HD + 2 Hkv·D), RoPE's
+/// contiguous copy and output for q and k (2HD + 2 Hkv·D), v made contiguous (Hkv·D), attention output
+/// (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate, silu, up, product (4I), down and the
+/// residual (2C).
+pub fn cpu_graph_per_token(a: &Arch) -> f64 {
+    let (c, i) = (a.hidden as f64, a.intermediate as f64);
+    let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
+    10.0 * c + 5.0 * hd + 5.0 * kvd + 4.0 * i
+}
+
+/// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.
+fn suggest(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Option<Suggestion> {
+    let mut cands: Vec<(String, StageShape, World)> = vec![];
+    if !matches!(shape.checkpointing, Checkpointing::EveryLayer) {
+        let s = StageShape { checkpointing: Checkpointing::EveryLayer, ..*shape };
+        cands.push(("train.activation_checkpointing = \"every-layer\"".into(), s, *world));
+    }
+    if shape.micro_batch > 1 {
+        let s = StageShape { micro_batch: 1, ..*shape };
+        cands.push(("train.micro_batch_size = 1 (more accumulation, same tokens per step)".into(), s, *world));
+    }
+    let divisors: Vec<usize> = (1..=arch.kv_heads).filter(|d| arch.kv_heads.is_multiple_of(*d)).collect();
+    let mut gpus_opts = vec![world.gpus];
+    let mut g = world.gpus;
+    for _ in 0..6 {
+        g *= 2;
+        gpus_opts.push(g);
+    }
+    for &gpus in &gpus_opts {
+        for z in world.zero_stage..=3 {
+            for &p in divisors.iter().filter(|&&p| p >= world.sp_degree && gpus.is_multiple_of(p)) {
+                let w = World { gpus, zero_stage: z, sp_degree: p };
+                if w == *world {
+                    continue;
+                }
+                let mut what = vec![];
+                if z != world.zero_stage {
+                    what.push(format!("dist.zero_stage = {z}"));
+                }
+                if p != world.sp_degree {
+                    what.push(format!("dist.sp_degree = {p}"));
+                }
+                if gpus != world.gpus {
+                    what.push(format!("--gpus {gpus}"));
+                }
+                cands.push((what.join(", "), *shape, w));
+            }
+        }
+    }
+    cands
+        .into_iter()
+        .filter(|(_, s, w)| splits_over_ranks(s, w))
+        .map(|(what, s, w)| (what, plan_stage(arch, &s, &w, gpu)))
+        .filter(|(_, p)| p.fits)
+        .min_by(|(_, a), (_, b)| {
+            let cost = |p: &Plan| p.world.gpus as f64 / p.tokens_per_s;
+            cost(a).total_cmp(&cost(b)).then(a.world.gpus.cmp(&b.world.gpus))
+        })
+        .map(|(change, p)| Suggestion {
+            change,
+            total_bytes: p.total_bytes,
+            tokens_per_s: p.tokens_per_s,
+            gpus: p.world.gpus,
+        })
+}
+
+/// `harpe plan`: memory by term, time, fits, and the cheapest fix.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// TOML recipe (as for `harpe train`); the model comes from [model] path/config.json or [model.init]
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// devices in all [default: dist.world_size, else 8 GPUs / 1 for cpu]
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// device kind: a100, h100, h200, or cpu (harpe's CPU path) [default: cpu when train.device = "cpu", else a100]
+    #[arg(long, value_name = "KIND")]
+    pub gpu: Option<String>,
+    /// memory of one device, e.g. 80GiB, 40GB, 81920MiB [default: the kind's]
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_mem: Option<String>,
+    /// ZeRO stage 0-3 [default: dist.zero_stage, else 1]
+    #[arg(long, value_name = "S")]
+    pub zero: Option<u8>,
+    /// Ulysses sequence-parallel degree [default: dist.sp_degree, else 1]
+    #[arg(long, value_name = "P")]
+    pub sp: Option<usize>,
+    /// achieved fraction of peak FLOP/s, recompute included [default: 0.4 on GPUs]
+    #[arg(long, value_name = "F")]
+    pub mfu: Option<f64>,
+    /// dense peak TFLOP/s of one device in the compute dtype [default: the kind's]
+    #[arg(long, value_name = "T")]
+    pub peak_tflops: Option<f64>,
+    /// intra-node interconnect GB/s per GPU, both directions [default: NVLink of the kind]
+    #[arg(long, value_name = "GBS")]
+    pub link_gbs: Option<f64>,
+    /// fraction of device memory kept free [default: 0.10]
+    #[arg(long, value_name = "F")]
+    pub margin: Option<f64>,
+    /// plan this stage instead of the one with the longest sequences
+    #[arg(long, value_name = "I")]
+    pub stage: Option<usize>,
+    /// override one config value (repeatable); besides train.*/stage.* also dist.zero_stage,
+    /// dist.sp_degree, dist.world_size
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// print one JSON object instead of the table
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The `[dist]` keys plan reads itself (taken out of the TOML before the config is parsed, so that
+/// they work whether or not `config.rs` knows them yet).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DistKeys {
+    pub world_size: Option<usize>,
+    pub zero_stage: Option<u8>,
+    pub sp_degree: Option<usize>,
+}
+
+/// Load a recipe with `--set` overrides, taking out `dist.world_size`, `dist.zero_stage` and
+/// `dist.sp_degree`.
+pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunConfig, DistKeys)> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!("cannot read config {origin}\nhint: pass an existing TOML recipe, e.g. configs/harpe-128k.toml")
+    })?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| anyhow!("{origin}: {}\nhint: fix the TOML syntax", e.to_string().trim_end()))?;
+    for o in overrides {
+        apply_override(&mut table, o)?;
+    }
+    let mut keys = DistKeys::default();
+    if let Some(toml::Value::Table(d)) = table.get_mut("dist") {
+        let mut int = |k: &str| -> Result<Option<i64>> {
+            match d.remove(k) {
+                None => Ok(None),
+                Some(toml::Value::Integer(v)) if v >= 0 => Ok(Some(v)),
+                Some(v) => bail!("{origin}: dist.{k} = {v} is not a non-negative integer\nhint: e.g. dist.{k} = 1"),
+            }
+        };
+        keys.world_size = int("world_size")?.map(|v| v as usize);
+        keys.zero_stage = int("zero_stage")?.map(|v| v.min(255) as u8);
+        keys.sp_degree = int("sp_degree")?.map(|v| v as usize);
+    }
+    let merged = toml::to_string(&table)?;
+    let label =
+        if overrides.is_empty() { origin } else { format!("{origin} with --set {}", overrides.join(" --set ")) };
+    Ok((RunConfig::from_text(&merged, &label, &[])?.cfg, keys))
+}
+
+/// Run `harpe plan`.
+pub fn run(args: PlanArgs) -> Result<()> {
+    let (cfg, keys) = load_config(&args.config, &args.set)?;
+    let kind = match &args.gpu {
+        Some(s) => GpuKind::parse(s)?,
+        None if cfg.train.device == DeviceKind::Cpu => GpuKind::Cpu,
+        None => GpuKind::A100,
+    };
+    let mut gpu = Gpu::new(kind);
+    if let Some(m) = &args.gpu_mem {
+        gpu.mem_bytes = parse_bytes(m)?;
+    }
+    if let Some(f) = args.mfu {
+        if !(f > 0.0 && f <= 1.0) {
+            bail!("--mfu {f} must be in (0, 1]\nhint: 0.3-0.5 is typical for long-context training");
+        }
+        gpu.mfu = f;
+    }
+    // the recipe's log.peak_tflops describes its own device: used only when --gpu does not name another
+    let recipe_peak = (args.gpu.is_none() && cfg.log.peak_tflops > 0.0).then_some(cfg.log.peak_tflops);
+    if let Some(t) = args.peak_tflops.or(recipe_peak) {
+        gpu.peak_tflops = t;
+    }
+    if let Some(b) = args.link_gbs {
+        gpu.link_gbs = b;
+    }
+    if let Some(m) = args.margin {
+        if !(0.0..1.0).contains(&m) {
+            bail!("--margin {m} must be in [0, 1)\nhint: e.g. --margin 0.1 keeps 10% free");
+        }
+        gpu.margin = m;
+    }
+    let default_gpus = if kind == GpuKind::Cpu { 1 } else { 8 };
+    let world = World {
+        gpus: args.gpus.or(keys.world_size).unwrap_or(default_gpus),
+        zero_stage: args.zero.or(keys.zero_stage).unwrap_or(1),
+        sp_degree: args.sp.or(keys.sp_degree).unwrap_or(1),
+    };
+    let mut plan = plan_for(&cfg, &world, &gpu)?;
+    if let Some(si) = args.stage {
+        if si >= cfg.stages.len() {
+            bail!("--stage {si}: the config has {} stage(s)\nhint: stages count from 0", cfg.stages.len());
+        }
+        let arch = Arch::of_run(&cfg, "[model]")?;
+        let run_hours = plan.run_hours;
+        plan = plan_stage(&arch, &stage_shape(&cfg, si, &gpu), &world, &gpu);
+        plan.stage = si;
+        plan.run_hours = run_hours;
+        if !plan.fits {
+            plan.suggestion = suggest(&arch, &plan.shape, &world, &gpu);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        print!("{}", render(&plan));
+    }
+    Ok(())
+}
+
+/// The plan as a text table.
+pub fn render(p: &Plan) -> String {
+    use std::fmt::Write;
+    // one unit for the table: GiB for real models, MiB for the tiny ones
+    let (unit, div) = if p.total_bytes as f64 >= GIB { ("GiB", GIB) } else { ("MiB", (1u64 << 20) as f64) };
+    let gib = |b: u64| b as f64 / div;
+    let mut s = String::new();
+    let params = if p.arch.params >= 1_000_000_000 {
+        format!("{:.2}B", p.arch.params as f64 / 1e9)
+    } else {
+        format!("{:.2}M", p.arch.params as f64 / 1e6)
+    };
+    let dev = if p.mode == "cpu" { "process (cpu, f32)".to_string() } else { format!("{} GPU", p.gpu.kind.name()) };
+    let _ = writeln!(
+        s,
+        "plan: {params} params, stage {} at T={} x micro-batch {}, checkpointing {}, {} x {}, ZeRO-{}, SP {}",
+        p.stage,
+        p.shape.seq_len,
+        p.shape.micro_batch,
+        ckpt_name(&p.shape.checkpointing),
+        p.world.gpus,
+        dev,
+        p.world.zero_stage,
+        p.world.sp_degree
+    );
+    let _ = writeln!(
+        s,
+        "\n| memory per {} | {unit} | how |\n|---|---:|---|",
+        if p.mode == "cpu" { "process" } else { "GPU" }
+    );
+    for t in &p.terms {
+        let _ = writeln!(s, "| {} | {:.2} | {} |", t.name, gib(t.bytes), t.note);
+    }
+    let _ = writeln!(
+        s,
+        "| **total** | **{:.2}** | of {:.1} GiB, {:.1} GiB usable with a {:.0}% margin: {} |",
+        gib(p.total_bytes),
+        p.gpu.mem_bytes as f64 / GIB,
+        p.usable_bytes as f64 / GIB,
+        100.0 * p.gpu.margin,
+        if p.fits { "FITS" } else { "DOES NOT FIT" }
+    );
+    let _ = writeln!(
+        s,
+        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s)",
+        p.hw_flops_per_token * p.shape.tokens_per_step as f64 / 1e15,
+        p.hw_flops_per_token / 1e9,
+        p.compute_s,
+        100.0 * p.gpu.mfu,
+        p.gpu.peak_tflops,
+        p.zero_comm_bytes / 1e9,
+        p.zero_comm_s,
+        p.sp_comm_bytes / 1e9,
+        p.sp_comm_s
+    );
+    let _ = writeln!(
+        s,
+        "step {:.2} s for {} tokens = {:.0} tokens/s ({:.0} per device); whole run {:.1} h",
+        p.step_time_s,
+        p.shape.tokens_per_step,
+        p.tokens_per_s,
+        p.tokens_per_s / p.world.gpus as f64,
+        p.run_hours
+    );
+    match (&p.suggestion, p.fits) {
+        (_, true) => {}
+        (Some(g), false) => {
+            let _ = writeln!(
+                s,
+                "cheapest change that fits: {} -> {:.2} GiB per device, {:.0} tokens/s on {} devices",
+                g.change,
+                gib(g.total_bytes),
+                g.tokens_per_s,
+                g.gpus
+            );
+        }
+        (None, false) => {
+            let _ = writeln!(s, "no single change fits: shorten seq_len or use devices with more memory");
+        }
+    }
+    s
+}

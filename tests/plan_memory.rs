@@ -1,0 +1,86 @@
+//! `harpe plan` in cpu mode against the measured peak of `harpe train` on CPU: a tiny GQA config at two
+//! sequence lengths, checkpointing every layer, one rank. Each run is a fresh process; its peak resident
+//! memory is the largest VmHWM of any step (metrics.jsonl, reset at every step start), so the whole
+//! process (binary, weights, gradients, optimizer state, activations) is compared with `total_bytes`.
+//! The difference between the two lengths isolates the activation terms from the fixed overhead.
+use harpe::metrics::read_records;
+use harpe::plan::{load_config, plan_for, Gpu, GpuKind, World};
+
+const CFG: &str = r#"
+[model.init]
+vocab_size = 259
+hidden_size = 192
+intermediate_size = 768
+num_hidden_layers = 3
+num_attention_heads = 6
+num_key_value_heads = 2
+
+[data]
+source = "builtin"
+
+[rope]
+scheme = "default"
+theta = 10000.0
+
+[train]
+device = "cpu"
+dtype = "f32"
+micro_batch_size = 1
+activation_checkpointing = "every-layer"
+loss_chunk_tokens = 128
+
+[log]
+progress = false
+plot = false
+
+[[stage]]
+seq_len = SEQ
+steps = 2
+"#;
+
+/// (measured peak RSS of the run, planned total bytes) at sequence length `t`.
+fn measured_and_planned(dir: &std::path::Path, t: usize) -> (u64, u64) {
+    let cfg = dir.join(format!("p{t}.toml"));
+    std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
+    let out = dir.join(format!("r{t}"));
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let recs = read_records(&out.join("metrics.jsonl")).unwrap();
+    let measured = recs.iter().map(|r| r.step_peak_bytes).max().unwrap();
+    let (run, _) = load_config(&cfg, &[]).unwrap();
+    let plan = plan_for(&run, &World { gpus: 1, zero_stage: 1, sp_degree: 1 }, &Gpu::new(GpuKind::Cpu)).unwrap();
+    assert_eq!(plan.mode, "cpu");
+    (measured, plan.total_bytes)
+}
+
+#[test]
+fn cpu_plan_is_within_15_percent_of_the_measured_peak() {
+    if !std::path::Path::new("/proc/self/clear_refs").exists() {
+        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (m1, p1) = measured_and_planned(d.path(), 512);
+    let (m2, p2) = measured_and_planned(d.path(), 1024);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let (r1, r2) = (m1 as f64 / p1 as f64, m2 as f64 / p2 as f64);
+    let r_delta = (m2 as f64 - m1 as f64) / (p2 as f64 - p1 as f64);
+    eprintln!(
+        "T=512: measured {:.1} MiB, planned {:.1} MiB (ratio {r1:.3}); T=1024: measured {:.1} MiB, planned {:.1} MiB (ratio {r2:.3}); growth 512->1024: measured/planned {r_delta:.3}",
+        mib(m1),
+        mib(p1),
+        mib(m2),
+        mib(p2)
+    );
+    for (t, r) in [(512, r1), (1024, r2)] {
+        assert!((0.85..=1.15).contains(&r), "T={t}: measured/planned peak = {r:.3}, outside 15%");
+    }
+    assert!((0.85..=1.15).contains(&r_delta), "activation growth measured/planned = {r_delta:.3}, outside 15%");
+}
