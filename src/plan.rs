@@ -25,7 +25,7 @@
 //!
 //! What this file does not do: tensor/pipeline parallelism, CPU offload, the data loader's prefetch,
 //! fragmentation beyond the stated margin; it predicts, the training loop measures (`metrics.jsonl`).
-use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceKind, RunConfig};
+use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceSpec, RunConfig};
 use crate::model::config::LlamaConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
@@ -739,7 +739,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let (cfg, keys) = load_config(&args.config, &args.set)?;
     let kind = match &args.gpu {
         Some(s) => GpuKind::parse(s)?,
-        None if cfg.train.device == DeviceKind::Cpu => GpuKind::Cpu,
+        None if cfg.train.device == DeviceSpec::Cpu => GpuKind::Cpu,
         None => GpuKind::A100,
     };
     let mut gpu = Gpu::new(kind);
