@@ -334,6 +334,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         PathBuf::from("runs")
             .join(args.config.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into()))
     });
+    let _lock = crate::util::lock_dir(&run_dir, "harpe train")?; // issue 16: one writer per run directory (held to the end)
     println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
     prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
     let ckpt_root = run_dir.join("checkpoints");
