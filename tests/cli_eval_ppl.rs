@@ -82,8 +82,8 @@ fn bad_inputs_are_reported() {
     let model = golden().join("default/model");
     let text = golden().join("text.txt");
     let (ok, _, err) =
-        harpe(&["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "8", "--stride", "8"]);
-    assert!(!ok && err.contains("--stride") && err.contains("hint:"), "{err}");
+        harpe(&["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "8", "--stride", "9"]);
+    assert!(!ok && err.contains("--stride 9") && err.contains("unscored") && err.contains("hint:"), "{err}");
     let (ok, _, err) = harpe(&["eval-ppl", "--model", "/nonexistent/model", "--input", s(&text)]);
     assert!(!ok && err.contains("/nonexistent/model") && err.contains("hint:"), "{err}");
     let tmp = tempfile::tempdir().unwrap();
