@@ -87,20 +87,21 @@ pub fn lock_dir(dir: &Path, command: &str) -> Result<DirLock> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create {}\nhint: choose a writable directory", dir.display()))?;
     let path = dir.join(".lock");
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .with_context(|| format!("cannot open lock file {}\nhint: check that {} is writable", path.display(), dir.display()))?;
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).with_context(
+            || format!("cannot open lock file {}\nhint: check that {} is writable", path.display(), dir.display()),
+        )?;
     match file.try_lock() {
         Ok(()) => {}
         Err(TryLockError::WouldBlock) => {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             let field = |k: &str| {
-                holder.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(str::to_string).unwrap_or_else(|| "?".into())
+                holder
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                    .map(str::to_string)
+                    .unwrap_or_else(|| "?".into())
             };
             anyhow::bail!(
                 "{} is in use: `{}` (pid {} on host {}, started at unix time {}) holds {}\nhint: only one process may write a \
@@ -121,11 +122,7 @@ pub fn lock_dir(dir: &Path, command: &str) -> Result<DirLock> {
         }
     }
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let info = format!(
-        "pid={}\nhost={}\ncommand={command}\nstarted={started}\n",
-        std::process::id(),
-        host_name()
-    );
+    let info = format!("pid={}\nhost={}\ncommand={command}\nstarted={started}\n", std::process::id(), host_name());
     file.set_len(0)
         .and_then(|_| file.rewind())
         .and_then(|_| file.write_all(info.as_bytes()))

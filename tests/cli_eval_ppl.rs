@@ -77,8 +77,18 @@ fn json_output_and_multiple_documents() {
 
     // --aggregate window-mean reports YaRN's mean of window means: transformers' value, not the token mean.
     let (ok, out, err) = harpe(&[
-        "eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "12", "--stride", "5", "--json",
-        "--aggregate", "window-mean",
+        "eval-ppl",
+        "--model",
+        s(&model),
+        "--input",
+        s(&text),
+        "--window",
+        "12",
+        "--stride",
+        "5",
+        "--json",
+        "--aggregate",
+        "window-mean",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
@@ -91,7 +101,8 @@ fn json_output_and_multiple_documents() {
 fn ppl_with(extra: &[&str]) -> (f64, f64) {
     let model = golden().join("default/model");
     let text = golden().join("text.txt");
-    let mut args = vec!["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "12", "--stride", "5", "--json"];
+    let mut args =
+        vec!["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "12", "--stride", "5", "--json"];
     args.extend_from_slice(extra);
     let (ok, out, err) = harpe(&args);
     assert!(ok, "{extra:?}: {err}");

@@ -66,8 +66,14 @@ fn budget_suffixes_fields_and_the_slimpajama_mixture() {
     )
     .unwrap();
     let fields = ["--input", "r.jsonl", "--text-field", "body", "--source-field", "info.src", "--seq-len", "2"];
-    for (budget, want) in [("0.006k", serde_json::json!(6)), ("1_5K", serde_json::json!(15_000)), ("2m", serde_json::json!(2_000_000))] {
-        let m = prepare(d.path(), &format!("b{want}"), &[&fields[..], &["--budget", budget, "--separator", "none"]].concat());
+    for (budget, want) in
+        [("0.006k", serde_json::json!(6)), ("1_5K", serde_json::json!(15_000)), ("2m", serde_json::json!(2_000_000))]
+    {
+        let m = prepare(
+            d.path(),
+            &format!("b{want}"),
+            &[&fields[..], &["--budget", budget, "--separator", "none"]].concat(),
+        );
         assert_eq!(m["strategy"]["budget"], want, "--budget {budget}");
         assert_eq!(m["source_names"], serde_json::json!(["code", "web"]), "sources from info.src");
         assert_eq!(m["sources"]["web"]["tokens_in"], 4, "text from body");

@@ -112,11 +112,13 @@ fn eval_ppl_matches_transformers_sliding_windows() {
 fn rope_parity_hf_reproduces_transformers_float32_angles() {
     // transformers computes RoPE angles in float32; at position 100000 they are off by ~1e-2 rad, so
     // only `--rope-parity hf` matches its logits tightly, and the f64 default measurably does not.
-    let fix = candle_core::safetensors::load(golden("rope_parity_hf").join("golden.safetensors"), &Device::Cpu).unwrap();
+    let fix =
+        candle_core::safetensors::load(golden("rope_parity_hf").join("golden.safetensors"), &Device::Cpu).unwrap();
     let ids = fix["input_ids"].to_dtype(DType::U32).unwrap();
     let start = fix["start"].to_vec1::<i64>().unwrap()[0] as usize;
     let mut model = load_model_dir(&golden("default").join("model"), DType::F32, &Device::Cpu).unwrap();
-    let err = |m: &harpe::model::Llama| rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"]);
+    let err =
+        |m: &harpe::model::Llama| rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"]);
     model.parity = harpe::model::rope::RopeParity::Hf;
     let hf = err(&model);
     model.parity = harpe::model::rope::RopeParity::F64;

@@ -77,7 +77,8 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
             assert_eq!(s["prompt_sha256"].as_str().unwrap().len(), 64);
             let score = s["score"].as_f64().unwrap();
             let pred = s["pred"].as_str().unwrap().to_lowercase();
-            let outs: Vec<String> = s["outputs"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_lowercase()).collect();
+            let outs: Vec<String> =
+                s["outputs"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_lowercase()).collect();
             // Recomputed here: RULER's string_match_all; passkey: the first integer in the continuation.
             let want = match task {
                 "passkey" => {

@@ -197,7 +197,8 @@ fn dataset() -> &'static Path {
     D.get_or_init(|| {
         let tmp = tempfile::tempdir().unwrap();
         let input = tmp.path().join("in.txt");
-        std::fs::write(&input, "the time of the state was one of the first and the most new state . ".repeat(8)).unwrap();
+        std::fs::write(&input, "the time of the state was one of the first and the most new state . ".repeat(8))
+            .unwrap();
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
             .args(["prepare-data", "--quiet", "--seq-len", "8", "--strategy", "original", "--tokenizer"])
             .arg(root().join("tests/golden/tokenizer.json"))
@@ -323,7 +324,12 @@ fn record_json() -> impl Strategy<Value = String> {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
             prop::collection::btree_map(
-                prop_oneof![Just("text".to_string()), Just("meta".to_string()), Just("redpajama_set_name".to_string()), "[a-z]{1,4}"],
+                prop_oneof![
+                    Just("text".to_string()),
+                    Just("meta".to_string()),
+                    Just("redpajama_set_name".to_string()),
+                    "[a-z]{1,4}"
+                ],
                 inner,
                 0..4
             )

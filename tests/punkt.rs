@@ -51,13 +51,8 @@ fn essay_tasks_reproduce_ruler_byte_for_byte() {
     let g = fixture(include_str!("data/niah_essay_golden.json"));
     let essays = Essays::from_text(g["essay_text"].as_str().unwrap().to_string(), "golden".into());
     let sizes: Vec<usize> = g["sizes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-    for task in [
-        NiahTask::Single2,
-        NiahTask::Single3,
-        NiahTask::Multikey1,
-        NiahTask::Multivalue,
-        NiahTask::Multiquery,
-    ] {
+    for task in [NiahTask::Single2, NiahTask::Single3, NiahTask::Multikey1, NiahTask::Multivalue, NiahTask::Multiquery]
+    {
         let mut gen = NiahGenerator::new(task, 42, Some(&essays)).unwrap();
         for (k, &n) in sizes.iter().enumerate() {
             let want = &g[task.name()][k];

@@ -58,7 +58,10 @@ fn step_memory_is_linear_in_sequence_length() {
     // what was never checked. Fail, unless the environment says explicitly that skipping is intended.
     if !std::path::Path::new("/proc/self/clear_refs").exists() {
         let msg = "needs Linux /proc/self/clear_refs to measure peak memory";
-        assert!(std::env::var_os("HARPE_ALLOW_SKIP_MEMORY_TEST").is_some(), "{msg} (set HARPE_ALLOW_SKIP_MEMORY_TEST=1 to skip)");
+        assert!(
+            std::env::var_os("HARPE_ALLOW_SKIP_MEMORY_TEST").is_some(),
+            "{msg} (set HARPE_ALLOW_SKIP_MEMORY_TEST=1 to skip)"
+        );
         println!("SKIPPED step_memory_is_linear_in_sequence_length: {msg}");
         return;
     }

@@ -173,7 +173,11 @@ fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
     for (k, &lr) in lrs.iter().enumerate() {
         let ids = golden[&format!("input_ids.{k}")].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
         let (mut g, loss) = step_grads(&cfg, &layout, &opt.master, &ids, 1, Checkpointing::None, DType::F32);
-        assert!((loss - losses[k] as f64).abs() < 1e-5 * losses[k] as f64, "step {k}: loss {loss} vs torch {}", losses[k]);
+        assert!(
+            (loss - losses[k] as f64).abs() < 1e-5 * losses[k] as f64,
+            "step {k}: loss {loss} vs torch {}",
+            losses[k]
+        );
         let norm = harpe::grads::global_norm(&g);
         assert!((norm - norms[k] as f64).abs() < 1e-4 * norms[k] as f64, "step {k}: grad norm {norm} vs {}", norms[k]);
         let scale = harpe::grads::clip_by_global_norm(&mut g, norm, hp["max_norm"].as_f64().unwrap());

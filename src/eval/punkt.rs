@@ -384,11 +384,7 @@ fn word_end_at(s: &str, e: usize) -> bool {
 
 /// `_tokenize_words`: lines with any non-space character, word-tokenized.
 fn tokenize_words(text: &str) -> Vec<Token<'_>> {
-    text.split('\n')
-        .filter(|line| line.chars().any(|c| !is_space(c)))
-        .flat_map(word_tokenize)
-        .map(Token::new)
-        .collect()
+    text.split('\n').filter(|line| line.chars().any(|c| !is_space(c))).flat_map(word_tokenize).map(Token::new).collect()
 }
 
 /// One `period_context_re` match: a `.`, `?` or `!` followed by punctuation or by space and a token.
@@ -425,7 +421,8 @@ fn period_matches(text: &str) -> Vec<EndMatch> {
 /// `_match_potential_end_contexts`: each candidate end with the word before it and the token
 /// after it; of overlapping candidates (`acting!!!`) only the last survives.
 fn potential_end_contexts(text: &str) -> Vec<(EndMatch, String)> {
-    let context = |sl: (usize, usize), m: &EndMatch| format!("{}{}", &text[sl.0..sl.1], &text[m.start..m.after_tok_end]);
+    let context =
+        |sl: (usize, usize), m: &EndMatch| format!("{}{}", &text[sl.0..sl.1], &text[m.start..m.after_tok_end]);
     let mut out = Vec::new();
     let mut prev_slice = (0usize, 0usize);
     let mut prev: Option<EndMatch> = None;
