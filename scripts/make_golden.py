@@ -254,6 +254,7 @@ def ppl_disjoint_case():
     seq_len = enc.size(1)
     assert seq_len % stride not in (0, 1), "keep a tail window with targets"
     nll_sum, n_tokens, windows, prev_end = 0.0, 0, 0, 0
+    position_nll = []  # per window, -log p of each target from its own logits (eval-loss cross-check)
     for begin_loc in range(0, seq_len, stride):
         end_loc = min(begin_loc + max_length, seq_len)
         trg_len = end_loc - prev_end
@@ -261,7 +262,10 @@ def ppl_disjoint_case():
         target_ids = input_ids.clone()
         target_ids[:, :-trg_len] = -100
         with torch.no_grad():
-            loss = model(input_ids, labels=target_ids).loss
+            out = model(input_ids, labels=target_ids)
+            loss = out.loss
+        lp = torch.log_softmax(out.logits[0].double(), dim=-1)
+        position_nll.append([-lp[p - 1, input_ids[0, p]].item() for p in range(1, input_ids.size(1))])
         num_loss_tokens = (target_ids != -100).sum().item() - target_ids.size(0)
         nll_sum += loss.double().item() * num_loss_tokens
         n_tokens += num_loss_tokens
@@ -270,7 +274,8 @@ def ppl_disjoint_case():
         if end_loc == seq_len:
             break
     json.dump({"nll": nll_sum / n_tokens, "tokens": n_tokens, "windows": windows, "window": max_length,
-               "stride": stride}, open(os.path.join(OUT, "default", "ppl_disjoint.json"), "w"), indent=2)
+               "stride": stride, "position_nll": position_nll},
+              open(os.path.join(OUT, "default", "ppl_disjoint.json"), "w"), indent=2)
 
 
 NEW_CASES = {"adamw_steps": adamw_steps_case, "rope_parity_hf": rope_parity_case, "ppl_disjoint": ppl_disjoint_case}
