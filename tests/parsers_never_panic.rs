@@ -16,8 +16,15 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Deterministic by default so CI cannot flake; `PROPTEST_RNG_SEED=N` explores other inputs.
 fn cfg(cases: u32) -> ProptestConfig {
-    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
+    let base = ProptestConfig::default();
+    let rng_seed = if std::env::var_os("PROPTEST_RNG_SEED").is_some() {
+        base.rng_seed
+    } else {
+        proptest::test_runner::RngSeed::Fixed(16)
+    };
+    ProptestConfig { cases, failure_persistence: None, rng_seed, ..base }
 }
 
 /// An error must say something (the user-facing ones also carry a hint; that is checked elsewhere).
