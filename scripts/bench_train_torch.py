@@ -106,20 +106,24 @@ def main():
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     ap.add_argument("--out", help="write the markdown table here (default: stdout only)")
     a = ap.parse_args()
-    rows = []
+    rows, raw = [], []
     tv, params = "?", 0
+    load_before = os.getloadavg()
     for seq in a.seq:
         t, tv, params = torch_tokens_per_s(seq, a.batch, a.steps, a.threads)
         h0 = harpe_tokens_per_s(a.harpe, seq, a.batch, a.steps, a.threads, "none")
         h1 = harpe_tokens_per_s(a.harpe, seq, a.batch, a.steps, a.threads, "every-layer")
         rows.append((seq, t, h0, h1))
-        print(f"T={seq}: torch {t:.0f} tok/s, harpe {h0:.0f} tok/s (no ckpt, ratio {h0 / t:.2f}), "
-              f"{h1:.0f} tok/s (every-layer ckpt, ratio {h1 / t:.2f})", file=sys.stderr)
+        line = (f"T={seq}: torch {t:.0f} tok/s, harpe {h0:.0f} tok/s (no ckpt, ratio {h0 / t:.2f}), "
+                f"{h1:.0f} tok/s (every-layer ckpt, ratio {h1 / t:.2f})")
+        raw.append(line)
+        print(line, file=sys.stderr)
     lines = [
         "# Training throughput on CPU: harpe vs PyTorch eager",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} by `scripts/bench_train_torch.py` on `{os.uname().nodename}` "
-        f"({os.cpu_count()} logical CPUs, shared with other jobs), {a.threads} threads on both sides, f32, "
+        f"({os.cpu_count()} logical CPUs; 1-minute load average {load_before[0]:.2f} before the run and "
+        f"{os.getloadavg()[0]:.2f} after it), {a.threads} threads on both sides, f32, "
         f"batch {a.batch}, median of {a.steps} steps after one warm-up step. torch {tv} "
         f"(transformers LlamaForCausalLM, eager attention, torch.optim.AdamW); harpe binary `{a.harpe}`.",
         f"Model: Llama, {CFG['num_hidden_layers']} layers, hidden {CFG['hidden_size']}, intermediate "
@@ -131,6 +135,9 @@ def main():
     ]
     for seq, t, h0, h1 in rows:
         lines.append(f"| {seq} | {t:.0f} | {h0:.0f} | {h0 / t:.2f} | {h1:.0f} | {h1 / t:.2f} |")
+    # The exact command and the raw output, so the file needs no hand-written header.
+    lines += ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
+    lines += raw + ["```"]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

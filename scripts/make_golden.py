@@ -13,6 +13,14 @@ Writes, for a tiny random Llama with GQA (4 query heads, 2 kv heads):
   <out>/<case>/golden.safetensors           input_ids, logits, loss, grad.<param> for every parameter
   <out>/<case>/ppl.json                     sliding-window NLL of text.txt (the rule of `harpe eval-ppl`)
   <out>/adamw/golden.safetensors            weights after one torch.optim.AdamW step (+ hyper-parameters)
+  <out>/adamw_steps/golden.safetensors      weights after 5 AdamW steps from adamw/model: three weight-decay
+                                            groups, clip_grad_norm_ active, a different lr each step
+  <out>/rope_parity_hf/golden.safetensors   logits of default/model at positions 100000.. in transformers'
+                                            float32 RoPE arithmetic (what `--rope-parity hf` reproduces)
+  <out>/default/ppl_disjoint.json           perplexity of text.txt by transformers' documented recipe with
+                                            stride = max_length (disjoint windows)
+The last three read the committed model directories, so they can be made alone without touching the
+others: `python3 scripts/make_golden.py tests/golden adamw_steps rope_parity_hf ppl_disjoint`.
 Cases: default (transformers-5 `rope_parameters` config, sharded safetensors), harpe (per-kv-head bases,
 by patching transformers' rotary functions), and one per classic scheme (linear, dynamic, yarn, llama3,
 longrope) with logits only.
@@ -179,7 +187,107 @@ def adamw_case():
     json.dump(hp, open(os.path.join(d, "hparams.json"), "w"), indent=2)
 
 
+def adamw_steps_case():
+    """Several AdamW steps, where bias correction no longer cancels the betas; three decay groups."""
+    src = os.path.join(OUT, "adamw", "model")
+    model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    hp = dict(beta1=0.8, beta2=0.95, eps=1e-8, wd_matrix=0.1, wd_embedding=0.05, wd_norm=0.0, max_norm=0.5,
+              lrs=[1e-3, 3e-3, 2e-3, 5e-3, 1e-3])
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not n.endswith("norm.weight") and "embed_tokens" not in n],
+         "weight_decay": hp["wd_matrix"]},
+        {"params": [p for n, p in named if "embed_tokens" in n], "weight_decay": hp["wd_embedding"]},
+        {"params": [p for n, p in named if n.endswith("norm.weight")], "weight_decay": hp["wd_norm"]},
+    ]
+    opt = torch.optim.AdamW(groups, lr=hp["lrs"][0], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+    gen = torch.Generator().manual_seed(11)
+    t, losses, norms = {}, [], []
+    for k, lr in enumerate(hp["lrs"]):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
+        t[f"input_ids.{k}"] = ids.to(torch.int64).contiguous()
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hp["max_norm"])
+        assert norm > hp["max_norm"], "the fixture must exercise clipping"
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    t["loss"] = torch.tensor(losses, dtype=torch.float32)
+    t["grad_norm"] = torch.tensor(norms, dtype=torch.float32)
+    for n, p in model.named_parameters():
+        t["param." + n] = p.detach().float().contiguous()
+    d = os.path.join(OUT, "adamw_steps")
+    os.makedirs(d, exist_ok=True)
+    save_file(t, os.path.join(d, "golden.safetensors"))
+    json.dump(hp, open(os.path.join(d, "hparams.json"), "w"), indent=2)
+
+
+def rope_parity_case():
+    """Logits far from position 0, where float32 angles (transformers) and f64 angles (harpe) differ."""
+    model = LlamaForCausalLM.from_pretrained(os.path.join(OUT, "default", "model"), torch_dtype=torch.float32,
+                                             attn_implementation="eager")
+    model.eval()
+    start = 100000
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(start, start + 16)[None, :]
+    with torch.no_grad():
+        logits = model(ids, position_ids=pos).logits.float()
+    d = os.path.join(OUT, "rope_parity_hf")
+    os.makedirs(d, exist_ok=True)
+    save_file({"input_ids": ids.to(torch.int64).contiguous(), "logits": logits.contiguous(),
+               "start": torch.tensor([start], dtype=torch.int64)}, os.path.join(d, "golden.safetensors"))
+
+
+def ppl_disjoint_case():
+    """transformers' documented perplexity recipe ("Perplexity of fixed-length models") with stride =
+    max_length: disjoint windows; labels shift inside each window, so each window's first token is unscored."""
+    mdir = os.path.join(OUT, "default", "model")
+    model = LlamaForCausalLM.from_pretrained(mdir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    enc = torch.tensor([make_tokenizer().encode(open(os.path.join(OUT, "text.txt")).read()).ids])
+    max_length = stride = 12
+    seq_len = enc.size(1)
+    assert seq_len % stride not in (0, 1), "keep a tail window with targets"
+    nll_sum, n_tokens, windows, prev_end = 0.0, 0, 0, 0
+    position_nll = []  # per window, -log p of each target from its own logits (eval-loss cross-check)
+    for begin_loc in range(0, seq_len, stride):
+        end_loc = min(begin_loc + max_length, seq_len)
+        trg_len = end_loc - prev_end
+        input_ids = enc[:, begin_loc:end_loc]
+        target_ids = input_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        with torch.no_grad():
+            out = model(input_ids, labels=target_ids)
+            loss = out.loss
+        lp = torch.log_softmax(out.logits[0].double(), dim=-1)
+        position_nll.append([-lp[p - 1, input_ids[0, p]].item() for p in range(1, input_ids.size(1))])
+        num_loss_tokens = (target_ids != -100).sum().item() - target_ids.size(0)
+        nll_sum += loss.double().item() * num_loss_tokens
+        n_tokens += num_loss_tokens
+        windows += 1
+        prev_end = end_loc
+        if end_loc == seq_len:
+            break
+    json.dump({"nll": nll_sum / n_tokens, "tokens": n_tokens, "windows": windows, "window": max_length,
+               "stride": stride, "position_nll": position_nll},
+              open(os.path.join(OUT, "default", "ppl_disjoint.json"), "w"), indent=2)
+
+
+NEW_CASES = {"adamw_steps": adamw_steps_case, "rope_parity_hf": rope_parity_case, "ppl_disjoint": ppl_disjoint_case}
+
+
 def main():
+    only = sys.argv[2:]
+    if only:
+        for name in only:
+            NEW_CASES[name]()
+        print("wrote", ", ".join(only), "under", OUT)
+        return
     os.makedirs(OUT, exist_ok=True)
     make_tokenizer().save(os.path.join(OUT, "tokenizer.json"))
     with open(os.path.join(OUT, "text.txt"), "w") as f:
@@ -207,6 +315,8 @@ def main():
           "original_max_position_embeddings": 8}
     golden_case("longrope", base_config(rope_scaling=lr, max_position_embeddings=64), grads=False, rope_scaling_json=lr)
     adamw_case()
+    for f in NEW_CASES.values():
+        f()
     print("wrote", OUT)
 
 

@@ -529,7 +529,14 @@ impl RunConfig {
                     bail!("{what}: lr {lr} is not a non-negative number\nhint: e.g. lr = 2e-5");
                 }
             }
-            let tokens_per_micro = self.train.micro_batch_size * s.seq_len;
+            // Checked (issue 16: a huge or zero value must be an error, not an overflow or a division by 0).
+            let Some(tokens_per_micro) = self.train.micro_batch_size.checked_mul(s.seq_len).filter(|&t| t > 0) else {
+                bail!(
+                    "{what}: train.micro_batch_size x seq_len = {} x {} is zero or out of range\nhint: e.g. micro_batch_size = 1",
+                    self.train.micro_batch_size,
+                    s.seq_len
+                );
+            };
             if let Some(g) = self.train.global_batch_tokens {
                 if g == 0 || g % tokens_per_micro != 0 {
                     bail!(

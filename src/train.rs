@@ -343,6 +343,8 @@ struct Run {
     last_saved: Option<PathBuf>,
     /// set by SIGINT/SIGTERM: finish the step, checkpoint, exit 0
     stop: Arc<AtomicBool>,
+    /// the run directory's advisory lock (released when the run ends or the process dies)
+    _lock: crate::util::DirLock,
 }
 
 impl Run {
@@ -353,13 +355,15 @@ impl Run {
         let cfg = resolved.cfg;
         let comm = Comm::from_config(&cfg.dist, &origin)?;
         let mesh = comm.mesh();
+        let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
+        let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
+        // one writer per run directory, held until the run ends (issue 16)
+        let lock = crate::util::lock_dir(&run_dir, "harpe train")?;
         println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
         prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
         let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
         let stop = stop_flag()?;
-        let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
-        let dtype = cfg.train.dtype.dtype();
 
         let (base_cfg, init) = initial_model(&cfg, &origin)?;
         let tokenizer = tokenizer_path(&cfg, &run_dir)?;
@@ -396,6 +400,7 @@ impl Run {
             optim,
             state,
             stop,
+            _lock: lock,
         })
     }
 

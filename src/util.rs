@@ -1,4 +1,4 @@
-//! Small shared helpers: atomic file writes, sha256, human-readable sizes.
+//! Small shared helpers: atomic file writes, sha256, human-readable sizes, one-writer directory locks.
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::Path;
@@ -48,4 +48,85 @@ pub fn human_bytes(n: u64) -> String {
     } else {
         format!("{v:.2} {}", units[u])
     }
+}
+
+/// An exclusive advisory lock (`flock`) on `DIR/.lock`, held until dropped.
+///
+/// One writer per directory: `train` (run directory), `prepare-data --out`, `eval-niah --out` and
+/// sweeps hold one for their whole life. The kernel releases an `flock` when its holder exits, however
+/// it exits, so a lock left by a killed process never blocks; the file itself stays, holding the last
+/// holder's pid, host, command and start time for the message a second process prints.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl DirLock {
+    /// The lock file (`DIR/.lock`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else "unknown-host").
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "unknown-host".to_string())
+}
+
+/// Take the lock on `dir` (created if missing) for `command` (e.g. "harpe train"), or fail at once,
+/// naming the holder, when another process holds it.
+pub fn lock_dir(dir: &Path, command: &str) -> Result<DirLock> {
+    use std::fs::TryLockError;
+    use std::io::{Read, Seek};
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create {}\nhint: choose a writable directory", dir.display()))?;
+    let path = dir.join(".lock");
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).with_context(
+            || format!("cannot open lock file {}\nhint: check that {} is writable", path.display(), dir.display()),
+        )?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let field = |k: &str| {
+                holder
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                    .map(str::to_string)
+                    .unwrap_or_else(|| "?".into())
+            };
+            anyhow::bail!(
+                "{} is in use: `{}` (pid {} on host {}, started at unix time {}) holds {}\nhint: only one process may write a \
+                 directory at a time; wait for that process to finish or stop it (a killed process releases the \
+                 lock at once), or choose another directory",
+                dir.display(),
+                field("command"),
+                field("pid"),
+                field("host"),
+                field("started"),
+                path.display()
+            );
+        }
+        Err(TryLockError::Error(e)) => {
+            return Err(e).with_context(|| {
+                format!("cannot lock {}\nhint: the file system of {} must support flock", path.display(), dir.display())
+            })
+        }
+    }
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let info = format!("pid={}\nhost={}\ncommand={command}\nstarted={started}\n", std::process::id(), host_name());
+    file.set_len(0)
+        .and_then(|_| file.rewind())
+        .and_then(|_| file.write_all(info.as_bytes()))
+        .and_then(|_| file.sync_all())
+        .with_context(|| format!("cannot write {}\nhint: is the disk full?", path.display()))?;
+    Ok(DirLock { _file: file, path })
 }

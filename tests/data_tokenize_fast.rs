@@ -125,6 +125,12 @@ fn fast_encoder_is_not_used_when_a_token_spans_a_split() {
     for t in texts() {
         assert_eq!(enc.encode(&t).unwrap(), pipeline(&tok, &t), "{t:?}");
     }
+    // An independent value: "▁the▁the" must use the cross-boundary token "e▁t" the merges make
+    // (a word-split fast path could never produce it), and the pieces must concatenate to the normalized text.
+    let ids = enc.encode("the the").unwrap();
+    let et = tok.token_to_id("e\u{2581}t").expect("the merge's token is in the vocabulary");
+    assert!(ids.contains(&et), "{ids:?} lacks e▁t ({et})");
+    assert_eq!(tok.decode(&ids, false).unwrap(), "\u{2581}the\u{2581}the", "no decoder: the pieces concatenated");
     // the check is not vacuous: a forced split really differs on this tokenizer
     let split = {
         let mut x = tok.clone();

@@ -107,3 +107,37 @@ fn eval_ppl_matches_transformers_sliding_windows() {
         assert!((got.window_mean_nll - wm).abs() < 1e-4, "{case}: window mean {} vs {wm}", got.window_mean_nll);
     }
 }
+
+#[test]
+fn rope_parity_hf_reproduces_transformers_float32_angles() {
+    // transformers computes RoPE angles in float32; at position 100000 they are off by ~1e-2 rad, so
+    // only `--rope-parity hf` matches its logits tightly, and the f64 default measurably does not.
+    let fix =
+        candle_core::safetensors::load(golden("rope_parity_hf").join("golden.safetensors"), &Device::Cpu).unwrap();
+    let ids = fix["input_ids"].to_dtype(DType::U32).unwrap();
+    let start = fix["start"].to_vec1::<i64>().unwrap()[0] as usize;
+    let mut model = load_model_dir(&golden("default").join("model"), DType::F32, &Device::Cpu).unwrap();
+    let err =
+        |m: &harpe::model::Llama| rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"]);
+    model.parity = harpe::model::rope::RopeParity::Hf;
+    let hf = err(&model);
+    model.parity = harpe::model::rope::RopeParity::F64;
+    let f64_err = err(&model);
+    assert!(hf < 1e-5, "--rope-parity hf: logits rel err {hf} vs transformers");
+    assert!(f64_err > 20.0 * hf.max(1e-7), "f64 angles should differ from transformers' f32 ones: {f64_err} vs {hf}");
+}
+
+#[test]
+fn eval_ppl_disjoint_windows_match_transformers_recipe() {
+    // stride = window: transformers' documented recipe (labels shift inside each window).
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden("default").join("ppl_disjoint.json")).unwrap()).unwrap();
+    let text = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/text.txt");
+    let w = want["window"].as_u64().unwrap() as usize;
+    assert_eq!(w, want["stride"].as_u64().unwrap() as usize);
+    let got = harpe::eval::ppl::eval_file(&golden("default").join("model"), &text, w, w).unwrap();
+    let nll = want["nll"].as_f64().unwrap();
+    assert!((got.nll - nll).abs() < 1e-4, "nll {} vs transformers {nll}", got.nll);
+    assert_eq!(got.tokens as u64, want["tokens"].as_u64().unwrap());
+    assert_eq!(got.windows as u64, want["windows"].as_u64().unwrap());
+}

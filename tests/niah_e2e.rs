@@ -71,11 +71,30 @@ fn tiny_model_run_writes_all_outputs_and_resumes() {
     let cells = results["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 4);
     for c in cells {
+        let task = c["task"].as_str().unwrap();
+        let mut sum = 0.0;
         for s in c["samples"].as_array().unwrap() {
             assert_eq!(s["prompt_sha256"].as_str().unwrap().len(), 64);
             let score = s["score"].as_f64().unwrap();
-            assert!((0.0..=1.0).contains(&score));
+            let pred = s["pred"].as_str().unwrap().to_lowercase();
+            let outs: Vec<String> =
+                s["outputs"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_lowercase()).collect();
+            // Recomputed here: RULER's string_match_all; passkey: the first integer in the continuation.
+            let want = match task {
+                "passkey" => {
+                    let digits: String =
+                        pred.chars().skip_while(|c| !c.is_ascii_digit()).take_while(|c| c.is_ascii_digit()).collect();
+                    f64::from(u8::from(!digits.is_empty() && digits.parse::<u64>().ok() == outs[0].parse::<u64>().ok()))
+                }
+                "needle_grid" => score, // F's recall is checked against its formula in niah_scoring.rs
+                _ => outs.iter().filter(|o| pred.contains(o.as_str())).count() as f64 / outs.len() as f64,
+            };
+            assert_eq!(score, want, "{task}: pred {pred:?} outputs {outs:?}");
+            sum += score;
         }
+        // The cell score is RULER's round(100 * mean, 2).
+        let n = c["samples"].as_array().unwrap().len() as f64;
+        assert_eq!(c["score"].as_f64().unwrap(), (10000.0 * sum / n).round() / 100.0, "{task}");
     }
     assert!(stdout.contains("niah_single_1") && stdout.contains("passkey"), "{stdout}");
     let preds_before = std::fs::read_to_string(out.join("1536/pred/passkey.jsonl")).unwrap();

@@ -2,9 +2,7 @@
 //! (`tests/data/niah_golden.py`, CPython `random`, wonderwords 2.2.0), plus hand-checked structure
 //! of the essay tasks, the passkey prompt and the needle grid.
 use harpe::eval::needle_grid;
-use harpe::eval::niah::{
-    split_sentences, Essays, HaystackKind, NeedleType, NiahGenerator, NiahTask, TaskSpec, WordList, DEPTHS,
-};
+use harpe::eval::niah::{Essays, HaystackKind, NeedleType, NiahGenerator, NiahTask, TaskSpec, WordList, DEPTHS};
 use harpe::eval::passkey;
 use serde_json::Value;
 
@@ -124,23 +122,6 @@ fn essay_tasks_place_needles_at_sentence_depths() {
 fn essay_tasks_without_essays_are_an_error_with_a_hint() {
     let e = NiahGenerator::new(NiahTask::Single2, 42, None).err().unwrap().to_string();
     assert!(e.contains("niah_single_2") && e.contains("hint:") && e.contains("--essays"), "{e}");
-}
-
-#[test]
-fn sentence_splitter_round_trips_and_keeps_abbreviations() {
-    let t = "Dr. Smith went to Washington. He met Mr. J. Doe at 5 p.m. and left. Why? \"Because.\" It was e.g. fine!";
-    let s = split_sentences(t);
-    assert_eq!(
-        s,
-        vec![
-            "Dr. Smith went to Washington.",
-            "He met Mr. J. Doe at 5 p.m. and left.",
-            "Why?",
-            "\"Because.\"",
-            "It was e.g. fine!"
-        ]
-    );
-    assert_eq!(s.join(" "), t);
 }
 
 #[test]

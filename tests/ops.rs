@@ -159,7 +159,21 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     let y = attention(&q, &k, &k, 0.3, true).unwrap();
     assert_eq!(y.dtype(), DType::BF16);
     let (cos, sin) = tables(&[1e4], 8, 5, 0);
-    assert_eq!(rope(&q, &cos, &sin).unwrap().dtype(), DType::BF16);
+    let r = rope(&q, &cos, &sin).unwrap();
+    assert_eq!(r.dtype(), DType::BF16);
+    // Values: against the f32 reference on the same (bf16-rounded) inputs, the fused ops must be within
+    // 2x the error of a naive bf16 computation (STYLE: the ggml / flash-attention criterion), and no worse
+    // than one bf16 rounding of the output.
+    let (q32, k32) = (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap());
+    let want = attention_slow(&q32, &k32, &k32, 0.3, true).unwrap();
+    let naive = attention_slow(&q, &k, &k, 0.3, true).unwrap();
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let (e_fused, e_naive) = (max_abs_diff(&f32_of(&y), &want), max_abs_diff(&f32_of(&naive), &want));
+    assert!(e_fused <= 2.0 * e_naive + 1e-6, "attention bf16 error {e_fused} vs naive bf16 {e_naive}");
+    assert!(e_fused <= 8e-3, "attention bf16 error {e_fused} is more than an output rounding");
+    let want = rope_slow(&q32, &cos, &sin).unwrap();
+    let e = max_abs_diff(&f32_of(&r), &want);
+    assert!(e <= 2e-2 && e > 0.0, "rope bf16 error {e} (one bf16 rounding of values up to ~4)");
 }
 
 /// Forward and backward of the three attention implementations on one case: the CPU op (with its

@@ -157,8 +157,10 @@ impl Loader {
             })?;
             // SAFETY: shards are written once (renamed into place) and never modified afterwards.
             let tokens = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
-            let want = info.sequences * manifest.seq_len as u64 * 4;
-            if tokens.len() as u64 != want {
+            // Checked: the manifest is user input (a corrupt count must be an error, not an overflow).
+            let want = info.sequences.checked_mul(manifest.seq_len as u64).and_then(|t| t.checked_mul(4));
+            if want != Some(tokens.len() as u64) {
+                let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
                 bail!(
                     "{}: {} bytes, the manifest says {} sequences x {} tokens x 4 = {want}\nhint: the shard is truncated or \
                      from another preparation; re-run prepare-data",

@@ -310,6 +310,7 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
 /// `harpe prepare-data`.
 pub fn run(args: PrepareDataArgs) -> Result<()> {
     let (inputs, tokenizer, out, opts) = resolve(args)?;
+    let _lock = crate::util::lock_dir(&out, "harpe prepare-data")?; // issue 16: one writer per --out directory
     let files = expand_inputs(&inputs)?;
     let m = prepare(files, &tokenizer, &opts, &out)?;
     if !opts.quiet {

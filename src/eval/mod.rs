@@ -8,4 +8,5 @@ pub mod niah_io;
 pub mod niah_run;
 pub mod passkey;
 pub mod ppl;
+pub mod punkt;
 pub mod pyrandom;

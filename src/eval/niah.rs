@@ -3,17 +3,19 @@
 //! Reference: NVIDIA/RULER `scripts/data/synthetic/niah.py`, `constants.py`, `synthetic.yaml`,
 //! `eval/evaluate.py` (commit dd4c2ad, byte-identical to the first public NIAH code); spec
 //! `evaluation.md` §1. Sample generation consumes a CPython-compatible MT19937 in RULER's call order,
-//! so the noise and needle tasks (single_1, multikey_2, multikey_3) are bit-exact given the same token
-//! counts.
+//! so all eight tasks are bit-exact given the same token counts (and, for the essay tasks, the same
+//! essay text).
 //!
 //! The non-obvious decisions: the 6.2M-word key list `sorted(set(adj-noun))` is never materialised,
 //! an index is mapped to its word through blocks of adjectives (only the few adjectives that are
-//! prefixes of others need an explicit sorted block); essays are split into sentences by a small
-//! rule-based splitter, not NLTK Punkt (a documented deviation: needle positions in the essay tasks
-//! move by a sentence here and there); an essay haystack too short for a length is an error instead
+//! prefixes of others need an explicit sorted block); essays are split into sentences by a port of
+//! NLTK's Punkt with its English model (`punkt.rs`), as RULER's `sent_tokenize`, and needle positions
+//! use RULER's float arithmetic `int(len(sents) * (depth / 100))`, so the essay tasks are bit-exact too
+//! (`tests/data/niah_essay_golden.json`); an essay haystack too short for a length is an error instead
 //! of RULER's silent cap (R-Dec24) or tiling (R-HEAD).
 //! Not here: running the model (see `niah_run.rs`), the needle grid (`needle_grid.rs`), passkey (`passkey.rs`).
 
+use crate::eval::punkt::Punkt;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -377,49 +379,6 @@ impl Essays {
     }
 }
 
-/// Abbreviations after which a period does not end a sentence (a small stand-in for Punkt's list).
-const ABBREVIATIONS: &[&str] = &[
-    "mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "inc", "ltd", "co", "corp", "no",
-    "vol", "fig", "u.s", "a.m", "p.m", "approx", "cf", "al", "gen", "gov", "sen", "rep", "jan", "feb", "mar", "apr",
-    "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
-];
-
-/// Split space-normalised text into sentences: after `.`, `!` or `?` (and closing quotes/brackets),
-/// when the next word does not start lowercase and the word is no abbreviation or initial.
-/// Joining the result with single spaces gives the input back.
-pub fn split_sentences(text: &str) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    let bytes = text.as_bytes();
-    let mut i = 0;
-    while let Some(rel) = text[i..].find(' ') {
-        let sp = i + rel;
-        let word_start = text[..sp].rfind(' ').map_or(0, |p| p + 1);
-        let word = &text[word_start..sp];
-        let next = text[sp + 1..].chars().next();
-        let core = word.trim_end_matches(['"', '\'', ')', ']', '\u{201d}', '\u{2019}']);
-        let ends = core.ends_with(['.', '!', '?']);
-        let stem = core.trim_end_matches(['.', '!', '?']).trim_start_matches(['"', '\'', '(', '[', '\u{201c}']);
-        let abbrev = core.ends_with('.')
-            && !core.ends_with("..")
-            && (ABBREVIATIONS.contains(&stem.to_lowercase().as_str())
-                || (stem.chars().count() == 1 && stem.chars().all(char::is_alphabetic)));
-        let next_ok = next.is_some_and(|c| !c.is_lowercase());
-        if ends && !abbrev && next_ok && sp > start {
-            out.push(&text[start..sp]);
-            start = sp + 1;
-        }
-        i = sp + 1;
-        if i >= bytes.len() {
-            break;
-        }
-    }
-    if start < text.len() {
-        out.push(&text[start..]);
-    }
-    out
-}
-
 // ------------------------------------------------------------------------------------------------
 // Sample generation (`generate_input_output`)
 
@@ -506,9 +465,11 @@ impl<'a> NiahGenerator<'a> {
             HaystackKind::Essay => {
                 let words = self.essays.map_or(&[][..], |e| &e.words[..]);
                 let text = words[..num_haystack.min(words.len())].join(" ");
-                let sents = split_sentences(text.trim_matches(' '));
+                let sents = Punkt::english().tokenize(text.trim_matches(' '));
                 let ds = self.rng.sample(&DEPTHS, needles.len());
-                let mut pos: Vec<usize> = ds.iter().map(|&d| (sents.len() as u64 * d as u64 / 100) as usize).collect();
+                // RULER: int(len(sents) * (depth / 100)), in f64 (29% of 100 sentences is 28 there).
+                let mut pos: Vec<usize> =
+                    ds.iter().map(|&d| (sents.len() as f64 * (f64::from(d) / 100.0)) as usize).collect();
                 pos.sort_unstable();
                 let mut sorted_ds = ds.clone();
                 sorted_ds.sort_unstable();

@@ -685,6 +685,11 @@ fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: 
 
 /// `harpe eval-niah`.
 pub fn run(args: EvalNiahArgs) -> Result<()> {
+    // One writer per output directory (--out, else the --ruler-data root the predictions go to).
+    let _lock = match args.out.as_ref().or(args.ruler_data.as_ref()) {
+        Some(dir) => Some(crate::util::lock_dir(dir, "harpe eval-niah")?),
+        None => None,
+    };
     let tok_path = match (&args.tokenizer, &args.model) {
         (Some(t), _) => t.clone(),
         (None, Some(m)) => m.clone(),

@@ -2,11 +2,13 @@
 //!
 //! Reference: Press et al. sliding windows; YaRN `eval/perplexity.py` (spec `evaluation.md` §3).
 //! The rule, pinned: with N tokens, window k spans [kS, min(kS + W, N)) and scores the targets t with
-//! max(end of window k-1, 1) <= t < end of window k, each from the context inside its window; stop after
-//! the window that reaches N. So x_1..x_{N-1} are each scored exactly once (this needs S < W).
+//! max(end of window k-1, kS + 1) <= t < end of window k, each from the context inside its window; stop
+//! after the window that reaches N. With S < W, x_1..x_{N-1} are each scored exactly once; S == W gives
+//! disjoint windows whose first tokens are unscored (transformers' recipe); S > W is refused (see `windows`).
 //! The NLL is `loss::chunked_nll` (the training loss's rule): f32 logits on chunks of `--loss-chunk`
 //! positions (never (T x V) logits at once), log-sum-exp and sums in f64, only the NLLs leave the
-//! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here: YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+//! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here:
+//! YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
 use crate::device::{ComputeDtype, DeviceSpec};
 use crate::model::attention::AttentionImpl;
 use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
@@ -78,7 +80,9 @@ pub struct EvalPplArgs {
     /// window length W in tokens (the model's context for each forward pass)
     #[arg(long, default_value_t = 4096)]
     pub window: usize,
-    /// stride S between window starts; each window scores only tokens not scored before (S < W)
+    /// stride S between window starts; each window scores only tokens not scored before. S < W: every
+    /// token after the first is scored once; S = W: disjoint windows, each window's first token unscored;
+    /// S > W is refused unless the document fits in one window
     #[arg(long, default_value_t = 256)]
     pub stride: usize,
     /// cut each document to its first N tokens (after tokenization, BOS included)
@@ -116,23 +120,44 @@ pub struct WindowSums {
 }
 
 /// The windows of the pinned rule: (begin, end, first scored target).
+///
+/// Window k spans [kS, min(kS + W, N)) and scores the targets t with
+/// max(end of window k-1, kS + 1) <= t < end of window k. With S < W that is every target not scored
+/// before; with S == W the windows are disjoint and each one's first token is context only (it has
+/// nothing before it in its window), as in transformers' perplexity recipe with stride = max_length.
+/// A document that fits in the first window (N <= W) is one window whatever S is; S > W is refused
+/// only when a second window is needed (the tokens between windows would go unscored). A window
+/// left with no target (the 1-token tail of S == W) is dropped.
 pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usize, usize)>> {
     if window < 2 {
         bail!("--window {window} is too small\nhint: a window needs at least 2 tokens");
     }
-    if stride == 0 || stride >= window {
-        bail!("--stride {stride} must be in 1..{window} (below the window)\nhint: with S >= W some tokens would have no context in their window");
+    if stride == 0 {
+        bail!("--stride 0 never advances\nhint: pass --stride between 1 and --window ({window})");
+    }
+    if n < 2 {
+        return Ok(vec![]);
+    }
+    if n <= window {
+        return Ok(vec![(0, n, 1)]);
+    }
+    if stride > window {
+        bail!(
+            "--stride {stride} is larger than --window {window}: a document of {n} tokens needs several windows and the \
+             tokens between them would go unscored\nhint: pass --stride <= --window (--stride {window} scores disjoint \
+             windows)"
+        );
     }
     let mut out = vec![];
-    if n < 2 {
-        return Ok(out);
-    }
     let mut prev_end = 0;
     let mut k = 0;
     loop {
         let begin = k * stride;
         let end = (begin + window).min(n);
-        out.push((begin, end, prev_end.max(1)));
+        let lo = prev_end.max(begin + 1);
+        if lo < end {
+            out.push((begin, end, lo));
+        }
         prev_end = end;
         if end == n {
             return Ok(out);
