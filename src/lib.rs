@@ -24,3 +24,5 @@ pub mod train;
 pub mod eval;
 pub mod demo;
 pub mod util;
+#[doc(hidden)]
+pub mod kernels_emu;
