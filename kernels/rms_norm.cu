@@ -12,7 +12,8 @@
 // warp partials). dw: each block of the backward owns one row of `dw_partial` (gridDim x C, f32) and adds
 // the rows it processed into it (each column belongs to one thread: no atomics); `rms_norm_dw_*` then sums
 // the gridDim partial rows per column in a fixed order, so dw is deterministic.
-// Saved tensors: x (the op's input) and rstd (N) f32.
+// Saved tensors: x (the op's input); rstd (N) f32 when the caller keeps it, else (rstd == nullptr) the
+// backward recomputes it from x with the forward's exact expression (one more read of the row).
 // Does not: fuse the residual add (llm.c's fused_residual_forward) or keep the row in shared memory
 // between the two passes (it is read twice; L2 serves the second read at C <= 8192).
 #include "common.cuh"
@@ -42,13 +43,23 @@ __device__ void rms_norm_fwd_impl(const T* __restrict__ x, const T* __restrict__
 template <class T>
 __device__ void rms_norm_bwd_impl(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                   const float* __restrict__ rstd, T* __restrict__ dx,
-                                  float* __restrict__ dw_partial, unsigned n, unsigned c) {
+                                  float* __restrict__ dw_partial, unsigned n, unsigned c, float eps) {
   __shared__ float scratch[32];
   float* part = dw_partial + (size_t)blockIdx.x * c;
   for (unsigned j = threadIdx.x; j < c; j += blockDim.x) part[j] = 0.0f;
   for (unsigned row = blockIdx.x; row < n; row += gridDim.x) {
     const size_t off = (size_t)row * c;
-    const float r = rstd[row];
+    float r;
+    if (rstd != nullptr) {  // uniform over the block: the barriers in block_sum are reached by all
+      r = rstd[row];
+    } else {
+      float ss = 0.0f;
+      for (unsigned j = threadIdx.x; j < c; j += blockDim.x) {
+        const float v = load_f32(x[off + j]);
+        ss += v * v;
+      }
+      r = 1.0f / sqrtf(block_sum(ss, scratch) / (float)c + eps);
+    }
     float dot = 0.0f;
     for (unsigned j = threadIdx.x; j < c; j += blockDim.x) {
       const float g = load_f32(dy[off + j]) * load_f32(w[j]);
@@ -77,8 +88,8 @@ __device__ void rms_norm_dw_impl(const float* __restrict__ dw_partial, T* __rest
 #define RMS_FWD_PARAMS(T) (const T* x, const T* w, T* y, float* rstd, unsigned n, unsigned c, float eps)
 #define RMS_FWD_ARGS (x, w, y, rstd, n, c, eps)
 #define RMS_BWD_PARAMS(T) \
-  (const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw_partial, unsigned n, unsigned c)
-#define RMS_BWD_ARGS (dy, x, w, rstd, dx, dw_partial, n, c)
+  (const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw_partial, unsigned n, unsigned c, float eps)
+#define RMS_BWD_ARGS (dy, x, w, rstd, dx, dw_partial, n, c, eps)
 #define RMS_DW_PARAMS(T) (const float* dw_partial, T* dw, unsigned parts, unsigned c)
 #define RMS_DW_ARGS (dw_partial, dw, parts, c)
 #define RMS_KERNELS(sfx, T)                                                                             \

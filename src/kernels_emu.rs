@@ -32,7 +32,7 @@ mod ffi {
             pub fn $fwd(gx: u32, bx: u32, smem: usize, x: *const $t, w: *const $t, y: *mut $t, rstd: *mut f32,
                         n: u32, c: u32, eps: f32);
             pub fn $bwd(gx: u32, bx: u32, smem: usize, dy: *const $t, x: *const $t, w: *const $t,
-                        rstd: *const f32, dx: *mut $t, dw_partial: *mut f32, n: u32, c: u32);
+                        rstd: *const f32, dx: *mut $t, dw_partial: *mut f32, n: u32, c: u32, eps: f32);
             pub fn $dw(gx: u32, bx: u32, smem: usize, dw_partial: *const f32, dw: *mut $t, parts: u32, c: u32);
         };
     }
@@ -73,7 +73,7 @@ pub trait EmuFloat: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     #[doc(hidden)]
     const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32);
     #[doc(hidden)]
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32);
+    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32);
     #[doc(hidden)]
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32);
     #[doc(hidden)]
@@ -91,7 +91,7 @@ impl EmuFloat for f32 {
     }
     const ROPE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const f32, *const f32, *mut Self, u32, u32, u32, u32, u32, f32) = ffi::emu_rope_f32;
     const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_fwd_f32;
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32) = ffi::emu_rms_norm_bwd_f32;
+    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_bwd_f32;
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_f32;
     const CE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const u32, *const f32, *mut f32, *mut f32, *mut Self, u32, u32) = ffi::emu_cross_entropy_f32;
     const ADAMW: unsafe extern "C" fn(u32, u32, usize, *mut f32, *mut f32, *mut f32, *const f32, *mut Self, u64, f32, f32, f32, f32, f32, f32, f32, f32) = ffi::emu_adamw_f32;
@@ -106,7 +106,7 @@ impl EmuFloat for bf16 {
     }
     const ROPE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const f32, *const f32, *mut Self, u32, u32, u32, u32, u32, f32) = ffi::emu_rope_bf16;
     const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_fwd_bf16;
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32) = ffi::emu_rms_norm_bwd_bf16;
+    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_bwd_bf16;
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_bf16;
     const CE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const u32, *const f32, *mut f32, *mut f32, *mut Self, u32, u32) = ffi::emu_cross_entropy_bf16;
     const ADAMW: unsafe extern "C" fn(u32, u32, usize, *mut f32, *mut f32, *mut f32, *const f32, *mut Self, u64, f32, f32, f32, f32, f32, f32, f32, f32) = ffi::emu_adamw_bf16;
@@ -166,27 +166,33 @@ pub fn rms_norm_fwd<T: EmuFloat>(x: &[T], w: &[T], (n, c): (usize, usize), eps: 
     Ok((y, rstd))
 }
 
-/// RMSNorm backward: (dx (N, C), dw (C)) from dy, x, w and the forward's rstd.
+/// RMSNorm backward: (dx (N, C), dw (C)) from dy, x, w and the forward's rstd (recomputed from x with
+/// `eps` when `None`).
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_bwd<T: EmuFloat>(
     dy: &[T],
     x: &[T],
     w: &[T],
-    rstd: &[f32],
+    rstd: Option<&[f32]>,
     (n, c): (usize, usize),
+    eps: f32,
     dims: Dims,
 ) -> Result<(Vec<T>, Vec<T>)> {
     check_dims(dims)?;
     check_len("dy", dy.len(), n * c)?;
     check_len("x", x.len(), n * c)?;
     check_len("w", w.len(), c)?;
-    check_len("rstd", rstd.len(), n)?;
+    if let Some(r) = rstd {
+        check_len("rstd", r.len(), n)?;
+    }
+    let rstd_ptr = rstd.map_or(std::ptr::null(), |r| r.as_ptr());
     let mut dx = vec![T::default(); n * c];
     let mut partial = vec![0f32; dims.grid as usize * c];
     let mut dw = vec![T::default(); c];
     let (n32, c32) = (u32_of("N", n)?, u32_of("C", c)?);
     // SAFETY: lengths checked above; `partial` has grid rows of C as the kernel indexes it.
     unsafe {
-        T::RMS_BWD(dims.grid, dims.block, 0, dy.as_ptr(), x.as_ptr(), w.as_ptr(), rstd.as_ptr(), dx.as_mut_ptr(), partial.as_mut_ptr(), n32, c32);
+        T::RMS_BWD(dims.grid, dims.block, 0, dy.as_ptr(), x.as_ptr(), w.as_ptr(), rstd_ptr, dx.as_mut_ptr(), partial.as_mut_ptr(), n32, c32, eps);
         T::RMS_DW(c32.div_ceil(dims.block).max(1), dims.block, 0, partial.as_ptr(), dw.as_mut_ptr(), dims.grid, c32);
     }
     Ok((dx, dw))

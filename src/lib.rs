@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod train;
 pub mod eval;
 pub mod demo;
+pub mod selftest;
 pub mod util;
 #[doc(hidden)]
 pub mod kernels_emu;

@@ -32,6 +32,8 @@ enum Cmd {
     Inspect(harpe::model::inspect::InspectArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
+    /// Every harpe kernel against its CPU reference (fwd+bwd, f32/bf16, ragged sizes); exit 1 on FAIL
+    Selftest(harpe::selftest::SelftestArgs),
 }
 
 fn main() {
@@ -46,6 +48,7 @@ fn main() {
         Cmd::SearchBases(a) => harpe::model::base_search::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
+        Cmd::Selftest(a) => harpe::selftest::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
