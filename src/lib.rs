@@ -24,6 +24,7 @@ pub mod train;
 pub mod eval;
 pub mod demo;
 pub mod selftest;
+pub mod bench;
 pub mod util;
 #[doc(hidden)]
 pub mod kernels_emu;

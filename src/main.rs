@@ -34,6 +34,8 @@ enum Cmd {
     Demo(harpe::demo::DemoArgs),
     /// Every harpe kernel against its CPU reference (fwd+bwd, f32/bf16, ragged sizes); exit 1 on FAIL
     Selftest(harpe::selftest::SelftestArgs),
+    /// Time each harpe kernel on the GPU: GB/s, percent of copy bandwidth, and PyTorch side by side
+    Bench(harpe::bench::BenchArgs),
 }
 
 fn main() {
@@ -49,6 +51,7 @@ fn main() {
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::Selftest(a) => harpe::selftest::run(a),
+        Cmd::Bench(a) => harpe::bench::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
