@@ -48,13 +48,19 @@ impl Row {
 /// Print rows as a table (torch columns when measured).
 pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
     println!("harpe bench — {device}; device copy bandwidth {copy_gbps:.0} GB/s (the 100% line)");
-    println!("{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}", "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch");
+    println!(
+        "{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}",
+        "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch"
+    );
     for r in rows {
         let (t, x) = match r.torch_ms {
             Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
             None => ("-".into(), "-".into()),
         };
-        println!("{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}", r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x);
+        println!(
+            "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}",
+            r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x
+        );
     }
 }
 
@@ -93,7 +99,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
 
 /// PyTorch's times for the same shapes, from scripts/bench_kernels_torch.py (None when torch is absent).
 pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
-    let ok = std::process::Command::new("python3").args(["-c", "import torch; assert torch.cuda.is_available()"]).output().ok()?;
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .output()
+        .ok()?;
     if !ok.status.success() {
         return None;
     }
@@ -183,7 +192,13 @@ mod gpu {
             let y = crate::ops::rms_norm::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5)?;
             Ok(y.sum_all()?.backward().map(|_| ())?)
         })?;
-        rows.push(Row::new("rms_norm fwd+bwd bf16", &format!("({t},{c}) + sum"), ms, (5 * 2 * t * c) as u64, copy_gbps));
+        rows.push(Row::new(
+            "rms_norm fwd+bwd bf16",
+            &format!("({t},{c}) + sum"),
+            ms,
+            (5 * 2 * t * c) as u64,
+            copy_gbps,
+        ));
         // cross-entropy on one chunk of logits (rows x 32000)
         let (rows_ce, v) = (t.min(4096), 32000usize);
         let logits = Tensor::randn(0f32, 2.0, (rows_ce, v), &dev)?.to_dtype(bf)?;
@@ -193,7 +208,13 @@ mod gpu {
         let ms = time(&dev, iters, || Ok(ce_chunk_nll(&logits, &targets).map(|_| ())?))?;
         rows.push(Row::new("ce nll bf16", &format!("({rows_ce},{v})"), ms, (2 * rows_ce * v) as u64, copy_gbps));
         let ms = time(&dev, iters, || Ok(ce_chunk_dlogits(&logits, &targets, &g).map(|_| ())?))?;
-        rows.push(Row::new("ce dlogits bf16", &format!("({rows_ce},{v})"), ms, (2 * 2 * rows_ce * v) as u64, copy_gbps));
+        rows.push(Row::new(
+            "ce dlogits bf16",
+            &format!("({rows_ce},{v})"),
+            ms,
+            (2 * 2 * rows_ce * v) as u64,
+            copy_gbps,
+        ));
         // AdamW over 64M parameters writing bf16 weights; the grad norm
         let n = 64usize << 20;
         let mut master = cd.alloc_zeros::<f32>(n)?;
@@ -201,7 +222,8 @@ mod gpu {
         let mut vv = cd.alloc_zeros::<f32>(n)?;
         let grad = cd.alloc_zeros::<f32>(n)?;
         let mut out = cd.alloc_zeros::<half::bf16>(n)?;
-        let step = AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.3, grad_scale: 1.0 };
+        let step =
+            AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.3, grad_scale: 1.0 };
         let seg = [(0..n, 0.1f32)];
         let ms = time(&dev, iters, || {
             Ok(adamw_step(&cd, &mut master, &mut m, &mut vv, &grad, ComputeOut::Bf16(&mut out), &seg, step)?)

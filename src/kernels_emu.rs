@@ -22,31 +22,91 @@ mod ffi {
     macro_rules! rope_decl {
         ($name:ident, $t:ty) => {
             pub fn $name(
-                gx: u32, bx: u32, smem: usize, x: *const $t, cos: *const f32, sin: *const f32, y: *mut $t,
-                rows: u32, h: u32, t: u32, half: u32, htab: u32, sin_sign: f32,
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                x: *const $t,
+                cos: *const f32,
+                sin: *const f32,
+                y: *mut $t,
+                rows: u32,
+                h: u32,
+                t: u32,
+                half: u32,
+                htab: u32,
+                sin_sign: f32,
             );
         };
     }
     macro_rules! rms_decl {
         ($fwd:ident, $bwd:ident, $dw:ident, $t:ty) => {
-            pub fn $fwd(gx: u32, bx: u32, smem: usize, x: *const $t, w: *const $t, y: *mut $t, rstd: *mut f32,
-                        n: u32, c: u32, eps: f32);
-            pub fn $bwd(gx: u32, bx: u32, smem: usize, dy: *const $t, x: *const $t, w: *const $t,
-                        rstd: *const f32, dx: *mut $t, dw_partial: *mut f32, n: u32, c: u32, eps: f32);
+            pub fn $fwd(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                x: *const $t,
+                w: *const $t,
+                y: *mut $t,
+                rstd: *mut f32,
+                n: u32,
+                c: u32,
+                eps: f32,
+            );
+            pub fn $bwd(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                dy: *const $t,
+                x: *const $t,
+                w: *const $t,
+                rstd: *const f32,
+                dx: *mut $t,
+                dw_partial: *mut f32,
+                n: u32,
+                c: u32,
+                eps: f32,
+            );
             pub fn $dw(gx: u32, bx: u32, smem: usize, dw_partial: *const f32, dw: *mut $t, parts: u32, c: u32);
         };
     }
     macro_rules! ce_decl {
         ($name:ident, $t:ty) => {
-            pub fn $name(gx: u32, bx: u32, smem: usize, logits: *const $t, targets: *const u32,
-                         gout: *const f32, nll: *mut f32, lse: *mut f32, dlogits: *mut $t, n: u32, v: u32);
+            pub fn $name(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                logits: *const $t,
+                targets: *const u32,
+                gout: *const f32,
+                nll: *mut f32,
+                lse: *mut f32,
+                dlogits: *mut $t,
+                n: u32,
+                v: u32,
+            );
         };
     }
     macro_rules! adamw_decl {
         ($name:ident, $t:ty) => {
-            pub fn $name(gx: u32, bx: u32, smem: usize, master: *mut f32, m: *mut f32, v: *mut f32,
-                         grad: *const f32, out: *mut $t, n: u64, lr: f32, beta1: f32, beta2: f32, eps: f32,
-                         wd: f32, step_size: f32, bc2_sqrt: f32, grad_scale: f32);
+            pub fn $name(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                master: *mut f32,
+                m: *mut f32,
+                v: *mut f32,
+                grad: *const f32,
+                out: *mut $t,
+                n: u64,
+                lr: f32,
+                beta1: f32,
+                beta2: f32,
+                eps: f32,
+                wd: f32,
+                step_size: f32,
+                bc2_sqrt: f32,
+                grad_scale: f32,
+            );
         };
     }
     #[link(name = "harpe_kernels_emu", kind = "static")]
@@ -69,17 +129,74 @@ pub trait EmuFloat: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
     #[doc(hidden)]
-    const ROPE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const f32, *const f32, *mut Self, u32, u32, u32, u32, u32, f32);
+    const ROPE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const f32,
+        *const f32,
+        *mut Self,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        f32,
+    );
     #[doc(hidden)]
     const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32);
     #[doc(hidden)]
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32);
+    const RMS_BWD: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const Self,
+        *const Self,
+        *const f32,
+        *mut Self,
+        *mut f32,
+        u32,
+        u32,
+        f32,
+    );
     #[doc(hidden)]
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32);
     #[doc(hidden)]
-    const CE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const u32, *const f32, *mut f32, *mut f32, *mut Self, u32, u32);
+    const CE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const u32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut Self,
+        u32,
+        u32,
+    );
     #[doc(hidden)]
-    const ADAMW: unsafe extern "C" fn(u32, u32, usize, *mut f32, *mut f32, *mut f32, *const f32, *mut Self, u64, f32, f32, f32, f32, f32, f32, f32, f32);
+    const ADAMW: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        *mut Self,
+        u64,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+    );
 }
 
 impl EmuFloat for f32 {
@@ -89,12 +206,70 @@ impl EmuFloat for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
-    const ROPE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const f32, *const f32, *mut Self, u32, u32, u32, u32, u32, f32) = ffi::emu_rope_f32;
-    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_fwd_f32;
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_bwd_f32;
+    const ROPE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const f32,
+        *const f32,
+        *mut Self,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        f32,
+    ) = ffi::emu_rope_f32;
+    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) =
+        ffi::emu_rms_norm_fwd_f32;
+    const RMS_BWD: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const Self,
+        *const Self,
+        *const f32,
+        *mut Self,
+        *mut f32,
+        u32,
+        u32,
+        f32,
+    ) = ffi::emu_rms_norm_bwd_f32;
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_f32;
-    const CE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const u32, *const f32, *mut f32, *mut f32, *mut Self, u32, u32) = ffi::emu_cross_entropy_f32;
-    const ADAMW: unsafe extern "C" fn(u32, u32, usize, *mut f32, *mut f32, *mut f32, *const f32, *mut Self, u64, f32, f32, f32, f32, f32, f32, f32, f32) = ffi::emu_adamw_f32;
+    const CE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const u32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut Self,
+        u32,
+        u32,
+    ) = ffi::emu_cross_entropy_f32;
+    const ADAMW: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        *mut Self,
+        u64,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+    ) = ffi::emu_adamw_f32;
 }
 
 impl EmuFloat for bf16 {
@@ -104,12 +279,70 @@ impl EmuFloat for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
-    const ROPE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const f32, *const f32, *mut Self, u32, u32, u32, u32, u32, f32) = ffi::emu_rope_bf16;
-    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_fwd_bf16;
-    const RMS_BWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *const Self, *const f32, *mut Self, *mut f32, u32, u32, f32) = ffi::emu_rms_norm_bwd_bf16;
+    const ROPE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const f32,
+        *const f32,
+        *mut Self,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        f32,
+    ) = ffi::emu_rope_bf16;
+    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) =
+        ffi::emu_rms_norm_fwd_bf16;
+    const RMS_BWD: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const Self,
+        *const Self,
+        *const f32,
+        *mut Self,
+        *mut f32,
+        u32,
+        u32,
+        f32,
+    ) = ffi::emu_rms_norm_bwd_bf16;
     const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_bf16;
-    const CE: unsafe extern "C" fn(u32, u32, usize, *const Self, *const u32, *const f32, *mut f32, *mut f32, *mut Self, u32, u32) = ffi::emu_cross_entropy_bf16;
-    const ADAMW: unsafe extern "C" fn(u32, u32, usize, *mut f32, *mut f32, *mut f32, *const f32, *mut Self, u64, f32, f32, f32, f32, f32, f32, f32, f32) = ffi::emu_adamw_bf16;
+    const CE: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *const Self,
+        *const u32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut Self,
+        u32,
+        u32,
+    ) = ffi::emu_cross_entropy_bf16;
+    const ADAMW: unsafe extern "C" fn(
+        u32,
+        u32,
+        usize,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        *mut Self,
+        u64,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+        f32,
+    ) = ffi::emu_adamw_bf16;
 }
 
 fn check_dims(d: Dims) -> Result<()> {
@@ -148,21 +381,57 @@ pub fn rope<T: EmuFloat>(
     check_len("cos", cos.len(), htab * t * d / 2)?;
     check_len("sin", sin.len(), htab * t * d / 2)?;
     let mut y = vec![T::default(); x.len()];
-    let (rows, h32, t32, half, htab32) = (u32_of("B*H*T", b * h * t)?, u32_of("H", h)?, u32_of("T", t)?, u32_of("D/2", d / 2)?, u32_of("Htab", htab)?);
+    let (rows, h32, t32, half, htab32) =
+        (u32_of("B*H*T", b * h * t)?, u32_of("H", h)?, u32_of("T", t)?, u32_of("D/2", d / 2)?, u32_of("Htab", htab)?);
     // SAFETY: every pointer covers the element counts checked above; the call returns after the launch.
-    unsafe { T::ROPE(dims.grid, dims.block, 0, x.as_ptr(), cos.as_ptr(), sin.as_ptr(), y.as_mut_ptr(), rows, h32, t32, half, htab32, sin_sign) };
+    unsafe {
+        T::ROPE(
+            dims.grid,
+            dims.block,
+            0,
+            x.as_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            y.as_mut_ptr(),
+            rows,
+            h32,
+            t32,
+            half,
+            htab32,
+            sin_sign,
+        )
+    };
     Ok(y)
 }
 
 /// RMSNorm forward (kernels/rms_norm.cu): x (N, C), w (C) -> (y (N, C), rstd (N)).
-pub fn rms_norm_fwd<T: EmuFloat>(x: &[T], w: &[T], (n, c): (usize, usize), eps: f32, dims: Dims) -> Result<(Vec<T>, Vec<f32>)> {
+pub fn rms_norm_fwd<T: EmuFloat>(
+    x: &[T],
+    w: &[T],
+    (n, c): (usize, usize),
+    eps: f32,
+    dims: Dims,
+) -> Result<(Vec<T>, Vec<f32>)> {
     check_dims(dims)?;
     check_len("x", x.len(), n * c)?;
     check_len("w", w.len(), c)?;
     let mut y = vec![T::default(); n * c];
     let mut rstd = vec![0f32; n];
     // SAFETY: lengths checked above.
-    unsafe { T::RMS_FWD(dims.grid, dims.block, 0, x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), rstd.as_mut_ptr(), u32_of("N", n)?, u32_of("C", c)?, eps) };
+    unsafe {
+        T::RMS_FWD(
+            dims.grid,
+            dims.block,
+            0,
+            x.as_ptr(),
+            w.as_ptr(),
+            y.as_mut_ptr(),
+            rstd.as_mut_ptr(),
+            u32_of("N", n)?,
+            u32_of("C", c)?,
+            eps,
+        )
+    };
     Ok((y, rstd))
 }
 
@@ -192,7 +461,20 @@ pub fn rms_norm_bwd<T: EmuFloat>(
     let (n32, c32) = (u32_of("N", n)?, u32_of("C", c)?);
     // SAFETY: lengths checked above; `partial` has grid rows of C as the kernel indexes it.
     unsafe {
-        T::RMS_BWD(dims.grid, dims.block, 0, dy.as_ptr(), x.as_ptr(), w.as_ptr(), rstd_ptr, dx.as_mut_ptr(), partial.as_mut_ptr(), n32, c32, eps);
+        T::RMS_BWD(
+            dims.grid,
+            dims.block,
+            0,
+            dy.as_ptr(),
+            x.as_ptr(),
+            w.as_ptr(),
+            rstd_ptr,
+            dx.as_mut_ptr(),
+            partial.as_mut_ptr(),
+            n32,
+            c32,
+            eps,
+        );
         T::RMS_DW(c32.div_ceil(dims.block).max(1), dims.block, 0, partial.as_ptr(), dw.as_mut_ptr(), dims.grid, c32);
     }
     Ok((dx, dw))
@@ -234,7 +516,21 @@ pub fn cross_entropy<T: EmuFloat>(
     let g_ptr = gout.map_or(std::ptr::null(), |g| g.as_ptr());
     // SAFETY: lengths checked above; in place, logits and dlogits are the same buffer, which the kernel
     // allows (each element is rewritten only by the thread that read it).
-    unsafe { T::CE(dims.grid, dims.block, 0, buf.as_ptr(), targets.as_ptr(), g_ptr, nll.as_mut_ptr(), lse.as_mut_ptr(), dl_ptr, u32_of("n", n)?, u32_of("V", v)?) };
+    unsafe {
+        T::CE(
+            dims.grid,
+            dims.block,
+            0,
+            buf.as_ptr(),
+            targets.as_ptr(),
+            g_ptr,
+            nll.as_mut_ptr(),
+            lse.as_mut_ptr(),
+            dl_ptr,
+            u32_of("n", n)?,
+            u32_of("V", v)?,
+        )
+    };
     let dlogits = match (dl, gout.is_some()) {
         (Some(d), _) => Some(d),
         (None, true) => Some(buf),
@@ -280,8 +576,25 @@ pub fn adamw<T: EmuFloat>(
     };
     // SAFETY: lengths checked above; `out` may be null (the kernel skips it).
     unsafe {
-        T::ADAMW(dims.grid, dims.block, 0, master.as_mut_ptr(), m.as_mut_ptr(), v.as_mut_ptr(), grad.as_ptr(), out_ptr, n as u64,
-                 a.lr, a.beta1, a.beta2, a.eps, a.wd, a.step_size, a.bc2_sqrt, a.grad_scale)
+        T::ADAMW(
+            dims.grid,
+            dims.block,
+            0,
+            master.as_mut_ptr(),
+            m.as_mut_ptr(),
+            v.as_mut_ptr(),
+            grad.as_ptr(),
+            out_ptr,
+            n as u64,
+            a.lr,
+            a.beta1,
+            a.beta2,
+            a.eps,
+            a.wd,
+            a.step_size,
+            a.bc2_sqrt,
+            a.grad_scale,
+        )
     };
     Ok(())
 }

@@ -73,7 +73,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
     }
-    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) })
+    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, |m, d| {
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    })
 }
 
 fn max_abs(a: &[f32]) -> f64 {
@@ -422,21 +428,53 @@ fn emu_adamw(
 mod cuda_run {
     //! Without the `cuda` feature there is no device to run on; `Target::Cuda` cannot be built by
     //! `run`, and these stubs only keep the match arms total.
-    use super::{AdamwOut, AdamWHyper, Dt};
+    use super::{AdamWHyper, AdamwOut, Dt};
     use anyhow::{bail, Result};
     use candle_core::{Device, Tensor};
     const MSG: &str = "this harpe was built without --features cuda";
-    pub fn rope(_: &Device, _: Dt, _: &[f32], _: &[f32], _: &Tensor, _: &Tensor, _: (usize, usize, usize, usize)) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn rope(
+        _: &Device,
+        _: Dt,
+        _: &[f32],
+        _: &[f32],
+        _: &Tensor,
+        _: &Tensor,
+        _: (usize, usize, usize, usize),
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         bail!(MSG)
     }
-    pub fn rms_norm(_: &Device, _: Dt, _: &[f32], _: &[f32], _: &[f32], _: (usize, usize), _: f32) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pub fn rms_norm(
+        _: &Device,
+        _: Dt,
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: (usize, usize),
+        _: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         bail!(MSG)
     }
-    pub fn cross_entropy(_: &Device, _: Dt, _: &[f32], _: &[u32], _: &[f32], _: (usize, usize)) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn cross_entropy(
+        _: &Device,
+        _: Dt,
+        _: &[f32],
+        _: &[u32],
+        _: &[f32],
+        _: (usize, usize),
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         bail!(MSG)
     }
     #[allow(clippy::too_many_arguments)]
-    pub fn adamw(_: &Device, _: Dt, _: &[f32], _: &[Vec<f32>], _: &[f32], _: &[(std::ops::Range<usize>, f32)], _: AdamWHyper, _: f64) -> Result<AdamwOut> {
+    pub fn adamw(
+        _: &Device,
+        _: Dt,
+        _: &[f32],
+        _: &[Vec<f32>],
+        _: &[f32],
+        _: &[(std::ops::Range<usize>, f32)],
+        _: AdamWHyper,
+        _: f64,
+    ) -> Result<AdamwOut> {
         bail!(MSG)
     }
 }
@@ -445,7 +483,7 @@ mod cuda_run {
 mod cuda_run {
     //! The same cases through the ops the model calls (rope, rms_norm with autograd, the CE chunk ops)
     //! and the optimizer's flat-buffer launchers.
-    use super::{adamw_scalars, AdamwOut, AdamWHyper, Dt};
+    use super::{adamw_scalars, AdamWHyper, AdamwOut, Dt};
     use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWStep, ComputeOut};
     use anyhow::{anyhow, Result};
     use candle_core::{DType, Device, Tensor, Var};
@@ -610,7 +648,9 @@ pub fn run(args: SelftestArgs) -> Result<()> {
         Some("cuda") => Target::Cuda(open_cuda()?),
         None if cfg!(feature = "cuda") => Target::Cuda(open_cuda()?),
         None => {
-            eprintln!("note: this is a CPU build; running the host-emulated kernels (build with --features cuda for the GPU)");
+            eprintln!(
+                "note: this is a CPU build; running the host-emulated kernels (build with --features cuda for the GPU)"
+            );
             Target::Emulated
         }
         Some(o) => bail!("--target {o}: unknown\nhint: use --target cuda or --target emulated"),

@@ -78,7 +78,8 @@ fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
     let t = Tensor::from_vec(ys.clone(), n, &dev).unwrap();
     let up: Vec<f32> = (0..n).map(|i| 0.2 + 0.07 * i as f32).collect();
     let nll_ref = chunked_cross_entropy(&h, &w, &t, 4).unwrap();
-    let grads = (&nll_ref * Tensor::from_vec(up.clone(), n, &dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads =
+        (&nll_ref * Tensor::from_vec(up.clone(), n, &dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
     let dh_ref = grads.get(h.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let dw_ref = grads.get(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
 
@@ -88,7 +89,15 @@ fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
     for (start, len) in [(0usize, 4usize), (4, 4), (8, 3)] {
         let hc = h.as_tensor().narrow(0, start, len).unwrap();
         let logits = hc.matmul(&w.as_tensor().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let out = emu::cross_entropy::<f32>(&logits, &ys[start..start + len], Some(&up[start..start + len]), (len, v), true, Dims { grid: 2, block: 64 }).unwrap();
+        let out = emu::cross_entropy::<f32>(
+            &logits,
+            &ys[start..start + len],
+            Some(&up[start..start + len]),
+            (len, v),
+            true,
+            Dims { grid: 2, block: 64 },
+        )
+        .unwrap();
         nll.extend(out.nll);
         let dl = Tensor::from_vec(out.dlogits.unwrap(), (len, v), &dev).unwrap();
         let dhc = dl.matmul(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -189,8 +198,26 @@ fn bf16_store_rounds_to_nearest_even_like_half() {
     let n = vals.len();
     let (mut master, mut m, mut v) = (vals.clone(), vec![0f32; n], vec![0f32; n]);
     let mut out = vec![half::bf16::ZERO; n];
-    let a = emu::AdamWArgs { lr: 0.0, beta1: 0.9, beta2: 0.95, eps: 1e-8, wd: 0.0, step_size: 0.0, bc2_sqrt: 1.0, grad_scale: 1.0 };
-    emu::adamw::<half::bf16>(&mut master, &mut m, &mut v, &vec![0f32; n], Some(&mut out), a, Dims { grid: 1, block: 32 }).unwrap();
+    let a = emu::AdamWArgs {
+        lr: 0.0,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        wd: 0.0,
+        step_size: 0.0,
+        bc2_sqrt: 1.0,
+        grad_scale: 1.0,
+    };
+    emu::adamw::<half::bf16>(
+        &mut master,
+        &mut m,
+        &mut v,
+        &vec![0f32; n],
+        Some(&mut out),
+        a,
+        Dims { grid: 1, block: 32 },
+    )
+    .unwrap();
     for (i, (&got, &x)) in out.iter().zip(&vals).enumerate() {
         let want = half::bf16::from_f32(x);
         assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{i}: {x} -> {got} vs {want}");

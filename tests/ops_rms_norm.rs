@@ -69,7 +69,8 @@ fn finite_differences_agree_with_backward() {
     let up = randn(&[n, c], 8, 1.0);
     let x = Var::from_tensor(&x0).unwrap();
     let w = Var::from_tensor(&w0).unwrap();
-    let g = (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let g =
+        (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
     let f = |xt: &Tensor, wt: &Tensor| -> f64 {
         // in f64 through the slow version, so the difference quotient is accurate
         let y = rms_norm_slow(&xt.to_dtype(DType::F64).unwrap(), &wt.to_dtype(DType::F64).unwrap(), 1e-6).unwrap();

@@ -36,9 +36,11 @@ pub fn ce_rows_cpu<T: Copy>(
         nll[i] = if ignored { 0.0 } else { row.get(y as usize).map_or(f32::NAN, |&ly| l - ly) };
         if let (Some(d), Some(g)) = (dl.as_mut(), g) {
             let gi = if ignored { 0.0 } else { g[i] };
-            d.extend(row.iter().enumerate().map(|(j, &x)| {
-                from_f32(gi * ((x - l).exp() - if j as u32 == y { 1.0 } else { 0.0 }))
-            }));
+            d.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(j, &x)| from_f32(gi * ((x - l).exp() - if j as u32 == y { 1.0 } else { 0.0 }))),
+            );
         }
     }
     (nll, lse, dl)
@@ -124,10 +126,12 @@ impl CustomOp3 for CeDlogits {
             candle_core::bail!("cross-entropy chunk: g has {} entries for {n} rows", g.len());
         }
         let out = match sl {
-            CpuStorage::F32(l) => ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, |x| x, |x| x).2.map(CpuStorage::F32),
-            CpuStorage::BF16(l) => {
-                ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, bf16::to_f32, bf16::from_f32).2.map(CpuStorage::BF16)
+            CpuStorage::F32(l) => {
+                ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, |x| x, |x| x).2.map(CpuStorage::F32)
             }
+            CpuStorage::BF16(l) => ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, bf16::to_f32, bf16::from_f32)
+                .2
+                .map(CpuStorage::BF16),
             _ => candle_core::bail!("cross-entropy chunk: logits must be f32 or bf16"),
         };
         let out = out.ok_or_else(|| candle_core::Error::Msg("cross-entropy chunk: no dlogits".into()))?;
@@ -186,7 +190,8 @@ mod cuda {
         let (n, v) = dims(ll, lt)?;
         let (n32, v32) = (u32_arg(n, OP, "rows")?, u32_arg(v, OP, "V")?);
         let dev = sl.device();
-        let func = dev.get_or_load_custom_func(&format!("cross_entropy_{sfx}"), "harpe_cross_entropy", CROSS_ENTROPY_PTX)?;
+        let func =
+            dev.get_or_load_custom_func(&format!("cross_entropy_{sfx}"), "harpe_cross_entropy", CROSS_ENTROPY_PTX)?;
         let t = view::<u32>(st, lt, OP, "targets")?;
         let nll = dev.alloc_zeros::<f32>(n)?;
         let null = 0u64;
@@ -205,7 +210,11 @@ mod cuda {
                     Some((sg, lg)) => {
                         same_device(sl, sg, OP)?;
                         if sg.dtype() != DType::F32 || lg.shape().elem_count() != n {
-                            candle_core::bail!("{OP}: g must be f32 with {n} entries, got {:?} {:?}", sg.dtype(), lg.shape());
+                            candle_core::bail!(
+                                "{OP}: g must be f32 with {n} entries, got {:?} {:?}",
+                                sg.dtype(),
+                                lg.shape()
+                            );
                         }
                         let gv = view::<f32>(sg, lg, OP, "g")?;
                         // SAFETY: written in full by the kernel.

@@ -176,15 +176,18 @@ impl CustomOp3 for RmsNormBwd {
         }
         let out = match (sd, sx, sw) {
             (CpuStorage::F32(d), CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                let (dx, dw) = rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                let (dx, dw) =
+                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::F32(pack(dx, dw))
             }
             (CpuStorage::BF16(d), CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let (dx, dw) = rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                let (dx, dw) =
+                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::BF16(pack(dx, dw))
             }
             (CpuStorage::F16(d), CpuStorage::F16(x), CpuStorage::F16(w)) => {
-                let (dx, dw) = rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                let (dx, dw) =
+                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::F16(pack(dx, dw))
             }
             _ => candle_core::bail!("rms_norm backward: dy, x and w must share one dtype of f32, bf16, f16"),

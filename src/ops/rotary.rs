@@ -184,7 +184,16 @@ mod cuda {
                 // SAFETY: written in full by the kernel.
                 let y = unsafe { dev.alloc::<$t>(n)? };
                 let mut bld = func.builder();
-                bld.arg(&x).arg(&cos).arg(&sin).arg(&y).arg(&rows).arg(&h32).arg(&t32).arg(&half).arg(&htab32).arg(&sin_sign);
+                bld.arg(&x)
+                    .arg(&cos)
+                    .arg(&sin)
+                    .arg(&y)
+                    .arg(&rows)
+                    .arg(&h32)
+                    .arg(&t32)
+                    .arg(&half)
+                    .arg(&htab32)
+                    .arg(&sin_sign);
                 // SAFETY: x, y hold B*H*T*D elements; cos, sin Htab*T*D/2 (checked above).
                 unsafe { bld.launch(cfg(grid, BLOCK)) }.w()?;
                 CudaStorage::wrap_cuda_slice(y, dev.clone())
