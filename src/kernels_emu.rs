@@ -346,7 +346,7 @@ impl EmuFloat for bf16 {
 }
 
 fn check_dims(d: Dims) -> Result<()> {
-    if d.grid == 0 || d.block == 0 || d.block % 32 != 0 || d.block > 1024 {
+    if d.grid == 0 || d.block == 0 || !d.block.is_multiple_of(32) || d.block > 1024 {
         bail!("emulated launch {d:?}: need grid >= 1 and a block that is a multiple of 32 up to 1024");
     }
     Ok(())
@@ -374,7 +374,7 @@ pub fn rope<T: EmuFloat>(
     dims: Dims,
 ) -> Result<Vec<T>> {
     check_dims(dims)?;
-    if d % 2 != 0 || htab == 0 || h % htab != 0 {
+    if !d.is_multiple_of(2) || htab == 0 || !h.is_multiple_of(htab) {
         bail!("rope: D = {d} must be even and H = {h} a multiple of Htab = {htab}");
     }
     check_len("x", x.len(), b * h * t * d)?;

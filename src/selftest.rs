@@ -112,7 +112,7 @@ fn as_dt(v: Vec<f32>, dt: Dt) -> Vec<f32> {
 fn ragged(r: &mut ChaCha8Rng, lo: usize, hi: usize) -> usize {
     loop {
         let n = r.random_range(lo..hi);
-        if n % 32 != 0 {
+        if !n.is_multiple_of(32) {
             return n;
         }
     }

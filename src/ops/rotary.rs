@@ -132,7 +132,7 @@ pub fn rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 fn check_shapes(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
     let (b, h, t, d) = l1.shape().dims4()?;
     let (htab, tt, half) = l2.shape().dims3()?;
-    if tt != t || half * 2 != d || htab == 0 || h % htab != 0 || l3.shape() != l2.shape() {
+    if tt != t || half * 2 != d || htab == 0 || !h.is_multiple_of(htab) || l3.shape() != l2.shape() {
         candle_core::bail!(
             "rotary: x {:?} does not match tables cos {:?} sin {:?} (need (Htab, T, D/2) with H % Htab == 0)",
             l1.shape(),
