@@ -103,6 +103,7 @@ pub enum ComputeOut<'a> {
 
 /// One fused AdamW step on this rank's flat master/m/v (all `n` long) with gradient `grad`; `segments`
 /// are (local range, weight decay) pieces covering 0..n (adjacent equal decays are launched together).
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_step(
     dev: &CudaDevice,
     master: &mut CudaSlice<f32>,
