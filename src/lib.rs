@@ -30,4 +30,8 @@ pub mod train;
 pub mod eval;
 pub mod bases;
 pub mod demo;
+pub mod selftest;
+pub mod bench;
 pub mod util;
+#[doc(hidden)]
+pub mod kernels_emu;

@@ -37,6 +37,10 @@ enum Cmd {
     /// Start or join a multi-process group, rendezvous, share a payload, barrier (launcher smoke test)
     #[command(hide = true)]
     DistCheck(harpe::comms::launch::DistCheckArgs),
+    /// Every harpe kernel against its CPU reference (fwd+bwd, f32/bf16, ragged sizes); exit 1 on FAIL
+    Selftest(harpe::selftest::SelftestArgs),
+    /// Time each harpe kernel on the GPU: GB/s, percent of copy bandwidth, and PyTorch side by side
+    Bench(harpe::bench::BenchArgs),
 }
 
 fn main() {
@@ -53,6 +57,8 @@ fn main() {
         Cmd::Plan(a) => harpe::plan::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),
+        Cmd::Selftest(a) => harpe::selftest::run(a),
+        Cmd::Bench(a) => harpe::bench::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

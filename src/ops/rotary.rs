@@ -6,8 +6,10 @@
 //!   y[j]       = x[j] cos[j] - x[j + D/2] sin[j]
 //!   y[j + D/2] = x[j + D/2] cos[j] + x[j] sin[j]
 //! Backward is the rotation by the opposite angle: dx = rope(dy, cos, -sin) (an attention factor on
-//! cos and sin is a scale, so the same formula holds). The op computes in f32; `rope` upcasts
-//! bf16/f16 inputs and casts back. Not done here: building the tables (`model::rope`).
+//! cos and sin is a scale, so the same formula holds). The op computes in f32; on CPU `rope` upcasts
+//! bf16/f16 inputs and casts back; on CUDA (kernels/rope.cu) f32 and bf16 x are read as they are and
+//! rounded once at the store, which gives the same values without the two casts' memory traffic.
+//! Not done here: building the tables (`model::rope`).
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// A contiguous f32 view of a CPU storage, or a clear error.
@@ -64,21 +66,25 @@ impl CustomOp3 for Rotary {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (b, h, t, d) = l1.shape().dims4()?;
-        let (htab, tt, half) = l2.shape().dims3()?;
-        if tt != t || half * 2 != d || h % htab != 0 || l3.shape() != l2.shape() {
-            candle_core::bail!(
-                "rotary: x {:?} does not match tables cos {:?} sin {:?} (need (Htab, T, D/2) with H % Htab == 0)",
-                l1.shape(),
-                l2.shape(),
-                l3.shape()
-            );
-        }
+        let (b, h, t, d, htab) = check_shapes(l1, l2, l3)?;
         let x = f32_slice(s1, l1, "rotary", "x")?;
         let cos = f32_slice(s2, l2, "rotary", "cos")?;
         let sin = f32_slice(s3, l3, "rotary", "sin")?;
         let y = rotary_cpu(x, cos, sin, (b, h, t, d), htab);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::rotary(s1, l1, s2, l2, s3, l3, 1.0)
     }
 
     fn bwd(
@@ -97,6 +103,9 @@ impl CustomOp3 for Rotary {
 /// Apply RoPE to x (B, H, T, D) with tables (Htab, T, D/2); differentiable in x.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
+    if x.device().is_cuda() && matches!(dtype, DType::F32 | DType::BF16) {
+        return x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary);
+    }
     let xf = x.to_dtype(DType::F32)?.contiguous()?;
     let y = xf.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary)?;
     y.to_dtype(dtype)
@@ -117,4 +126,80 @@ pub fn rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let x2 = x.narrow(3, half, half)?;
     let rot = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
     x.broadcast_mul(&c)? + rot.broadcast_mul(&s)?
+}
+
+/// Check x (B, H, T, D) against tables (Htab, T, D/2); returns (B, H, T, D, Htab).
+fn check_shapes(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
+    let (b, h, t, d) = l1.shape().dims4()?;
+    let (htab, tt, half) = l2.shape().dims3()?;
+    if tt != t || half * 2 != d || htab == 0 || !h.is_multiple_of(htab) || l3.shape() != l2.shape() {
+        candle_core::bail!(
+            "rotary: x {:?} does not match tables cos {:?} sin {:?} (need (Htab, T, D/2) with H % Htab == 0)",
+            l1.shape(),
+            l2.shape(),
+            l3.shape()
+        );
+    }
+    Ok((b, h, t, d, htab))
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::check_shapes;
+    use crate::ops::cuda::{cfg, dtype_suffix, grid_for, same_device, u32_arg, view, BLOCK, ROPE_PTX};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+    use half::bf16;
+
+    /// kernels/rope.cu on x f32/bf16 with f32 tables; `sin_sign` -1 rotates backwards.
+    pub fn rotary(
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+        sin_sign: f32,
+    ) -> Result<(CudaStorage, Shape)> {
+        const OP: &str = "rotary";
+        let (b, h, t, d, htab) = check_shapes(l1, l2, l3)?;
+        let sfx = dtype_suffix(s1.dtype(), OP, "x")?;
+        same_device(s1, s2, OP)?;
+        same_device(s1, s3, OP)?;
+        if s2.dtype() != DType::F32 || s3.dtype() != DType::F32 {
+            candle_core::bail!("{OP}: cos/sin tables must be f32, got {:?}/{:?}", s2.dtype(), s3.dtype());
+        }
+        let rows = u32_arg(b * h * t, OP, "B*H*T")?;
+        let (h32, t32, half, htab32) = (h as u32, t as u32, (d / 2) as u32, htab as u32);
+        let dev = s1.device();
+        let func = dev.get_or_load_custom_func(&format!("rope_{sfx}"), "harpe_rope", ROPE_PTX)?;
+        let (cos, sin) = (view::<f32>(s2, l2, OP, "cos")?, view::<f32>(s3, l3, OP, "sin")?);
+        let n = b * h * t * d;
+        let grid = grid_for(n / 2, BLOCK);
+        macro_rules! go {
+            ($t:ty) => {{
+                let x = view::<$t>(s1, l1, OP, "x")?;
+                // SAFETY: written in full by the kernel.
+                let y = unsafe { dev.alloc::<$t>(n)? };
+                let mut bld = func.builder();
+                bld.arg(&x)
+                    .arg(&cos)
+                    .arg(&sin)
+                    .arg(&y)
+                    .arg(&rows)
+                    .arg(&h32)
+                    .arg(&t32)
+                    .arg(&half)
+                    .arg(&htab32)
+                    .arg(&sin_sign);
+                // SAFETY: x, y hold B*H*T*D elements; cos, sin Htab*T*D/2 (checked above).
+                unsafe { bld.launch(cfg(grid, BLOCK)) }.w()?;
+                CudaStorage::wrap_cuda_slice(y, dev.clone())
+            }};
+        }
+        let y = if s1.dtype() == DType::BF16 { go!(bf16) } else { go!(f32) };
+        Ok((y, l1.shape().clone()))
+    }
 }

@@ -1,0 +1,82 @@
+//! Build script: compiles kernels/*.cu twice over — with the host C++ compiler against kernels/emu.h
+//! (always; a static lib whose `emu_*` entry points run the kernels' own source on CPU, see
+//! `harpe::kernels_emu`), and with nvcc to PTX when the `cuda` feature is on (embedded by `ops::cuda`).
+//!
+//! Reference: ../shared/cuda-build.md §3 (nvcc -ptx -arch=compute_80, include_str!).
+//! The non-obvious decision: PTX for compute_80 (not SASS) so one binary runs on A100 and, JIT-compiled
+//! by the driver, on Hopper; `HARPE_PTX_ARCH` overrides it (e.g. compute_90).
+//! Does not: build candle's kernels (candle-kernels does), or look for a GPU.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const KERNELS: [&str; 4] = ["rope", "rms_norm", "cross_entropy", "adamw"];
+
+fn main() {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let kdir = root.join("kernels");
+    println!("cargo:rerun-if-changed=kernels");
+    for f in ["emu.h", "common.cuh"] {
+        println!("cargo:rerun-if-changed={}", kdir.join(f).display());
+    }
+    build_emulation(&kdir, &out);
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        build_ptx(&kdir, &out);
+    }
+}
+
+/// One wrapper .cpp per kernel (`#include ".../rope.cu"`), so the host compiler sees C++ sources.
+fn build_emulation(kdir: &Path, out: &Path) {
+    let mut b = cc::Build::new();
+    b.cpp(true).std("c++17").opt_level(2).include(kdir).warnings(false);
+    for k in KERNELS {
+        let src = kdir.join(format!("{k}.cu"));
+        println!("cargo:rerun-if-changed={}", src.display());
+        let wrapper = out.join(format!("emu_{k}.cpp"));
+        std::fs::write(&wrapper, format!("#include \"{}\"\n", src.display()))
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", wrapper.display()));
+        b.file(wrapper);
+    }
+    b.compile("harpe_kernels_emu");
+}
+
+fn find_nvcc() -> PathBuf {
+    println!("cargo:rerun-if-env-changed=NVCC");
+    for v in ["CUDA_ROOT", "CUDA_HOME", "CUDA_PATH"] {
+        println!("cargo:rerun-if-env-changed={v}");
+    }
+    if let Some(p) = std::env::var_os("NVCC") {
+        return PathBuf::from(p);
+    }
+    for v in ["CUDA_ROOT", "CUDA_HOME", "CUDA_PATH"] {
+        if let Some(r) = std::env::var_os(v) {
+            let p = PathBuf::from(r).join("bin/nvcc");
+            if p.exists() {
+                return p;
+            }
+        }
+    }
+    PathBuf::from("nvcc") // from PATH
+}
+
+fn build_ptx(kdir: &Path, out: &Path) {
+    let nvcc = find_nvcc();
+    println!("cargo:rerun-if-env-changed=HARPE_PTX_ARCH");
+    let arch = std::env::var("HARPE_PTX_ARCH").unwrap_or_else(|_| "compute_80".into());
+    for k in KERNELS {
+        let ptx = out.join(format!("{k}.ptx"));
+        let status = Command::new(&nvcc)
+            .args(["-ptx", &format!("-arch={arch}"), "-O3", "-std=c++17", "-lineinfo", "-o"])
+            .arg(&ptx)
+            .arg(kdir.join(format!("{k}.cu")))
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {} ({e})\nhint: eval \"$(scripts/install-cuda-toolchain.sh target/cuda-toolchain)\" \
+                     puts nvcc on PATH and sets CUDA_ROOT",
+                    nvcc.display()
+                )
+            });
+        assert!(status.success(), "nvcc failed on kernels/{k}.cu ({status})");
+    }
+}

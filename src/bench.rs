@@ -1,0 +1,249 @@
+//! `harpe bench`: time each harpe kernel on the GPU and say how close it is to the hardware — GB/s and
+//! the percent of the measured device-to-device copy bandwidth (all these kernels are memory-bound) —
+//! and, when `python3 -c "import torch"` works, beside PyTorch doing the same work in the same run
+//! (scripts/bench_kernels_torch.py; ratios > 1 mean harpe is faster).
+//!
+//! Reference: llm.c `dev/cuda/*.cu` benchmarks (bytes moved / time vs the memcpy ceiling).
+//! The non-obvious decision: bytes are the minimum each kernel must move (inputs read once, outputs
+//! written once), so a kernel that re-reads (rms_norm backward recomputes rstd, cross-entropy reads the
+//! logits twice) shows that as a lower percentage instead of hiding it.
+//! Shapes are Llama-2-7B's: C = 4096, H = 32 heads of D = 128, V = 32000, at T = 4096 tokens.
+//! Does not (yet): the decoder-layer and full 7B-step timings of issue 10 — they need attention on the
+//! GPU and the device-resident training state, which are other issues' work; `--json` carries the
+//! kernel rows only.
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+/// One timed kernel.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub kernel: String,
+    pub shape: String,
+    pub ms: f64,
+    /// minimum bytes the kernel must move
+    pub bytes: u64,
+    pub gb_per_s: f64,
+    /// percent of the measured copy bandwidth
+    pub pct_of_copy: f64,
+    /// PyTorch's time for the same work, when measured
+    pub torch_ms: Option<f64>,
+}
+
+impl Row {
+    /// A row from a time and a byte count against the copy bandwidth `copy_gbps`.
+    pub fn new(kernel: &str, shape: &str, ms: f64, bytes: u64, copy_gbps: f64) -> Row {
+        let gb_per_s = bytes as f64 / (ms * 1e-3) / 1e9;
+        Row {
+            kernel: kernel.into(),
+            shape: shape.into(),
+            ms,
+            bytes,
+            gb_per_s,
+            pct_of_copy: 100.0 * gb_per_s / copy_gbps,
+            torch_ms: None,
+        }
+    }
+}
+
+/// Print rows as a table (torch columns when measured).
+pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
+    println!("harpe bench — {device}; device copy bandwidth {copy_gbps:.0} GB/s (the 100% line)");
+    println!(
+        "{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}",
+        "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch"
+    );
+    for r in rows {
+        let (t, x) = match r.torch_ms {
+            Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
+            None => ("-".into(), "-".into()),
+        };
+        println!(
+            "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}",
+            r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x
+        );
+    }
+}
+
+/// Time the kernels on the GPU.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// timed repetitions per kernel (after 3 warm-up runs)
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// tokens per timed call (rope, rms_norm, cross-entropy chunk rows)
+    #[arg(long, default_value_t = 4096)]
+    pub tokens: usize,
+    /// skip the PyTorch comparison even when torch is importable
+    #[arg(long)]
+    pub no_torch: bool,
+    /// print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `harpe bench`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    if !cfg!(feature = "cuda") {
+        bail!("harpe bench times the CUDA kernels, and this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs); on CPU, `harpe selftest` checks the kernels' source through the host emulation");
+    }
+    #[cfg(feature = "cuda")]
+    {
+        gpu::run(args)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = args;
+        Ok(())
+    }
+}
+
+/// PyTorch's times for the same shapes, from scripts/bench_kernels_torch.py (None when torch is absent).
+pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .output()
+        .ok()?;
+    if !ok.status.success() {
+        return None;
+    }
+    let script = locate_script()?;
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--tokens", &tokens.to_string(), "--iters", &iters.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("warning: the torch comparison failed: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+/// scripts/bench_kernels_torch.py beside the binary's checkout or in the gpu-check bundle.
+fn locate_script() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let mut cands = vec![std::path::PathBuf::from("scripts/bench_kernels_torch.py")];
+    if let Some(dir) = exe.parent() {
+        cands.push(dir.join("bench_kernels_torch.py"));
+        cands.push(dir.join("../../scripts/bench_kernels_torch.py"));
+    }
+    cands.into_iter().find(|p| p.exists())
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::{print_table, torch_times, BenchArgs, Row};
+    use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWStep, ComputeOut};
+    use anyhow::Result;
+    use candle_core::{DType, Device, Tensor};
+    use std::time::Instant;
+
+    /// Mean milliseconds of `f` over `iters` calls after 3 warm-up calls, synchronised.
+    fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        for _ in 0..3 {
+            f()?;
+        }
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        dev.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3 / iters as f64)
+    }
+
+    pub fn run(args: BenchArgs) -> Result<()> {
+        let dev = crate::selftest::open_cuda()?;
+        let cd = dev.as_cuda_device()?.clone();
+        let iters = args.iters.max(1);
+        let t = args.tokens.max(1);
+        // copy bandwidth: 512 MiB device-to-device, read + write counted
+        let n_copy = 128usize << 20;
+        let src = cd.alloc_zeros::<f32>(n_copy)?;
+        let mut dst = cd.alloc_zeros::<f32>(n_copy)?;
+        let copy_ms = time(&dev, iters, || Ok(cd.memcpy_dtod(&src, &mut dst)?))?;
+        let copy_gbps = (2 * 4 * n_copy) as f64 / (copy_ms * 1e-3) / 1e9;
+        drop((src, dst));
+        let mut rows = Vec::new();
+        let bf = DType::BF16;
+        // rope: q of Llama-2-7B, 32 heads, HARPE tables per kv head (32 for MHA)
+        let (h, d) = (32usize, 128usize);
+        let x = Tensor::randn(0f32, 1.0, (1, h, t, d), &dev)?.to_dtype(bf)?;
+        let cos = Tensor::randn(0f32, 1.0, (h, t, d / 2), &dev)?;
+        let sin = Tensor::randn(0f32, 1.0, (h, t, d / 2), &dev)?;
+        let rope_bytes = (2 * 2 * h * t * d + 2 * 4 * h * t * d / 2) as u64;
+        let ms = time(&dev, iters, || Ok(crate::ops::rotary::rope(&x, &cos, &sin).map(|_| ())?))?;
+        rows.push(Row::new("rope fwd bf16", &format!("(1,{h},{t},{d}) Htab {h}"), ms, rope_bytes, copy_gbps));
+        let var = candle_core::Var::from_tensor(&x)?;
+        let ms = time(&dev, iters, || {
+            let y = crate::ops::rotary::rope(var.as_tensor(), &cos, &sin)?;
+            Ok(y.sum_all()?.backward().map(|_| ())?)
+        })?;
+        rows.push(Row::new("rope fwd+bwd bf16", &format!("(1,{h},{t},{d}) + sum"), ms, 2 * rope_bytes, copy_gbps));
+        // rms_norm on (T, 4096)
+        let c = 4096usize;
+        let xn = Tensor::randn(0f32, 1.0, (t, c), &dev)?.to_dtype(bf)?;
+        let w = Tensor::randn(0f32, 1.0, c, &dev)?.to_dtype(bf)?;
+        let ms = time(&dev, iters, || Ok(crate::ops::rms_norm::rms_norm(&xn, &w, 1e-5).map(|_| ())?))?;
+        rows.push(Row::new("rms_norm fwd bf16", &format!("({t},{c})"), ms, (2 * 2 * t * c + 2 * c) as u64, copy_gbps));
+        let xv = candle_core::Var::from_tensor(&xn)?;
+        let wv = candle_core::Var::from_tensor(&w)?;
+        let ms = time(&dev, iters, || {
+            let y = crate::ops::rms_norm::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5)?;
+            Ok(y.sum_all()?.backward().map(|_| ())?)
+        })?;
+        rows.push(Row::new(
+            "rms_norm fwd+bwd bf16",
+            &format!("({t},{c}) + sum"),
+            ms,
+            (5 * 2 * t * c) as u64,
+            copy_gbps,
+        ));
+        // cross-entropy on one chunk of logits (rows x 32000)
+        let (rows_ce, v) = (t.min(4096), 32000usize);
+        let logits = Tensor::randn(0f32, 2.0, (rows_ce, v), &dev)?.to_dtype(bf)?;
+        let targets = Tensor::arange(0u32, rows_ce as u32, &dev)?;
+        let g = Tensor::ones(rows_ce, DType::F32, &dev)?;
+        use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
+        let ms = time(&dev, iters, || Ok(ce_chunk_nll(&logits, &targets).map(|_| ())?))?;
+        rows.push(Row::new("ce nll bf16", &format!("({rows_ce},{v})"), ms, (2 * rows_ce * v) as u64, copy_gbps));
+        let ms = time(&dev, iters, || Ok(ce_chunk_dlogits(&logits, &targets, &g).map(|_| ())?))?;
+        rows.push(Row::new(
+            "ce dlogits bf16",
+            &format!("({rows_ce},{v})"),
+            ms,
+            (2 * 2 * rows_ce * v) as u64,
+            copy_gbps,
+        ));
+        // AdamW over 64M parameters writing bf16 weights; the grad norm
+        let n = 64usize << 20;
+        let mut master = cd.alloc_zeros::<f32>(n)?;
+        let mut m = cd.alloc_zeros::<f32>(n)?;
+        let mut vv = cd.alloc_zeros::<f32>(n)?;
+        let grad = cd.alloc_zeros::<f32>(n)?;
+        let mut out = cd.alloc_zeros::<half::bf16>(n)?;
+        let step =
+            AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.3, grad_scale: 1.0 };
+        let seg = [(0..n, 0.1f32)];
+        let ms = time(&dev, iters, || {
+            Ok(adamw_step(&cd, &mut master, &mut m, &mut vv, &grad, ComputeOut::Bf16(&mut out), &seg, step)?)
+        })?;
+        rows.push(Row::new("adamw f32->bf16", &format!("{n} params"), ms, (30 * n) as u64, copy_gbps));
+        let ms = time(&dev, iters, || Ok(grad_sumsq(&cd, &grad.slice(..)).map(|_| ())?))?;
+        rows.push(Row::new("grad sum of squares", &format!("{n} f32"), ms, (4 * n) as u64, copy_gbps));
+        if !args.no_torch {
+            if let Some(tj) = torch_times(t, iters) {
+                for r in rows.iter_mut() {
+                    r.torch_ms = tj.get(&r.kernel).and_then(|v| v.as_f64());
+                }
+            }
+        }
+        let name = "CUDA device 0";
+        if args.json {
+            println!("{}", serde_json::json!({"device": name, "copy_gb_per_s": copy_gbps, "rows": rows}));
+        } else {
+            print_table(name, copy_gbps, &rows);
+        }
+        Ok(())
+    }
+}

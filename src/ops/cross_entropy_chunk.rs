@@ -1,0 +1,233 @@
+//! The fused per-chunk part of the chunked cross-entropy as ops: `ce_chunk_nll` (logits, targets) -> nll
+//! and `ce_chunk_dlogits` (logits, targets, g) -> dlogits, with a CPU reference (readable row loops) and
+//! a CUDA launch of kernels/cross_entropy.cu, so `loss.rs` can run the same chunk loop on either device.
+//!
+//! Reference: `loss::chunked_cross_entropy` (its chunk math: lse = logsumexp(l), nll = lse - l[y],
+//! dl = g (softmax(l) - onehot(y)), IGNORE_INDEX rows give 0 and no gradient); Liger-Kernel.
+//! The non-obvious decision: the ops take the chunk's logits as produced by the matmul (f32 or bf16,
+//! (n, V)), so the lm-head matmuls stay on cuBLAS through candle and only the softmax part is fused:
+//! forward = matmul + `ce_chunk_nll`; backward = matmul again + `ce_chunk_dlogits` + two matmuls.
+//! Both ops are leaves for autograd (the caller's CustomOp owns the backward, as in loss.rs).
+//! Does not: the matmuls, the chunk loop or the target range check against V (`check_targets` does it
+//! once on the host before any launch, since a kernel cannot return an error).
+use crate::loss::IGNORE_INDEX;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use half::bf16;
+
+/// Per-row nll, lse and (with `g`) dlogits of logits (n, V) — the reference loops (f32 arithmetic).
+pub fn ce_rows_cpu<T: Copy>(
+    logits: &[T],
+    targets: &[u32],
+    g: Option<&[f32]>,
+    v: usize,
+    to_f32: impl Fn(T) -> f32,
+    from_f32: impl Fn(f32) -> T,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<T>>) {
+    let n = targets.len();
+    let (mut nll, mut lse) = (vec![0f32; n], vec![0f32; n]);
+    let mut dl = g.map(|_| Vec::with_capacity(n * v));
+    for i in 0..n {
+        let row: Vec<f32> = logits[i * v..(i + 1) * v].iter().map(|&x| to_f32(x)).collect();
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let l = row.iter().map(|&x| (x - m).exp()).sum::<f32>().ln() + m;
+        let y = targets[i];
+        let ignored = y == IGNORE_INDEX;
+        lse[i] = l;
+        nll[i] = if ignored { 0.0 } else { row.get(y as usize).map_or(f32::NAN, |&ly| l - ly) };
+        if let (Some(d), Some(g)) = (dl.as_mut(), g) {
+            let gi = if ignored { 0.0 } else { g[i] };
+            d.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(j, &x)| from_f32(gi * ((x - l).exp() - if j as u32 == y { 1.0 } else { 0.0 }))),
+            );
+        }
+    }
+    (nll, lse, dl)
+}
+
+/// Every target is below `v` or IGNORE_INDEX; else an error naming the first bad one.
+pub fn check_targets(targets: &Tensor, v: usize) -> Result<()> {
+    let ys = targets.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>()?;
+    if let Some((i, y)) = ys.iter().enumerate().find(|(_, &y)| y != IGNORE_INDEX && y as usize >= v) {
+        candle_core::bail!("cross-entropy: target {i} is id {y}, outside the vocabulary of {v}");
+    }
+    Ok(())
+}
+
+fn dims(ll: &Layout, lt: &Layout) -> Result<(usize, usize)> {
+    let (n, v) = ll.shape().dims2()?;
+    let nt = lt.shape().dims1()?;
+    if n != nt {
+        candle_core::bail!("cross-entropy chunk: logits {:?} and targets {:?} differ in rows", ll.shape(), lt.shape());
+    }
+    Ok((n, v))
+}
+
+fn slice<'a, T>(v: &'a [T], l: &Layout, arg: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("cross-entropy chunk: `{arg}` must be contiguous"),
+    }
+}
+
+struct CeNll;
+
+impl CustomOp2 for CeNll {
+    fn name(&self) -> &'static str {
+        "harpe-ce-chunk-nll"
+    }
+
+    fn cpu_fwd(&self, sl: &CpuStorage, ll: &Layout, st: &CpuStorage, lt: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = dims(ll, lt)?;
+        let CpuStorage::U32(t) = st else { candle_core::bail!("cross-entropy chunk: targets must be u32") };
+        let t = slice(t, lt, "targets")?;
+        let nll = match sl {
+            CpuStorage::F32(l) => ce_rows_cpu(slice(l, ll, "logits")?, t, None, v, |x| x, |x| x).0,
+            CpuStorage::BF16(l) => ce_rows_cpu(slice(l, ll, "logits")?, t, None, v, bf16::to_f32, bf16::from_f32).0,
+            _ => candle_core::bail!("cross-entropy chunk: logits must be f32 or bf16"),
+        };
+        Ok((CpuStorage::F32(nll), Shape::from_dims(&[n])))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sl: &candle_core::CudaStorage,
+        ll: &Layout,
+        st: &candle_core::CudaStorage,
+        lt: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::launch(sl, ll, st, lt, None)
+    }
+}
+
+struct CeDlogits;
+
+impl CustomOp3 for CeDlogits {
+    fn name(&self) -> &'static str {
+        "harpe-ce-chunk-dlogits"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sl: &CpuStorage,
+        ll: &Layout,
+        st: &CpuStorage,
+        lt: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = dims(ll, lt)?;
+        let CpuStorage::U32(t) = st else { candle_core::bail!("cross-entropy chunk: targets must be u32") };
+        let CpuStorage::F32(g) = sg else { candle_core::bail!("cross-entropy chunk: g must be f32") };
+        let (t, g) = (slice(t, lt, "targets")?, slice(g, lg, "g")?);
+        if g.len() != n {
+            candle_core::bail!("cross-entropy chunk: g has {} entries for {n} rows", g.len());
+        }
+        let out = match sl {
+            CpuStorage::F32(l) => {
+                ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, |x| x, |x| x).2.map(CpuStorage::F32)
+            }
+            CpuStorage::BF16(l) => ce_rows_cpu(slice(l, ll, "logits")?, t, Some(g), v, bf16::to_f32, bf16::from_f32)
+                .2
+                .map(CpuStorage::BF16),
+            _ => candle_core::bail!("cross-entropy chunk: logits must be f32 or bf16"),
+        };
+        let out = out.ok_or_else(|| candle_core::Error::Msg("cross-entropy chunk: no dlogits".into()))?;
+        Ok((out, Shape::from_dims(&[n, v])))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sl: &candle_core::CudaStorage,
+        ll: &Layout,
+        st: &candle_core::CudaStorage,
+        lt: &Layout,
+        sg: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::launch(sl, ll, st, lt, Some((sg, lg)))
+    }
+}
+
+/// Per-token nll (n) f32 of one chunk of logits (n, V) f32/bf16 and targets (n) u32; not differentiable
+/// (the caller's op owns the backward). Targets must pass `check_targets` first.
+pub fn ce_chunk_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &CeNll)
+}
+
+/// dlogits (n, V) in the logits' dtype: g (softmax(logits) - onehot(targets)), 0 on ignored rows.
+pub fn ce_chunk_dlogits(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(&targets.contiguous()?, &g.contiguous()?, &CeDlogits)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::dims;
+    use crate::ops::cuda::{cfg, dtype_suffix, same_device, u32_arg, view, BLOCK, CROSS_ENTROPY_PTX, MAX_GRID};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+    use half::bf16;
+
+    /// nll (n) when `g` is None, else dlogits (n, V).
+    pub fn launch(
+        sl: &CudaStorage,
+        ll: &Layout,
+        st: &CudaStorage,
+        lt: &Layout,
+        g: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        const OP: &str = "cross-entropy chunk";
+        let sfx = dtype_suffix(sl.dtype(), OP, "logits")?;
+        same_device(sl, st, OP)?;
+        if st.dtype() != DType::U32 {
+            candle_core::bail!("{OP}: targets are {:?}, expected u32", st.dtype());
+        }
+        let (n, v) = dims(ll, lt)?;
+        let (n32, v32) = (u32_arg(n, OP, "rows")?, u32_arg(v, OP, "V")?);
+        let dev = sl.device();
+        let func =
+            dev.get_or_load_custom_func(&format!("cross_entropy_{sfx}"), "harpe_cross_entropy", CROSS_ENTROPY_PTX)?;
+        let t = view::<u32>(st, lt, OP, "targets")?;
+        let nll = dev.alloc_zeros::<f32>(n)?;
+        let null = 0u64;
+        let grid = n32.clamp(1, MAX_GRID);
+        macro_rules! go {
+            ($t:ty) => {{
+                let l = view::<$t>(sl, ll, OP, "logits")?;
+                match g {
+                    None => {
+                        let mut b = func.builder();
+                        b.arg(&l).arg(&t).arg(&null).arg(&nll).arg(&null).arg(&null).arg(&n32).arg(&v32);
+                        // SAFETY: logits n*V, targets and nll n; gout, lse, dlogits null.
+                        unsafe { b.launch(cfg(grid, BLOCK)) }.w()?;
+                        (CudaStorage::wrap_cuda_slice(nll, dev.clone()), Shape::from_dims(&[n]))
+                    }
+                    Some((sg, lg)) => {
+                        same_device(sl, sg, OP)?;
+                        if sg.dtype() != DType::F32 || lg.shape().elem_count() != n {
+                            candle_core::bail!(
+                                "{OP}: g must be f32 with {n} entries, got {:?} {:?}",
+                                sg.dtype(),
+                                lg.shape()
+                            );
+                        }
+                        let gv = view::<f32>(sg, lg, OP, "g")?;
+                        // SAFETY: written in full by the kernel.
+                        let dl = unsafe { dev.alloc::<$t>(n * v)? };
+                        let mut b = func.builder();
+                        b.arg(&l).arg(&t).arg(&gv).arg(&nll).arg(&null).arg(&dl).arg(&n32).arg(&v32);
+                        // SAFETY: logits, dl n*V; targets, g, nll n; lse null.
+                        unsafe { b.launch(cfg(grid, BLOCK)) }.w()?;
+                        (CudaStorage::wrap_cuda_slice(dl, dev.clone()), Shape::from_dims(&[n, v]))
+                    }
+                }
+            }};
+        }
+        Ok(if sl.dtype() == DType::BF16 { go!(bf16) } else { go!(f32) })
+    }
+}
