@@ -22,5 +22,6 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod train;
 pub mod eval;
+pub mod research;
 pub mod demo;
 pub mod util;

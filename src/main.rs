@@ -30,6 +30,10 @@ enum Cmd {
     SearchBases(harpe::model::base_search::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
+    Sweep(harpe::research::sweep::SweepArgs),
+    /// One table of a sweep: mean ± std over seeds, paired differences with 95% intervals, curves, cost
+    Report(harpe::research::report::ReportArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
 }
@@ -45,6 +49,8 @@ fn main() {
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::SearchBases(a) => harpe::model::base_search::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Sweep(a) => harpe::research::sweep::run(a),
+        Cmd::Report(a) => harpe::research::report::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
     };
     if let Err(e) = res {
