@@ -18,9 +18,9 @@
 //!   extension's data order.
 //! Not here: anything that needs downloads; claims about 7B models (the tiny model's ranking need not
 //! match the paper's).
+use crate::data::mixture::{StrategyKind, Weights};
 use crate::data::prepare::prepare_from_texts;
 use crate::data::PrepareOptions;
-use crate::data::mixture::{StrategyKind, Weights};
 use crate::eval::passkey::passkey_prompt;
 use crate::research::report;
 use crate::research::sweep::{harpe_binary, SweepArgs};
@@ -67,10 +67,28 @@ impl Size {
         let t0 = 384;
         if quick {
             let ext_tokens = 2 * step_tokens(t0) as u64;
-            Size { t0, pre_steps: 6, ext_tokens, seeds: vec![0, 1], samples: 2, docs: 40, heldout_docs: 3, loss_seqs: 2 }
+            Size {
+                t0,
+                pre_steps: 6,
+                ext_tokens,
+                seeds: vec![0, 1],
+                samples: 2,
+                docs: 40,
+                heldout_docs: 3,
+                loss_seqs: 2,
+            }
         } else {
             let ext_tokens = 16 * step_tokens(t0) as u64;
-            Size { t0, pre_steps: 400, ext_tokens, seeds: vec![0, 1, 2], samples: 10, docs: 1200, heldout_docs: 8, loss_seqs: 8 }
+            Size {
+                t0,
+                pre_steps: 400,
+                ext_tokens,
+                seeds: vec![0, 1, 2],
+                samples: 10,
+                docs: 1200,
+                heldout_docs: 8,
+                loss_seqs: 8,
+            }
         }
     }
 }
@@ -150,7 +168,12 @@ fn harpe(args: &[&str], log: &Path) -> Result<()> {
     if !o.status.success() {
         let t = String::from_utf8_lossy(&text);
         let tail: Vec<&str> = t.lines().rev().take(12).collect();
-        bail!("harpe {} failed:\n{}\nhint: see {}", args[0], tail.into_iter().rev().collect::<Vec<_>>().join("\n"), log.display());
+        bail!(
+            "harpe {} failed:\n{}\nhint: see {}",
+            args[0],
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+            log.display()
+        );
     }
     Ok(())
 }
@@ -331,8 +354,20 @@ passkey_depths = 5
 fn passkey_scores(model: &Path, out: &Path, lengths: &[usize], samples: usize) -> Result<Vec<(usize, f64)>> {
     let lens: Vec<String> = lengths.iter().map(usize::to_string).collect();
     let args = [
-        "eval-niah", "--model", &p(model)?, "--out", &p(out)?, "--tasks", "passkey", "--lengths", &lens.join(","),
-        "--samples", &samples.to_string(), "--passkey-depths", "5", "--force",
+        "eval-niah",
+        "--model",
+        &p(model)?,
+        "--out",
+        &p(out)?,
+        "--tasks",
+        "passkey",
+        "--lengths",
+        &lens.join(","),
+        "--samples",
+        &samples.to_string(),
+        "--passkey-depths",
+        "5",
+        "--force",
     ];
     harpe(&args, &out.with_extension("log"))?;
     let text = std::fs::read_to_string(out.join("results.json")).context("eval-niah wrote no results.json")?;
@@ -352,7 +387,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let sz = Size::new(args.quick);
     let out = &args.out;
     if out.exists() {
-        std::fs::remove_dir_all(out).with_context(|| format!("cannot clear {}\nhint: pass another --out", out.display()))?;
+        std::fs::remove_dir_all(out)
+            .with_context(|| format!("cannot clear {}\nhint: pass another --out", out.display()))?;
     }
     std::fs::create_dir_all(out.join("data"))
         .with_context(|| format!("cannot create {}\nhint: pass a writable --out", out.display()))?;
@@ -367,7 +403,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     let held = corpus(99, t4, sz.docs / 8 + 4);
     prepare(&held, t4, &tok, &out.join("data").join(format!("heldout_T{t4}")))?;
-    let held_text: String = held.iter().filter(|(s, _)| s != "passkey").map(|(_, t)| format!("{t}\n")).take(sz.heldout_docs).collect();
+    let held_text: String =
+        held.iter().filter(|(s, _)| s != "passkey").map(|(_, t)| format!("{t}\n")).take(sz.heldout_docs).collect();
     std::fs::write(out.join("heldout.txt"), held_text)?;
 
     println!("== [2/5] harpe train: pretrain a tiny Llama at {t0} tokens (plain RoPE, {} steps)", sz.pre_steps);
@@ -387,7 +424,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         println!("   passkey@{l}: {s:.1}{}", if *l > t0 { " (beyond the trained length)" } else { "" });
     }
 
-    println!("== [4/5] harpe sweep: extend to {t4} tokens, 4 arms x {} seeds, {} tokens each", sz.seeds.len(), sz.ext_tokens);
+    println!(
+        "== [4/5] harpe sweep: extend to {t4} tokens, 4 arms x {} seeds, {} tokens each",
+        sz.seeds.len(),
+        sz.ext_tokens
+    );
     let t = Instant::now();
     std::fs::write(out.join("extend.toml"), extend_toml(out, &base, &sz)?)?;
     let sweep_cfg = out.join("sweep.toml");

@@ -52,7 +52,8 @@ fn demo_quick_runs_the_comparison_end_to_end() {
         assert_eq!(r["state"], "done", "{r}");
         let dir = out.join("sweep").join(r["dir"].as_str().unwrap());
         let s = json(&dir.join("eval/summary.json"));
-        for k in [metric, "ppl:heldout-1536", "loss:0-384", "loss:384-768", "loss:768+", "passkey@384", "passkey@1536"] {
+        for k in [metric, "ppl:heldout-1536", "loss:0-384", "loss:384-768", "loss:768+", "passkey@384", "passkey@1536"]
+        {
             assert!(s.get(k).and_then(Value::as_f64).is_some(), "{k} missing in {s}");
         }
         let arm = r["arm"].as_str().unwrap().to_string();

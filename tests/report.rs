@@ -66,10 +66,26 @@ fn report_statistics_match_independent_computation() {
     for s in 0..3u64 {
         let i = s as usize;
         // last-10 mean of the training loss: losses 20 steps, the last ten are 2.0 + i/10 + k/100
-        let ms_loss: Vec<f64> = (0..20).map(|k| if k < 10 { 5.0 } else { 2.0 + i as f64 / 10.0 + k as f64 / 100.0 }).collect();
-        let hp_loss: Vec<f64> = (0..20).map(|k| if k < 10 { 5.0 } else { 1.9 + i as f64 / 20.0 + k as f64 / 100.0 }).collect();
-        dirs.push(write_run(tmp.path(), "ms", s, &ms_loss, &[("passkey@512", ms_pk[i]), ("passkey@2048", ms_long[i])], &spec));
-        dirs.push(write_run(tmp.path(), "harpe", s, &hp_loss, &[("passkey@512", hp_pk[i]), ("passkey@2048", hp_long[i])], &spec));
+        let ms_loss: Vec<f64> =
+            (0..20).map(|k| if k < 10 { 5.0 } else { 2.0 + i as f64 / 10.0 + k as f64 / 100.0 }).collect();
+        let hp_loss: Vec<f64> =
+            (0..20).map(|k| if k < 10 { 5.0 } else { 1.9 + i as f64 / 20.0 + k as f64 / 100.0 }).collect();
+        dirs.push(write_run(
+            tmp.path(),
+            "ms",
+            s,
+            &ms_loss,
+            &[("passkey@512", ms_pk[i]), ("passkey@2048", ms_long[i])],
+            &spec,
+        ));
+        dirs.push(write_run(
+            tmp.path(),
+            "harpe",
+            s,
+            &hp_loss,
+            &[("passkey@512", hp_pk[i]), ("passkey@2048", hp_long[i])],
+            &spec,
+        ));
     }
     let out = tmp.path().join("rep");
     let mut args: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
@@ -90,7 +106,8 @@ fn report_statistics_match_independent_computation() {
         assert!(close(s["std"].as_f64().unwrap(), sd(&vals)), "{m}: {s}");
     }
     // train_loss = mean of the last 10 steps
-    let want: Vec<f64> = (0..3).map(|i| mean(&(10..20).map(|k| 1.9 + i as f64 / 20.0 + k as f64 / 100.0).collect::<Vec<_>>())).collect();
+    let want: Vec<f64> =
+        (0..3).map(|i| mean(&(10..20).map(|k| 1.9 + i as f64 / 20.0 + k as f64 / 100.0).collect::<Vec<_>>())).collect();
     assert!(close(hp["metrics"]["train_loss"]["mean"].as_f64().unwrap(), mean(&want)));
     // cost: tokens seen and summed step time (1000 tokens at 500 tok/s per step, 20 steps)
     assert!(close(hp["metrics"]["cost:tokens"]["mean"].as_f64().unwrap(), 20000.0));
@@ -148,8 +165,10 @@ fn report_reads_a_sweep_index_and_pairs_by_seed() {
     let mut runs = vec![];
     for (arm, seed, v) in [("b", 0, 1.0), ("b", 1, 2.0), ("b", 2, 4.0), ("a", 1, 3.0), ("a", 2, 7.0)] {
         write_run(&root, arm, seed, &[3.0, 2.0], &[("nll:held", v)], &spec);
-        runs.push(json!({"id": format!("{arm}__seed{seed}"), "arm": arm, "seed": seed, "dir": format!("{arm}__seed{seed}"),
-            "state": "done", "attempts": 1, "train_s": 1.0, "eval_s": 1.0}));
+        runs.push(
+            json!({"id": format!("{arm}__seed{seed}"), "arm": arm, "seed": seed, "dir": format!("{arm}__seed{seed}"),
+            "state": "done", "attempts": 1, "train_s": 1.0, "eval_s": 1.0}),
+        );
     }
     runs.push(json!({"id": "a__seed0", "arm": "a", "seed": 0, "dir": "a__seed0", "state": "training", "attempts": 1, "train_s": 0.0, "eval_s": 0.0}));
     let ix = json!({"format": "harpe-sweep-v1", "name": "synthetic", "spec": "s.toml", "eval": spec, "runs": runs});
@@ -176,7 +195,10 @@ fn report_bad_input_names_the_directory_or_arm() {
     let o = report(&[a.to_str().unwrap(), b.to_str().unwrap()]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(e.contains("different settings") && e.contains("x__seed0") && e.contains("y__seed0") && e.contains("hint:"), "{e}");
+    assert!(
+        e.contains("different settings") && e.contains("x__seed0") && e.contains("y__seed0") && e.contains("hint:"),
+        "{e}"
+    );
 
     let c = write_run(tmp.path(), "z", 0, &[1.0], &[("passkey@512", 1.0)], &eval_spec(20));
     let o = report(&[a.to_str().unwrap(), c.to_str().unwrap(), "--baseline", "nope"]);

@@ -82,7 +82,8 @@ force = true
 fn setup(dir: &Path, sweep: &str) {
     std::fs::write(dir.join("base.toml"), BASE).unwrap();
     std::fs::write(dir.join("sweep.toml"), sweep).unwrap();
-    std::fs::write(dir.join("held.txt"), "Ada found a red box by the river. Then Ada went home. 3 + 4 = 7. ".repeat(3)).unwrap();
+    std::fs::write(dir.join("held.txt"), "Ada found a red box by the river. Then Ada went home. 3 + 4 = 7. ".repeat(3))
+        .unwrap();
 }
 
 fn harpe(dir: &Path, args: &[&str]) -> std::process::Output {
@@ -140,7 +141,11 @@ fn sweep_runs_resumes_after_a_kill_and_reports() {
     let log = victim.join("train.log");
     let t0 = Instant::now();
     while !std::fs::read_to_string(&log).unwrap_or_default().contains("stopped by signal") {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the killed run did not stop: {}", std::fs::read_to_string(&log).unwrap_or_default());
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the killed run did not stop: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let ix = index(d);
@@ -214,7 +219,8 @@ fn sweep_bad_input_names_the_key_or_directory() {
     assert!(!o.status.success() && e.contains("arms `rope` and `rope` clash"), "{e}");
 
     // an arm override with an unknown key
-    std::fs::write(d.join("sweep.toml"), sweep_toml("").replace("set = ['rope=", "set = ['optim.nope=1', 'rope=")).unwrap();
+    std::fs::write(d.join("sweep.toml"), sweep_toml("").replace("set = ['rope=", "set = ['optim.nope=1', 'rope="))
+        .unwrap();
     let o = harpe(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("`optim.nope`") && e.contains("arm `harpe`"), "{e}");
@@ -228,7 +234,10 @@ fn sweep_bad_input_names_the_key_or_directory() {
     std::fs::write(foreign.join("sweep-run.json"), marker.to_string()).unwrap();
     let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("rope__seed0") && e.contains("sweep `other`") && e.contains("hint:"), "{e}");
+    assert!(
+        !o.status.success() && e.contains("rope__seed0") && e.contains("sweep `other`") && e.contains("hint:"),
+        "{e}"
+    );
     assert!(!foreign.join("config.toml").exists(), "nothing was trained");
 
     // a plain run directory in the way

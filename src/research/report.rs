@@ -16,7 +16,7 @@
 //! Not here: running anything (the sweep does), significance tests across many metrics.
 use crate::metrics::read_records;
 use crate::research::stats::{paired_diff, summarize, IntervalMethod, PairedDiff, Summary};
-use crate::research::sweep::{read_marker, EvalSpec, SweepIndex, RunState};
+use crate::research::sweep::{read_marker, EvalSpec, RunState, SweepIndex};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -126,8 +126,8 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
             let text = std::fs::read_to_string(&p).with_context(|| {
                 format!("{}: not evaluated yet\nhint: rerun the sweep to finish its evaluation", dir.display())
             })?;
-            let m: BTreeMap<String, f64> =
-                serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: remove it and rerun the sweep", p.display()))?;
+            let m: BTreeMap<String, f64> = serde_json::from_str(&text)
+                .map_err(|e| anyhow!("{}: {e}\nhint: remove it and rerun the sweep", p.display()))?;
             metrics.extend(m);
         }
     }
@@ -153,7 +153,12 @@ pub fn collect_runs(dirs: &[PathBuf]) -> Result<Vec<RunData>> {
                 }
             }
             if !skipped.is_empty() {
-                eprintln!("note: {} runs of {} are not done and left out: {}", skipped.len(), d.display(), skipped.join(", "));
+                eprintln!(
+                    "note: {} runs of {} are not done and left out: {}",
+                    skipped.len(),
+                    d.display(),
+                    skipped.join(", ")
+                );
             }
         } else if d.is_dir() {
             runs.push(load_run(d)?);
@@ -162,7 +167,10 @@ pub fn collect_runs(dirs: &[PathBuf]) -> Result<Vec<RunData>> {
         }
     }
     if runs.is_empty() {
-        bail!("no finished runs in {}\nhint: run `harpe sweep` first", dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", "));
+        bail!(
+            "no finished runs in {}\nhint: run `harpe sweep` first",
+            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+        );
     }
     // one evaluation setting, one run per (arm, seed)
     let first = &runs[0];
@@ -225,7 +233,8 @@ pub fn build(runs: Vec<RunData>, baseline: Option<&str>, interval: IntervalMetho
         Some(b) => bail!("--baseline `{b}` is not an arm of these runs\nhint: arms are: {}", arms.join(", ")),
         None => arms[0].clone(),
     };
-    let mut metrics: Vec<String> = runs.iter().flat_map(|r| r.metrics.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
+    let mut metrics: Vec<String> =
+        runs.iter().flat_map(|r| r.metrics.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
     metrics.sort_by_key(|m| metric_key(m));
     let by_seed = |arm: &str, m: &str| -> BTreeMap<u64, f64> {
         runs.iter().filter(|r| r.arm == arm).filter_map(|r| r.metrics.get(m).map(|v| (r.seed, *v))).collect()
@@ -328,13 +337,17 @@ pub fn markdown(rep: &Report) -> String {
     for a in rep.arms.iter().filter(|a| a.arm != rep.baseline) {
         for m in &rep.metrics {
             if let Some(d) = a.diff.get(m) {
-                let ci = d.ci.map_or("– (n < 2)".into(), |(lo, hi)| format!("[{}, {}]", fmt_num(m, lo), fmt_num(m, hi)));
+                let ci =
+                    d.ci.map_or("– (n < 2)".into(), |(lo, hi)| format!("[{}, {}]", fmt_num(m, lo), fmt_num(m, hi)));
                 s.push_str(&format!("| {} | {m} | {} | {} | {ci} |\n", a.arm, d.n, fmt_num(m, d.mean)));
             }
         }
     }
     s.push_str("\nMetrics: `train_loss` = mean training loss of the last 10 steps; `ppl:`/`nll:` = `harpe eval-ppl`; `loss:` = `harpe eval-loss` by position bucket; `task@length` = `harpe eval-niah` score; `cost:tokens` = training tokens, `cost:train_s` = summed step time in seconds.\n");
-    s.push_str(&format!("\nRuns: {}\n", rep.runs.iter().map(|r| r.dir.display().to_string()).collect::<Vec<_>>().join(", ")));
+    s.push_str(&format!(
+        "\nRuns: {}\n",
+        rep.runs.iter().map(|r| r.dir.display().to_string()).collect::<Vec<_>>().join(", ")
+    ));
     s
 }
 
@@ -393,9 +406,12 @@ pub fn plot_curves(rep: &Report, path: &Path) -> Result<()> {
     for (k, a) in rep.arms.iter().enumerate() {
         let color = Palette99::pick(k).to_rgba();
         for (j, r) in rep.runs.iter().filter(|r| r.arm == a.arm).enumerate() {
-            let s = chart.draw_series(LineSeries::new(r.curve.iter().copied(), color.stroke_width(1))).map_err(|e| err(&e))?;
+            let s = chart
+                .draw_series(LineSeries::new(r.curve.iter().copied(), color.stroke_width(1)))
+                .map_err(|e| err(&e))?;
             if j == 0 {
-                s.label(a.arm.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+                s.label(a.arm.clone())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
             }
         }
     }
@@ -431,7 +447,9 @@ pub fn plot_task(rep: &Report, task: &str, lens: &[u64], path: &Path) -> Result<
         let pts: Vec<(f64, f64, f64)> = lens
             .iter()
             .zip(&xs)
-            .filter_map(|(l, x)| a.metrics.get(&format!("{task}@{l}")).map(|s| (*x + 0.02 * k as f64, s.mean, s.std.unwrap_or(0.0))))
+            .filter_map(|(l, x)| {
+                a.metrics.get(&format!("{task}@{l}")).map(|s| (*x + 0.02 * k as f64, s.mean, s.std.unwrap_or(0.0)))
+            })
             .collect();
         chart
             .draw_series(LineSeries::new(pts.iter().map(|p| (p.0, p.1)), color.stroke_width(2)))
@@ -439,7 +457,9 @@ pub fn plot_task(rep: &Report, task: &str, lens: &[u64], path: &Path) -> Result<
             .label(a.arm.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
         chart
-            .draw_series(pts.iter().map(|p| PathElement::new(vec![(p.0, p.1 - p.2), (p.0, p.1 + p.2)], color.stroke_width(2))))
+            .draw_series(
+                pts.iter().map(|p| PathElement::new(vec![(p.0, p.1 - p.2), (p.0, p.1 + p.2)], color.stroke_width(2))),
+            )
             .map_err(|e| err(&e))?;
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| err(&e))?;
@@ -449,7 +469,8 @@ pub fn plot_task(rep: &Report, task: &str, lens: &[u64], path: &Path) -> Result<
 
 /// Write report.md, report.csv, report.json, loss_curves.png and one PNG per retrieval task; return paths.
 pub fn write(rep: &Report, out: &Path) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}\nhint: pass a writable --out", out.display()))?;
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("cannot create {}\nhint: pass a writable --out", out.display()))?;
     let mut w = vec![];
     let md = out.join("report.md");
     crate::util::write_atomic(&md, markdown(rep).as_bytes())?;

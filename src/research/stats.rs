@@ -77,9 +77,8 @@ pub fn paired_diff(d: &[f64], method: IntervalMethod) -> Option<PairedDiff> {
 pub fn bootstrap_ci(d: &[f64], resamples: usize) -> (f64, f64) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
     let n = d.len();
-    let mut means: Vec<f64> = (0..resamples)
-        .map(|_| (0..n).map(|_| d[rng.random_range(0..n)]).sum::<f64>() / n as f64)
-        .collect();
+    let mut means: Vec<f64> =
+        (0..resamples).map(|_| (0..n).map(|_| d[rng.random_range(0..n)]).sum::<f64>() / n as f64).collect();
     means.sort_by(f64::total_cmp);
     let at = |q: f64| means[((q * (resamples - 1) as f64).round() as usize).min(resamples - 1)];
     (at(0.025), at(0.975))

@@ -349,7 +349,11 @@ impl SweepSpec {
                 .iter()
                 .map(|s| ("arm", s.split('=').next().unwrap_or(s).to_string(), s.clone()))
                 .chain(self.axes.iter().map(|(k, v)| ("axis", k.clone(), format!("{k}={}", value_text(&v[0]).0))))
-                .chain(std::iter::once(("seed_key", self.seed_key.clone(), format!("{}={}", self.seed_key, self.seeds[0]))))
+                .chain(std::iter::once((
+                    "seed_key",
+                    self.seed_key.clone(),
+                    format!("{}={}", self.seed_key, self.seeds[0]),
+                )))
             {
                 let mut base_set = self.set.clone();
                 if what != "arm" {
@@ -375,14 +379,25 @@ impl SweepSpec {
                         anyhow!("{origin}: run `{group}` seed {seed} does not resolve: {e:#}\nhint: check the arm's and the axes' values")
                     })?;
                     let id = format!("{}__seed{seed}", sanitize(&group));
-                    plans.push(RunPlan { id, group: group.clone(), seed, config: config.clone(), set, resolved: r.cfg, hash: r.hash });
+                    plans.push(RunPlan {
+                        id,
+                        group: group.clone(),
+                        seed,
+                        config: config.clone(),
+                        set,
+                        resolved: r.cfg,
+                        hash: r.hash,
+                    });
                 }
             }
         }
         let mut seen = BTreeSet::new();
         for p in &plans {
             if !seen.insert(p.id.clone()) {
-                bail!("{origin}: two runs would share the directory `{}`\nhint: make arm names and axis values distinct", p.id);
+                bail!(
+                    "{origin}: two runs would share the directory `{}`\nhint: make arm names and axis values distinct",
+                    p.id
+                );
             }
         }
         Ok(plans)
@@ -394,7 +409,8 @@ pub fn harpe_binary() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("HARPE_BIN") {
         return Ok(PathBuf::from(p));
     }
-    let exe = std::env::current_exe().context("cannot locate the running executable\nhint: set HARPE_BIN to the harpe binary")?;
+    let exe = std::env::current_exe()
+        .context("cannot locate the running executable\nhint: set HARPE_BIN to the harpe binary")?;
     let stem = exe.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     if stem != "harpe" {
         bail!("{} is not the harpe binary (sweeps start `harpe train` processes)\nhint: set HARPE_BIN to the harpe binary", exe.display());
@@ -446,7 +462,11 @@ pub fn read_marker(dir: &Path) -> Result<RunMarker> {
     let m: RunMarker = serde_json::from_str(&text)
         .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged; remove the run directory to retrain", p.display()))?;
     if m.format != RUN_MARKER_FORMAT {
-        bail!("{}: format `{}` is not {RUN_MARKER_FORMAT}\nhint: written by another harpe version", p.display(), m.format);
+        bail!(
+            "{}: format `{}` is not {RUN_MARKER_FORMAT}\nhint: written by another harpe version",
+            p.display(),
+            m.format
+        );
     }
     Ok(m)
 }
@@ -511,8 +531,9 @@ impl Ctx {
         } else {
             cmd.stdout(logf);
         }
-        let mut child: Child =
-            cmd.spawn().with_context(|| format!("cannot start {}\nhint: set HARPE_BIN to the harpe binary", self.bin.display()))?;
+        let mut child: Child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}\nhint: set HARPE_BIN to the harpe binary", self.bin.display()))?;
         let mut out = String::new();
         let reader = child.stdout.take().map(|mut s| {
             std::thread::spawn(move || {
@@ -619,7 +640,8 @@ fn eval_run(ctx: &Ctx, dir: &Path) -> Result<bool> {
     }
     if let Some(l) = &ctx.eval.loss {
         let buckets: Vec<String> = l.buckets.iter().map(usize::to_string).collect();
-        let mut a = vec!["eval-loss".into(), "--model".into(), model.clone(), "--json".into(), "--data".into(), s(&l.data)];
+        let mut a =
+            vec!["eval-loss".into(), "--model".into(), model.clone(), "--json".into(), "--data".into(), s(&l.data)];
         a.extend(["--buckets".into(), buckets.join(",")]);
         if let Some(m) = l.max_sequences {
             a.extend(["--max-sequences".into(), m.to_string()]);
@@ -631,7 +653,15 @@ fn eval_run(ctx: &Ctx, dir: &Path) -> Result<bool> {
     if let Some(n) = &ctx.eval.niah {
         let out = ev.join("niah");
         let lengths: Vec<String> = n.lengths.iter().map(usize::to_string).collect();
-        let mut a = vec!["eval-niah".into(), "--model".into(), model, "--out".into(), s(&out), "--tasks".into(), n.tasks.clone()];
+        let mut a = vec![
+            "eval-niah".into(),
+            "--model".into(),
+            model,
+            "--out".into(),
+            s(&out),
+            "--tasks".into(),
+            n.tasks.clone(),
+        ];
         a.extend(["--lengths".into(), lengths.join(","), "--samples".into(), n.samples.to_string()]);
         if let Some(e) = &n.essays {
             a.extend(["--essays".into(), s(e)]);
@@ -659,7 +689,9 @@ pub fn eval_summary(ev: &Path, spec: &EvalSpec) -> Result<BTreeMap<String, f64>>
         serde_json::from_str(&t).map_err(|e| anyhow!("{}: {e}\nhint: remove it to re-evaluate", p.display()))
     };
     let num = |v: &serde_json::Value, k: &str, p: &Path| -> Result<f64> {
-        v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| anyhow!("{}: no number `{k}`\nhint: remove it to re-evaluate", p.display()))
+        v.get(k)
+            .and_then(|x| x.as_f64())
+            .ok_or_else(|| anyhow!("{}: no number `{k}`\nhint: remove it to re-evaluate", p.display()))
     };
     let mut m = BTreeMap::new();
     for p in &spec.ppl {
@@ -750,7 +782,12 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
             stages.push(format!("{}x{}", c.stages[i].seq_len, crate::research::report::human_count(steps * per)));
             if let Some(m) = &arch {
                 flops += (steps * per) as f64
-                    * crate::metrics::flops_per_token(m.num_params(), m.num_hidden_layers, m.hidden_size, c.stages[i].seq_len);
+                    * crate::metrics::flops_per_token(
+                        m.num_params(),
+                        m.num_hidden_layers,
+                        m.hidden_size,
+                        c.stages[i].seq_len,
+                    );
             }
         }
         let peak = args.peak_tflops.unwrap_or(if c.log.peak_tflops > 0.0 { c.log.peak_tflops } else { 312.0 });
@@ -759,7 +796,14 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
         total_tokens += tokens;
         total_h += hours;
         let h = if arch.is_some() { format!("{hours:.0}") } else { "?".into() };
-        println!("{:<48} {:>6} {:>14} {:>12}  {}", p.id, p.seed, crate::research::report::human_count(tokens), h, stages.join(" -> "));
+        println!(
+            "{:<48} {:>6} {:>14} {:>12}  {}",
+            p.id,
+            p.seed,
+            crate::research::report::human_count(tokens),
+            h,
+            stages.join(" -> ")
+        );
     }
     println!(
         "{} runs, {} tokens, {} GPU-hours at {:.0}% MFU (6N + 12LCT FLOPs per token, no recompute){}",
@@ -795,8 +839,9 @@ fn load_index(out: &Path, name: &str) -> Result<Option<SweepIndex>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-    let ix: SweepIndex = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged; remove it (run directories are kept and checked)", p.display()))?;
+    let ix: SweepIndex = serde_json::from_str(&text).map_err(|e| {
+        anyhow!("{}: {e}\nhint: the file is damaged; remove it (run directories are kept and checked)", p.display())
+    })?;
     if ix.name != name {
         bail!("{} belongs to sweep `{}`, not `{name}`\nhint: use another --out for this sweep", out.display(), ix.name);
     }
@@ -822,7 +867,8 @@ pub fn run(args: SweepArgs) -> Result<()> {
         bail!("--jobs 0: nothing would run\nhint: --jobs 1 runs one after another");
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(sanitize(&name)));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}\nhint: choose a writable --out", out.display()))?;
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create {}\nhint: choose a writable --out", out.display()))?;
     let old = load_index(&out, &name)?;
     for p in &plans {
         check_run_dir(&out.join(&p.id), &name, p)?;
@@ -924,7 +970,8 @@ pub fn run(args: SweepArgs) -> Result<()> {
         );
     }
     if !failures.is_empty() {
-        let list: Vec<String> = failures.iter().map(|(id, m)| format!("  {id}: {}", m.lines().next().unwrap_or(""))).collect();
+        let list: Vec<String> =
+            failures.iter().map(|(id, m)| format!("  {id}: {}", m.lines().next().unwrap_or(""))).collect();
         bail!(
             "{} of {} runs failed:\n{}\nhint: see each run's train.log / eval.log; rerun the same command to retry them",
             failures.len(),
