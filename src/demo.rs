@@ -16,6 +16,7 @@
 //!   processes started by `harpe sweep`, then `harpe report`; numbers are whatever the runs produce.
 //! - One pretrained base is shared by all arms (continual pretraining, as in the paper); seeds change the
 //!   extension's data order.
+//!
 //! Not here: anything that needs downloads; claims about 7B models (the tiny model's ranking need not
 //! match the paper's).
 use crate::data::mixture::{StrategyKind, Weights};

@@ -247,3 +247,24 @@ fn sweep_bad_input_names_the_key_or_directory() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("rope__seed0") && e.contains("not part of sweep `tiny`"), "{e}");
 }
+
+#[test]
+fn the_shipped_full_scale_sweeps_resolve() {
+    // every recipe and override of configs/sweeps/ resolves (the model need not exist for --dry-run)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (file, runs, arm) in [
+        ("configs/sweeps/harpe-vs-multistage.toml", 30, "abf-ms-32k-64k-128k-split114__seed2"),
+        ("configs/sweeps/data-strategies.toml", 15, "upsample-book__seed1"),
+    ] {
+        let o = harpe(root, &["sweep", "--config", file, "--dry-run"]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{file}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(text.contains(&format!("{runs} runs")) && text.contains(arm), "{file}: {text}");
+    }
+    let o = harpe(
+        root,
+        &["sweep", "--config", "configs/sweeps/harpe-vs-multistage.toml", "--dry-run", "--only", "split114"],
+    );
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("32768x1.00B -> 65536x1.00B -> 131072x4.00B") && text.contains("3 runs"), "{text}");
+}

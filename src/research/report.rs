@@ -13,6 +13,7 @@
 //!   mix is an error that names two directories, never a silently mixed table.
 //! - `train_loss` is the mean training loss of the last 10 logged steps (one step is too noisy); the cost
 //!   is tokens seen and the summed step times from `metrics.jsonl` (so resumed runs count once).
+//!
 //! Not here: running anything (the sweep does), significance tests across many metrics.
 use crate::metrics::read_records;
 use crate::research::stats::{paired_diff, summarize, IntervalMethod, PairedDiff, Summary};

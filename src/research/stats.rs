@@ -7,6 +7,7 @@
 //! a sample of the run-to-run noise; with n = 1 it and every interval are undefined (None), never 0.
 //! The bootstrap resamples the paired differences with a fixed-seed generator, so a report is
 //! reproducible byte for byte.
+//!
 //! Not here: multiple-comparison corrections, unpaired (Welch) tests.
 use rand::{Rng, SeedableRng};
 use statrs::distribution::{ContinuousCDF, StudentsT};

@@ -19,6 +19,7 @@
 //!   `harpe report` reads arms and seeds from it.
 //! - Children get SIGTERM when the sweep dies (Linux `PR_SET_PDEATHSIG`), and a SIGINT/SIGTERM to the
 //!   sweep is forwarded once, so every child checkpoints and a rerun resumes.
+//!
 //! Not here: scheduling across machines (run one sweep per node on disjoint `--only` sets, or a cluster
 //! launcher), the statistics (`report.rs`).
 use crate::checkpoint::{latest_complete, load_state};
