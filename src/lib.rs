@@ -29,6 +29,7 @@ pub mod plan;
 pub mod train;
 pub mod eval;
 pub mod bases;
+pub mod research;
 pub mod demo;
 pub mod selftest;
 pub mod bench;

@@ -32,6 +32,10 @@ enum Cmd {
     Inspect(harpe::model::inspect::InspectArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
     Plan(harpe::plan::PlanArgs),
+    /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
+    Sweep(harpe::research::sweep::SweepArgs),
+    /// One table of a sweep: mean ± std over seeds, paired differences with 95% intervals, curves, cost
+    Report(harpe::research::report::ReportArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
     Demo(harpe::demo::DemoArgs),
     /// Start or join a multi-process group, rendezvous, share a payload, barrier (launcher smoke test)
@@ -55,6 +59,8 @@ fn main() {
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Plan(a) => harpe::plan::run(a),
+        Cmd::Sweep(a) => harpe::research::sweep::run(a),
+        Cmd::Report(a) => harpe::research::report::run(a),
         Cmd::Demo(a) => harpe::demo::run(a),
         Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),
         Cmd::Selftest(a) => harpe::selftest::run(a),
