@@ -69,6 +69,7 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     row_l[tid] = 0.0f;
   }
   float acc[PER];
+  #pragma unroll
   for (int p = 0; p < PER; ++p) acc[p] = 0.0f;
   // keys this tile can see: all, or up to the causal position of its last valid row
   const unsigned last = (q0 + BQ < tq ? q0 + BQ : tq) - 1;
@@ -115,6 +116,7 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
       row_corr[tid] = corr;
     }
     __syncthreads();
+    #pragma unroll
     for (int p = 0; p < PER; ++p) {
       const unsigned e = tid + p * ATTN_NT, r = e / D, c = e % D;
       float a = acc[p] * row_corr[r];
@@ -123,6 +125,8 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     }
     __syncthreads();  // ks/vs/ss are rewritten by the next tile
   }
+
+  #pragma unroll
 
   for (int p = 0; p < PER; ++p) {
     const unsigned e = tid + p * ATTN_NT, r = e / D, c = e % D;
@@ -177,6 +181,7 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     vs[r][c] = in ? load_f32(v[kvoff + (size_t)(k0 + r) * D + c]) : 0.0f;
   }
   float dk_acc[PER], dv_acc[PER];
+  #pragma unroll
   for (int p = 0; p < PER; ++p) dk_acc[p] = dv_acc[p] = 0.0f;
   // first query row that can see key k0: qpos(i) >= k0  <=>  i >= k0 - (tk - tq)
   unsigned qstart = 0;
@@ -218,6 +223,7 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
         dss[i][j] = p * (dp - delta_s[i]);
       }
       __syncthreads();
+      #pragma unroll
       for (int p = 0; p < PER; ++p) {
         const unsigned e = tid + p * ATTN_NT, j = e / D, c = e % D;
         float a = 0.0f, b = 0.0f;
@@ -239,6 +245,7 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
       __syncthreads();  // qs/dos/ps/dss are rewritten by the next query tile
     }
   }
+  #pragma unroll
   for (int p = 0; p < PER; ++p) {
     const unsigned e = tid + p * ATTN_NT, j = e / D, c = e % D;
     if (k0 + j < tk) {
