@@ -43,7 +43,11 @@ pub fn dims_of(lq: &Layout, lk: &Layout, lv: &Layout, causal: bool) -> Result<At
 
 fn same_dtype(a: &CudaStorage, b: &CudaStorage, what: &str) -> Result<()> {
     if a.dtype() != b.dtype() {
-        bail!("attention (cuda): {what} is {:?} but q is {:?}\nhint: cast q, k, v (and dO) to one dtype", b.dtype(), a.dtype());
+        bail!(
+            "attention (cuda): {what} is {:?} but q is {:?}\nhint: cast q, k, v (and dO) to one dtype",
+            b.dtype(),
+            a.dtype()
+        );
     }
     same_device(a, b, "attention")
 }
@@ -74,8 +78,11 @@ pub fn fwd(
     let lse = unsafe { dev.alloc::<f32>(b * h * tq)? };
     macro_rules! go {
         ($t:ty) => {{
-            let (q, k, v) =
-                (view::<$t>(sq, lq, "attention", "q")?, view::<$t>(sk, lk, "attention", "k")?, view::<$t>(sv, lv, "attention", "v")?);
+            let (q, k, v) = (
+                view::<$t>(sq, lq, "attention", "q")?,
+                view::<$t>(sk, lk, "attention", "k")?,
+                view::<$t>(sv, lv, "attention", "v")?,
+            );
             // SAFETY: written in full by the kernel (every valid row of every head).
             let o = unsafe { dev.alloc::<$t>(b * h * tq * d)? };
             let mut bld = func.builder();
@@ -137,11 +144,16 @@ pub fn bwd(
     let dq_acc = dev.alloc_zeros::<f32>(b * h * tq * d)?;
     macro_rules! go {
         ($t:ty) => {{
-            let (q, k, v) =
-                (view::<$t>(sq, lq, "attention", "q")?, view::<$t>(sk, lk, "attention", "k")?, view::<$t>(sv, lv, "attention", "v")?);
+            let (q, k, v) = (
+                view::<$t>(sq, lq, "attention", "q")?,
+                view::<$t>(sk, lk, "attention", "k")?,
+                view::<$t>(sv, lv, "attention", "v")?,
+            );
             let (o, dout) = (view::<$t>(so, lo, "attention", "O")?, view::<$t>(sd, ld, "attention", "dO")?);
             // SAFETY: dq by the convert kernel, dk/dv by the backward (every valid key row), all in full.
-            let (dq, dk, dv) = unsafe { (dev.alloc::<$t>(nq as usize)?, dev.alloc::<$t>(b * hkv * tk * d)?, dev.alloc::<$t>(b * hkv * tk * d)?) };
+            let (dq, dk, dv) = unsafe {
+                (dev.alloc::<$t>(nq as usize)?, dev.alloc::<$t>(b * hkv * tk * d)?, dev.alloc::<$t>(b * hkv * tk * d)?)
+            };
             let mut bld = f_delta.builder();
             bld.arg(&o).arg(&dout).arg(&delta).arg(&rows32).arg(&d32);
             // SAFETY: o, dout hold rows*d; delta rows.
