@@ -81,11 +81,11 @@ fn naive_bf16(
                 let oi = oi.to_vec();
                 let doi = &dout[(bh * tq + i) * d..(bh * tq + i + 1) * d];
                 let delta = dot16(doi, &oi);
-                for j in 0..lim {
-                    let ds = r16(p[j] * r16(dot16(doi, vj(j)) - delta));
+                for (j, &pj) in p.iter().enumerate() {
+                    let ds = r16(pj * r16(dot16(doi, vj(j)) - delta));
                     for c in 0..d {
                         let kk = (kvh * tk + j) * d + c;
-                        dv[kk] = r16(dv[kk] + r16(p[j] * doi[c]));
+                        dv[kk] = r16(dv[kk] + r16(pj * doi[c]));
                         dk[kk] = r16(dk[kk] + r16(scale * r16(ds * qi[c])));
                         let qq = (bh * tq + i) * d + c;
                         dq[qq] = r16(dq[qq] + r16(scale * r16(ds * kj(j)[c])));
@@ -121,7 +121,8 @@ fn check_case<T: AttnFloat>(dims: AttnDims, causal: bool, bf: bool, seed: u64) {
     let e = max_err(&lse, &lse_ref);
     assert!(e <= 1e-5 * max_abs(&lse_ref).max(1.0), "{case}: lse err {e:e}");
     let naive = if bf { Some(naive_bf16(&q, &k, &v, &dout, dims, scale, causal)) } else { None };
-    let outs: [(&str, &[f32], &[f32], Option<&[f32]>); 4] = [
+    type Out<'a> = (&'a str, &'a [f32], &'a [f32], Option<&'a [f32]>);
+    let outs: [Out; 4] = [
         ("O", &o, &o_ref, naive.as_ref().map(|n| &n.0[..])),
         ("dQ", &dq, &dq_ref, naive.as_ref().map(|n| &n.2[..])),
         ("dK", &dk, &dk_ref, naive.as_ref().map(|n| &n.3[..])),
