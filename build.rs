@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 4] = ["rope", "rms_norm", "cross_entropy", "adamw"];
+const KERNELS: [&str; 5] = ["rope", "rms_norm", "cross_entropy", "adamw", "attention"];
 
 fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));

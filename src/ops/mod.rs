@@ -5,4 +5,6 @@ pub mod cross_entropy_chunk;
 pub mod rms_norm;
 pub mod rotary;
 #[cfg(feature = "cuda")]
+pub mod attention_cuda;
+#[cfg(feature = "cuda")]
 pub mod cuda;
