@@ -98,7 +98,10 @@ impl MetricsLog {
             for (i, line) in read_lines(path)? {
                 let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| damaged(path, i, &e))?;
                 let step = v.get("step").and_then(|s| s.as_u64()).ok_or_else(|| {
-                    anyhow!("{}:{i}: no integer `step`\nhint: the metrics file is damaged; delete the bad line", path.display())
+                    anyhow!(
+                        "{}:{i}: no integer `step`\nhint: the metrics file is damaged; delete the bad line",
+                        path.display()
+                    )
                 })?;
                 if step <= keep_upto {
                     text.push_str(&line);

@@ -70,11 +70,8 @@ impl TrainEval {
             None => None,
             Some(dir) => Some((dir.clone(), open_loss_data(dir, tok_sha)?)),
         };
-        let last_step = if metrics.exists() {
-            crate::metrics::read_evals(metrics)?.iter().map(|r| r.step).max()
-        } else {
-            None
-        };
+        let last_step =
+            if metrics.exists() { crate::metrics::read_evals(metrics)?.iter().map(|r| r.step).max() } else { None };
         Ok(Some(TrainEval { cfg: cfg.clone(), tok, docs, passkey: pk, loss, loss_chunk, last_step }))
     }
 
