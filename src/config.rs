@@ -36,6 +36,9 @@ pub struct RunConfig {
     pub dist: DistSection,
     #[serde(default)]
     pub log: LogSection,
+    /// evaluation during training (absent: none)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalSection>,
     /// the stages, run in order
     #[serde(default, rename = "stage")]
     pub stages: Vec<StageSection>,
@@ -326,6 +329,67 @@ impl Default for LogSection {
     }
 }
 
+/// `[eval]`: evaluate the training weights in place every `every` optimizer steps, at each stage's end
+/// and at the end of the run. Each part runs only when its key is given.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSection {
+    /// evaluate every N optimizer steps (0 or absent: only at stage ends and at the end)
+    #[serde(default)]
+    pub every: u64,
+    /// text inputs for sliding-window perplexity, as `eval-ppl --input` (.txt, .jsonl, directories)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ppl_inputs: Vec<PathBuf>,
+    /// perplexity window W (default: the current stage's seq_len)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppl_window: Option<usize>,
+    /// perplexity stride S (default: half the window)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppl_stride: Option<usize>,
+    /// cut each perplexity document to its first N tokens
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppl_max_tokens: Option<usize>,
+    /// passkey retrieval at these lengths in tokens
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passkey_lengths: Vec<usize>,
+    /// passkey samples per length
+    #[serde(default = "d_passkey_samples")]
+    pub passkey_samples: usize,
+    /// prepared dataset (from `harpe prepare-data`) for the loss by position bucket
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_data: Option<PathBuf>,
+    /// upper ends of the loss position buckets, ascending (as `eval-loss --buckets`)
+    #[serde(default = "d_loss_buckets")]
+    pub loss_buckets: Vec<usize>,
+    /// evaluate at most this many sequences of `loss_data`
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_max_sequences: Option<usize>,
+}
+
+fn d_passkey_samples() -> usize {
+    10
+}
+fn d_loss_buckets() -> Vec<usize> {
+    vec![4096, 32768, 131072]
+}
+
+impl EvalSection {
+    /// Checks serde cannot express: the window rule (`eval::ppl::windows`), buckets, sample counts.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        if let Some(w) = self.ppl_window {
+            crate::eval::ppl::windows(2, w, self.ppl_stride.unwrap_or((w / 2).max(1)))
+                .map_err(|e| anyhow!("{origin}: [eval] ppl_window/ppl_stride: {e:#}"))?;
+        } else if self.ppl_stride == Some(0) {
+            bail!("{origin}: [eval] ppl_stride = 0 never advances\nhint: omit it (half the window) or give 1..=ppl_window");
+        }
+        if !self.passkey_lengths.is_empty() && self.passkey_samples == 0 {
+            bail!("{origin}: [eval] passkey_samples = 0 with passkey_lengths set\nhint: e.g. passkey_samples = 10");
+        }
+        crate::eval::eval_loss::check_buckets(&self.loss_buckets, "[eval] loss_buckets")
+            .map_err(|e| anyhow!("{origin}: {e:#}"))
+    }
+}
+
 /// `[[stage]]`: one phase of training.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -568,12 +632,22 @@ impl RunConfig {
         if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0 && self.optim.eps > 0.0) {
             bail!("{origin}: optim.lr must be >= 0 and optim.eps > 0\nhint: e.g. lr = 2e-5, eps = 1e-8");
         }
+        if let Some(e) = &self.eval {
+            e.validate(origin)?;
+        }
         if let Some(a) = &self.model.init {
             if a.num_hidden_layers == 0 || a.hidden_size == 0 || a.num_attention_heads == 0 || a.vocab_size == 0 {
                 bail!("{origin}: [model.init] sizes must be > 0\nhint: see configs/tiny-cpu.toml");
             }
         }
         Ok(())
+    }
+
+    /// The perplexity window and stride of `[eval]` during stage `i` (defaults: seq_len and half of it).
+    pub fn eval_ppl_window(&self, i: usize) -> Option<(usize, usize)> {
+        let e = self.eval.as_ref()?;
+        let w = e.ppl_window.unwrap_or(self.stages[i].seq_len);
+        Some((w, e.ppl_stride.unwrap_or((w / 2).max(1))))
     }
 
     /// Optimizer steps of stage `i` and its tokens per step.

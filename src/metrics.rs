@@ -1,5 +1,6 @@
-//! Training metrics: one JSON object per optimizer step in `metrics.jsonl`, the console step line,
-//! process memory from /proc, and the loss-curve PNG drawn at the end.
+//! Training metrics: one JSON object per optimizer step in `metrics.jsonl` (plus one per evaluation
+//! during training, told apart by its `eval` key), the console step line, process memory from /proc,
+//! the loss-curve PNG drawn at the end and the evaluation PNG.
 //!
 //! Reference: nanoGPT's step line; PaLM appendix B for MFU (model FLOPs = 6 N + 12 L C T per token,
 //! counted without the activation recompute). The non-obvious decision: memory is measured, not
@@ -89,18 +90,24 @@ pub struct MetricsLog {
 }
 
 impl MetricsLog {
-    /// Open for appending, keeping only records with `step <= keep_upto` (the ones before a resume
-    /// point; later ones are replayed by the resumed run).
+    /// Open for appending, keeping only lines with `step <= keep_upto` (the ones before a resume point;
+    /// later ones are replayed by the resumed run). Step and evaluation lines are kept verbatim.
     pub fn open(path: &Path, keep_upto: u64) -> Result<MetricsLog> {
-        let kept: Vec<StepRecord> = if path.exists() {
-            read_records(path)?.into_iter().filter(|r| r.step <= keep_upto).collect()
-        } else {
-            vec![]
-        };
         let mut text = String::new();
-        for r in &kept {
-            text.push_str(&serde_json::to_string(r)?);
-            text.push('\n');
+        if path.exists() {
+            for (i, line) in read_lines(path)? {
+                let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| damaged(path, i, &e))?;
+                let step = v.get("step").and_then(|s| s.as_u64()).ok_or_else(|| {
+                    anyhow!(
+                        "{}:{i}: no integer `step`\nhint: the metrics file is damaged; delete the bad line",
+                        path.display()
+                    )
+                })?;
+                if step <= keep_upto {
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+            }
         }
         crate::util::write_atomic(path, text.as_bytes())?;
         let file = std::fs::OpenOptions::new().append(true).open(path).with_context(|| {
@@ -109,26 +116,96 @@ impl MetricsLog {
         Ok(MetricsLog { file })
     }
 
-    /// Append one record.
+    /// Append one step record.
     pub fn write(&mut self, r: &StepRecord) -> Result<()> {
-        let line = serde_json::to_string(r)?;
+        self.write_line(&serde_json::to_string(r)?)
+    }
+
+    /// Append one evaluation record.
+    pub fn write_eval(&mut self, r: &EvalRecord) -> Result<()> {
+        self.write_line(&serde_json::to_string(r)?)
+    }
+
+    fn write_line(&mut self, line: &str) -> Result<()> {
         writeln!(self.file, "{line}").context("writing metrics.jsonl failed\nhint: is the disk full?")?;
         self.file.flush().context("flushing metrics.jsonl failed")
     }
 }
 
-/// Read every record of a `metrics.jsonl`.
-pub fn read_records(path: &Path) -> Result<Vec<StepRecord>> {
+/// One evaluation during training, a line of `metrics.jsonl` beside the step lines:
+/// `{"step": N, "stage": S, "eval": {...}}` (readers tell the two apart by the `eval` key).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    /// optimizer steps done when the weights were evaluated
+    pub step: u64,
+    pub stage: usize,
+    pub eval: EvalResults,
+}
+
+/// The configured parts of one evaluation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalResults {
+    /// sliding-window perplexity of `[eval] ppl_inputs` (token-weighted, as `eval-ppl`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppl: Option<PplSummary>,
+    /// passkey accuracy in percent by length in tokens
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub passkey: BTreeMap<String, f64>,
+    /// mean loss of `[eval] loss_data` by position bucket ("0-4K", ...)
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "nan_map_if_null")]
+    pub loss_by_bucket: BTreeMap<String, f64>,
+}
+
+/// `eval-ppl`'s headline numbers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PplSummary {
+    #[serde(deserialize_with = "nan_if_null")]
+    pub nll: f64,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub ppl: f64,
+    pub tokens: usize,
+}
+
+fn damaged(path: &Path, line: usize, e: &dyn std::fmt::Display) -> anyhow::Error {
+    anyhow!("{}:{line}: {e}\nhint: the metrics file is damaged; delete the bad line", path.display())
+}
+
+/// Non-empty lines of a file with their 1-based numbers.
+fn read_lines(path: &Path) -> Result<Vec<(usize, String)>> {
     let f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut out = vec![];
     for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
+        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), i + 1))?;
+        if !line.trim().is_empty() {
+            out.push((i + 1, line));
         }
-        out.push(serde_json::from_str(&line).map_err(|e| {
-            anyhow!("{}:{}: {e}\nhint: the metrics file is damaged; delete the bad line", path.display(), i + 1)
-        })?);
+    }
+    Ok(out)
+}
+
+/// Whether a metrics line is an evaluation line (the one rule readers use to tell lines apart).
+pub fn is_eval_line(line: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v.get("eval").is_some())
+}
+
+/// Read every step record of a `metrics.jsonl` (evaluation lines are skipped).
+pub fn read_records(path: &Path) -> Result<Vec<StepRecord>> {
+    let mut out = vec![];
+    for (i, line) in read_lines(path)? {
+        if !is_eval_line(&line) {
+            out.push(serde_json::from_str(&line).map_err(|e| damaged(path, i, &e))?);
+        }
+    }
+    Ok(out)
+}
+
+/// Read every evaluation record of a `metrics.jsonl` (step lines are skipped).
+pub fn read_evals(path: &Path) -> Result<Vec<EvalRecord>> {
+    let mut out = vec![];
+    for (i, line) in read_lines(path)? {
+        if is_eval_line(&line) {
+            out.push(serde_json::from_str(&line).map_err(|e| damaged(path, i, &e))?);
+        }
     }
     Ok(out)
 }
@@ -199,6 +276,67 @@ pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()>
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// Draw the evaluations over steps into a PNG: NLLs (perplexity inputs, loss buckets) on the left,
+/// passkey accuracy on the right; a panel with nothing to show is left out.
+pub fn plot_evals(records: &[EvalRecord], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    type Series = BTreeMap<String, Vec<(f64, f64)>>;
+    let (mut nll, mut acc): (Series, Series) = Default::default();
+    for r in records {
+        let x = r.step as f64;
+        if let Some(p) = r.eval.ppl.as_ref().filter(|p| p.nll.is_finite()) {
+            nll.entry("ppl inputs (nll)".into()).or_default().push((x, p.nll));
+        }
+        for (b, v) in r.eval.loss_by_bucket.iter().filter(|(_, v)| v.is_finite()) {
+            nll.entry(format!("loss {b}")).or_default().push((x, *v));
+        }
+        for (l, v) in &r.eval.passkey {
+            acc.entry(format!("passkey {l}")).or_default().push((x, *v));
+        }
+    }
+    let panels: Vec<(&str, Series)> =
+        [("nll", nll), ("passkey accuracy %", acc)].into_iter().filter(|(_, s)| !s.is_empty()).collect();
+    if panels.is_empty() {
+        return Ok(());
+    }
+    let err = |e: &dyn std::fmt::Display| {
+        anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display())
+    };
+    let root = BitMapBackend::new(path, (600 * panels.len() as u32, 450)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let areas = root.split_evenly((1, panels.len()));
+    for ((desc, series), area) in panels.iter().zip(&areas) {
+        let pts = series.values().flatten();
+        let (x0, x1) = pts.clone().fold((f64::INFINITY, f64::NEG_INFINITY), |a, p| (a.0.min(p.0), a.1.max(p.0)));
+        let (lo, hi) = pts.fold((f64::INFINITY, f64::NEG_INFINITY), |a, p| (a.0.min(p.1), a.1.max(p.1)));
+        let pad = ((hi - lo) * 0.05).max(1e-3);
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("harpe train: eval {desc}"), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x0..x1.max(x0 + 1.0), (lo - pad)..(hi + pad))
+            .map_err(|e| err(&e))?;
+        chart.configure_mesh().x_desc("optimizer step").y_desc(*desc).draw().map_err(|e| err(&e))?;
+        for (k, (name, pts)) in series.iter().enumerate() {
+            let color = Palette99::pick(k).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(name.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `harpe train`: THE training loop. `run` reads as the loop itself: open the run, then for every stage
 //! `Stage::open`, and for every step `train_step` (data -> model -> chunked loss -> layer-wise backward
 //! -> gradient all-reduce -> clip -> AdamW on this rank's fp32 shard -> all-gather + write-back),
-//! `log_step`, `check_bad_streak`, `maybe_checkpoint`; a single `finish` at the end, also on a signal.
+//! `log_step`, `check_bad_streak`, `maybe_evaluate` (`[eval]`), `maybe_checkpoint`; a single `finish` at the end, also on a signal.
 //!
 //! Reference: llm.c `train_gpt2.cu` "TRAINING SECTION" (one straight loop), HARPE §4 and spec §3
 //! (multi-stage ABF, constant lr 2e-5, AdamW 0.9/0.95), Chen et al. 2016 (activation checkpointing).
@@ -22,7 +22,7 @@
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
 //!
 //! What this file does not do: multi-rank backends (comms/ refuses them for now), document masks inside
-//! packed sequences (Fu et al. train without them), evaluation during training.
+//! packed sequences (Fu et al. train without them); the evaluation rules (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
 use crate::comms::zero::{self, ShardMap, Split};
 use crate::comms::{Comm, Mesh};
@@ -31,6 +31,7 @@ use crate::data::loader::source_name;
 use crate::data::{
     builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence,
 };
+use crate::eval::in_training::{eval_line, TrainEval};
 use crate::flatbuf::FlatBuf;
 use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
@@ -290,6 +291,13 @@ fn tokenizer_path(cfg: &RunConfig, run_dir: &Path) -> Result<PathBuf> {
 /// Run `harpe train`.
 pub fn run(args: TrainArgs) -> Result<()> {
     let mut r = Run::open(&args)?;
+    let mut ev = TrainEval::open(
+        r.cfg.eval.as_ref(),
+        &r.tokenizer,
+        &r.tok_sha,
+        &r.run_dir.join("metrics.jsonl"),
+        r.cfg.train.loss_chunk_tokens,
+    )?;
     let mut end = End::Done;
     'stages: for si in r.state.stage..r.cfg.stages.len() {
         let mut stage = Stage::open(&mut r, si)?;
@@ -300,6 +308,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             let out = train_step(&mut r, &mut stage)?;
             log_step(&mut r, &stage, &out)?;
             r.check_bad_streak()?;
+            maybe_evaluate(&mut r, &stage, ev.as_mut())?;
             maybe_checkpoint(&mut r, &stage, &out)?;
             if r.stop.load(Ordering::SeqCst) {
                 stage.close();
@@ -630,6 +639,26 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
     }
     if let Some(pb) = &s.pb {
         pb.set_position(r.state.stage_step);
+    }
+    Ok(())
+}
+
+/// Evaluate the training weights in place (`[eval]`) every `eval.every` steps, at a stage's end and at
+/// `--steps`; log the line to metrics.jsonl (before the step's checkpoint, so a resume from that
+/// checkpoint keeps it), print it, redraw eval.png.
+fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<()> {
+    let Some(ev) = ev else { return Ok(()) };
+    let boundary = r.state.stage_step == s.steps || r.state.step >= r.limit;
+    if !ev.due(r.state.step, boundary) {
+        return Ok(());
+    }
+    let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
+    let rec = ev.evaluate(&s.model, r.state.step, s.si, window)?;
+    r.log.write_eval(&rec)?;
+    r.say(s, eval_line(&rec));
+    if r.cfg.log.plot {
+        let recs = metrics::read_evals(&r.run_dir.join("metrics.jsonl"))?;
+        metrics::plot_evals(&recs, &r.run_dir.join("eval.png"))?;
     }
     Ok(())
 }

@@ -8,11 +8,12 @@
 use crate::data::loader::source_name;
 use crate::data::{Loader, LoaderConfig};
 use crate::eval::ppl::{position_nlls, ScoringModel};
+use crate::model::Llama;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Loss by source and position bucket on a prepared dataset.
 #[derive(clap::Args, Debug)]
@@ -86,12 +87,7 @@ pub fn bucket_labels(bounds: &[usize]) -> Vec<String> {
 
 /// Evaluate.
 pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
-    if args.buckets.is_empty() || args.buckets.windows(2).any(|w| w[0] >= w[1]) || args.buckets[0] == 0 {
-        bail!(
-            "--buckets {:?} must be positive and strictly ascending\nhint: e.g. --buckets 4096,32768,131072",
-            args.buckets
-        );
-    }
+    check_buckets(&args.buckets, "--buckets")?;
     let model = args.scoring.load()?;
     let seq_len = crate::data::Manifest::load(&args.data)?.seq_len;
     let loader = Loader::open(&args.data, LoaderConfig { seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 })?;
@@ -109,25 +105,47 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
     if seq_len > model.max_context() {
         eprintln!("warning: sequences of {seq_len} tokens exceed max_position_embeddings {}", model.max_context());
     }
-    let labels = bucket_labels(&args.buckets);
+    loss_report(&model, &loader, &args.data, &args.buckets, args.max_sequences, args.scoring.loss_chunk)
+}
+
+/// Bucket boundaries must be positive and strictly ascending; `what` names the flag or config key.
+pub fn check_buckets(buckets: &[usize], what: &str) -> Result<()> {
+    if buckets.is_empty() || buckets.windows(2).any(|w| w[0] >= w[1]) || buckets[0] == 0 {
+        bail!("{what} {buckets:?} must be positive and strictly ascending\nhint: e.g. {what} 4096,32768,131072");
+    }
+    Ok(())
+}
+
+/// Score the first `max_sequences` sequences of an opened (unshuffled) dataset under `model`, by source
+/// and position bucket (shared by `eval-loss` and evaluation during training).
+pub fn loss_report(
+    model: &Llama,
+    loader: &Loader,
+    data: &Path,
+    buckets: &[usize],
+    max_sequences: Option<usize>,
+    chunk: usize,
+) -> Result<LossReport> {
+    let man = loader.manifest();
+    let labels = bucket_labels(buckets);
     let names = man.source_names.clone();
     let n = loader.sequences_per_epoch() as usize;
-    let n = args.max_sequences.map_or(n, |m| m.min(n));
+    let n = max_sequences.map_or(n, |m| m.min(n));
     let mut rep = LossReport { sequences: n, ..Default::default() };
     let dev = model.device().clone();
     for g in 0..n {
         let seq = loader.get(g as u64)?;
         let t = seq.tokens.len();
         if let Some(bad) = seq.tokens.iter().find(|&&i| i as usize >= model.cfg.vocab_size) {
-            bail!("{}: token id {bad} in sequence {g} is >= vocab_size {}\nhint: the dataset does not belong to this model", args.data.display(), model.cfg.vocab_size);
+            bail!("{}: token id {bad} in sequence {g} is >= vocab_size {}\nhint: the dataset does not belong to this model", data.display(), model.cfg.vocab_size);
         }
         let x = Tensor::new(seq.tokens.as_slice(), &dev)?.unsqueeze(0)?; // (1, T)
         let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)
-        let nlls = position_nlls(&model, &hidden, &seq.tokens, 0, t - 1, args.scoring.loss_chunk)?;
+        let nlls = position_nlls(model, &hidden, &seq.tokens, 0, t - 1, chunk)?;
         for (p, nll) in nlls.into_iter().enumerate() {
             let target = p + 1;
             let src = source_name(&names, seq.source_of(target));
-            let b = &labels[args.buckets.partition_point(|&e| e <= target)];
+            let b = &labels[buckets.partition_point(|&e| e <= target)];
             rep.total.add(nll);
             rep.by_source.entry(src.clone()).or_default().add(nll);
             rep.by_bucket.entry(b.clone()).or_default().add(nll);

@@ -1,7 +1,8 @@
-//! Evaluation: sliding-window perplexity, KV-cached generation, needle-in-a-haystack suites.
+//! Evaluation: sliding-window perplexity, evaluation during training, KV-cached generation, needle-in-a-haystack suites.
 pub mod eval_loss;
 pub mod generate;
 pub mod heatmap;
+pub mod in_training;
 pub mod needle_grid;
 pub mod niah;
 pub mod niah_io;

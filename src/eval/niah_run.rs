@@ -667,20 +667,33 @@ fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: 
         }
         eprintln!("warning: {msg}; running anyway (--force)");
     }
-    let bos = model.cfg.bos_token_id;
-    let eos = model.cfg.eos_token_id.clone();
     let chunk = args.prefill_chunk.max(1);
-    Ok(Box::new(move |prompt: &str, max_new_tokens: usize| {
-        let enc = tok.encode_fast(prompt, false).map_err(|e| anyhow::anyhow!("tokenizer failed: {e}"))?;
-        let ids: Vec<u32> = bos.into_iter().chain(enc.get_ids().iter().copied()).collect();
-        let opts =
-            crate::eval::generate::GenerateOptions { max_new_tokens, stop_tokens: eos.clone(), prefill_chunk: chunk };
-        let mut new = crate::eval::generate::greedy_generate(&model, &ids, &opts)?;
-        if new.last().is_some_and(|t| eos.contains(t)) {
-            new.pop();
-        }
-        tok.decode(&new, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the generation: {e}"))
-    }))
+    Ok(Box::new(move |prompt: &str, max_new_tokens: usize| predict_text(&model, &tok, prompt, max_new_tokens, chunk)))
+}
+
+/// The prediction rule (spec §5): BOS + prompt, greedy, stop at EOS (dropped), decode the new tokens with
+/// special tokens skipped. Shared by `eval-niah` and the passkey check during training.
+pub fn predict_text(
+    model: &crate::model::Llama,
+    tok: &Tokenizer,
+    prompt: &str,
+    max_new_tokens: usize,
+    prefill_chunk: usize,
+) -> Result<String> {
+    let bos = model.cfg.bos_token_id;
+    let eos = &model.cfg.eos_token_id;
+    let enc = tok.encode_fast(prompt, false).map_err(|e| anyhow::anyhow!("tokenizer failed: {e}"))?;
+    let ids: Vec<u32> = bos.into_iter().chain(enc.get_ids().iter().copied()).collect();
+    let opts = crate::eval::generate::GenerateOptions {
+        max_new_tokens,
+        stop_tokens: eos.clone(),
+        prefill_chunk: prefill_chunk.max(1),
+    };
+    let mut new = crate::eval::generate::greedy_generate(model, &ids, &opts)?;
+    if new.last().is_some_and(|t| eos.contains(t)) {
+        new.pop();
+    }
+    tok.decode(&new, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the generation: {e}"))
 }
 
 /// `harpe eval-niah`.

@@ -206,7 +206,39 @@ pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chun
     Ok(sums)
 }
 
-fn result(name: &str, s: &WindowSums, agg: Aggregate) -> PplResult {
+/// Tokenize each document (BOS added), cut it to `max_tokens`, and score it under the pinned window rule:
+/// per-document sums and their total (shared by `eval-ppl` and evaluation during training).
+pub fn score_documents(
+    model: &Llama,
+    tok: &tokenizers::Tokenizer,
+    docs: &[(String, String)],
+    window: usize,
+    stride: usize,
+    max_tokens: Option<usize>,
+    chunk: usize,
+) -> Result<(Vec<(String, WindowSums)>, WindowSums)> {
+    let mut per_doc = vec![];
+    let mut total = WindowSums::default();
+    for (name, text) in docs {
+        let enc = tok.encode(text.as_str(), true).map_err(|e| anyhow!("{name}: tokenization failed: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let Some(m) = max_tokens {
+            ids.truncate(m);
+        }
+        if ids.iter().any(|&i| i as usize >= model.cfg.vocab_size) {
+            bail!("{name}: the tokenizer produced ids >= vocab_size {}\nhint: the tokenizer does not belong to this model", model.cfg.vocab_size);
+        }
+        let s = window_nll(model, &ids, window, stride, chunk)?;
+        total.nll_sum += s.nll_sum;
+        total.tokens += s.tokens;
+        total.window_means.extend(s.window_means.iter().copied());
+        per_doc.push((name.clone(), s));
+    }
+    Ok((per_doc, total))
+}
+
+/// The reported numbers of one document's (or the total's) sums under an aggregate.
+pub fn result(name: &str, s: &WindowSums, agg: Aggregate) -> PplResult {
     let token_nll = if s.tokens > 0 { s.nll_sum / s.tokens as f64 } else { f64::NAN };
     let window_mean_nll = if s.window_means.is_empty() {
         f64::NAN
@@ -303,23 +335,9 @@ pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
         );
     }
     let docs = read_documents(&args.input)?;
-    let mut per_doc = vec![];
-    let mut total = WindowSums::default();
-    for (name, text) in &docs {
-        let enc = tok.encode(text.as_str(), true).map_err(|e| anyhow!("{name}: tokenization failed: {e}"))?;
-        let mut ids = enc.get_ids().to_vec();
-        if let Some(m) = args.max_tokens {
-            ids.truncate(m);
-        }
-        if ids.iter().any(|&i| i as usize >= model.cfg.vocab_size) {
-            bail!("{name}: the tokenizer produced ids >= vocab_size {}\nhint: the tokenizer does not belong to this model", model.cfg.vocab_size);
-        }
-        let s = window_nll(&model, &ids, args.window, args.stride, args.scoring.loss_chunk)?;
-        per_doc.push(result(name, &s, args.aggregate));
-        total.nll_sum += s.nll_sum;
-        total.tokens += s.tokens;
-        total.window_means.extend(s.window_means);
-    }
+    let (sums, total) =
+        score_documents(&model, &tok, &docs, args.window, args.stride, args.max_tokens, args.scoring.loss_chunk)?;
+    let per_doc = sums.iter().map(|(name, s)| result(name, s, args.aggregate)).collect();
     if total.tokens == 0 {
         bail!("no tokens to score (every document has fewer than 2 tokens)\nhint: check the --input files");
     }
