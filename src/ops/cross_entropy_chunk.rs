@@ -152,15 +152,16 @@ impl CustomOp3 for CeDlogits {
     }
 }
 
-/// Per-token nll (n) f32 of one chunk of logits (n, V) f32/bf16 and targets (n) u32; not differentiable
-/// (the caller's op owns the backward). Targets must pass `check_targets` first.
+/// Per-token nll (n) f32 of one chunk of logits (n, V) f32/bf16 and targets (n) u32. It has no backward
+/// of its own (the caller's op owns it): a gradient reaching it is an error, never a silent stop.
+/// Targets must pass `check_targets` first.
 pub fn ce_chunk_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    logits.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &CeNll)
+    logits.contiguous()?.apply_op2(&targets.contiguous()?, CeNll)
 }
 
 /// dlogits (n, V) in the logits' dtype: g (softmax(logits) - onehot(targets)), 0 on ignored rows.
 pub fn ce_chunk_dlogits(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
-    logits.contiguous()?.apply_op3_no_bwd(&targets.contiguous()?, &g.contiguous()?, &CeDlogits)
+    logits.contiguous()?.apply_op3(&targets.contiguous()?, &g.contiguous()?, CeDlogits)
 }
 
 #[cfg(feature = "cuda")]
