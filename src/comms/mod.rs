@@ -10,8 +10,11 @@
 //! part of a sequence it holds); the optimizer shard and the checkpoint file names use the global rank
 //! `dp_rank * sp_size + sp_rank` of `dp_size * sp_size` (ZeRO shards over every rank, as DeepSpeed-Ulysses
 //! does), which is `optim-00000-of-00001` at one rank, as before.
-//! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; a config
-//! asking for them is refused by `Comm::from_config` with a hint. A new backend is one more variant.
+//! `Local` wraps one rank's `LocalComm` handle (ranks as threads, `local::spawn_local` starts them; the
+//! training loop does that for `dist.backend = "local"`). A shard map of ONE rank used with N ranks
+//! means "replicated" (ZeRO-0: every rank owns the whole flat space), so `all_gather` is then a no-op.
+//! What this file does not do yet: the `Nccl` backend; a config asking for it is refused by
+//! `Comm::from_config` with a hint. A new backend is one more variant.
 pub mod launch;
 pub mod local;
 pub mod rendezvous;
@@ -20,6 +23,8 @@ pub mod zero;
 use crate::config::{Backend, DistSection};
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
+use local::{LocalComm, ReduceOp};
+use std::sync::Arc;
 use zero::ShardMap;
 
 /// Who this process is among the training ranks.
@@ -57,6 +62,8 @@ impl Mesh {
 pub enum Comm {
     /// One process, one device: every collective is a no-op.
     Single,
+    /// One of N ranks running as threads of this process.
+    Local(Arc<LocalComm>),
 }
 
 impl Comm {
@@ -64,7 +71,10 @@ impl Comm {
     pub fn from_config(dist: &DistSection, origin: &str) -> Result<Comm> {
         match dist.backend {
             Backend::Single => Ok(Comm::Single),
-            b @ (Backend::Local | Backend::Nccl) => bail!(
+            Backend::Local => bail!(
+                "{origin}: dist.backend = \"local\" starts its ranks as threads inside `harpe train`; a lone communicator cannot be built for it\nhint: run `harpe train --set dist.backend=local --set dist.world_size=N`, or use comms::local::spawn_local in tests"
+            ),
+            b @ Backend::Nccl => bail!(
                 "{origin}: dist.backend = \"{}\" is not implemented in this build of harpe\nhint: use dist.backend = \"single\" (one process, one device); multi-rank training arrives with the Local and NCCL backends",
                 b.name()
             ),
@@ -75,6 +85,7 @@ impl Comm {
     pub fn mesh(&self) -> Mesh {
         match self {
             Comm::Single => Mesh::single(),
+            Comm::Local(c) => Mesh { dp_rank: c.rank(), dp_size: c.world_size(), sp_rank: 0, sp_size: 1 },
         }
     }
 
@@ -83,6 +94,48 @@ impl Comm {
         match self {
             Comm::Single => {
                 let _ = buf;
+                Ok(())
+            }
+            Comm::Local(c) => c.all_reduce(buf.host_mut()?, ReduceOp::Avg, "grads mean"),
+        }
+    }
+
+    /// Sum `buf` over all ranks (gradients already scaled by 1 / the global token count).
+    pub fn all_reduce_sum(&self, buf: &mut FlatBuf) -> Result<()> {
+        match self {
+            Comm::Single => {
+                let _ = buf;
+                Ok(())
+            }
+            Comm::Local(c) => c.all_reduce(buf.host_mut()?, ReduceOp::Sum, "grads"),
+        }
+    }
+
+    /// ZeRO-2: sum `full` (every rank's full-length gradient) over ranks, keeping only this rank's
+    /// range of `map` in `full` (the other entries are left as they were and must not be used), in
+    /// buckets of at most `bucket` elements of this rank's range. Sums in rank order, like `all_reduce_sum`.
+    pub fn reduce_scatter_sum(&self, full: &mut FlatBuf, map: &ShardMap, bucket: usize) -> Result<()> {
+        match self {
+            Comm::Single => Ok(()),
+            Comm::Local(c) => {
+                let w = map.world();
+                let ranges: Vec<_> = (0..w).map(|r| map.flat_range(r)).collect();
+                let buf = full.host_mut()?;
+                let bucket = bucket.max(1);
+                // every rank runs the same number of rounds: the longest range decides
+                let rounds = ranges.iter().map(|r| r.len().div_ceil(bucket)).max().unwrap_or(0);
+                for k in 0..rounds {
+                    let pieces: Vec<_> = ranges
+                        .iter()
+                        .map(|r| (r.start + k * bucket).min(r.end)..(r.start + (k + 1) * bucket).min(r.end))
+                        .collect();
+                    let counts: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+                    let input: Vec<f32> = pieces.iter().flat_map(|p| buf[p.clone()].iter().copied()).collect();
+                    let mine = pieces[c.rank()].clone();
+                    let mut out = vec![0f32; mine.len()];
+                    c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum, "grads bucket")?;
+                    buf[mine].copy_from_slice(&out);
+                }
                 Ok(())
             }
         }
@@ -95,11 +148,15 @@ impl Comm {
                 let _ = vals;
                 Ok(())
             }
+            Comm::Local(c) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
         }
     }
 
     /// On entry every rank's own range of `buf` (per `map`) is valid; on exit the whole buffer is.
     pub fn all_gather(&self, buf: &mut FlatBuf, map: &ShardMap) -> Result<()> {
+        if map.world() == 1 {
+            return Ok(()); // replicated ownership (ZeRO-0): every rank already holds everything
+        }
         if map.world() != self.mesh().world() {
             bail!("internal: a shard map for {} ranks used with {} ranks", map.world(), self.mesh().world());
         }
@@ -108,6 +165,10 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
+            Comm::Local(c) => {
+                let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+                c.all_gather_v_inplace(buf.host_mut()?, &counts, "weights")
+            }
         }
     }
 
@@ -115,6 +176,37 @@ impl Comm {
     pub fn barrier(&self) -> Result<()> {
         match self {
             Comm::Single => Ok(()),
+            Comm::Local(c) => c.barrier("barrier"),
+        }
+    }
+
+    /// All-gather of slices of lengths `counts` (rank order) into `output`, their concatenation; this
+    /// rank contributes `input` (`counts[rank]` values). ZeRO-3 gathers one layer's weights with it.
+    pub fn all_gather_v(&self, input: &[f32], output: &mut [f32], counts: &[usize], label: &str) -> Result<()> {
+        match self {
+            Comm::Single => {
+                if input.len() != output.len() {
+                    bail!("internal: all_gather \"{label}\" of {} values into {}", input.len(), output.len());
+                }
+                output.copy_from_slice(input);
+                Ok(())
+            }
+            Comm::Local(c) => c.all_gather_v(input, output, counts, label),
+        }
+    }
+
+    /// Reduce-scatter (sum) of `input`, the concatenation of slices of lengths `counts`: this rank gets
+    /// slice `rank` summed over ranks in `output`. ZeRO-3 hands one layer's gradients to their owners.
+    pub fn reduce_scatter_v_sum(&self, input: &[f32], output: &mut [f32], counts: &[usize], label: &str) -> Result<()> {
+        match self {
+            Comm::Single => {
+                if input.len() != output.len() {
+                    bail!("internal: reduce_scatter \"{label}\" of {} values into {}", input.len(), output.len());
+                }
+                output.copy_from_slice(input);
+                Ok(())
+            }
+            Comm::Local(c) => c.reduce_scatter_v(input, output, counts, ReduceOp::Sum, label),
         }
     }
 
@@ -144,7 +236,8 @@ mod tests {
     #[test]
     fn unimplemented_backends_are_refused_with_a_hint() {
         for b in [Backend::Local, Backend::Nccl] {
-            let e = Comm::from_config(&DistSection { backend: b }, "run.toml").unwrap_err().to_string();
+            let d = DistSection { backend: b, ..Default::default() };
+            let e = Comm::from_config(&d, "run.toml").unwrap_err().to_string();
             assert!(e.contains("run.toml: dist.backend") && e.contains(b.name()) && e.contains("hint:"), "{e}");
         }
     }
