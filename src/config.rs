@@ -317,7 +317,8 @@ pub struct DistSection {
     /// seconds a collective waits for the slowest rank
     #[serde(default = "d_timeout_s")]
     pub timeout_s: f64,
-    /// Ulysses sequence-parallel degree (only 1 for now)
+    /// Ulysses sequence-parallel degree P: each sequence split over P ranks (divides world_size, the
+    /// kv heads and every stage's seq_len)
     #[serde(default = "d_one")]
     pub sp_degree: usize,
 }
@@ -364,10 +365,15 @@ impl DistSection {
                 "{origin}: dist.backend = \"local\" runs dist.world_size ranks as threads, but dist.world_size is not set\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
             );
         }
-        if self.sp_degree != 1 {
+        if self.sp_degree == 0 {
+            bail!("{origin}: dist.sp_degree = 0: at least one rank holds each sequence\nhint: 1 (no sequence parallelism) or a divisor of dist.world_size");
+        }
+        if self.sp_degree > 1 && (self.world_size == 0 || !self.world_size.is_multiple_of(self.sp_degree)) {
             bail!(
-                "{origin}: dist.sp_degree = {} is not supported by harpe train yet (sequence parallelism is a later issue)\nhint: set dist.sp_degree = 1; `harpe plan` already models higher degrees",
-                self.sp_degree
+                "{origin}: dist.sp_degree = {} must divide dist.world_size = {} (each sequence is split over sp_degree ranks)\nhint: e.g. dist.world_size = {} with dist.backend = \"local\"",
+                self.sp_degree,
+                self.world_size,
+                2 * self.sp_degree
             );
         }
         Ok(d)
@@ -710,16 +716,20 @@ impl RunConfig {
             }
         }
         self.dist.dist_config(origin)?;
-        // the global batch must split evenly over the data-parallel ranks (results independent of N)
-        if self.dist.world_size > 1 {
-            for i in 0..self.stages.len() {
-                let stage = format!("stage {i}");
-                crate::comms::launch::micro_batches_per_rank(
-                    origin,
-                    &stage,
-                    self.accumulation(i),
-                    self.dist.world_size,
-                )?;
+        // the global batch must split evenly over the data-parallel ranks (results independent of N),
+        // and every sequence over the sequence-parallel ones
+        let sp = self.dist.sp_degree.max(1);
+        let dp = self.dist.world_size / sp;
+        for i in 0..self.stages.len() {
+            let stage = format!("stage {i}");
+            if dp > 1 {
+                crate::comms::launch::micro_batches_per_rank(origin, &stage, self.accumulation(i), dp)?;
+            }
+            let t = self.stages[i].seq_len;
+            if !t.is_multiple_of(sp) {
+                bail!(
+                    "{origin}: {stage}: seq_len {t} does not split into dist.sp_degree = {sp} equal parts\nhint: use a seq_len divisible by {sp} (harpe does not pad sequence-parallel sequences)"
+                );
             }
         }
         Ok(())

@@ -18,19 +18,25 @@
 //!   into one full fp32 `weights` buffer and every parameter is written back from it (`comms::zero`), so
 //!   a stage's model is built from `weights`, never from a shard.
 //! - The communicator comes from `[dist]`: `run` starts `dist.world_size` rank threads for `local`, each
-//!   running `run_rank`, the same loop; with one rank every collective is a no-op. Rank 0 alone writes
+//!   running `run_rank`, the same loop; with one rank every collective is a no-op. `plan_check` runs
+//!   `harpe plan`'s arithmetic first and refuses a CPU run that cannot fit (unless `--force`). Rank 0 alone writes
 //!   the run directory and evaluates. ZeRO changes only where parameters and gradients live
-//!   (`Params`: resident Vars for 0-2; `Zero3` gathers each layer before use and reduce-scatters its
+//!   (`Params`: resident Vars for 0-2; `ZeroShards` gathers each layer before use and reduce-scatters its
 //!   gradients at once), never the order of the loop.
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
 //!
-//! What this file does not do: the NCCL backend (comms/ refuses it for now), sequence parallelism,
-//! document masks inside packed sequences (Fu et al. train without them); the evaluation rules
+//! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
+//!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
+//!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
+//!   gradient sum over all ranks is the one-rank gradient.
+//!
+//! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside packed sequences (Fu et al. train without them); the evaluation rules
 //! (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
 use crate::comms::launch::{launch_if_asked, micro_batches_per_rank, BackendKind};
-use crate::comms::local::spawn_local;
-use crate::comms::zero::{self, ShardMap, Split, Zero3};
+use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
+use crate::comms::sequence::{SpGroup, Ulysses};
+use crate::comms::zero::{self, ShardMap, Split, ZeroShards};
 use crate::comms::{Comm, Mesh};
 use crate::config::{DataSource, RunConfig};
 use crate::data::loader::source_name;
@@ -143,22 +149,29 @@ pub fn forward_backward(
 
 /// Where `forward_backward_with` takes the parameters from and puts their gradients.
 pub enum Params<'a> {
-    /// every parameter resident in the model as `vars` (layout order, ZeRO 0-2); gradients added into
+    /// every parameter resident in the model as `vars` (layout order, ZeRO 0-1); gradients added into
     /// the full-length `grads`
     Resident { vars: &'a [Var], layout: &'a ParamLayout, grads: &'a mut GradAccum },
-    /// ZeRO-3: each group gathered right before use and dropped after; its gradients reduce-scattered
-    /// into this rank's shard as soon as the backward that produced them is done
-    Sharded(Zero3<'a>),
+    /// ZeRO-2: parameters resident (`vars`); each group's gradients reduce-scattered into this rank's
+    /// shard as soon as the backward that produced them is done
+    ShardedGrads { vars: &'a [Var], z: ZeroShards<'a> },
+    /// ZeRO-3: each group also gathered right before use and dropped after
+    Sharded(ZeroShards<'a>),
 }
 
-/// A gathered parameter group (ZeRO-3): layout indices and their `Var`s, alive while its graph is.
+/// A parameter group whose gradients are handed on (ZeRO 2-3): layout indices and their `Var`s, which
+/// (ZeRO-3) keep the gathered weights alive while their graph is.
 type Held = (Range<usize>, Vec<Var>);
 
 impl Params<'_> {
-    /// Decoder layer `l`'s weights (and, ZeRO-3, the gathered group that keeps them alive).
+    /// Decoder layer `l`'s weights and, ZeRO 2-3, the group whose gradients go to the shards.
     fn layer(&self, model: &Llama, l: usize) -> Result<(LayerWeights, Option<Held>)> {
         match self {
             Params::Resident { .. } => Ok((model.layers[l].clone(), None)),
+            Params::ShardedGrads { vars, z } => {
+                let idx = layer_param_indices(z.layout, l)?;
+                Ok((model.layers[l].clone(), Some((idx.clone(), vars[idx].to_vec()))))
+            }
             Params::Sharded(z) => {
                 let idx = layer_param_indices(z.layout, l)?;
                 let vars = z.gather(idx.clone(), &format!("layer {l} weights"))?;
@@ -169,40 +182,45 @@ impl Params<'_> {
         }
     }
 
-    /// (embedding, final norm, head) for one micro-batch, and the groups that hold them (ZeRO-3).
+    /// (embedding, final norm, head) for one micro-batch, and (ZeRO 2-3) their groups in that order
+    /// (the head's only when untied).
     fn outer(&self, model: &Llama) -> Result<(Tensor, Tensor, Tensor, Vec<Held>)> {
+        let resident = (model.embed_tokens.clone(), model.norm.clone(), model.lm_head.clone());
+        let groups = |layout: &ParamLayout| -> Result<Vec<Range<usize>>> {
+            let mut names = vec![EMBED_TOKENS, FINAL_NORM];
+            if !model.cfg.tie_word_embeddings {
+                names.push(LM_HEAD);
+            }
+            names.iter().map(|n| param_index(layout, n).map(|i| i..i + 1)).collect()
+        };
         match self {
-            Params::Resident { .. } => {
-                Ok((model.embed_tokens.clone(), model.norm.clone(), model.lm_head.clone(), vec![]))
+            Params::Resident { .. } => Ok((resident.0, resident.1, resident.2, vec![])),
+            Params::ShardedGrads { vars, z } => {
+                let held = groups(z.layout)?.into_iter().map(|i| (i.clone(), vars[i].to_vec())).collect();
+                Ok((resident.0, resident.1, resident.2, held))
             }
             Params::Sharded(z) => {
-                let one = |name: &str| -> Result<Held> {
-                    let i = param_index(z.layout, name)?;
-                    Ok((i..i + 1, z.gather(i..i + 1, name)?))
-                };
-                let embed = one(EMBED_TOKENS)?;
-                let norm = one(FINAL_NORM)?;
-                let tied = model.cfg.tie_word_embeddings;
-                let head = if tied { None } else { Some(one(LM_HEAD)?) };
+                let held: Vec<Held> = groups(z.layout)?
+                    .into_iter()
+                    .map(|i| Ok((i.clone(), z.gather(i.clone(), &z.layout.params[i.start].name)?)))
+                    .collect::<Result<_>>()?;
                 let t = |h: &Held| h.1[0].as_tensor().clone();
-                let head_t = head.as_ref().map(t).unwrap_or_else(|| t(&embed));
-                let (e, n) = (t(&embed), t(&norm));
-                Ok((e, n, head_t, [Some(embed), Some(norm), head].into_iter().flatten().collect()))
+                let head = held.get(2).map(t).unwrap_or_else(|| t(&held[0]));
+                Ok((t(&held[0]), t(&held[1]), head, held))
             }
         }
     }
 
-    /// Take the gradients `store` holds: resident, every parameter's; ZeRO-3, those of `held`.
+    /// Take the gradients `store` holds: resident, every parameter's; ZeRO 2-3, those of `held`.
     fn take_grads(&mut self, store: &GradStore, held: &[&Held]) -> Result<()> {
-        match self {
-            Params::Resident { vars, layout, grads } => grads.add_from(layout, vars, store),
-            Params::Sharded(z) => {
-                for (idx, vars) in held {
-                    z.scatter_grads(idx.clone(), vars, store, "grads")?;
-                }
-                Ok(())
-            }
+        let z = match self {
+            Params::Resident { vars, layout, grads } => return grads.add_from(layout, vars, store),
+            Params::ShardedGrads { z, .. } | Params::Sharded(z) => z,
+        };
+        for (idx, vars) in held {
+            z.scatter_grads(idx.clone(), vars, store, "grads")?;
         }
+        Ok(())
     }
 }
 
@@ -302,8 +320,15 @@ pub fn forward_backward_with(
 
 /// RoPE tables for positions 0..t of every layer (one shared table unless layers differ).
 pub fn rope_tables(model: &Llama, t: usize) -> Result<Vec<RopeTables>> {
-    let n = if model.cfg.rope.per_layer() { model.layers.len() } else { 1 };
-    (0..n).map(|l| model.rope_tables(l, 0, t)).collect()
+    rope_tables_at(model, 0, t, t)
+}
+
+/// RoPE tables for the global positions start..start+len of sequences of `total` tokens (a
+/// sequence-parallel rank's part; `total` decides dynamic schemes), every layer or one shared.
+pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> Result<Vec<RopeTables>> {
+    let c = &model.cfg;
+    let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
+    (0..n).map(|l| c.rope.tables(c.head_dim, l, start, len, total, model.parity, model.device())).collect()
 }
 
 /// Input ids (B, T) and shifted targets (B*T, last position of each sequence ignored) of sequences.
@@ -451,18 +476,67 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(n) = args.nproc_per_node {
         return spawn_nccl_workers(&origin, n, dist.backend);
     }
+    plan_check(&cfg, &origin, &dist, args.force)?;
     match dist.backend {
         BackendKind::Local => {
             let world = dist.world_size.max(1);
-            spawn_local(world, dist.timeout(), |lc| run_rank(&args, Comm::Local(lc))).map_err(|e| {
+            let sp = cfg.dist.sp_degree.max(1);
+            // one more Local group per sequence-parallel group (ranks d*P..(d+1)*P) for the all-to-alls
+            let mut sp_handles: Vec<Option<LocalComm>> = vec![];
+            if sp > 1 {
+                for _ in 0..world / sp {
+                    sp_handles.extend(LocalGroup::new(sp, dist.timeout())?.handles().into_iter().map(Some));
+                }
+            }
+            let sp_handles = std::sync::Mutex::new(sp_handles);
+            let rank_main = |lc: Arc<LocalComm>| {
+                let taken = sp_handles
+                    .lock()
+                    .map_err(|_| anyhow!("internal: poisoned lock"))?
+                    .get_mut(lc.rank())
+                    .and_then(Option::take);
+                let group = taken.map(|h| SpGroup::Local(Arc::new(h)));
+                let res = run_rank(&args, Comm::Local(lc, sp), group.clone());
+                if let (Err(e), Some(g)) = (&res, &group) {
+                    g.abort(&format!("returned an error: {e:#}")); // its sequence-parallel peers stop too
+                }
+                res
+            };
+            spawn_local(world, dist.timeout(), rank_main).map_err(|e| {
                 anyhow!(
                     "{e}\nhint: the error of the rank that failed first is the cause; the others stopped because of it"
                 )
             })?;
             Ok(())
         }
-        BackendKind::Single | BackendKind::Nccl => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?),
+        BackendKind::Single | BackendKind::Nccl => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?, None),
     }
+}
+
+/// `harpe plan` before any work: refuse (unless `--force`) a CPU run whose peak memory per rank, as the
+/// plan computes it for this config, ZeRO stage and SP degree, does not fit this machine's memory
+/// shared by the `Local` ranks. GPU runs are planned with `harpe plan --gpu ...` (the device's memory
+/// is not queried here yet).
+fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistConfig, force: bool) -> Result<()> {
+    use crate::plan::{plan_for, Gpu, GpuKind, World};
+    if cfg.train.device != crate::device::DeviceSpec::Cpu {
+        return Ok(());
+    }
+    let ranks = dist.world_size.max(1);
+    let mut gpu = Gpu::new(GpuKind::Cpu);
+    gpu.mem_bytes /= ranks as u64; // rank threads share the host's memory
+    let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: cfg.dist.sp_degree.max(1) };
+    let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
+    if plan.fits || force {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    bail!(
+        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {ranks} rank(s) can use on this machine\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
+        gib(plan.total_bytes),
+        plan.stage,
+        gib(plan.usable_bytes)
+    )
 }
 
 /// `--nproc-per-node N`: N worker processes of this command line (without the flag), one per GPU, each
@@ -497,8 +571,8 @@ fn spawn_nccl_workers(origin: &str, n: usize, backend: BackendKind) -> Result<()
 }
 
 /// The training loop of one rank.
-fn run_rank(args: &TrainArgs, comm: Comm) -> Result<()> {
-    let mut r = Run::open(args, comm)?;
+fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<()> {
+    let mut r = Run::open(args, comm, sp)?;
     // `[eval]` runs on rank 0 alone, on its full copy of the weights (ZeRO 0-2); the other ranks wait
     // for it at the next collective, so `dist.timeout_s` must cover one evaluation
     let eval_cfg = if r.mesh.rank() == 0 { r.cfg.eval.as_ref() } else { None };
@@ -570,12 +644,14 @@ struct Run {
     zero_stage: u8,
     /// gradient elements per reduce-scatter bucket (`dist.bucket_mb`)
     bucket: usize,
+    /// the sequence-parallel group this rank shares its sequences with (`dist.sp_degree` > 1)
+    sp: Option<SpGroup>,
 }
 
 impl Run {
     /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
     /// Rank 0 alone locks and writes the run directory; the other ranks wait for it (a barrier).
-    fn open(args: &TrainArgs, comm: Comm) -> Result<Run> {
+    fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
         let resolved = RunConfig::load(&args.config, &args.set)?;
         let cfg = resolved.cfg;
@@ -614,6 +690,14 @@ impl Run {
         let stop = stop_flag()?;
 
         let (base_cfg, init) = initial_model(&cfg, &origin)?;
+        let p = mesh.sp_size;
+        if !(base_cfg.num_attention_heads.is_multiple_of(p) && base_cfg.num_key_value_heads.is_multiple_of(p)) {
+            bail!(
+                "{origin}: dist.sp_degree = {p} must divide the model's {} query heads and {} kv heads (Ulysses gives each rank whole heads)\nhint: choose a sp_degree that divides num_key_value_heads",
+                base_cfg.num_attention_heads,
+                base_cfg.num_key_value_heads
+            );
+        }
         let tok_sha = tokenizer_sha256(&tokenizer)?;
         let (layout, mut weights) = flatten_params(&init)?;
         drop(init);
@@ -658,6 +742,7 @@ impl Run {
             state,
             stop,
             _lock: lock,
+            sp,
         })
     }
 
@@ -706,6 +791,9 @@ struct Stage {
     accum: usize,
     bsz: usize,
     seq_len: usize,
+    /// this rank's tokens of every sequence: start..start + len (all of them without sequence parallelism)
+    tok_start: usize,
+    tok_len: usize,
     lr_peak: f64,
     /// layers per activation-checkpointing segment
     seg: usize,
@@ -732,8 +820,18 @@ impl Stage {
         } else {
             trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?
         };
-        let model = model.with_attention(AttentionImpl::for_device(&r.device)); // the attention seam
-        let tables = rope_tables(&model, seq_len)?;
+        // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
+        let attention = match &r.sp {
+            Some(g) => AttentionImpl::Custom(Arc::new(Ulysses {
+                group: g.clone(),
+                inner: AttentionImpl::for_device(&r.device),
+            })),
+            None => AttentionImpl::for_device(&r.device),
+        };
+        let model = model.with_attention(attention);
+        // this rank's tokens (all of them without sequence parallelism) at their global positions
+        let (tok_start, tok_len) = (r.mesh.sp_rank * seq_len / r.mesh.sp_size, seq_len / r.mesh.sp_size);
+        let tables = rope_tables_at(&model, tok_start, tok_len, seq_len)?;
         let mut loader = open_loader(r, si)?;
         if si == r.state.stage && r.state.stage_step > 0 {
             let cursor = serde_json::from_value(r.state.data_cursor.clone())
@@ -753,8 +851,8 @@ impl Stage {
         Ok(Stage {
             si,
             sources: loader.manifest().source_names.clone(),
-            // ZeRO-3 accumulates only this rank's shard of the gradients
-            grads: if r.zero_stage == 3 {
+            // ZeRO 2-3 accumulate only this rank's shard of the gradients
+            grads: if r.zero_stage >= 2 {
                 GradAccum::zeros(r.optim.range().len(), &r.device)?
             } else {
                 GradAccum::new(&r.layout, &r.device)?
@@ -764,6 +862,8 @@ impl Stage {
             accum,
             bsz,
             seq_len,
+            tok_start,
+            tok_len,
             lr_peak: cfg.stage_lr(si),
             seg: cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers),
             // the GLOBAL step's targets: each rank's gradients are partial sums of one global mean
@@ -846,8 +946,17 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
         let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
         let (ids, targets) = batch_tensors(&toks, &r.device)?;
-        let mut params = if r.zero_stage == 3 {
-            Params::Sharded(Zero3 {
+        // sequence parallelism: this rank's tokens and their targets (the last rank's last one is ignored)
+        let (ids, targets) = if s.tok_len == s.seq_len {
+            (ids, targets)
+        } else {
+            let tg = targets.reshape((s.bsz, s.seq_len))?.narrow(1, s.tok_start, s.tok_len)?;
+            (ids.narrow(1, s.tok_start, s.tok_len)?.contiguous()?, tg.flatten_all()?.contiguous()?)
+        };
+        let mut params = if r.zero_stage < 2 {
+            Params::Resident { vars: &s.vars, layout: &r.layout, grads: &mut s.grads }
+        } else {
+            let z = ZeroShards {
                 comm: &r.comm,
                 map: &r.map,
                 layout: &r.layout,
@@ -855,16 +964,21 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
                 grads: s.grads.buf_mut(),
                 dtype: r.dtype,
                 device: r.device.clone(),
-            })
-        } else {
-            Params::Resident { vars: &s.vars, layout: &r.layout, grads: &mut s.grads }
+                bucket: r.bucket,
+            };
+            if r.zero_stage == 2 {
+                Params::ShardedGrads { vars: &s.vars, z }
+            } else {
+                Params::Sharded(z)
+            }
         };
         let (chunk, scale) = (r.cfg.train.loss_chunk_tokens, 1.0 / s.targets_per_step);
         let out = forward_backward_with(&s.model, &mut params, &s.tables, &ids, &targets, s.seg, chunk, scale)?;
         injected_fault(r.mesh.rank(), r.state.step)?;
         sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
-        sums[1] += (s.bsz * (s.seq_len - 1)) as f64;
-        accumulate_per_source(&seqs, &out.nll, 0, s.seq_len, &mut by_source)?;
+        let last = (s.tok_start + s.tok_len == s.seq_len) as usize; // holds the ignored last position
+        sums[1] += (s.bsz * (s.tok_len - last)) as f64;
+        accumulate_per_source(&seqs, &out.nll, s.tok_start, s.tok_len, &mut by_source)?;
     }
     let grad_norm = reduce_gradients(r, s)?;
     let mut reduced: Vec<f64> = sums.iter().chain(&by_source).copied().collect();
@@ -916,22 +1030,14 @@ fn injected_fault(rank: usize, step: u64) -> Result<()> {
 }
 
 /// Sum the ranks' partial gradients and return the global norm. ZeRO 0-1: all-reduce, every rank gets
-/// all of them; ZeRO 2: reduce-scatter in buckets, each rank keeps only its optimizer range; ZeRO 3:
-/// already reduce-scattered layer by layer during the backward, the buffer is this rank's shard.
+/// all of them; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer is
+/// this rank's shard, and the norm sums the shards' squares.
 fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
-    let sq = match r.zero_stage {
-        0 | 1 => {
-            r.comm.all_reduce_sum(s.grads.buf_mut())?;
-            return Ok(grads::global_norm(s.grads.buf()));
-        }
-        2 => {
-            r.comm.reduce_scatter_sum(s.grads.buf_mut(), &r.map, r.bucket)?;
-            let mine = r.map.flat_range(r.mesh.rank());
-            s.grads.buf().to_host()?[mine].iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
-        }
-        _ => s.grads.buf().sum_squares(),
-    };
-    let mut sq = [sq];
+    if r.zero_stage < 2 {
+        r.comm.all_reduce_sum(s.grads.buf_mut())?;
+        return Ok(grads::global_norm(s.grads.buf()));
+    }
+    let mut sq = [s.grads.buf().sum_squares()];
     r.comm.all_reduce_sum_f64(&mut sq)?;
     Ok(sq[0].sqrt())
 }
@@ -979,20 +1085,17 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     let due = ev.as_ref().is_some_and(|e| e.due(r.state.step, boundary));
     // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it evaluates
     let full = if r.zero_stage == 3 && !r.comm.all_ok(!due)? {
-        Some(Zero3::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
+        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
     } else {
         None
     };
     let Some(ev) = ev.filter(|_| due) else { return Ok(()) };
-    let gathered;
+    // rank 0 alone evaluates: with the device's own attention (never the sequence-parallel exchange)
     let model = match &full {
-        Some(w) => {
-            let (m, _) = trainable_model(&s.mc, &r.layout, w, r.dtype, &r.device)?;
-            gathered = m.with_attention(AttentionImpl::for_device(&r.device));
-            &gathered
-        }
-        None => &s.model,
+        Some(w) => trainable_model(&s.mc, &r.layout, w, r.dtype, &r.device)?.0,
+        None => s.model.clone(),
     };
+    let model = &model.with_attention(AttentionImpl::for_device(&r.device));
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
     let rec = ev.evaluate(model, r.state.step, s.si, window)?;
     if let Some(log) = r.log.as_mut() {
@@ -1028,7 +1131,7 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
     }
     // ZeRO-3: every rank joins the gather of the full weights rank 0 writes
     let full = if r.zero_stage == 3 {
-        Some(Zero3::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
+        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
     } else {
         None
     };

@@ -176,15 +176,13 @@ fn n_ranks_and_each_zero_stage_equal_one_rank() {
         assert!(shards.iter().all(|p| p.is_file()), "{what}: {shards:?}");
         assert_eq!(losses(&out).len(), 5, "{what}: one metrics line per step (rank 0 only)");
     }
-    // the same ranks sum the same partial gradients in the same order under ZeRO 0, 1 and 2: bit-identical
+    // the same ranks sum the same partial gradients in the same order under ZeRO 0 and 1 (one all-reduce
+    // per step) and under ZeRO 2 and 3 (per-layer reduce-scatters per micro-batch): bit-identical
     for n in [2, 4] {
-        for z in [1, 2] {
-            let what = format!("{n} ranks, ZeRO-{z} vs ZeRO-0");
-            assert_identical(
-                &model(&d.path().join(format!("w{n}z0"))),
-                &model(&d.path().join(format!("w{n}z{z}"))),
-                &what,
-            );
+        for (a, b) in [(0, 1), (2, 3)] {
+            let what = format!("{n} ranks, ZeRO-{b} vs ZeRO-{a}");
+            let run = |z: u8| d.path().join(format!("w{n}z{z}"));
+            assert_identical(&model(&run(a)), &model(&run(b)), &what);
         }
     }
     // ZeRO-3's gather-per-layer path at one rank computes exactly what the resident model computes
@@ -260,10 +258,22 @@ fn bad_dist_values_and_nproc_on_cpu_are_refused_before_any_work() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path());
     let out = d.path().join("bad");
-    let cases: [(&[&str], &[&str]); 5] = [
+    let cases: [(&[&str], &[&str]); 7] = [
         (&["--set", "dist.zero_stage=4"], &["dist.zero_stage = 4", "hint:"]),
         (&["--set", "dist.bucket_mb=0"], &["dist.bucket_mb", "hint:"]),
-        (&["--set", "dist.sp_degree=2"], &["dist.sp_degree = 2", "hint:"]),
+        (
+            &["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.sp_degree=3"],
+            &["dist.sp_degree = 3 must divide dist.world_size = 4", "hint:"],
+        ),
+        // 2 kv heads cannot be split over 4 sequence-parallel ranks
+        (
+            &["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.sp_degree=4"],
+            &["dist.sp_degree 4 does not divide the model's 2 kv heads", "hint:"],
+        ),
+        (
+            &["--set", "dist.backend=local", "--set", "dist.world_size=3", "--set", "dist.sp_degree=3"],
+            &["seq_len 32", "dist.sp_degree = 3", "hint:"],
+        ),
         // 8 micro-batches per step in stage 0 do not split over 3 ranks
         (&["--set", "dist.backend=local", "--set", "dist.world_size=3"], &["3 data-parallel ranks", "hint:"]),
         (&["--nproc-per-node", "2"], &["--nproc-per-node 2", "dist.backend=local", "hint:"]),
@@ -332,4 +342,94 @@ fn a_rank_that_errors_or_panics_mid_step_stops_every_rank_naming_it_and_keeps_th
         train(&cfg, &out, &["--set", "dist.backend=local", "--set", "dist.world_size=2", "--resume"]);
         assert_eq!(losses(&out).iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5], "{kind}");
     }
+}
+
+/// Sequence parallelism through `harpe train`: each sequence split over P ranks (global RoPE positions,
+/// each head's own HARPE base travelling with it through the all-to-all), composed with data
+/// parallelism, ZeRO and gradient accumulation, equals one rank.
+#[test]
+fn sequence_parallel_ranks_equal_one_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let one = d.path().join("one");
+    train(&cfg, &one, &[]);
+    let floor = noise_floor(&cfg, &one, d.path());
+    let tol = (4.0 * floor).clamp(1e-6, 1e-5);
+    let model = |run: &Path| ckpt(run, 5).join("model.safetensors");
+    // (world, sp, zero): SP alone; SP x DP; SP x DP x ZeRO-3
+    for (n, p, z) in [(2, 2, 0), (4, 2, 1), (4, 2, 3)] {
+        let out = d.path().join(format!("w{n}sp{p}z{z}"));
+        let sets = [format!("dist.world_size={n}"), format!("dist.sp_degree={p}"), format!("dist.zero_stage={z}")];
+        train(&cfg, &out, &["--set", "dist.backend=local", "--set", &sets[0], "--set", &sets[1], "--set", &sets[2]]);
+        let what = format!("{n} ranks, SP {p}, ZeRO-{z}");
+        assert_same_losses(&one, &out, &what);
+        assert_same_tensors(&model(&one), &model(&out), &what, tol);
+    }
+    // SP 4 needs 4 kv heads: MHA, with four per-head bases in the HARPE stage
+    let mha = ["--set", "model.init.num_key_value_heads=4", "--set", "stage.1.rope.head_bases=[1e4, 2e4, 4e4, 8e4]"];
+    let one4 = d.path().join("one-mha");
+    train(&cfg, &one4, &mha);
+    let out = d.path().join("w4sp4");
+    let mut a = mha.to_vec();
+    a.extend(["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.sp_degree=4"]);
+    train(&cfg, &out, &a);
+    assert_same_losses(&one4, &out, "4 ranks, SP 4");
+    assert_same_tensors(&model(&one4), &model(&out), "4 ranks, SP 4", tol);
+}
+
+/// `[eval]` during a multi-rank run (SP 2 x DP 2, ZeRO-3: rank 0 evaluates the gathered weights with
+/// plain attention while the others wait) gives one rank's evaluations.
+#[test]
+fn eval_during_a_sequence_parallel_zero3_run_equals_one_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let doc = d.path().join("doc.txt");
+    std::fs::write(&doc, "Once upon a time a small fox counted the stars: 12 + 30 = 42. ".repeat(4)).unwrap();
+    let eval = format!(
+        "\n[eval]\nevery = 2\nppl_inputs = [{:?}]\nppl_max_tokens = 100\npasskey_lengths = [300]\npasskey_samples = 2\n",
+        doc.display().to_string()
+    );
+    let cfg = d.path().join("eval.toml");
+    std::fs::write(&cfg, format!("{TINY}{eval}")).unwrap();
+    let (one, many) = (d.path().join("one"), d.path().join("many"));
+    train(&cfg, &one, &[]);
+    let dist = ["dist.backend=local", "dist.world_size=4", "dist.sp_degree=2", "dist.zero_stage=3"];
+    train(&cfg, &many, &dist.iter().flat_map(|s| ["--set", s]).collect::<Vec<_>>());
+    let evals = |run: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v.get("eval").is_some())
+            .collect()
+    };
+    let (a, b) = (evals(&one), evals(&many));
+    assert!(a.len() >= 3, "{a:?}");
+    assert_eq!(
+        a.iter().map(|v| v["step"].clone()).collect::<Vec<_>>(),
+        b.iter().map(|v| v["step"].clone()).collect::<Vec<_>>()
+    );
+    for (x, y) in a.iter().zip(&b) {
+        let (nx, ny) = (x["eval"]["ppl"]["nll"].as_f64().unwrap(), y["eval"]["ppl"]["nll"].as_f64().unwrap());
+        assert!(((nx - ny) / nx).abs() < 1e-4, "step {}: nll {nx} vs {ny}", x["step"]);
+        assert_eq!(x["eval"]["passkey"], y["eval"]["passkey"], "step {}", x["step"]);
+    }
+}
+
+#[test]
+fn a_run_that_does_not_fit_this_machine_is_refused_before_any_work() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let out = d.path().join("big");
+    // Llama-2-7B's shape, randomly initialized: its fp32 training state alone is ~100 GiB
+    let sets = [
+        "model.init.hidden_size=4096",
+        "model.init.intermediate_size=11008",
+        "model.init.num_hidden_layers=32",
+        "model.init.vocab_size=32000",
+    ];
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    a.extend(sets.iter().flat_map(|s| ["--set", s]));
+    let (ok, text) = harpe(&a);
+    assert!(!ok && text.contains("GiB per rank") && text.contains("harpe plan") && text.contains("--force"), "{text}");
+    assert!(!out.exists(), "refused before the run directory is made");
 }

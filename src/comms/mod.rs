@@ -13,11 +13,14 @@
 //! `Local` wraps one rank's `LocalComm` handle (ranks as threads, `local::spawn_local` starts them; the
 //! training loop does that for `dist.backend = "local"`). A shard map of ONE rank used with N ranks
 //! means "replicated" (ZeRO-0: every rank owns the whole flat space), so `all_gather` is then a no-op.
+//! `sequence` holds the Ulysses all-to-all for `dist.sp_degree` > 1 (its own `SpGroup` per sequence-
+//! parallel group; the mesh of `Local(c, P)` is (N/P) x P).
 //! What this file does not do yet: the `Nccl` backend; a config asking for it is refused by
 //! `Comm::from_config` with a hint. A new backend is one more variant.
 pub mod launch;
 pub mod local;
 pub mod rendezvous;
+pub mod sequence;
 pub mod zero;
 
 use crate::config::{Backend, DistSection};
@@ -62,8 +65,9 @@ impl Mesh {
 pub enum Comm {
     /// One process, one device: every collective is a no-op.
     Single,
-    /// One of N ranks running as threads of this process.
-    Local(Arc<LocalComm>),
+    /// One of N ranks running as threads of this process, and the sequence-parallel degree P: ranks
+    /// r*P..(r+1)*P share sequences (data-parallel rank r), so the mesh is (N/P) x P.
+    Local(Arc<LocalComm>, usize),
 }
 
 impl Comm {
@@ -85,7 +89,10 @@ impl Comm {
     pub fn mesh(&self) -> Mesh {
         match self {
             Comm::Single => Mesh::single(),
-            Comm::Local(c) => Mesh { dp_rank: c.rank(), dp_size: c.world_size(), sp_rank: 0, sp_size: 1 },
+            Comm::Local(c, sp) => {
+                let sp = (*sp).max(1);
+                Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
+            }
         }
     }
 
@@ -96,7 +103,7 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
-            Comm::Local(c) => c.all_reduce(buf.host_mut()?, ReduceOp::Avg, "grads mean"),
+            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Avg, "grads mean"),
         }
     }
 
@@ -107,37 +114,7 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
-            Comm::Local(c) => c.all_reduce(buf.host_mut()?, ReduceOp::Sum, "grads"),
-        }
-    }
-
-    /// ZeRO-2: sum `full` (every rank's full-length gradient) over ranks, keeping only this rank's
-    /// range of `map` in `full` (the other entries are left as they were and must not be used), in
-    /// buckets of at most `bucket` elements of this rank's range. Sums in rank order, like `all_reduce_sum`.
-    pub fn reduce_scatter_sum(&self, full: &mut FlatBuf, map: &ShardMap, bucket: usize) -> Result<()> {
-        match self {
-            Comm::Single => Ok(()),
-            Comm::Local(c) => {
-                let w = map.world();
-                let ranges: Vec<_> = (0..w).map(|r| map.flat_range(r)).collect();
-                let buf = full.host_mut()?;
-                let bucket = bucket.max(1);
-                // every rank runs the same number of rounds: the longest range decides
-                let rounds = ranges.iter().map(|r| r.len().div_ceil(bucket)).max().unwrap_or(0);
-                for k in 0..rounds {
-                    let pieces: Vec<_> = ranges
-                        .iter()
-                        .map(|r| (r.start + k * bucket).min(r.end)..(r.start + (k + 1) * bucket).min(r.end))
-                        .collect();
-                    let counts: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
-                    let input: Vec<f32> = pieces.iter().flat_map(|p| buf[p.clone()].iter().copied()).collect();
-                    let mine = pieces[c.rank()].clone();
-                    let mut out = vec![0f32; mine.len()];
-                    c.reduce_scatter_v(&input, &mut out, &counts, ReduceOp::Sum, "grads bucket")?;
-                    buf[mine].copy_from_slice(&out);
-                }
-                Ok(())
-            }
+            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Sum, "grads"),
         }
     }
 
@@ -148,7 +125,7 @@ impl Comm {
                 let _ = vals;
                 Ok(())
             }
-            Comm::Local(c) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
+            Comm::Local(c, _) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
         }
     }
 
@@ -165,7 +142,7 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
-            Comm::Local(c) => {
+            Comm::Local(c, _) => {
                 let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
                 c.all_gather_v_inplace(buf.host_mut()?, &counts, "weights")
             }
@@ -176,7 +153,7 @@ impl Comm {
     pub fn barrier(&self) -> Result<()> {
         match self {
             Comm::Single => Ok(()),
-            Comm::Local(c) => c.barrier("barrier"),
+            Comm::Local(c, _) => c.barrier("barrier"),
         }
     }
 
@@ -191,7 +168,7 @@ impl Comm {
                 output.copy_from_slice(input);
                 Ok(())
             }
-            Comm::Local(c) => c.all_gather_v(input, output, counts, label),
+            Comm::Local(c, _) => c.all_gather_v(input, output, counts, label),
         }
     }
 
@@ -206,7 +183,7 @@ impl Comm {
                 output.copy_from_slice(input);
                 Ok(())
             }
-            Comm::Local(c) => c.reduce_scatter_v(input, output, counts, ReduceOp::Sum, label),
+            Comm::Local(c, _) => c.reduce_scatter_v(input, output, counts, ReduceOp::Sum, label),
         }
     }
 

@@ -11,11 +11,10 @@
 //! shard is one flat range and the collectives move contiguous blocks. The write-back after the
 //! all-gather writes every parameter from the gathered full buffer, never from a shard, so no weight can
 //! stay stale whatever the cut (the earlier loop skipped parameters crossing a shard boundary).
-//! ZeRO-3 (`Zero3`) keeps no full weight buffer: each layer is gathered before its forward and again
-//! before its recompute, and its gradients are reduce-scattered as soon as its backward is done.
-//! What this file does not do: the collectives themselves (`Comm`). ZeRO-2 still reduce-scatters a
-//! full-length gradient buffer after the step's last micro-batch (results are the same; the memory
-//! saving of per-layer buckets is ZeRO-3's path).
+//! ZeRO-2 and 3 (`ZeroShards`) reduce-scatter each layer's gradients as soon as its backward is done
+//! (in `dist.bucket_mb` rounds), so gradients exist only as each rank's shard; ZeRO-3 also keeps no full
+//! weight buffer: each layer is gathered before its forward and again before its recompute.
+//! What this file does not do: the collectives themselves (`Comm`), overlap of the exchange with compute.
 use crate::comms::Comm;
 use crate::flatbuf::FlatBuf;
 use crate::grads::ParamLayout;
@@ -165,13 +164,15 @@ pub fn write_back(vars: &[Var], layout: &ParamLayout, weights: &FlatBuf) -> Resu
     Ok(())
 }
 
-/// ZeRO-3 (parameters sharded): a rank keeps only its fp32 master shard; a group of consecutive
-/// parameters (one decoder layer, or the embedding, the final norm, the head) is all-gathered into
-/// compute-dtype `Var`s right before it is used and dropped after, and the gradients the backward
-/// produced for it are reduce-scattered at once, each rank adding its part into its gradient shard.
+/// The per-group exchanges of ZeRO-2 and ZeRO-3. ZeRO-3 (parameters sharded): a rank keeps only its
+/// fp32 master shard; a group of consecutive parameters (one decoder layer, or the embedding, the final
+/// norm, the head) is all-gathered into compute-dtype `Var`s right before it is used and dropped
+/// after. Both stages reduce-scatter the gradients the backward produced for a group at once, in
+/// rounds of at most `bucket` elements (`dist.bucket_mb`), each rank adding its part into its gradient
+/// shard, so no rank ever holds a full-length gradient buffer.
 /// Every rank must call `gather` and `scatter_grads` for the same groups in the same order (the
 /// training loop's control flow is the same on every rank); a missing gradient counts as zeros.
-pub struct Zero3<'a> {
+pub struct ZeroShards<'a> {
     pub comm: &'a Comm,
     pub map: &'a ShardMap,
     pub layout: &'a ParamLayout,
@@ -181,9 +182,11 @@ pub struct Zero3<'a> {
     pub grads: &'a mut FlatBuf,
     pub dtype: DType,
     pub device: Device,
+    /// gradient elements per reduce-scatter round (at least 1)
+    pub bucket: usize,
 }
 
-impl Zero3<'_> {
+impl ZeroShards<'_> {
     /// Flat range of the consecutive parameters `params` (indices into the layout).
     fn flat_of(&self, params: &Range<usize>) -> Range<usize> {
         self.layout.params[params.start].range.start..self.layout.params[params.end - 1].range.end
@@ -224,25 +227,30 @@ impl Zero3<'_> {
             .collect()
     }
 
-    /// Sum the gradients `store` holds for `vars` (the gathered `params`) over ranks; add this rank's
-    /// part into its gradient shard.
+    /// Sum the gradients `store` holds for `vars` (the parameters `params`) over ranks, in rounds of
+    /// at most `bucket` elements; add this rank's part into its gradient shard.
     pub fn scatter_grads(&mut self, params: Range<usize>, vars: &[Var], store: &GradStore, label: &str) -> Result<()> {
         let flat = self.flat_of(&params);
-        let parts = self.parts(&flat);
         let mut full = FlatBuf::zeros(flat.len(), &Device::Cpu)?;
         for (p, v) in self.layout.params[params].iter().zip(vars) {
             if let Some(g) = store.get(v.as_tensor()) {
                 full.add_tensor(p.range.start - flat.start..p.range.end - flat.start, g)?;
             }
         }
+        let full = full.host()?;
         let me = self.comm.mesh().rank();
-        let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        let mut mine = vec![0f32; counts[me]];
-        self.comm.reduce_scatter_v_sum(full.host()?, &mut mine, &counts, label)?;
-        if !parts[me].is_empty() {
-            let own = self.map.flat_range(me).start;
-            let dst = &mut self.grads.host_mut()?[parts[me].start - own..parts[me].end - own];
-            dst.iter_mut().zip(&mine).for_each(|(d, g)| *d += g);
+        let own = self.map.flat_range(me).start;
+        for lo in (flat.start..flat.end).step_by(self.bucket.max(1)) {
+            let round = lo..(lo + self.bucket.max(1)).min(flat.end);
+            let parts = self.parts(&round);
+            let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            let mut mine = vec![0f32; counts[me]];
+            let input = &full[round.start - flat.start..round.end - flat.start];
+            self.comm.reduce_scatter_v_sum(input, &mut mine, &counts, label)?;
+            if !parts[me].is_empty() {
+                let dst = &mut self.grads.host_mut()?[parts[me].start - own..parts[me].end - own];
+                dst.iter_mut().zip(&mine).for_each(|(d, g)| *d += g);
+            }
         }
         Ok(())
     }
