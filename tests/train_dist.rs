@@ -369,12 +369,46 @@ fn sequence_parallel_ranks_equal_one_rank() {
     let mha = ["--set", "model.init.num_key_value_heads=4", "--set", "stage.1.rope.head_bases=[1e4, 2e4, 4e4, 8e4]"];
     let one4 = d.path().join("one-mha");
     train(&cfg, &one4, &mha);
-    let out = d.path().join("w4sp4");
+    for z in [1, 3] {
+        let out = d.path().join(format!("w4sp4z{z}"));
+        let zs = format!("dist.zero_stage={z}");
+        let mut a = mha.to_vec();
+        a.extend([
+            "--set",
+            "dist.backend=local",
+            "--set",
+            "dist.world_size=4",
+            "--set",
+            "dist.sp_degree=4",
+            "--set",
+            &zs,
+        ]);
+        train(&cfg, &out, &a);
+        let what = format!("4 ranks, SP 4, ZeRO-{z}");
+        assert_same_losses(&one4, &out, &what);
+        assert_same_tensors(&model(&one4), &model(&out), &what, tol);
+    }
+    // checkpoint and resume under SP: stopped after step 2 (inside stage 0), resumed with SP 4 x ZeRO-3
+    // from the SP 2 x DP 2 checkpoint, it ends where one rank ends
+    let run = d.path().join("sp-resume");
+    let mut a = mha.to_vec();
+    a.extend([
+        "--set",
+        "dist.backend=local",
+        "--set",
+        "dist.world_size=4",
+        "--set",
+        "dist.sp_degree=2",
+        "--steps",
+        "2",
+    ]);
+    train(&cfg, &run, &a);
     let mut a = mha.to_vec();
     a.extend(["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.sp_degree=4"]);
-    train(&cfg, &out, &a);
-    assert_same_losses(&one4, &out, "4 ranks, SP 4");
-    assert_same_tensors(&model(&one4), &model(&out), "4 ranks, SP 4", tol);
+    a.extend(["--set", "dist.zero_stage=3", "--resume"]);
+    train(&cfg, &run, &a);
+    assert_same_losses(&one4, &run, "SP 2 x DP 2 -> SP 4 resume");
+    assert_same_tensors(&model(&one4), &model(&run), "SP 2 x DP 2 -> SP 4 resume", tol);
 }
 
 /// `[eval]` during a multi-rank run (SP 2 x DP 2, ZeRO-3: rank 0 evaluates the gathered weights with
