@@ -475,7 +475,10 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let inputs = if matches!(shape.checkpointing, Checkpointing::None) { 0.0 } else { n_seg as f64 * tl * c * wb };
     let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
     let (recompute, loss, ws_note) = if cpu {
-        let g = cpu_graph_per_token(arch) * tl * 4.0; // one layer's autograd graph
+        // one layer's autograd graph; Ulysses keeps three copies of q, k, v and of o per layer (the
+        // exchange's input and output and the re-laid-out result)
+        let sp_copies = if p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
+        let g = (cpu_graph_per_token(arch) + sp_copies) * tl * 4.0;
         let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
         let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
         let kept = last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
@@ -500,9 +503,24 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         ws,
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
+    if cpu && z < 3 {
+        // the CPU loop all-gathers the updated shards into one full fp32 copy and writes the model from it
+        add("gathered_weights", n * 4.0, "the full fp32 weights the CPU loop gathers into (ZeRO 0-2)".into());
+    }
     if world.gpus > 1 {
-        let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
-        add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+        if cpu {
+            // Local ranks exchange copies: the all-reduce of ZeRO 0-1 deposits the whole gradient; ZeRO 2-3
+            // hand on one group (a layer or the embedding/head) at a time
+            let unit = if z < 2 { n } else { (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64) };
+            add(
+                "comm_buckets",
+                unit * gb,
+                "the gradient copy a Local collective holds (all of it, or one layer)".into(),
+            );
+        } else {
+            let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
+            add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+        }
     }
     if p > 1 {
         add("sp_all_to_all", tl * (hd + 2.0 * kvd) * wb, "Ulysses: q, k, v in the head-sharded layout".into());
@@ -727,6 +745,9 @@ pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunC
         keys.world_size = int("world_size")?.map(|v| v as usize);
         keys.zero_stage = int("zero_stage")?.map(|v| v.min(255) as u8);
         keys.sp_degree = int("sp_degree")?.map(|v| v as usize);
+        // the backend decides how ranks are started, not what they hold; without world_size a `local`
+        // backend would not parse
+        d.remove("backend");
     }
     let merged = toml::to_string(&table)?;
     let label =

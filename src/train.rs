@@ -935,7 +935,9 @@ struct StepOut {
 /// One optimizer step: `accum` micro-batches forward/backward, gradient all-reduce, norm, then either
 /// a skip (non-finite loss or gradient) or clip + AdamW on this rank's shard + all-gather + write-back.
 fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
-    mem::reset_peak();
+    if r.mesh.rank() == 0 {
+        mem::reset_peak(); // process-wide: one reset per step (rank threads share the process)
+    }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
     s.grads.zero();
