@@ -723,7 +723,13 @@ impl RunConfig {
         for i in 0..self.stages.len() {
             let stage = format!("stage {i}");
             if dp > 1 {
-                crate::comms::launch::micro_batches_per_rank(origin, &stage, self.accumulation(i), dp)?;
+                crate::comms::launch::rank_batching(
+                    origin,
+                    &stage,
+                    self.accumulation(i),
+                    self.train.micro_batch_size,
+                    dp,
+                )?;
             }
             let t = self.stages[i].seq_len;
             if !t.is_multiple_of(sp) {

@@ -408,13 +408,12 @@ pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     for i in 0..cfg.stages.len() {
         let sh = stage_shape(cfg, i, gpu);
         if !splits_over_ranks(&sh, world) {
-            let unit = world.gpus / world.sp_degree.max(1) * sh.micro_batch * sh.seq_len;
+            let dp = world.gpus / world.sp_degree.max(1);
+            let unit = dp * sh.seq_len;
             bail!(
-                "stage {i}: {} sequences of {} tokens per step do not split evenly over {} data-parallel ranks x micro-batch {}\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
+                "stage {i}: {} sequences of {} tokens per step do not split evenly over {dp} data-parallel ranks\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
                 sh.tokens_per_step / sh.seq_len,
                 sh.seq_len,
-                world.gpus / world.sp_degree.max(1),
-                sh.micro_batch
             );
         }
     }
@@ -595,8 +594,10 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
 /// Whether the sequences of one step split into whole micro-batches on every data-parallel rank.
 fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
     let dp = w.gpus / w.sp_degree.max(1);
-    let per_step = sh.micro_batch * sh.seq_len * dp;
-    per_step > 0 && sh.tokens_per_step.is_multiple_of(per_step)
+    let unit = (sh.micro_batch * sh.seq_len).max(1);
+    let micro_batches = sh.tokens_per_step / unit;
+    sh.tokens_per_step.is_multiple_of(unit)
+        && crate::comms::launch::rank_batching("", "", micro_batches, sh.micro_batch, dp).is_ok()
 }
 
 /// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op

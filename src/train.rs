@@ -33,7 +33,7 @@
 //! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside packed sequences (Fu et al. train without them); the evaluation rules
 //! (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
-use crate::comms::launch::{launch_if_asked, micro_batches_per_rank, BackendKind};
+use crate::comms::launch::{launch_if_asked, rank_batching, BackendKind};
 use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
 use crate::comms::sequence::{SpGroup, Ulysses};
 use crate::comms::zero::{self, ShardMap, Split, ZeroShards};
@@ -646,6 +646,8 @@ struct Run {
     bucket: usize,
     /// the sequence-parallel group this rank shares its sequences with (`dist.sp_degree` > 1)
     sp: Option<SpGroup>,
+    /// tokens trained before this session (a resume), for the session's tokens/s
+    tokens_at_start: u64,
 }
 
 impl Run {
@@ -715,6 +717,7 @@ impl Run {
         } else {
             zero::publish(&comm, &map, &optim, &mut weights)?;
         }
+        let tokens_at_start = state.tokens_seen;
         Ok(Run {
             log: if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?) } else { None },
             zero_stage: dist.zero_stage,
@@ -743,6 +746,7 @@ impl Run {
             stop,
             _lock: lock,
             sp,
+            tokens_at_start,
         })
     }
 
@@ -845,9 +849,9 @@ impl Stage {
             }
         }
         r.state.rope = mc.rope.clone();
-        let bsz = cfg.train.micro_batch_size;
         let stage_name = format!("stage {si}");
-        let accum = micro_batches_per_rank(&r.origin, &stage_name, cfg.accumulation(si), r.mesh.dp_size)?;
+        let (mb, steps_mb) = (cfg.train.micro_batch_size, cfg.accumulation(si));
+        let (bsz, accum) = rank_batching(&r.origin, &stage_name, steps_mb, mb, r.mesh.dp_size)?;
         Ok(Stage {
             si,
             sources: loader.manifest().source_names.clone(),
@@ -867,7 +871,7 @@ impl Stage {
             lr_peak: cfg.stage_lr(si),
             seg: cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers),
             // the GLOBAL step's targets: each rank's gradients are partial sums of one global mean
-            targets_per_step: (cfg.accumulation(si) * bsz * (seq_len - 1)) as f64,
+            targets_per_step: (steps_mb * mb * (seq_len - 1)) as f64,
             flops_tok: metrics::flops_per_token(r.layout.total, mc.num_hidden_layers, mc.hidden_size, seq_len),
             pb: progress_bar(cfg.log.progress && r.mesh.rank() == 0, si, steps, r.state.stage_step),
             mc,
@@ -1186,7 +1190,7 @@ fn finish(r: &Run, end: End) -> Result<()> {
                 st.tokens_seen,
                 st.skipped_steps,
                 r.last_saved.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
-                st.tokens_seen as f64 / r.t_start.elapsed().as_secs_f64().max(1e-9)
+                (st.tokens_seen - r.tokens_at_start) as f64 / r.t_start.elapsed().as_secs_f64().max(1e-9)
             );
         }
     }

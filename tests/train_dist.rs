@@ -467,3 +467,23 @@ fn a_run_that_does_not_fit_this_machine_is_refused_before_any_work() {
     assert!(!ok && text.contains("GiB per rank") && text.contains("harpe plan") && text.contains("--force"), "{text}");
     assert!(!out.exists(), "refused before the run directory is made");
 }
+
+/// A rank's share of a step that is not a whole number of configured micro-batches runs in smaller
+/// micro-batches (1 micro-batch of 8 sequences in stage 1 over 4 ranks: 2 sequences each); the result
+/// is the one-rank result.
+#[test]
+fn ranks_split_a_micro_batch_when_the_step_has_fewer_micro_batches_than_ranks() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let (one, four) = (d.path().join("one"), d.path().join("four"));
+    train(&cfg, &one, &["--set", "train.micro_batch_size=8"]);
+    let dist = ["train.micro_batch_size=8", "dist.backend=local", "dist.world_size=4", "dist.zero_stage=2"];
+    train(&cfg, &four, &dist.iter().flat_map(|s| ["--set", s]).collect::<Vec<_>>());
+    assert_same_losses(&one, &four, "4 ranks, micro-batch 8 split");
+    assert_same_tensors(
+        &ckpt(&one, 5).join("model.safetensors"),
+        &ckpt(&four, 5).join("model.safetensors"),
+        "4 ranks, micro-batch 8 split",
+        1e-5,
+    );
+}
