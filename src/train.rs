@@ -19,19 +19,18 @@
 //!   a stage's model is built from `weights`, never from a shard.
 //! - The communicator comes from `[dist]`: `run` starts `dist.world_size` rank threads for `local`, each
 //!   running `run_rank`, the same loop; with one rank every collective is a no-op. `plan_check` runs
-//!   `harpe plan`'s arithmetic first and refuses a CPU run that cannot fit (unless `--force`). Rank 0 alone writes
-//!   the run directory and evaluates. ZeRO changes only where parameters and gradients live
-//!   (`Params`: resident Vars for 0-2; `ZeroShards` gathers each layer before use and reduce-scatters its
-//!   gradients at once), never the order of the loop.
-//! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
-//!
+//!   `harpe plan`'s arithmetic first and refuses a CPU run that cannot fit (unless `--force`). Rank 0
+//!   alone writes the run directory and evaluates. ZeRO changes only where parameters and gradients live
+//!   (`Params`: resident Vars and a full gradient buffer for 0-1; per-layer reduce-scatter into a
+//!   gradient shard for 2; layers also gathered before each use for 3), never the order of the loop.
 //! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
 //!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
 //!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
 //!   gradient sum over all ranks is the one-rank gradient.
+//! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
 //!
-//! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside packed sequences (Fu et al. train without them); the evaluation rules
-//! (eval/in_training.rs calls them).
+//! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside
+//! packed sequences (Fu et al. train without them); the evaluation rules (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
 use crate::comms::launch::{launch_if_asked, rank_batching, BackendKind};
 use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
