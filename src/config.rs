@@ -321,11 +321,14 @@ pub struct LogSection {
     /// peak TFLOP/s of the device in the compute dtype, for the MFU column (0 = unknown, MFU not shown)
     #[serde(default)]
     pub peak_tflops: f64,
+    /// write TensorBoard event files under RUN_DIR/tb/ (every step's scalars and every evaluation)
+    #[serde(default = "d_true")]
+    pub tensorboard: bool,
 }
 
 impl Default for LogSection {
     fn default() -> Self {
-        LogSection { every: 1, progress: true, plot: true, peak_tflops: 0.0 }
+        LogSection { every: 1, progress: true, plot: true, peak_tflops: 0.0, tensorboard: true }
     }
 }
 

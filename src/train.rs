@@ -36,6 +36,7 @@ use crate::flatbuf::FlatBuf;
 use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
+use crate::tensorboard::{self, TbWriter};
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::rms_norm;
@@ -343,6 +344,8 @@ struct Run {
     optim: AdamW,
     state: TrainState,
     log: MetricsLog,
+    /// TensorBoard events under RUN_DIR/tb/ (`log.tensorboard`)
+    tb: Option<TbWriter>,
     /// stop after this many steps in total (`--steps`)
     limit: u64,
     total_steps: u64,
@@ -387,6 +390,10 @@ impl Run {
         };
         Ok(Run {
             log: MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?,
+            tb: match cfg.log.tensorboard {
+                true => Some(TbWriter::create(&run_dir.join("tb"), state.step)?),
+                false => None,
+            },
             limit: args.steps.unwrap_or(u64::MAX),
             total_steps: (0..cfg.stages.len()).map(|i| cfg.stage_steps(i).0).sum(),
             sched: cfg.schedule.schedule(),
@@ -634,6 +641,9 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         elapsed_s: r.t_start.elapsed().as_secs_f64(),
     };
     r.log.write(&rec)?;
+    if let Some(tb) = &mut r.tb {
+        tb.scalars(rec.step, &tensorboard::step_scalars(&rec))?;
+    }
     if r.state.step.is_multiple_of(r.cfg.log.every.max(1)) || out.skipped {
         r.say(s, metrics::step_line(&rec, r.total_steps));
     }
@@ -655,6 +665,9 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
     let rec = ev.evaluate(&s.model, r.state.step, s.si, window)?;
     r.log.write_eval(&rec)?;
+    if let Some(tb) = &mut r.tb {
+        tb.scalars(rec.step, &tensorboard::eval_scalars(&rec))?;
+    }
     r.say(s, eval_line(&rec));
     if r.cfg.log.plot {
         let recs = metrics::read_evals(&r.run_dir.join("metrics.jsonl"))?;

@@ -138,6 +138,13 @@ fn eval_during_training_is_in_place_bit_neutral_and_resumable() {
         assert_eq!(v["eval"]["ppl"]["tokens"].as_u64(), Some(99));
     }
     assert!(b.join("eval.png").exists() && b.join("loss.png").exists());
+    // every evaluation metric is in TensorBoard too, at its step
+    let tb = harpe::tensorboard::read_scalars(&b.join("tb")).unwrap();
+    for (tag, step) in [("eval/ppl", 2), ("eval/nll", 7), ("eval/passkey/300", 4), ("eval/loss_by_bucket/", 6)] {
+        assert!(tb.iter().any(|(s, t, _)| t.starts_with(tag) && *s == step), "no {tag} at step {step}");
+    }
+    let ppl7 = tb.iter().find(|(s, t, _)| t == "eval/ppl" && *s == 7).map(|x| x.2);
+    assert_eq!(ppl7, lines[3]["eval"]["ppl"]["ppl"].as_f64().map(|x| x as f32));
 
     // 3. The values are the eval commands' on the saved checkpoint (weights read back from disk).
     let evs = read_evals(&b.join("metrics.jsonl")).unwrap();
