@@ -298,7 +298,7 @@ def make_model(mdir, vocab):
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
                       rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2, initializer_range=0.5)
+                      eos_token_id=2, initializer_range=0.25)
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(mdir, safe_serialization=True)
     c = json.load(open(os.path.join(mdir, "config.json")))

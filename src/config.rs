@@ -367,6 +367,18 @@ pub struct EvalSection {
     /// evaluate at most this many sequences of `loss_data`
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_max_sequences: Option<usize>,
+    /// lm-evaluation-harness tasks scored once, on the final weights (as `eval-tasks --tasks`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<String>,
+    /// their files (as `eval-tasks --data`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_data: Option<PathBuf>,
+    /// few-shot examples per prompt (as `eval-tasks --shots`)
+    #[serde(default)]
+    pub tasks_shots: usize,
+    /// the first N documents of each task (as `eval-tasks --limit`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_limit: Option<f64>,
 }
 
 fn d_passkey_samples() -> usize {
@@ -387,6 +399,12 @@ impl EvalSection {
         }
         if !self.passkey_lengths.is_empty() && self.passkey_samples == 0 {
             bail!("{origin}: [eval] passkey_samples = 0 with passkey_lengths set\nhint: e.g. passkey_samples = 10");
+        }
+        if self.tasks.is_some() != self.tasks_data.is_some() {
+            bail!("{origin}: [eval] tasks and tasks_data go together\nhint: e.g. tasks = \"mmlu,hellaswag\" with tasks_data = \"data/tasks\"");
+        }
+        if let (Some(t), Some(d)) = (&self.tasks, &self.tasks_data) {
+            crate::eval::tasks::parse_tasks(t, d).map_err(|e| anyhow!("{origin}: [eval] tasks: {e:#}"))?;
         }
         crate::eval::eval_loss::check_buckets(&self.loss_buckets, "[eval] loss_buckets")
             .map_err(|e| anyhow!("{origin}: {e:#}"))

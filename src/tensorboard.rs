@@ -27,7 +27,7 @@ pub struct Event {
     pub wall_time: f64,
     #[prost(int64, tag = "2")]
     pub step: i64,
-    #[prost(oneof = "What", tags = "3, 5, 6")]
+    #[prost(oneof = "What", tags = "3, 5, 7")]
     pub what: Option<What>,
 }
 
@@ -39,7 +39,8 @@ pub enum What {
     FileVersion(String),
     #[prost(message, tag = "5")]
     Summary(Summary),
-    #[prost(message, tag = "6")]
+    /// tag 7 (6 is the deprecated `log_message`)
+    #[prost(message, tag = "7")]
     SessionLog(SessionLog),
 }
 
@@ -190,6 +191,9 @@ pub fn eval_scalars(r: &EvalRecord) -> Vec<(String, f64)> {
     }
     v.extend(r.eval.passkey.iter().map(|(l, s)| (format!("eval/passkey/{l}"), *s)));
     v.extend(r.eval.loss_by_bucket.iter().map(|(b, x)| (format!("eval/loss_by_bucket/{b}"), *x)));
+    for (task, m) in &r.eval.tasks {
+        v.extend(m.iter().map(|(k, x)| (format!("eval/tasks/{task}/{k}"), *x)));
+    }
     v
 }
 

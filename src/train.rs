@@ -663,7 +663,7 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
         return Ok(());
     }
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
-    let rec = ev.evaluate(&s.model, r.state.step, s.si, window)?;
+    let rec = ev.evaluate(&s.model, r.state.step, s.si, window, r.state.step == r.total_steps)?;
     r.log.write_eval(&rec)?;
     if let Some(tb) = &mut r.tb {
         tb.scalars(rec.step, &tensorboard::eval_scalars(&rec))?;

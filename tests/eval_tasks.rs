@@ -14,8 +14,11 @@ fn fixtures() -> PathBuf {
 }
 
 fn args(tasks: &str, shots: usize, data: &Path) -> EvalTasksArgs {
+    // transformers' float32 RoPE arithmetic, as the harness ran the fixture model
+    let mut scoring = ScoringModel::new(&fixtures().join("model"));
+    scoring.rope_parity = harpe::model::rope::RopeParity::Hf;
     EvalTasksArgs {
-        scoring: ScoringModel::new(&fixtures().join("model")),
+        scoring,
         tasks: tasks.to_string(),
         data: data.to_path_buf(),
         shots,
@@ -129,4 +132,159 @@ fn triviaqa_matches_the_harness() {
     for k in [0, 3, 5] {
         check("triviaqa", k);
     }
+}
+
+/// A copy of the fixture data to break.
+fn data_copy() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    let src = fixtures().join("data");
+    for e in glob::glob(&format!("{}/**/*.jsonl", src.display())).unwrap() {
+        let p = e.unwrap();
+        let dst = d.path().join(p.strip_prefix(&src).unwrap());
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(&p, &dst).unwrap();
+    }
+    d
+}
+
+fn err(a: &EvalTasksArgs) -> String {
+    format!("{:#}", evaluate(a).err().expect("an error"))
+}
+
+fn edit_line(path: &Path, line: usize, f: impl Fn(&mut Value)) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let mut v: Value = serde_json::from_str(&lines[line - 1]).unwrap();
+    f(&mut v);
+    lines[line - 1] = v.to_string();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+#[test]
+fn bad_input_is_named_never_dropped() {
+    let d = data_copy();
+    let root = d.path();
+    let e = err(&args("arc_challenge", 40, root));
+    assert!(e.contains("40 few-shot examples asked from the `train` split, which has 26"), "{e}");
+    // a missing split names the task, the split and the path
+    std::fs::remove_file(root.join("hellaswag/validation.jsonl")).unwrap();
+    let e = err(&args("hellaswag", 0, root));
+    assert!(e.contains("hellaswag") && e.contains("split `validation` is missing") && e.contains("hint:"), "{e}");
+    // the few-shot split is needed only with shots
+    std::fs::remove_file(root.join("piqa/train.jsonl")).unwrap();
+    let e = err(&args("piqa", 3, root));
+    assert!(e.contains("split `train` is missing"), "{e}");
+    // a malformed record: file:line
+    let v = root.join("piqa/validation.jsonl");
+    let mut text = std::fs::read_to_string(&v).unwrap();
+    text = text.replacen('\n', "\n{\"goal\": \"broken\n", 1);
+    std::fs::write(&v, &text).unwrap();
+    let e = err(&args("piqa", 0, root));
+    assert!(e.contains("piqa/validation.jsonl:2: malformed JSON") && e.contains("hint:"), "{e}");
+    // a label out of range, a missing field, an answer key that is no label
+    let p = root.join("arc_challenge/test.jsonl");
+    edit_line(&p, 2, |v| v["answerKey"] = "Z".into());
+    let e = err(&args("arc_challenge", 0, root));
+    assert!(e.contains("test.jsonl:2") && e.contains("answerKey") && e.contains("\"Z\""), "{e}");
+    let p = root.join("mmlu/anatomy/test.jsonl");
+    edit_line(&p, 3, |v| v["answer"] = 4.into());
+    let e = err(&args("mmlu_anatomy", 0, root));
+    assert!(e.contains("anatomy/test.jsonl:3") && e.contains("`answer` = 4 is out of range for 4 choices"), "{e}");
+    edit_line(&p, 3, |v| {
+        v.as_object_mut().unwrap().remove("choices");
+    });
+    let e = err(&args("mmlu", 0, root));
+    assert!(e.contains("anatomy/test.jsonl:3: no field `choices`"), "{e}");
+    let p = root.join("hellaswag/train.jsonl");
+    std::fs::copy(&p, root.join("hellaswag/validation.jsonl")).unwrap();
+    edit_line(&root.join("hellaswag/validation.jsonl"), 1, |v| v["label"] = "".into());
+    let e = err(&args("hellaswag", 0, root));
+    assert!(e.contains("validation.jsonl:1") && e.contains("`label`"), "{e}");
+    // too many shots for the pool, unknown task
+    let e = err(&args("triviaqa", 50, root));
+    assert!(e.contains("--shots 50 needs 51 records in the `train` split") && e.contains("hint:"), "{e}");
+    let e = err(&args("winogrande", 0, root));
+    assert!(e.contains("unknown task \"winogrande\"") && e.contains("hint:"), "{e}");
+}
+
+#[test]
+fn resumes_from_scored_documents_and_writes_the_harness_outputs() {
+    let out = tempfile::tempdir().unwrap();
+    let mut a = args("piqa,mmlu", 0, &fixtures().join("data"));
+    a.out = Some(out.path().to_path_buf());
+    a.log_samples = true;
+    harpe::eval::tasks::run::run(a.clone()).unwrap();
+    let res: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json")).unwrap()).unwrap();
+    for k in ["results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples", "config"] {
+        assert!(res.get(k).is_some(), "results.json has no {k}");
+    }
+    assert_eq!(res["n-samples"]["piqa"]["effective"], 5);
+    assert!(res["results"]["mmlu"]["acc,none"].is_number() && res["groups"]["mmlu_stem"].is_object());
+    let samples = std::fs::read_to_string(out.path().join("samples_piqa.jsonl")).unwrap();
+    let first: Value = serde_json::from_str(samples.lines().next().unwrap()).unwrap();
+    assert!(first["arguments"][0][0].as_str().unwrap().starts_with("Question: "));
+    assert_eq!(first["resps"].as_array().unwrap().len(), 2);
+
+    // a rerun reads the scored documents back: a doctored log-likelihood shows through
+    let part = out.path().join("partial/piqa.jsonl");
+    let text = std::fs::read_to_string(&part).unwrap();
+    let mut lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let doc = lines[0]["doc_id"].as_u64().unwrap() as usize;
+    let gold = {
+        let (p, _, _) = evaluate(&args("piqa", 0, &fixtures().join("data"))).unwrap();
+        match p[0].docs[doc].target {
+            harpe::eval::tasks::Target::Index(i) => i,
+            _ => unreachable!(),
+        }
+    };
+    lines[0]["lls"][gold] = 0.0.into();
+    lines[0]["lls"][1 - gold] = (-1e6).into();
+    let mut body: String = lines.iter().map(|v| format!("{v}\n")).collect();
+    body.push_str("{\"doc_id\": 3, \"ke"); // a torn last line from a killed run
+    std::fs::write(&part, body).unwrap();
+    let (_, resp, res2) = evaluate(&a).unwrap();
+    let Response::Choices(c) = &resp[0][doc] else { panic!() };
+    assert_eq!(c[gold].loglik, 0.0, "the resumed document was not read back");
+    let acc = |r: &serde_json::Map<String, Value>| r["results"]["piqa"]["acc,none"].as_f64().unwrap();
+    assert!(acc(&res2) >= res["results"]["piqa"]["acc,none"].as_f64().unwrap());
+    // other settings (the seed changes nothing at 0 shots, the limit does not either: same prompts), but a
+    // different prompt recomputes: 3 shots
+    let mut b = a.clone();
+    b.shots = 3;
+    let (_, resp, _) = evaluate(&b).unwrap();
+    let Response::Choices(c) = &resp[0][doc] else { panic!() };
+    assert!(c[gold].loglik < 0.0, "a changed prompt must be scored again");
+    // --limit: the first N documents, a fraction rounds up
+    let mut l = args("piqa", 0, &fixtures().join("data"));
+    l.limit = Some(0.5);
+    let (p, _, res3) = evaluate(&l).unwrap();
+    assert_eq!(p[0].requests.len(), 3);
+    assert_eq!(res3["n-samples"]["piqa"]["original"], 5);
+}
+
+#[test]
+fn cli_prints_the_harness_results_as_json() {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["eval-tasks", "--model"])
+        .arg(fixtures().join("model"))
+        .args(["--tasks", "arc_challenge", "--data"])
+        .arg(fixtures().join("data"))
+        .args(["--shots", "3", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden/arc_challenge_3shot.json")).unwrap()).unwrap();
+    for k in ["acc,none", "acc_norm,none", "acc_stderr,none", "acc_norm_stderr,none"] {
+        assert_eq!(v["results"]["arc_challenge"][k], g["results"]["arc_challenge"][k], "{k}");
+    }
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["eval-tasks", "--model"])
+        .arg(fixtures().join("model"))
+        .args(["--tasks", "hellaswag", "--data", "/nonexistent"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("split `validation` is missing") && e.contains("hint:"), "{e}");
 }

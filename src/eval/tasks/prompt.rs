@@ -20,6 +20,8 @@ use anyhow::{bail, Result};
 
 /// `target_delimiter` (TaskConfig default; triviaqa sets the same " ").
 pub const TARGET_DELIMITER: &str = " ";
+/// `simple_evaluate(fewshot_random_seed=1234)`.
+pub const DEFAULT_SEED: i64 = 1234;
 /// `fewshot_delimiter` (TaskConfig default).
 pub const FEWSHOT_DELIMITER: &str = "\n\n";
 
@@ -81,6 +83,16 @@ impl FewshotSampler {
             }
             Sampler::Random if !self.excludes_doc => self.draw(&all, n),
             Sampler::Random => {
+                if n + 1 > all.len() {
+                    bail!(
+                        "{}: --shots {n} needs {} records in the `{}` split (the harness draws one extra to drop the \
+                         evaluated document), which has {}\nhint: pass a smaller --shots or give the split more records",
+                        self.task,
+                        n + 1,
+                        self.split,
+                        all.len()
+                    );
+                }
                 let drawn = self.draw(&all, n + 1)?;
                 let mut res: Vec<usize> = drawn.into_iter().filter(|&i| self.pool[i].raw != doc.raw).collect();
                 res.truncate(n);

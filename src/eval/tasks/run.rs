@@ -45,7 +45,7 @@ pub struct EvalTasksArgs {
     #[arg(long)]
     pub limit: Option<f64>,
     /// few-shot sampling seed (the harness's fewshot_random_seed)
-    #[arg(long, default_value_t = 1234)]
+    #[arg(long, default_value_t = crate::eval::tasks::prompt::DEFAULT_SEED)]
     pub seed: i64,
     /// continuation rows per forward pass (the choices of a question share one prefilled context)
     #[arg(long, default_value_t = 8)]
@@ -260,7 +260,7 @@ fn respond(sc: &Scorer, spec: &TaskSpec, r: &Request) -> Result<Response> {
 /// Evaluate: every task's per-document responses (resumed where possible) and the results object.
 pub fn evaluate(args: &EvalTasksArgs) -> Result<(Vec<PreparedTask>, Vec<Vec<Response>>, serde_json::Map<String, Value>)> {
     let specs = parse_tasks(&args.tasks, &args.data)?;
-    let with_groups = args.tasks.split(',').any(|t| t.trim() == "mmlu");
+    let with_groups = wants_groups(&args.tasks);
     if args.log_samples && args.out.is_none() {
         bail!("--log-samples writes OUT/samples_<task>.jsonl\nhint: pass --out DIR");
     }
@@ -275,41 +275,8 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<(Vec<PreparedTask>, Vec<Vec<Resp
     let max_length = args.max_length.unwrap_or(model.max_context());
     let sc = Scorer { model: &model, tok: &tok, max_length, batch: args.batch, chunk: args.scoring.loss_chunk };
     let fp = run_fingerprint(args, max_length, &tok_path)?;
-    let total: usize = prepared.iter().map(|p| p.requests.len()).sum();
-    let pb = indicatif::ProgressBar::new(total as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} docs, {elapsed} elapsed, ETA {eta}")
-            .map_err(|e| anyhow!("progress bar: {e}"))?,
-    );
-    let mut all = vec![];
-    for p in &prepared {
-        pb.set_prefix(p.spec.name.clone());
-        let mut partial = Partial::open(args.out.as_deref(), &p.spec.name)?;
-        let mut resp: Vec<Option<Response>> = vec![None; p.requests.len()];
-        // longest first, as the harness orders its requests
-        let mut order: Vec<usize> = (0..p.requests.len()).collect();
-        let len = |r: &Request| r.context.len() + r.continuations.iter().map(String::len).max().unwrap_or(0);
-        order.sort_by_key(|&i| std::cmp::Reverse(len(&p.requests[i])));
-        for i in order {
-            let r = &p.requests[i];
-            let key = request_key(&fp, r);
-            let out = match partial.get(r.doc_id, &key) {
-                Some(x) => x,
-                None => {
-                    let x = respond(&sc, &p.spec, r)
-                        .with_context(|| format!("{}: document {} of the `{}` split", p.spec.name, r.doc_id, p.spec.eval_split))?;
-                    partial.put(r.doc_id, &key, &x)?;
-                    x
-                }
-            };
-            resp[i] = Some(out);
-            pb.inc(1);
-        }
-        all.push(resp.into_iter().collect::<Option<Vec<_>>>().ok_or_else(|| anyhow!("internal: a document was not scored"))?);
-    }
-    pb.finish_and_clear();
-    let outcomes: Vec<TaskOutcome> = prepared.iter().zip(&all).map(|(p, r)| outcome(p, r, args.shots)).collect();
-    let mut res = results_json(&outcomes, with_groups);
+    let all = score_tasks(&sc, &prepared, args.out.as_deref(), &fp)?;
+    let mut res = results_of(&prepared, &all, args.shots, with_groups);
     res.insert("config".into(), json!({
         "model": "harpe", "model_args": format!("pretrained={}", args.scoring.model.display()),
         "dtype": format!("{:?}", args.scoring.dtype), "device": args.scoring.device.to_string(), "batch_size": args.batch,
@@ -321,6 +288,58 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<(Vec<PreparedTask>, Vec<Vec<Resp
     let date = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     res.insert("date".into(), json!(date));
     Ok((prepared, all, res))
+}
+
+/// Score every document of every task, longest first, with a progress bar; with `out`, documents already
+/// in `out/partial/<task>.jsonl` under the same key are read back and new ones appended. `fp` identifies
+/// the model and settings (part of every key).
+pub fn score_tasks(sc: &Scorer, prepared: &[PreparedTask], out: Option<&Path>, fp: &str) -> Result<Vec<Vec<Response>>> {
+    let total: usize = prepared.iter().map(|p| p.requests.len()).sum();
+    let pb = indicatif::ProgressBar::new(total as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} docs, {elapsed} elapsed, ETA {eta}")
+            .map_err(|e| anyhow!("progress bar: {e}"))?,
+    );
+    let mut all = vec![];
+    for p in prepared {
+        pb.set_prefix(p.spec.name.clone());
+        let mut partial = Partial::open(out, &p.spec.name)?;
+        let mut resp: Vec<Option<Response>> = vec![None; p.requests.len()];
+        // longest first, as the harness orders its requests
+        let mut order: Vec<usize> = (0..p.requests.len()).collect();
+        let len = |r: &Request| r.context.len() + r.continuations.iter().map(String::len).max().unwrap_or(0);
+        order.sort_by_key(|&i| std::cmp::Reverse(len(&p.requests[i])));
+        for i in order {
+            let r = &p.requests[i];
+            let key = request_key(fp, r);
+            let x = match partial.get(r.doc_id, &key) {
+                Some(x) => x,
+                None => {
+                    let x = respond(sc, &p.spec, r).with_context(|| {
+                        format!("{}: document {} of the `{}` split", p.spec.name, r.doc_id, p.spec.eval_split)
+                    })?;
+                    partial.put(r.doc_id, &key, &x)?;
+                    x
+                }
+            };
+            resp[i] = Some(x);
+            pb.inc(1);
+        }
+        all.push(resp.into_iter().collect::<Option<Vec<_>>>().ok_or_else(|| anyhow!("internal: a document was not scored"))?);
+    }
+    pb.finish_and_clear();
+    Ok(all)
+}
+
+/// The harness's results object of scored tasks (`with_groups`: MMLU's groups, as `--tasks mmlu` gives).
+pub fn results_of(prepared: &[PreparedTask], resp: &[Vec<Response>], shots: usize, with_groups: bool) -> serde_json::Map<String, Value> {
+    let outcomes: Vec<TaskOutcome> = prepared.iter().zip(resp).map(|(p, r)| outcome(p, r, shots)).collect();
+    results_json(&outcomes, with_groups)
+}
+
+/// Whether a `--tasks` list asks for MMLU's groups.
+pub fn wants_groups(tasks: &str) -> bool {
+    tasks.split(',').any(|t| t.trim() == "mmlu")
 }
 
 /// A task's per-sample metric values.
