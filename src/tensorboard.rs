@@ -102,8 +102,9 @@ impl TbWriter {
     /// Create a new event file in `dir` (created if missing) for a session starting after `start_step`
     /// optimizer steps, marking the session start so TensorBoard drops older files' later events.
     pub fn create(dir: &Path, start_step: u64) -> Result<TbWriter> {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| {
+            format!("cannot create {}\nhint: check that the run directory is writable", dir.display())
+        })?;
         let secs = wall_time() as u64;
         let host = crate::util::host_name();
         let pid = std::process::id();
@@ -120,9 +121,17 @@ impl TbWriter {
             format!("cannot create {}\nhint: check that the run directory is writable", path.display())
         })?;
         let mut w = TbWriter { file, path };
-        w.write_event(&Event { wall_time: wall_time(), step: 0, what: Some(What::FileVersion("brain.Event:2".into())) })?;
+        w.write_event(&Event {
+            wall_time: wall_time(),
+            step: 0,
+            what: Some(What::FileVersion("brain.Event:2".into())),
+        })?;
         let log = SessionLog { status: SESSION_START, checkpoint_path: String::new(), msg: "harpe train".into() };
-        w.write_event(&Event { wall_time: wall_time(), step: start_step as i64 + 1, what: Some(What::SessionLog(log)) })?;
+        w.write_event(&Event {
+            wall_time: wall_time(),
+            step: start_step as i64 + 1,
+            what: Some(What::SessionLog(log)),
+        })?;
         Ok(w)
     }
 
@@ -155,7 +164,11 @@ impl TbWriter {
             .iter()
             .map(|(tag, v)| SummaryValue { tag: tag.clone(), value: Some(ValueKind::SimpleValue(*v as f32)) })
             .collect();
-        self.write_event(&Event { wall_time: wall_time(), step: step as i64, what: Some(What::Summary(Summary { value })) })
+        self.write_event(&Event {
+            wall_time: wall_time(),
+            step: step as i64,
+            what: Some(What::Summary(Summary { value })),
+        })
     }
 }
 
@@ -202,7 +215,9 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut out = vec![];
     let mut at = 0usize;
-    let bad = |at: usize, what: &str| anyhow!("{}: byte {at}: {what}\nhint: the event file is truncated or damaged", path.display());
+    let bad = |at: usize, what: &str| {
+        anyhow!("{}: byte {at}: {what}\nhint: the event file is truncated or damaged", path.display())
+    };
     while at < bytes.len() {
         let head = bytes.get(at..at + 12).ok_or_else(|| bad(at, "short record header"))?;
         let (len_b, crc_b) = head.split_at(8);

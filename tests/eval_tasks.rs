@@ -275,7 +275,8 @@ fn cli_prints_the_harness_results_as_json() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     let g: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden/arc_challenge_3shot.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden/arc_challenge_3shot.json")).unwrap())
+            .unwrap();
     for k in ["acc,none", "acc_norm,none", "acc_stderr,none", "acc_norm_stderr,none"] {
         assert_eq!(v["results"]["arc_challenge"][k], g["results"]["arc_challenge"][k], "{k}");
     }

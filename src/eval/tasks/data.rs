@@ -43,7 +43,11 @@ impl Record {
     pub fn str(&self, field: &str) -> Result<String> {
         match self.get(field)? {
             Value::String(s) => Ok(s.clone()),
-            other => bail!("{}: `{}{field}` is {other}, not a string\nhint: check the record's format", self.at(), self.prefix),
+            other => bail!(
+                "{}: `{}{field}` is {other}, not a string\nhint: check the record's format",
+                self.at(),
+                self.prefix
+            ),
         }
     }
 
@@ -51,14 +55,22 @@ impl Record {
     pub fn int(&self, field: &str) -> Result<i64> {
         match self.get(field)? {
             Value::Number(n) if n.is_i64() => Ok(n.as_i64().unwrap_or_default()),
-            other => bail!("{}: `{}{field}` is {other}, not an integer\nhint: check the record's format", self.at(), self.prefix),
+            other => bail!(
+                "{}: `{}{field}` is {other}, not an integer\nhint: check the record's format",
+                self.at(),
+                self.prefix
+            ),
         }
     }
 
     /// A list-of-strings field.
     pub fn str_list(&self, field: &str) -> Result<Vec<String>> {
         let bad = |v: &Value| {
-            anyhow!("{}: `{}{field}` is {v}, not a list of strings\nhint: check the record's format", self.at(), self.prefix)
+            anyhow!(
+                "{}: `{}{field}` is {v}, not a list of strings\nhint: check the record's format",
+                self.at(),
+                self.prefix
+            )
         };
         match self.get(field)? {
             Value::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string).ok_or_else(|| bad(x))).collect(),
@@ -92,10 +104,18 @@ pub fn read_split(task: &str, dir: &Path, split: &str, dataset: &str) -> Result<
             continue;
         }
         let value: Value = serde_json::from_str(line).map_err(|e| {
-            anyhow!("{}:{}: malformed JSON: {e}\nhint: one JSON object per line ({dataset} records)", path.display(), i + 1)
+            anyhow!(
+                "{}:{}: malformed JSON: {e}\nhint: one JSON object per line ({dataset} records)",
+                path.display(),
+                i + 1
+            )
         })?;
         if !value.is_object() {
-            bail!("{}:{}: not a JSON object\nhint: one JSON object per line ({dataset} records)", path.display(), i + 1);
+            bail!(
+                "{}:{}: not a JSON object\nhint: one JSON object per line ({dataset} records)",
+                path.display(),
+                i + 1
+            );
         }
         out.push(Record { value, file: path.clone(), line: i + 1, prefix: String::new() });
     }

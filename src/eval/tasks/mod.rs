@@ -166,23 +166,79 @@ impl TaskSpec {
         let mc = |acc_norm| Output::MultipleChoice { acc_norm };
         let (kind, dir, eval_split, fewshot_split, excl, sampler, output, version, dataset) = match name {
             // hellaswag.yaml: training_split train, validation_split validation, test_split null
-            "hellaswag" => (Kind::Hellaswag, data.join(name), "validation", "train", true, Sampler::Random, mc(true), 1.0, "Rowan/hellaswag"),
+            "hellaswag" => (
+                Kind::Hellaswag,
+                data.join(name),
+                "validation",
+                "train",
+                true,
+                Sampler::Random,
+                mc(true),
+                1.0,
+                "Rowan/hellaswag",
+            ),
             // arc_easy.yaml (+ arc_challenge.yaml): train / validation / test
-            "arc_challenge" => (Kind::ArcChallenge, data.join(name), "test", "train", false, Sampler::Random, mc(true), 1.0, "allenai/ai2_arc ARC-Challenge"),
-            "arc_easy" => (Kind::ArcEasy, data.join(name), "test", "train", false, Sampler::Random, mc(true), 1.0, "allenai/ai2_arc ARC-Easy"),
+            "arc_challenge" => (
+                Kind::ArcChallenge,
+                data.join(name),
+                "test",
+                "train",
+                false,
+                Sampler::Random,
+                mc(true),
+                1.0,
+                "allenai/ai2_arc ARC-Challenge",
+            ),
+            "arc_easy" => (
+                Kind::ArcEasy,
+                data.join(name),
+                "test",
+                "train",
+                false,
+                Sampler::Random,
+                mc(true),
+                1.0,
+                "allenai/ai2_arc ARC-Easy",
+            ),
             // piqa.yaml: train / validation, test_split null
-            "piqa" => (Kind::Piqa, data.join(name), "validation", "train", true, Sampler::Random, mc(true), 1.0, "baber/piqa"),
+            "piqa" => {
+                (Kind::Piqa, data.join(name), "validation", "train", true, Sampler::Random, mc(true), 1.0, "baber/piqa")
+            }
             // triviaqa/default.yaml: train / validation, no test_split; metadata.version 3.0
-            "triviaqa" => (Kind::Triviaqa, data.join(name), "validation", "train", true, Sampler::Random, Output::Generate, 3.0, "mandarjoshi/trivia_qa rc.nocontext"),
+            "triviaqa" => (
+                Kind::Triviaqa,
+                data.join(name),
+                "validation",
+                "train",
+                true,
+                Sampler::Random,
+                Output::Generate,
+                3.0,
+                "mandarjoshi/trivia_qa rc.nocontext",
+            ),
             _ => {
                 let subject = name.strip_prefix("mmlu_")?;
                 MMLU_SUBJECTS.iter().find(|(s, _)| *s == subject)?;
                 // _default_template_yaml: test_split test, fewshot_split dev, sampler first_n
-                let t = (Kind::Mmlu(subject.to_string()), data.join("mmlu").join(subject), "test", "dev", false, Sampler::FirstN, mc(false), 1.0, "cais/mmlu");
+                let t = (
+                    Kind::Mmlu(subject.to_string()),
+                    data.join("mmlu").join(subject),
+                    "test",
+                    "dev",
+                    false,
+                    Sampler::FirstN,
+                    mc(false),
+                    1.0,
+                    "cais/mmlu",
+                );
                 return Some(TaskSpec::from_parts(name, subject, t));
             }
         };
-        Some(TaskSpec::from_parts(name, name, (kind, dir, eval_split, fewshot_split, excl, sampler, output, version, dataset)))
+        Some(TaskSpec::from_parts(
+            name,
+            name,
+            (kind, dir, eval_split, fewshot_split, excl, sampler, output, version, dataset),
+        ))
     }
 
     #[allow(clippy::type_complexity)]
@@ -252,8 +308,7 @@ pub fn parse_tasks(list: &str, data: &Path) -> Result<Vec<TaskSpec>> {
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         if name == "mmlu" {
             let root = data.join("mmlu");
-            let present: Vec<&str> =
-                MMLU_SUBJECTS.iter().map(|(s, _)| *s).filter(|s| root.join(s).is_dir()).collect();
+            let present: Vec<&str> = MMLU_SUBJECTS.iter().map(|(s, _)| *s).filter(|s| root.join(s).is_dir()).collect();
             if present.is_empty() {
                 bail!(
                     "--tasks mmlu: no subject directory under {}\nhint: lay MMLU out as {}/<subject>/{{dev,test}}.jsonl \

@@ -69,8 +69,11 @@ impl FewshotSampler {
         let all: Vec<usize> = (0..self.pool.len()).collect();
         match self.sampler {
             Sampler::FirstN => {
-                let pool: Vec<usize> =
-                    if self.excludes_doc { all.into_iter().filter(|&i| self.pool[i].raw != doc.raw).collect() } else { all };
+                let pool: Vec<usize> = if self.excludes_doc {
+                    all.into_iter().filter(|&i| self.pool[i].raw != doc.raw).collect()
+                } else {
+                    all
+                };
                 if n > pool.len() {
                     bail!(
                         "{}: {n} few-shot examples asked from the `{}` split, which has {}\nhint: pass a smaller --shots",

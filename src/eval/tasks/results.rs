@@ -47,7 +47,12 @@ pub fn argmax(x: &[f64]) -> usize {
 /// ASCII punctuation; numpy's string arrays also drop trailing NULs.
 pub fn exact_match(pred: &str, gold: &str) -> bool {
     let norm = |s: &str| -> String {
-        s.to_lowercase().chars().filter(|c| !c.is_ascii_punctuation()).collect::<String>().trim_end_matches('\0').to_string()
+        s.to_lowercase()
+            .chars()
+            .filter(|c| !c.is_ascii_punctuation())
+            .collect::<String>()
+            .trim_end_matches('\0')
+            .to_string()
     };
     norm(pred) == norm(gold)
 }
@@ -58,8 +63,7 @@ pub fn sample_metrics(spec: &TaskSpec, doc: &Doc, resp: &Response) -> (Vec<(&'st
     match (spec.output, resp, &doc.target) {
         (Output::MultipleChoice { acc_norm }, Response::Choices(s), Target::Index(gold)) => {
             let lls: Vec<f64> = s.iter().map(|c| c.loglik).collect();
-            let norm: Vec<f64> =
-                lls.iter().zip(&doc.choices).map(|(ll, c)| ll / c.chars().count() as f64).collect();
+            let norm: Vec<f64> = lls.iter().zip(&doc.choices).map(|(ll, c)| ll / c.chars().count() as f64).collect();
             let hit = |p: usize| if p == *gold { 1.0 } else { 0.0 };
             let mut m = vec![("acc", hit(argmax(&lls)))];
             if acc_norm {

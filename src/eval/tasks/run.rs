@@ -67,6 +67,9 @@ pub struct EvalTasksArgs {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// What `evaluate` returns: the prepared tasks, their per-document responses, the results object.
+pub type Evaluation = (Vec<PreparedTask>, Vec<Vec<Response>>, serde_json::Map<String, Value>);
+
 /// One document's request.
 #[derive(Clone, Debug)]
 pub struct Request {
@@ -90,7 +93,7 @@ pub struct PreparedTask {
 pub fn effective_limit(n: usize, limit: Option<f64>) -> Result<usize> {
     match limit {
         None => Ok(n),
-        Some(l) if !(l > 0.0) || !l.is_finite() => {
+        Some(l) if l.is_nan() || l <= 0.0 || l.is_infinite() => {
             bail!("--limit {l} selects nothing\nhint: a count (e.g. --limit 100) or a fraction in (0, 1)")
         }
         Some(l) if l < 1.0 => Ok(((n as f64 * l).ceil() as usize).min(n)),
@@ -117,7 +120,8 @@ pub fn prepare_task(spec: &TaskSpec, shots: usize, limit: Option<f64>, seed: i64
             Some(s) => s.sample(shots, doc)?,
             None => vec![],
         };
-        let shot_docs: Vec<&Doc> = idx.iter().map(|&i| sampler.as_ref().map(|s| s.doc(i))).collect::<Option<_>>().unwrap_or_default();
+        let shot_docs: Vec<&Doc> =
+            idx.iter().map(|&i| sampler.as_ref().map(|s| s.doc(i))).collect::<Option<_>>().unwrap_or_default();
         let ctx = context(&spec.description, &shot_docs, doc);
         let continuations = doc.choices.iter().map(|c| format!("{TARGET_DELIMITER}{c}")).collect();
         requests.push(Request { doc_id, context: ctx, continuations });
@@ -159,22 +163,30 @@ impl Partial {
     fn open(out: Option<&Path>, task: &str) -> Result<Partial> {
         let Some(out) = out else { return Ok(Partial { done: HashMap::new(), file: None }) };
         let dir = out.join("partial");
-        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}\nhint: choose a writable --out", dir.display()))?;
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}\nhint: choose a writable --out", dir.display()))?;
         let path = dir.join(format!("{task}.jsonl"));
         let mut done = HashMap::new();
         if path.exists() {
             let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
             let lines: Vec<&str> = text.lines().collect();
             for (i, line) in lines.iter().enumerate() {
-                let parsed: Option<(usize, String, Response)> = serde_json::from_str::<Value>(line).ok().and_then(|v| {
-                    Some((v.get("doc_id")?.as_u64()? as usize, v.get("key")?.as_str()?.to_string(), response_of(&v)?))
-                });
+                let parsed: Option<(usize, String, Response)> =
+                    serde_json::from_str::<Value>(line).ok().and_then(|v| {
+                        Some((
+                            v.get("doc_id")?.as_u64()? as usize,
+                            v.get("key")?.as_str()?.to_string(),
+                            response_of(&v)?,
+                        ))
+                    });
                 match parsed {
                     Some((id, key, r)) => {
                         done.insert(id, (key, r));
                     }
                     // a run killed while writing leaves a torn last line: that document is scored again
-                    None if i + 1 == lines.len() => eprintln!("{}:{}: torn last line, rescoring it", path.display(), i + 1),
+                    None if i + 1 == lines.len() => {
+                        eprintln!("{}:{}: torn last line, rescoring it", path.display(), i + 1)
+                    }
                     None => bail!(
                         "{}:{}: damaged resume line\nhint: delete {} to score the task again",
                         path.display(),
@@ -221,7 +233,8 @@ fn run_fingerprint(args: &EvalTasksArgs, max_length: usize, tok_path: &Path) -> 
     files.sort();
     for f in files {
         let m = std::fs::metadata(&f).with_context(|| format!("cannot stat {}", f.display()))?;
-        let mtime = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
+        let mtime =
+            m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
         s.push_str(&format!(" {}:{}:{mtime}", f.display(), m.len()));
     }
     Ok(s)
@@ -258,7 +271,7 @@ fn respond(sc: &Scorer, spec: &TaskSpec, r: &Request) -> Result<Response> {
 }
 
 /// Evaluate: every task's per-document responses (resumed where possible) and the results object.
-pub fn evaluate(args: &EvalTasksArgs) -> Result<(Vec<PreparedTask>, Vec<Vec<Response>>, serde_json::Map<String, Value>)> {
+pub fn evaluate(args: &EvalTasksArgs) -> Result<Evaluation> {
     let specs = parse_tasks(&args.tasks, &args.data)?;
     let with_groups = wants_groups(&args.tasks);
     if args.log_samples && args.out.is_none() {
@@ -285,7 +298,8 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<(Vec<PreparedTask>, Vec<Vec<Resp
     }));
     res.insert("harness_rules".into(), json!(format!("lm-evaluation-harness {HARNESS_VERSION}")));
     res.insert("harpe_version".into(), json!(env!("CARGO_PKG_VERSION")));
-    let date = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    let date =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     res.insert("date".into(), json!(date));
     Ok((prepared, all, res))
 }
@@ -325,14 +339,23 @@ pub fn score_tasks(sc: &Scorer, prepared: &[PreparedTask], out: Option<&Path>, f
             resp[i] = Some(x);
             pb.inc(1);
         }
-        all.push(resp.into_iter().collect::<Option<Vec<_>>>().ok_or_else(|| anyhow!("internal: a document was not scored"))?);
+        all.push(
+            resp.into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| anyhow!("internal: a document was not scored"))?,
+        );
     }
     pb.finish_and_clear();
     Ok(all)
 }
 
 /// The harness's results object of scored tasks (`with_groups`: MMLU's groups, as `--tasks mmlu` gives).
-pub fn results_of(prepared: &[PreparedTask], resp: &[Vec<Response>], shots: usize, with_groups: bool) -> serde_json::Map<String, Value> {
+pub fn results_of(
+    prepared: &[PreparedTask],
+    resp: &[Vec<Response>],
+    shots: usize,
+    with_groups: bool,
+) -> serde_json::Map<String, Value> {
     let outcomes: Vec<TaskOutcome> = prepared.iter().zip(resp).map(|(p, r)| outcome(p, r, shots)).collect();
     results_json(&outcomes, with_groups)
 }
@@ -371,7 +394,8 @@ fn write_samples(out: &Path, p: &PreparedTask, resp: &[Response]) -> Result<()> 
                 v["target"] = json!(doc.answer_text());
             }
             Response::Generation(g) => {
-                v["arguments"] = json!([[&r.context, {"until": TRIVIAQA_UNTIL, "do_sample": false, "temperature": 0.0}]]);
+                v["arguments"] =
+                    json!([[&r.context, {"until": TRIVIAQA_UNTIL, "do_sample": false, "temperature": 0.0}]]);
                 v["resps"] = json!([g]);
                 v["filtered_resps"] = json!(filtered);
                 v["target"] = json!(match &doc.target {
