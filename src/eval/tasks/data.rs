@@ -39,6 +39,12 @@ impl Record {
         })
     }
 
+    /// A nested object field as a record of its own (messages name `field.<inner>`).
+    pub fn child(&self, field: &str) -> Result<Record> {
+        let value = self.get(field)?.clone();
+        Ok(Record { value, file: self.file.clone(), line: self.line, prefix: format!("{}{field}.", self.prefix) })
+    }
+
     /// A string field.
     pub fn str(&self, field: &str) -> Result<String> {
         match self.get(field)? {

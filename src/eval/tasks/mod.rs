@@ -160,115 +160,119 @@ pub struct TaskSpec {
     pub dataset: &'static str,
 }
 
+/// The YAML facts of one non-MMLU task.
+struct Row {
+    name: &'static str,
+    kind: Kind,
+    eval_split: &'static str,
+    fewshot_split: &'static str,
+    excludes_doc: bool,
+    output: Output,
+    version: f64,
+    dataset: &'static str,
+}
+
+const MC_NORM: Output = Output::MultipleChoice { acc_norm: true };
+
+/// The harness's task YAMLs, one row each (test_split if set, else validation_split; few-shot from
+/// training_split; `excludes_doc` where fewshot_split == test_split, both unset).
+const TASK_TABLE: [Row; 5] = [
+    // hellaswag.yaml: training_split train, validation_split validation, test_split null
+    Row {
+        name: "hellaswag",
+        kind: Kind::Hellaswag,
+        eval_split: "validation",
+        fewshot_split: "train",
+        excludes_doc: true,
+        output: MC_NORM,
+        version: 1.0,
+        dataset: "Rowan/hellaswag",
+    },
+    // arc_easy.yaml (+ arc_challenge.yaml): train / validation / test
+    Row {
+        name: "arc_challenge",
+        kind: Kind::ArcChallenge,
+        eval_split: "test",
+        fewshot_split: "train",
+        excludes_doc: false,
+        output: MC_NORM,
+        version: 1.0,
+        dataset: "allenai/ai2_arc ARC-Challenge",
+    },
+    Row {
+        name: "arc_easy",
+        kind: Kind::ArcEasy,
+        eval_split: "test",
+        fewshot_split: "train",
+        excludes_doc: false,
+        output: MC_NORM,
+        version: 1.0,
+        dataset: "allenai/ai2_arc ARC-Easy",
+    },
+    // piqa.yaml: train / validation, test_split null
+    Row {
+        name: "piqa",
+        kind: Kind::Piqa,
+        eval_split: "validation",
+        fewshot_split: "train",
+        excludes_doc: true,
+        output: MC_NORM,
+        version: 1.0,
+        dataset: "baber/piqa",
+    },
+    // triviaqa/default.yaml: train / validation, no test_split; metadata.version 3.0
+    Row {
+        name: "triviaqa",
+        kind: Kind::Triviaqa,
+        eval_split: "validation",
+        fewshot_split: "train",
+        excludes_doc: true,
+        output: Output::Generate,
+        version: 3.0,
+        dataset: "mandarjoshi/trivia_qa rc.nocontext",
+    },
+];
+
 impl TaskSpec {
     /// The task of a harness name under the data root, or None for an unknown name.
     pub fn new(name: &str, data: &Path) -> Option<TaskSpec> {
-        let mc = |acc_norm| Output::MultipleChoice { acc_norm };
-        let (kind, dir, eval_split, fewshot_split, excl, sampler, output, version, dataset) = match name {
-            // hellaswag.yaml: training_split train, validation_split validation, test_split null
-            "hellaswag" => (
-                Kind::Hellaswag,
-                data.join(name),
-                "validation",
-                "train",
-                true,
-                Sampler::Random,
-                mc(true),
-                1.0,
-                "Rowan/hellaswag",
-            ),
-            // arc_easy.yaml (+ arc_challenge.yaml): train / validation / test
-            "arc_challenge" => (
-                Kind::ArcChallenge,
-                data.join(name),
-                "test",
-                "train",
-                false,
-                Sampler::Random,
-                mc(true),
-                1.0,
-                "allenai/ai2_arc ARC-Challenge",
-            ),
-            "arc_easy" => (
-                Kind::ArcEasy,
-                data.join(name),
-                "test",
-                "train",
-                false,
-                Sampler::Random,
-                mc(true),
-                1.0,
-                "allenai/ai2_arc ARC-Easy",
-            ),
-            // piqa.yaml: train / validation, test_split null
-            "piqa" => {
-                (Kind::Piqa, data.join(name), "validation", "train", true, Sampler::Random, mc(true), 1.0, "baber/piqa")
-            }
-            // triviaqa/default.yaml: train / validation, no test_split; metadata.version 3.0
-            "triviaqa" => (
-                Kind::Triviaqa,
-                data.join(name),
-                "validation",
-                "train",
-                true,
-                Sampler::Random,
-                Output::Generate,
-                3.0,
-                "mandarjoshi/trivia_qa rc.nocontext",
-            ),
-            _ => {
-                let subject = name.strip_prefix("mmlu_")?;
-                MMLU_SUBJECTS.iter().find(|(s, _)| *s == subject)?;
-                // _default_template_yaml: test_split test, fewshot_split dev, sampler first_n
-                let t = (
-                    Kind::Mmlu(subject.to_string()),
-                    data.join("mmlu").join(subject),
-                    "test",
-                    "dev",
-                    false,
-                    Sampler::FirstN,
-                    mc(false),
-                    1.0,
-                    "cais/mmlu",
-                );
-                return Some(TaskSpec::from_parts(name, subject, t));
-            }
-        };
-        Some(TaskSpec::from_parts(
-            name,
-            name,
-            (kind, dir, eval_split, fewshot_split, excl, sampler, output, version, dataset),
-        ))
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn from_parts(
-        name: &str,
-        alias: &str,
-        t: (Kind, PathBuf, &'static str, &'static str, bool, Sampler, Output, f64, &'static str),
-    ) -> TaskSpec {
-        let (kind, dir, eval_split, fewshot_split, fewshot_excludes_doc, sampler, output, version, dataset) = t;
-        // mmlu_<subject>.yaml: description, from _generate_configs.py ("_" -> " ")
-        let description = match &kind {
-            Kind::Mmlu(s) => {
-                format!("The following are multiple choice questions (with answers) about {}.\n\n", s.replace('_', " "))
-            }
-            _ => String::new(),
-        };
-        TaskSpec {
-            name: name.to_string(),
-            alias: alias.to_string(),
-            kind,
-            dir,
-            eval_split,
-            fewshot_split,
-            fewshot_excludes_doc,
-            sampler,
-            description,
-            output,
-            version,
-            dataset,
+        if let Some(r) = TASK_TABLE.iter().find(|r| r.name == name) {
+            return Some(TaskSpec {
+                name: name.to_string(),
+                alias: name.to_string(),
+                kind: r.kind.clone(),
+                dir: data.join(name),
+                eval_split: r.eval_split,
+                fewshot_split: r.fewshot_split,
+                fewshot_excludes_doc: r.excludes_doc,
+                sampler: Sampler::Random,
+                description: String::new(),
+                output: r.output,
+                version: r.version,
+                dataset: r.dataset,
+            });
         }
+        let subject = name.strip_prefix("mmlu_")?;
+        MMLU_SUBJECTS.iter().find(|(s, _)| *s == subject)?;
+        // _default_template_yaml: test_split test, fewshot_split dev, sampler first_n; mmlu_<subject>.yaml:
+        // description from _generate_configs.py ("_" -> " "), task_alias the subject
+        Some(TaskSpec {
+            name: name.to_string(),
+            alias: subject.to_string(),
+            kind: Kind::Mmlu(subject.to_string()),
+            dir: data.join("mmlu").join(subject),
+            eval_split: "test",
+            fewshot_split: "dev",
+            fewshot_excludes_doc: false,
+            sampler: Sampler::FirstN,
+            description: format!(
+                "The following are multiple choice questions (with answers) about {}.\n\n",
+                subject.replace('_', " ")
+            ),
+            output: Output::MultipleChoice { acc_norm: false },
+            version: 1.0,
+            dataset: "cais/mmlu",
+        })
     }
 
     /// The MMLU category of an MMLU subject task.
@@ -465,8 +469,7 @@ fn hellaswag_doc(r: &Record) -> Result<Doc> {
 /// `choices.label.index(answerKey)`.
 fn arc_doc(r: &Record) -> Result<Doc> {
     let text = format!("Question: {}\nAnswer:", r.str("question")?);
-    let ch = r.get("choices")?;
-    let sub = Record { value: ch.clone(), file: r.file.clone(), line: r.line, prefix: "choices.".into() };
+    let sub = r.child("choices")?;
     let choices = sub.str_list("text")?;
     let labels = sub.str_list("label")?;
     let key = r.str("answerKey")?;
@@ -499,9 +502,7 @@ fn piqa_doc(r: &Record) -> Result<Doc> {
 /// `triviaqa/default.yaml`: "Question: {{question}}?\nAnswer:", target `answer.aliases`.
 fn triviaqa_doc(r: &Record) -> Result<Doc> {
     let text = format!("Question: {}?\nAnswer:", r.str("question")?);
-    let ans = r.get("answer")?;
-    let sub = Record { value: ans.clone(), file: r.file.clone(), line: r.line, prefix: "answer.".into() };
-    let aliases = sub.str_list("aliases")?;
+    let aliases = r.child("answer")?.str_list("aliases")?;
     if aliases.is_empty() {
         bail!("{}: `answer.aliases` is empty\nhint: a TriviaQA record needs at least one answer alias", r.at());
     }
