@@ -17,7 +17,7 @@ Writes under <out>:
   data/<task>/<split>.jsonl, data/mmlu/<subject>/{dev,test}.jsonl
                          small local copies in the HF datasets' record formats (cais/mmlu, Rowan/hellaswag,
                          allenai/ai2_arc, baber/piqa, mandarjoshi/trivia_qa rc.nocontext): harpe's --data layout
-  golden/<task>_<k>shot.json
+  golden/<task>_<k>shot.json, golden/<task>_<k>shot_len<L>.json (with the harness's max_length=L: truncated inputs)
                          per-sample prompts (context, continuation), log-likelihoods, is-greedy flags,
                          generations and metrics, and the harness's aggregated results (incl. stderr)
 The model runs in float32 with the harness's `softmax_dtype=float64` (log-softmax and the continuation sums in
@@ -352,9 +352,10 @@ def args_of(a):
     return [list(x.values()) if isinstance(x, dict) else list(x) for x in a]
 
 
-def run_harness(mdir, tdir, task, shots):
+def run_harness(mdir, tdir, task, shots, max_length=None):
     tm = TaskManager(include_path=tdir)
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={mdir},dtype=float32,softmax_dtype=float64", tasks=[TASKS[task]],
+    margs = f"pretrained={mdir},dtype=float32,softmax_dtype=float64" + (f",max_length={max_length}" if max_length else "")
+    res = lm_eval.simple_evaluate(model="hf", model_args=margs, tasks=[TASKS[task]],
                                   num_fewshot=shots, batch_size=1, device="cpu", log_samples=True, task_manager=tm,
                                   random_seed=0, numpy_random_seed=1234, torch_random_seed=1234,
                                   fewshot_random_seed=1234, bootstrap_iters=100000)
@@ -376,7 +377,26 @@ def run_harness(mdir, tdir, task, shots):
     return out
 
 
+# (task, shots, max_length): the harness's left truncation of (context + continuation)[-(max_length + 1):]
+TRUNCATED = [("arc_challenge", 3, 48), ("hellaswag", 3, 64)]
+
+
+def truncated_cases():
+    """Only the truncation goldens, over the committed model and data (`... make_tasks_golden.py OUT truncated`)."""
+    data, mdir, gdir = f"{OUT}/data", f"{OUT}/model", f"{OUT}/golden"
+    tdir = tempfile.mkdtemp(prefix="harpe_tasks_")
+    yaml_files(tdir, data)
+    for task, k, n in TRUNCATED:
+        g = run_harness(mdir, tdir, task, k, max_length=n)
+        json.dump(g, open(f"{gdir}/{task}_{k}shot_len{n}.json", "w"), indent=1, ensure_ascii=False)
+        print(task, k, n, {t: {m: v for m, v in r.items() if "," in m} for t, r in g["results"].items()})
+    shutil.rmtree(tdir)
+
+
 def main():
+    if sys.argv[2:] == ["truncated"]:
+        truncated_cases()
+        return
     os.makedirs(OUT, exist_ok=True)
     data, mdir, gdir = f"{OUT}/data", f"{OUT}/model", f"{OUT}/golden"
     for d in (data, mdir, gdir):
@@ -403,6 +423,7 @@ def main():
             json.dump(g, open(f"{gdir}/{task}_{k}shot.json", "w"), indent=1, ensure_ascii=False)
             print(task, k, {t: {m: v for m, v in r.items() if "," in m} for t, r in g["results"].items()})
     shutil.rmtree(tdir)
+    truncated_cases()
     total = sum(os.path.getsize(f) for f in glob.glob(f"{OUT}/**", recursive=True) if os.path.isfile(f))
     print(f"wrote {OUT} ({total} bytes)")
 

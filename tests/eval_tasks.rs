@@ -36,9 +36,17 @@ fn args(tasks: &str, shots: usize, data: &Path) -> EvalTasksArgs {
 /// Compare one golden file (task at k shots) with harpe's evaluation; returns the smallest gap between the
 /// best and second-best choice score seen (how far the accuracies are from a tie).
 fn check(task: &str, shots: usize) -> f64 {
-    let path = fixtures().join(format!("golden/{task}_{shots}shot.json"));
+    check_case(task, shots, None)
+}
+
+/// `check` of a golden made with the harness's `max_length` (inputs left-truncated).
+fn check_case(task: &str, shots: usize, max_length: Option<usize>) -> f64 {
+    let suffix = max_length.map(|n| format!("_len{n}")).unwrap_or_default();
+    let path = fixtures().join(format!("golden/{task}_{shots}shot{suffix}.json"));
     let g: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let (prepared, resp, res) = evaluate(&args(task, shots, &fixtures().join("data"))).unwrap();
+    let mut a = args(task, shots, &fixtures().join("data"));
+    a.max_length = max_length;
+    let (prepared, resp, res) = evaluate(&a).unwrap();
     let mut min_gap = f64::INFINITY;
     let mut max_diff = 0.0f64;
     let samples = g["samples"].as_object().unwrap();
@@ -118,6 +126,13 @@ fn arc_challenge_matches_the_harness() {
     for k in [0, 3, 25] {
         check("arc_challenge", k);
     }
+}
+
+#[test]
+fn truncated_inputs_match_the_harness() {
+    // max_length 48 / 64: 3-shot contexts are longer, so every request is cut from the left
+    check_case("arc_challenge", 3, Some(48));
+    check_case("hellaswag", 3, Some(64));
 }
 
 #[test]
