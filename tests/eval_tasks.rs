@@ -21,7 +21,7 @@ fn args(tasks: &str, shots: usize, data: &Path) -> EvalTasksArgs {
         scoring,
         tasks: tasks.to_string(),
         data: data.to_path_buf(),
-        shots,
+        shots: shots.to_string(),
         limit: None,
         seed: 1234,
         batch: 3,
@@ -129,6 +129,31 @@ fn arc_challenge_matches_the_harness() {
 }
 
 #[test]
+fn shots_per_task_give_each_task_its_own_count() {
+    // HARPE Table 3's shots in one run: each task's prompts are those of its own k-shot golden
+    let mut a = args("mmlu,piqa,arc_challenge", 0, &fixtures().join("data"));
+    a.shots = "mmlu=5,arc_challenge=3".into();
+    let (prepared, _, res) = evaluate(&a).unwrap();
+    for p in &prepared {
+        let (file, k) = match p.spec.name.as_str() {
+            "piqa" => ("piqa", 0),
+            "arc_challenge" => ("arc_challenge", 3),
+            _ => ("mmlu", 5),
+        };
+        assert_eq!(p.shots, k, "{}", p.spec.name);
+        let g: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join(format!("golden/{file}_{k}shot.json"))).unwrap(),
+        )
+        .unwrap();
+        let s0 = g["samples"][&p.spec.name].as_array().unwrap().iter().find(|s| s["doc_id"] == 0).unwrap();
+        let ctx = s0["arguments"][0][0].as_str().unwrap();
+        assert_eq!(ctx, p.requests[0].context, "{}", p.spec.name);
+    }
+    assert_eq!(res["n-shot"]["mmlu"], 5);
+    assert_eq!(res["n-shot"]["piqa"], 0);
+}
+
+#[test]
 fn truncated_inputs_match_the_harness() {
     // max_length 48 / 64: 3-shot contexts are longer, so every request is cut from the left
     check_case("arc_challenge", 3, Some(48));
@@ -218,6 +243,10 @@ fn bad_input_is_named_never_dropped() {
     // too many shots for the pool, unknown task
     let e = err(&args("triviaqa", 50, root));
     assert!(e.contains("--shots 50 needs 51 records in the `train` split") && e.contains("hint:"), "{e}");
+    let mut a = args("piqa", 0, root);
+    a.shots = "hellaswag=3".into();
+    let e = err(&a);
+    assert!(e.contains("--shots names \"hellaswag\", which --tasks does not select"), "{e}");
     let e = err(&args("winogrande", 0, root));
     assert!(e.contains("unknown task \"winogrande\"") && e.contains("hint:"), "{e}");
 }
@@ -265,7 +294,7 @@ fn resumes_from_scored_documents_and_writes_the_harness_outputs() {
     // other settings (the seed changes nothing at 0 shots, the limit does not either: same prompts), but a
     // different prompt recomputes: 3 shots
     let mut b = a.clone();
-    b.shots = 3;
+    b.shots = "3".into();
     let (_, resp, _) = evaluate(&b).unwrap();
     let Response::Choices(c) = &resp[0][doc] else { panic!() };
     assert!(c[gold].loglik < 0.0, "a changed prompt must be scored again");

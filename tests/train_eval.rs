@@ -245,7 +245,7 @@ fn eval_tasks_score_the_final_weights_as_harpe_eval_tasks_does() {
         scoring: ScoringModel::new(&ckpt(&out, 7)),
         tasks: "piqa,mmlu".into(),
         data: data.clone(),
-        shots: 1,
+        shots: "1".into(),
         limit: Some(2.0),
         seed: 1234,
         batch: 8,

@@ -167,7 +167,7 @@ impl TrainEval {
         };
         let resp = tasks::run::score_tasks(&sc, &self.tasks, None, "")?;
         let groups = self.cfg.tasks.as_deref().is_some_and(tasks::run::wants_groups);
-        let res = tasks::run::results_of(&self.tasks, &resp, self.cfg.tasks_shots, groups);
+        let res = tasks::run::results_of(&self.tasks, &resp, groups);
         let mut out = BTreeMap::new();
         for (task, r) in res["results"].as_object().into_iter().flatten() {
             let m: BTreeMap<String, f64> = r

@@ -37,10 +37,11 @@ pub struct EvalTasksArgs {
     /// task files: DATA/<task>/<split>.jsonl and DATA/mmlu/<subject>/{dev,test}.jsonl (HF record formats)
     #[arg(long)]
     pub data: PathBuf,
-    /// few-shot examples per prompt, for every task (the harness's default: 0); HARPE Table 3 uses
-    /// `--shots 5` for MMLU and TriviaQA, 10 HellaSwag, 25 ARC-Challenge, 0 PIQA (one run each)
-    #[arg(long, default_value_t = 0)]
-    pub shots: usize,
+    /// few-shot examples per prompt: N for every task (the harness's default: 0), or per task as
+    /// `mmlu=5,hellaswag=10,arc_challenge=25,piqa=0,triviaqa=5` (HARPE Table 3; `mmlu` covers its subjects;
+    /// a bare N sets the rest)
+    #[arg(long, default_value = "0")]
+    pub shots: String,
     /// evaluate only the first N documents of each task (below 1.0: that fraction, rounded up)
     #[arg(long)]
     pub limit: Option<f64>,
@@ -87,6 +88,41 @@ pub struct PreparedTask {
     pub requests: Vec<Request>,
     /// documents in the evaluated split (before `--limit`)
     pub original: usize,
+    /// few-shot examples per prompt
+    pub shots: usize,
+}
+
+/// `--shots`: the few-shot count of each task (`N`, or `task=N,...` with an optional bare `N` for the rest).
+pub fn shots_of(arg: &str, specs: &[TaskSpec]) -> Result<Vec<usize>> {
+    let mut default = 0;
+    let mut per: Vec<(&str, usize)> = vec![];
+    for part in arg.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || {
+            anyhow!("--shots {arg:?}: {part:?} is not N or task=N\nhint: e.g. --shots 5 or --shots mmlu=5,hellaswag=10")
+        };
+        match part.split_once('=') {
+            None => default = part.parse().map_err(|_| bad())?,
+            Some((t, n)) => {
+                let t = t.trim();
+                let covers = |s: &TaskSpec| s.name == t || (t == "mmlu" && s.mmlu_category().is_some());
+                if !specs.iter().any(covers) {
+                    bail!(
+                        "--shots names {t:?}, which --tasks does not select\nhint: name tasks of --tasks, e.g. mmlu=5"
+                    );
+                }
+                per.push((t, n.trim().parse().map_err(|_| bad())?));
+            }
+        }
+    }
+    Ok(specs
+        .iter()
+        .map(|s| {
+            per.iter()
+                .rev()
+                .find(|(t, _)| *t == s.name || (*t == "mmlu" && s.mmlu_category().is_some()))
+                .map_or(default, |(_, n)| *n)
+        })
+        .collect())
 }
 
 /// `get_sample_size`: a limit below 1.0 is a fraction (rounded up), else a count.
@@ -126,7 +162,7 @@ pub fn prepare_task(spec: &TaskSpec, shots: usize, limit: Option<f64>, seed: i64
         let continuations = doc.choices.iter().map(|c| format!("{TARGET_DELIMITER}{c}")).collect();
         requests.push(Request { doc_id, context: ctx, continuations });
     }
-    Ok(PreparedTask { spec: spec.clone(), docs, requests, original })
+    Ok(PreparedTask { spec: spec.clone(), docs, requests, original, shots })
 }
 
 /// Resume file of a task: `OUT/partial/<task>.jsonl`, one scored document per line.
@@ -278,8 +314,11 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<Evaluation> {
         bail!("--log-samples writes OUT/samples_<task>.jsonl\nhint: pass --out DIR");
     }
     // read and prompt everything first: bad input fails before the model loads
-    let prepared: Vec<PreparedTask> =
-        specs.iter().map(|s| prepare_task(s, args.shots, args.limit, args.seed)).collect::<Result<_>>()?;
+    let prepared: Vec<PreparedTask> = specs
+        .iter()
+        .zip(shots_of(&args.shots, &specs)?)
+        .map(|(s, k)| prepare_task(s, k, args.limit, args.seed))
+        .collect::<Result<_>>()?;
     let model = args.scoring.load()?;
     let tok_path = args.tokenizer.clone().unwrap_or_else(|| args.scoring.model.join("tokenizer.json"));
     let mut tok = crate::model::load_tokenizer(&tok_path)?;
@@ -289,7 +328,7 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<Evaluation> {
     let sc = Scorer { model: &model, tok: &tok, max_length, batch: args.batch, chunk: args.scoring.loss_chunk };
     let fp = run_fingerprint(args, max_length, &tok_path)?;
     let all = score_tasks(&sc, &prepared, args.out.as_deref(), &fp)?;
-    let mut res = results_of(&prepared, &all, args.shots, with_groups);
+    let mut res = results_of(&prepared, &all, with_groups);
     res.insert("config".into(), json!({
         "model": "harpe", "model_args": format!("pretrained={}", args.scoring.model.display()),
         "dtype": format!("{:?}", args.scoring.dtype), "device": args.scoring.device.to_string(), "batch_size": args.batch,
@@ -353,10 +392,9 @@ pub fn score_tasks(sc: &Scorer, prepared: &[PreparedTask], out: Option<&Path>, f
 pub fn results_of(
     prepared: &[PreparedTask],
     resp: &[Vec<Response>],
-    shots: usize,
     with_groups: bool,
 ) -> serde_json::Map<String, Value> {
-    let outcomes: Vec<TaskOutcome> = prepared.iter().zip(resp).map(|(p, r)| outcome(p, r, shots)).collect();
+    let outcomes: Vec<TaskOutcome> = prepared.iter().zip(resp).map(|(p, r)| outcome(p, r)).collect();
     results_json(&outcomes, with_groups)
 }
 
@@ -366,7 +404,7 @@ pub fn wants_groups(tasks: &str) -> bool {
 }
 
 /// A task's per-sample metric values.
-fn outcome(p: &PreparedTask, resp: &[Response], shots: usize) -> TaskOutcome {
+fn outcome(p: &PreparedTask, resp: &[Response]) -> TaskOutcome {
     let mut values: Vec<(&'static str, Vec<f64>)> = vec![];
     for (doc, r) in p.docs.iter().zip(resp) {
         for (m, v) in sample_metrics(&p.spec, doc, r).0 {
@@ -376,7 +414,7 @@ fn outcome(p: &PreparedTask, resp: &[Response], shots: usize) -> TaskOutcome {
             }
         }
     }
-    TaskOutcome { spec: p.spec.clone(), shots, original: p.original, values }
+    TaskOutcome { spec: p.spec.clone(), shots: p.shots, original: p.original, values }
 }
 
 /// OUT/samples_<task>.jsonl: one line per document, in document order.
