@@ -225,7 +225,7 @@ fn eval_tasks_score_the_final_weights_as_harpe_eval_tasks_does() {
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eval_tasks/data");
     let cfg = d.path().join("r.toml");
     let extra = format!(
-        "\n[eval]\nevery = 2\ntasks = \"piqa,mmlu\"\ntasks_data = {:?}\ntasks_shots = 1\ntasks_limit = 2\n",
+        "\n[eval]\nevery = 2\ntasks = \"piqa,mmlu\"\ntasks_data = {:?}\ntasks_shots = \"mmlu=1,piqa=2\"\ntasks_limit = 2\n",
         data.display().to_string()
     );
     std::fs::write(&cfg, format!("{TINY}{extra}")).unwrap();
@@ -245,7 +245,7 @@ fn eval_tasks_score_the_final_weights_as_harpe_eval_tasks_does() {
         scoring: ScoringModel::new(&ckpt(&out, 7)),
         tasks: "piqa,mmlu".into(),
         data: data.clone(),
-        shots: "1".into(),
+        shots: "mmlu=1,piqa=2".into(),
         limit: Some(2.0),
         seed: 1234,
         batch: 8,

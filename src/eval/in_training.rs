@@ -78,9 +78,11 @@ impl TrainEval {
         };
         let mut prepared = vec![];
         if let (Some(t), Some(d)) = (&cfg.tasks, &cfg.tasks_data) {
-            for spec in tasks::parse_tasks(t, d).context("[eval] tasks")? {
+            let specs = tasks::parse_tasks(t, d).context("[eval] tasks")?;
+            let shots = tasks::run::shots_of(&cfg.tasks_shots.arg(), &specs).context("[eval] tasks_shots")?;
+            for (spec, k) in specs.iter().zip(shots) {
                 prepared.push(
-                    tasks::run::prepare_task(&spec, cfg.tasks_shots, cfg.tasks_limit, tasks::prompt::DEFAULT_SEED)
+                    tasks::run::prepare_task(spec, k, cfg.tasks_limit, tasks::prompt::DEFAULT_SEED)
                         .context("[eval] tasks")?,
                 );
             }

@@ -292,7 +292,7 @@ pub fn table(res: &Map<String, Value>) -> String {
             let se = r.get(&stderr_key(k)).map(fmt_num).unwrap_or_default();
             rows.push([
                 if first { label.clone() } else { String::new() },
-                if first { versions.get(&name).map(fmt_num).unwrap_or_default() } else { String::new() },
+                if first { versions.get(&name).map(|v| v.to_string()).unwrap_or_default() } else { String::new() },
                 filter.to_string(),
                 nshot.get(&name).map(fmt_num).unwrap_or_default(),
                 metric.to_string(),
