@@ -285,25 +285,49 @@ fn request_key(fp: &str, r: &Request) -> String {
     crate::util::sha256_hex(s.as_bytes())
 }
 
-/// Score one request.
-fn respond(sc: &Scorer, spec: &TaskSpec, r: &Request) -> Result<Response> {
-    match spec.output {
-        Output::MultipleChoice { .. } => {
-            let mut ctx_ids = None;
-            let mut conts = Vec::with_capacity(r.continuations.len());
-            for c in &r.continuations {
-                let (ctx, cont) = sc.encode_pair(&r.context, c)?;
-                if ctx_ids.as_ref().is_some_and(|x: &Vec<u32>| *x != ctx) {
-                    bail!("internal: choices of one question encode different contexts");
-                }
-                ctx_ids = Some(ctx);
-                conts.push(cont);
-            }
-            let ctx = ctx_ids.ok_or_else(|| anyhow!("{}: document {} has no choices", spec.name, r.doc_id))?;
-            Ok(Response::Choices(sc.score_choices(&ctx, &conts)?))
+/// A multiple-choice request as tokens: (context ids, continuation ids per choice).
+fn encode_request(sc: &Scorer, spec: &TaskSpec, r: &Request) -> Result<(Vec<u32>, Vec<Vec<u32>>)> {
+    let mut ctx_ids: Option<Vec<u32>> = None;
+    let mut conts = Vec::with_capacity(r.continuations.len());
+    for c in &r.continuations {
+        let (ctx, cont) = sc.encode_pair(&r.context, c)?;
+        if ctx_ids.as_ref().is_some_and(|x| *x != ctx) {
+            bail!("internal: choices of one question encode different contexts");
         }
-        Output::Generate => Ok(Response::Generation(sc.generate_until(&r.context, &TRIVIAQA_UNTIL)?)),
+        ctx_ids = Some(ctx);
+        conts.push(cont);
     }
+    let ctx = ctx_ids.ok_or_else(|| anyhow!("{}: document {} has no choices", spec.name, r.doc_id))?;
+    Ok((ctx, conts))
+}
+
+/// Score a group of requests of one task: one-token multiple-choice questions in one batch, other
+/// questions each with their shared prefix, generations one by one.
+fn respond_group(sc: &Scorer, spec: &TaskSpec, reqs: &[&Request]) -> Result<Vec<Response>> {
+    let at = |r: &Request| format!("{}: document {} of the `{}` split", spec.name, r.doc_id, spec.eval_split);
+    if spec.output == Output::Generate {
+        return reqs
+            .iter()
+            .map(|r| Ok(Response::Generation(sc.generate_until(&r.context, &TRIVIAQA_UNTIL).with_context(|| at(r))?)))
+            .collect();
+    }
+    let enc: Vec<(Vec<u32>, Vec<Vec<u32>>)> =
+        reqs.iter().map(|r| encode_request(sc, spec, r).with_context(|| at(r))).collect::<Result<_>>()?;
+    let mut out: Vec<Option<Response>> = vec![None; reqs.len()];
+    let batchable: Vec<usize> = (0..enc.len()).filter(|&i| sc.single_token(&enc[i].0, &enc[i].1)).collect();
+    if !batchable.is_empty() {
+        let items: Vec<(Vec<u32>, Vec<Vec<u32>>)> = batchable.iter().map(|&i| enc[i].clone()).collect();
+        let scores = sc.score_single_token_batch(&items).with_context(|| at(reqs[batchable[0]]))?;
+        for (&i, s) in batchable.iter().zip(scores) {
+            out[i] = Some(Response::Choices(s));
+        }
+    }
+    for (i, (ctx, conts)) in enc.iter().enumerate() {
+        if out[i].is_none() {
+            out[i] = Some(Response::Choices(sc.score_choices(ctx, conts).with_context(|| at(reqs[i]))?));
+        }
+    }
+    out.into_iter().map(|x| x.ok_or_else(|| anyhow!("internal: a request was not scored"))).collect()
 }
 
 /// Evaluate: every task's per-document responses (resumed where possible) and the results object.
@@ -362,21 +386,22 @@ pub fn score_tasks(sc: &Scorer, prepared: &[PreparedTask], out: Option<&Path>, f
         let mut order: Vec<usize> = (0..p.requests.len()).collect();
         let len = |r: &Request| r.context.len() + r.continuations.iter().map(String::len).max().unwrap_or(0);
         order.sort_by_key(|&i| std::cmp::Reverse(len(&p.requests[i])));
-        for i in order {
-            let r = &p.requests[i];
-            let key = request_key(fp, r);
-            let x = match partial.get(r.doc_id, &key) {
-                Some(x) => x,
-                None => {
-                    let x = respond(sc, &p.spec, r).with_context(|| {
-                        format!("{}: document {} of the `{}` split", p.spec.name, r.doc_id, p.spec.eval_split)
-                    })?;
-                    partial.put(r.doc_id, &key, &x)?;
-                    x
+        for group in order.chunks(sc.batch.max(1)) {
+            let mut todo = vec![];
+            for &i in group {
+                let r = &p.requests[i];
+                let key = request_key(fp, r);
+                match partial.get(r.doc_id, &key) {
+                    Some(x) => resp[i] = Some(x),
+                    None => todo.push((i, key)),
                 }
-            };
-            resp[i] = Some(x);
-            pb.inc(1);
+            }
+            let reqs: Vec<&Request> = todo.iter().map(|(i, _)| &p.requests[*i]).collect();
+            for ((i, key), x) in todo.iter().zip(respond_group(sc, &p.spec, &reqs)?) {
+                partial.put(p.requests[*i].doc_id, key, &x)?;
+                resp[*i] = Some(x);
+            }
+            pb.inc(group.len() as u64);
         }
         all.push(
             resp.into_iter()

@@ -12,7 +12,9 @@
 //!   continuation = encode(context + continuation)[len(context):] (the harness's split, not encode(cont));
 //! - one prefill of the context (KV cache) serves every choice; the choices' continuations run together
 //!   as one right-padded batch of up to `--batch` rows on a copy of that cache (causal attention: padding
-//!   after a row never reaches it), so the log-probabilities are those of the full sequence;
+//!   after a row never reaches it), so the log-probabilities are those of the full sequence; questions
+//!   whose continuations are single tokens (MMLU's " A".." D") need no continuation pass at all and run
+//!   `--batch` questions per right-padded forward;
 //! - log-probabilities by `loss::nll_rows` (the one NLL rule: f32 logits, f64 log-sum-exp), `--loss-chunk`
 //!   positions at a time; a request longer than max_length + 1 tokens is left-truncated and scored alone.
 //!
@@ -154,6 +156,34 @@ impl Scorer<'_> {
             }
         }
         out.into_iter().map(|s| s.ok_or_else(|| anyhow!("internal: a continuation was not scored"))).collect()
+    }
+
+    /// Whether a question can join a batch of one-token questions (MMLU's " A" .. " D"): every
+    /// continuation is one token and nothing is truncated.
+    pub fn single_token(&self, ctx: &[u32], conts: &[Vec<u32>]) -> bool {
+        conts.iter().all(|c| c.len() == 1) && ctx.len() < self.max_length + 1
+    }
+
+    /// Scores of several one-token questions at once: their contexts right-padded into one (B, T) batch
+    /// (causal attention: the padding after a row never reaches it), each row's last context position
+    /// scoring every choice.
+    pub fn score_single_token_batch(&self, items: &[(Vec<u32>, Vec<Vec<u32>>)]) -> Result<Vec<Vec<ChoiceScore>>> {
+        let (b, t) = (items.len(), items.iter().map(|(c, _)| c.len()).max().unwrap_or(0));
+        if b == 0 || t == 0 {
+            return Ok(vec![]);
+        }
+        let mut ids = vec![0u32; b * t];
+        for (r, (ctx, _)) in items.iter().enumerate() {
+            ids[r * t..r * t + ctx.len()].copy_from_slice(ctx);
+        }
+        let x = Tensor::from_vec(ids, (b, t), self.model.device())?;
+        let h = self.model.forward_hidden(&x, 0)?; // (B, T, C)
+        let mut out = Vec::with_capacity(b);
+        for (r, (ctx, conts)) in items.iter().enumerate() {
+            let last = h.get(r)?.narrow(0, ctx.len() - 1, 1)?; // (1, C)
+            out.push(conts.iter().map(|c| self.score_rows(&last, c)).collect::<Result<Vec<_>>>()?);
+        }
+        Ok(out)
     }
 
     /// `generate_until(context, until)`: greedy decoding of at most 256 tokens, stopping at EOS or once
