@@ -18,6 +18,7 @@ Writes under <out>:
                          small local copies in the HF datasets' record formats (cais/mmlu, Rowan/hellaswag,
                          allenai/ai2_arc, baber/piqa, mandarjoshi/trivia_qa rc.nocontext): harpe's --data layout
   golden/<task>_<k>shot.json, golden/<task>_<k>shot_len<L>.json (with the harness's max_length=L: truncated inputs)
+  golden/text_rules.json  HellaSwag's preprocess, str.capitalize/strip and exact_match on 400 random strings
                          per-sample prompts (context, continuation), log-likelihoods, is-greedy flags,
                          generations and metrics, and the harness's aggregated results (incl. stderr)
 The model runs in float32 with the harness's `softmax_dtype=float64` (log-softmax and the continuation sums in
@@ -393,9 +394,34 @@ def truncated_cases():
     shutil.rmtree(tdir)
 
 
+def text_rules():
+    """The harness's string rules on random strings: HellaSwag's preprocess, str.capitalize/strip, and
+    exact_match(ignore_case, ignore_punctuation), for `tests/eval_tasks.rs`."""
+    import random
+
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.tasks.hellaswag import utils as hs
+
+    rnd = random.Random(0)
+    pieces = ["[", "]", " [title]", "[step]", "\n", " ", "  ", ".", ",", "a", "The", "eiffel", "İ", "Σ", "ß", "ǆ",
+              "é", "😀", "\x1f", "\u00a0", "\t", "!", "'", "\u2028", "x y", "ΌΣΟΣ", "\x00"]
+    cases = []
+    for _ in range(400):
+        t = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 12)))
+        u = "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 6)))
+        g = rnd.choice([t, t.upper(), t.lower() + "!", u, t.replace(" ", "")])
+        em = exact_match_hf_evaluate(predictions=[t], references=[g], ignore_case=True, ignore_punctuation=True)
+        cases.append({"s": t, "preprocess": hs.preprocess(t), "capitalize": t.capitalize(), "strip": t.strip(),
+                      "gold": g, "exact_match": float(em["exact_match"])})
+    json.dump(cases, open(f"{OUT}/golden/text_rules.json", "w"), ensure_ascii=False)
+
+
 def main():
     if sys.argv[2:] == ["truncated"]:
         truncated_cases()
+        return
+    if sys.argv[2:] == ["text"]:
+        text_rules()
         return
     os.makedirs(OUT, exist_ok=True)
     data, mdir, gdir = f"{OUT}/data", f"{OUT}/model", f"{OUT}/golden"
@@ -424,6 +450,7 @@ def main():
             print(task, k, {t: {m: v for m, v in r.items() if "," in m} for t, r in g["results"].items()})
     shutil.rmtree(tdir)
     truncated_cases()
+    text_rules()
     total = sum(os.path.getsize(f) for f in glob.glob(f"{OUT}/**", recursive=True) if os.path.isfile(f))
     print(f"wrote {OUT} ({total} bytes)")
 

@@ -333,3 +333,18 @@ fn cli_prints_the_harness_results_as_json() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("split `validation` is missing") && e.contains("hint:"), "{e}");
 }
+
+#[test]
+fn string_rules_match_python_and_the_harness() {
+    let text = std::fs::read_to_string(fixtures().join("golden/text_rules.json")).unwrap();
+    let cases: Vec<Value> = serde_json::from_str(&text).unwrap();
+    for c in &cases {
+        let s = c["s"].as_str().unwrap();
+        assert_eq!(harpe::eval::tasks::hellaswag_preprocess(s), c["preprocess"].as_str().unwrap(), "preprocess {s:?}");
+        assert_eq!(harpe::eval::tasks::py_capitalize(s), c["capitalize"].as_str().unwrap(), "capitalize {s:?}");
+        assert_eq!(harpe::eval::tasks::py_strip(s), c["strip"].as_str().unwrap(), "strip {s:?}");
+        let g = c["gold"].as_str().unwrap();
+        let em = harpe::eval::tasks::results::exact_match(s, g);
+        assert_eq!(em, c["exact_match"].as_f64().unwrap() == 1.0, "exact_match {s:?} vs {g:?}");
+    }
+}

@@ -384,13 +384,39 @@ pub fn py_strip(s: &str) -> &str {
     s.trim_matches(py_isspace)
 }
 
-/// Python's `str.capitalize()`: the first character upper-cased, the rest lower-cased.
-pub fn py_capitalize(s: &str) -> String {
-    let mut cs = s.chars();
-    match cs.next() {
-        None => String::new(),
-        Some(c) => c.to_uppercase().chain(cs.as_str().to_lowercase().chars()).collect(),
+/// Unicode title case of one character (Python's `capitalize` uses it for the first one): the Latin
+/// digraphs (ǅ ǈ ǋ ǲ) and Greek iota-subscript capitals have their own title forms; otherwise the
+/// upper-case mapping with the rest of a multi-character expansion lower-cased (ß -> "Ss", ﬁ -> "Fi").
+fn py_titlecase(c: char) -> String {
+    let digraph = match c {
+        '\u{1c4}'..='\u{1c6}' => Some('\u{1c5}'),
+        '\u{1c7}'..='\u{1c9}' => Some('\u{1c8}'),
+        '\u{1ca}'..='\u{1cc}' => Some('\u{1cb}'),
+        '\u{1f1}'..='\u{1f3}' => Some('\u{1f2}'),
+        '\u{1f80}'..='\u{1f87}' | '\u{1f90}'..='\u{1f97}' | '\u{1fa0}'..='\u{1fa7}' => char::from_u32(c as u32 + 8),
+        '\u{1f88}'..='\u{1f8f}' | '\u{1f98}'..='\u{1f9f}' | '\u{1fa8}'..='\u{1faf}' => Some(c),
+        '\u{1fb3}' => Some('\u{1fbc}'),
+        '\u{1fc3}' => Some('\u{1fcc}'),
+        '\u{1ff3}' => Some('\u{1ffc}'),
+        _ => None,
+    };
+    if let Some(t) = digraph {
+        return t.to_string();
     }
+    let mut up = c.to_uppercase();
+    match up.next() {
+        Some(first) => std::iter::once(first).chain(up.flat_map(char::to_lowercase)).collect(),
+        None => c.to_string(),
+    }
+}
+
+/// Python's `str.capitalize()`: the first character title-cased, the rest lower-cased in the context
+/// of the whole string (a final sigma after the first letter is "ς").
+pub fn py_capitalize(s: &str) -> String {
+    let Some(c) = s.chars().next() else { return String::new() };
+    let lower = s.to_lowercase();
+    let first: usize = c.to_lowercase().map(char::len_utf8).sum();
+    py_titlecase(c) + lower.get(first..).unwrap_or_default()
 }
 
 /// A gold index checked against the number of choices (the harness only warns and scores 0; harpe

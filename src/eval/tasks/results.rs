@@ -43,18 +43,24 @@ pub fn argmax(x: &[f64]) -> usize {
     best
 }
 
-/// `exact_match_hf_evaluate(ignore_case=True, ignore_punctuation=True)` of one pair: lower-case, then drop
-/// ASCII punctuation; numpy's string arrays also drop trailing NULs.
-pub fn exact_match(pred: &str, gold: &str) -> bool {
-    let norm = |s: &str| -> String {
-        s.to_lowercase()
-            .chars()
-            .filter(|c| !c.is_ascii_punctuation())
-            .collect::<String>()
-            .trim_end_matches('\0')
-            .to_string()
+/// `exact_match_hf_evaluate(ignore_case=True, ignore_punctuation=True)` of a prediction against every
+/// gold alias (the harness scores 1 when any matches), as numpy computes it: `np.char.lower` keeps each
+/// array's fixed width in code points, so a lower-case form longer than its input ("İ" -> "i̇") is cut at
+/// the width (the prediction's length; the longest alias for the aliases); then ASCII punctuation
+/// (`string.punctuation`) is dropped and trailing NULs do not count.
+pub fn exact_match_any(pred: &str, golds: &[String]) -> bool {
+    let norm = |s: &str, width: usize| -> String {
+        let t: String = s.to_lowercase().chars().take(width).filter(|c| !c.is_ascii_punctuation()).collect();
+        t.trim_end_matches('\0').to_string()
     };
-    norm(pred) == norm(gold)
+    let p = norm(pred, pred.chars().count());
+    let width = golds.iter().map(|g| g.chars().count()).max().unwrap_or(0);
+    golds.iter().any(|g| norm(g, width) == p)
+}
+
+/// `exact_match_any` against one gold.
+pub fn exact_match(pred: &str, gold: &str) -> bool {
+    exact_match_any(pred, &[gold.to_string()])
 }
 
 /// The per-sample metrics of one document: (metric name, value) in the YAML's `metric_list` order, and
@@ -73,7 +79,7 @@ pub fn sample_metrics(spec: &TaskSpec, doc: &Doc, resp: &Response) -> (Vec<(&'st
         }
         (Output::Generate, Response::Generation(g), Target::Aliases(aliases)) => {
             let filtered = py_strip(g).to_string();
-            let em = if aliases.iter().any(|a| exact_match(&filtered, a)) { 1.0 } else { 0.0 };
+            let em = if exact_match_any(&filtered, aliases) { 1.0 } else { 0.0 };
             (vec![("exact_match", em)], Some(filtered))
         }
         _ => (vec![], None),
