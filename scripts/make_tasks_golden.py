@@ -416,7 +416,31 @@ def text_rules():
     json.dump(cases, open(f"{OUT}/golden/text_rules.json", "w"), ensure_ascii=False)
 
 
+def llama2_tokenization_check():
+    """With the real Llama-2 vocabulary, transformers' LlamaTokenizer (which rebuilds its pipeline from
+    tokenizer_config.json) and tokenizer.json as harpe reads it agree on every golden request string."""
+    from transformers import AutoTokenizer
+
+    tdir = tempfile.mkdtemp(prefix="harpe_llama2_")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(LLAMA2, f), tdir)
+    hf, raw = AutoTokenizer.from_pretrained(tdir), Tokenizer.from_file(os.path.join(tdir, "tokenizer.json"))
+    strs = []
+    for f in glob.glob(f"{OUT}/golden/*shot*.json"):
+        for rows in json.load(open(f))["samples"].values():
+            for r in rows:
+                for a in r["arguments"]:
+                    strs += [a[0]] + ([a[0] + a[1]] if isinstance(a[1], str) else [])
+    strs = list(dict.fromkeys(strs))
+    bad = [x for x in strs if hf.encode(x) != raw.encode(x).ids]
+    print(f"Llama-2 vocabulary: {len(bad)} of {len(strs)} request strings tokenize differently in transformers and tokenizer.json")
+    shutil.rmtree(tdir)
+
+
 def main():
+    if sys.argv[2:] == ["llama2"]:
+        llama2_tokenization_check()
+        return
     if sys.argv[2:] == ["truncated"]:
         truncated_cases()
         return
@@ -451,6 +475,7 @@ def main():
     shutil.rmtree(tdir)
     truncated_cases()
     text_rules()
+    llama2_tokenization_check()
     total = sum(os.path.getsize(f) for f in glob.glob(f"{OUT}/**", recursive=True) if os.path.isfile(f))
     print(f"wrote {OUT} ({total} bytes)")
 
