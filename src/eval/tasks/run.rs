@@ -447,9 +447,8 @@ fn write_samples(out: &Path, p: &PreparedTask, resp: &[Response]) -> Result<()> 
     let mut text = String::new();
     for ((r, doc), x) in p.requests.iter().zip(&p.docs).zip(resp) {
         let (metrics, filtered) = sample_metrics(&p.spec, doc, x);
-        let mut v = json!({
-            "doc_id": r.doc_id, "doc": doc.raw, "arguments": r.continuations.iter().map(|c| [&r.context, c]).collect::<Vec<_>>(),
-        });
+        // the harness's sample fields: doc_id, doc, target, arguments, resps (+ filtered_resps), metrics
+        let mut v = json!({ "doc_id": r.doc_id, "doc": doc.raw });
         match x {
             Response::Choices(c) => {
                 v["arguments"] = json!(r.continuations.iter().map(|c| [&r.context, c]).collect::<Vec<_>>());
