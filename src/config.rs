@@ -396,11 +396,15 @@ pub struct LogSection {
     /// peak TFLOP/s of the device in the compute dtype, for the MFU column (0 = unknown, MFU not shown)
     #[serde(default)]
     pub peak_tflops: f64,
+    /// write TensorBoard event files under RUN_DIR/tb/ (every step's scalars and every evaluation);
+    /// left out of the resolved config at its default, so configs hashed before this key keep their hash
+    #[serde(default = "d_true", skip_serializing_if = "is_true")]
+    pub tensorboard: bool,
 }
 
 impl Default for LogSection {
     fn default() -> Self {
-        LogSection { every: 1, progress: true, plot: true, peak_tflops: 0.0 }
+        LogSection { every: 1, progress: true, plot: true, peak_tflops: 0.0, tensorboard: true }
     }
 }
 
@@ -439,6 +443,51 @@ pub struct EvalSection {
     /// evaluate at most this many sequences of `loss_data`
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_max_sequences: Option<usize>,
+    /// lm-evaluation-harness tasks scored once, on the final weights (as `eval-tasks --tasks`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<String>,
+    /// their files (as `eval-tasks --data`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_data: Option<PathBuf>,
+    /// few-shot examples per prompt (as `eval-tasks --shots`): a count, or "mmlu=5,hellaswag=10,..."
+    #[serde(default, skip_serializing_if = "TasksShots::is_default")]
+    pub tasks_shots: TasksShots,
+    /// the first N documents of each task (as `eval-tasks --limit`)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_limit: Option<f64>,
+}
+
+/// `[eval] tasks_shots`: `5` or `"mmlu=5,hellaswag=10"` (the syntax of `eval-tasks --shots`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TasksShots {
+    Count(usize),
+    PerTask(String),
+}
+
+impl Default for TasksShots {
+    fn default() -> Self {
+        TasksShots::Count(0)
+    }
+}
+
+impl TasksShots {
+    /// The default (0 shots), left out of the resolved config.
+    pub fn is_default(&self) -> bool {
+        *self == TasksShots::default()
+    }
+
+    /// As `eval-tasks --shots` reads it.
+    pub fn arg(&self) -> String {
+        match self {
+            TasksShots::Count(n) => n.to_string(),
+            TasksShots::PerTask(s) => s.clone(),
+        }
+    }
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 fn d_passkey_samples() -> usize {
@@ -459,6 +508,14 @@ impl EvalSection {
         }
         if !self.passkey_lengths.is_empty() && self.passkey_samples == 0 {
             bail!("{origin}: [eval] passkey_samples = 0 with passkey_lengths set\nhint: e.g. passkey_samples = 10");
+        }
+        if self.tasks.is_some() != self.tasks_data.is_some() {
+            bail!("{origin}: [eval] tasks and tasks_data go together\nhint: e.g. tasks = \"mmlu,hellaswag\" with tasks_data = \"data/tasks\"");
+        }
+        if let (Some(t), Some(d)) = (&self.tasks, &self.tasks_data) {
+            let specs = crate::eval::tasks::parse_tasks(t, d).map_err(|e| anyhow!("{origin}: [eval] tasks: {e:#}"))?;
+            crate::eval::tasks::run::shots_of(&self.tasks_shots.arg(), &specs)
+                .map_err(|e| anyhow!("{origin}: [eval] tasks_shots: {e:#}"))?;
         }
         crate::eval::eval_loss::check_buckets(&self.loss_buckets, "[eval] loss_buckets")
             .map_err(|e| anyhow!("{origin}: {e:#}"))

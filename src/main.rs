@@ -26,6 +26,8 @@ enum Cmd {
     EvalLoss(harpe::eval::eval_loss::EvalLossArgs),
     /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
     EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
+    /// MMLU, HellaSwag, ARC, PIQA, TriviaQA from local files with lm-evaluation-harness's prompts and metrics
+    EvalTasks(Box<harpe::eval::tasks::run::EvalTasksArgs>),
     /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
     SearchBases(harpe::bases::cli::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
@@ -58,6 +60,7 @@ fn main() {
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
+        Cmd::EvalTasks(a) => harpe::eval::tasks::run::run(*a),
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Consolidate(a) => harpe::checkpoint::consolidate(a),

@@ -154,6 +154,9 @@ pub struct EvalResults {
     /// mean loss of `[eval] loss_data` by position bucket ("0-4K", ...)
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty", deserialize_with = "nan_map_if_null")]
     pub loss_by_bucket: BTreeMap<String, f64>,
+    /// `[eval] tasks` on the final weights: task -> harness metric key (`acc,none`, ...) -> value
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tasks: BTreeMap<String, BTreeMap<String, f64>>,
 }
 
 /// `eval-ppl`'s headline numbers.

@@ -55,6 +55,7 @@ use crate::model::weights::{init_random, load_tensors, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
+use crate::tensorboard::{self, TbWriter};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -628,6 +629,8 @@ struct Run {
     state: TrainState,
     /// metrics.jsonl, written by rank 0 only
     log: Option<MetricsLog>,
+    /// TensorBoard events under RUN_DIR/tb/ (`log.tensorboard`), written by rank 0 only
+    tb: Option<TbWriter>,
     /// stop after this many steps in total (`--steps`)
     limit: u64,
     total_steps: u64,
@@ -719,6 +722,10 @@ impl Run {
         let tokens_at_start = state.tokens_seen;
         Ok(Run {
             log: if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?) } else { None },
+            tb: match lead && cfg.log.tensorboard {
+                true => Some(TbWriter::create(&run_dir.join("tb"), state.step)?),
+                false => None,
+            },
             zero_stage: dist.zero_stage,
             bucket: dist.bucket_elems(4),
             limit: args.steps.unwrap_or(u64::MAX),
@@ -1073,6 +1080,9 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
     if let Some(log) = r.log.as_mut() {
         log.write(&rec)?;
     }
+    if let Some(tb) = &mut r.tb {
+        tb.scalars(rec.step, &tensorboard::step_scalars(&rec))?;
+    }
     if r.state.step.is_multiple_of(r.cfg.log.every.max(1)) || out.skipped {
         r.say(s, metrics::step_line(&rec, r.total_steps));
     }
@@ -1102,9 +1112,12 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     };
     let model = &model.with_attention(AttentionImpl::for_device(&r.device));
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
-    let rec = ev.evaluate(model, r.state.step, s.si, window)?;
+    let rec = ev.evaluate(model, r.state.step, s.si, window, r.state.step == r.total_steps)?;
     if let Some(log) = r.log.as_mut() {
         log.write_eval(&rec)?;
+    }
+    if let Some(tb) = &mut r.tb {
+        tb.scalars(rec.step, &tensorboard::eval_scalars(&rec))?;
     }
     r.say(s, eval_line(&rec));
     if r.cfg.log.plot {

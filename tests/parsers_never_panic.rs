@@ -367,3 +367,27 @@ proptest! {
         check(parse_data_line(&l.to_string(), 8, p));
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// eval-tasks records: every value of a real record of each task replaced by nasty JSON
+
+fn task_record(task: &str) -> (harpe::eval::tasks::TaskSpec, String) {
+    let data = root().join("tests/fixtures/eval_tasks/data");
+    let spec = harpe::eval::tasks::TaskSpec::new(task, &data).unwrap();
+    let text = std::fs::read_to_string(spec.split_path(spec.eval_split)).unwrap();
+    (spec, text.lines().next().unwrap().to_string())
+}
+
+proptest! {
+    #![proptest_config(cfg(256))]
+    #[test]
+    fn eval_task_records_never_panic(t in 0usize..5, k in 0usize..40, new in nasty_json()) {
+        let task = ["mmlu_anatomy", "hellaswag", "arc_challenge", "piqa", "triviaqa"][t];
+        let (spec, line) = task_record(task);
+        let value: serde_json::Value = serde_json::from_str(&with_replaced(&line, k, &new)).unwrap();
+        let r = harpe::eval::tasks::data::Record { value, file: "x.jsonl".into(), line: 1, prefix: String::new() };
+        check(spec.doc(&r));
+        let s = harpe::eval::tasks::hellaswag_preprocess(&new.to_string());
+        prop_assert!(s.len() <= new.to_string().len() + 1);
+    }
+}

@@ -213,3 +213,33 @@ fn report_bad_input_names_the_directory_or_arm() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("missing") && e.contains("hint:"), "{e}");
 }
+
+#[test]
+fn report_shows_eval_tasks_columns_when_present() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = eval_spec(5);
+    let mut dirs = vec![];
+    for (arm, seed, acc) in [("b", 0, 0.25), ("b", 1, 0.5), ("a", 0, 0.5), ("a", 1, 1.0)] {
+        let d = write_run(tmp.path(), arm, seed, &[3.0, 2.0], &[("nll:held", 1.0)], &spec);
+        // results.json as `harpe eval-tasks --out RUN_DIR/eval-tasks` writes it (the harness's shape)
+        std::fs::create_dir_all(d.join("eval-tasks")).unwrap();
+        let r = json!({"results": {
+            "mmlu": {"alias": "mmlu", "acc,none": acc, "acc_stderr,none": 0.1},
+            "mmlu_anatomy": {"alias": "anatomy", "acc,none": 0.0, "acc_stderr,none": "N/A"},
+            "hellaswag": {"alias": "hellaswag", "acc,none": 0.3, "acc_norm,none": acc, "acc_stderr,none": 0.1}}});
+        std::fs::write(d.join("eval-tasks/results.json"), r.to_string()).unwrap();
+        dirs.push(d.to_str().unwrap().to_string());
+    }
+    let mut a: Vec<&str> = dirs.iter().map(String::as_str).collect();
+    a.extend(["--baseline", "b", "--json"]);
+    let o = report(&a);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let metrics: Vec<&str> = v["metrics"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    for m in ["mmlu:acc", "hellaswag:acc", "hellaswag:acc_norm"] {
+        assert!(metrics.contains(&m), "{m} missing from {metrics:?}");
+    }
+    assert!(!metrics.iter().any(|m| m.contains("stderr") || m.starts_with("mmlu_")), "{metrics:?}");
+    let arm = v["arms"].as_array().unwrap().iter().find(|x| x["arm"] == "a").unwrap();
+    assert!(close(arm["metrics"]["mmlu:acc"]["mean"].as_f64().unwrap(), 0.75));
+}

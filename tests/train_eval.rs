@@ -131,6 +131,13 @@ fn eval_during_training_is_in_place_bit_neutral_and_resumable() {
         assert_eq!(v["eval"]["ppl"]["tokens"].as_u64(), Some(99));
     }
     assert!(b.join("eval.png").exists() && b.join("loss.png").exists());
+    // every evaluation metric is in TensorBoard too, at its step
+    let tb = harpe::tensorboard::read_scalars(&b.join("tb")).unwrap();
+    for (tag, step) in [("eval/ppl", 2), ("eval/nll", 7), ("eval/passkey/300", 4), ("eval/loss_by_bucket/", 6)] {
+        assert!(tb.iter().any(|(s, t, _)| t.starts_with(tag) && *s == step), "no {tag} at step {step}");
+    }
+    let ppl7 = tb.iter().find(|(s, t, _)| t == "eval/ppl" && *s == 7).map(|x| x.2);
+    assert_eq!(ppl7, lines[3]["eval"]["ppl"]["ppl"].as_f64().map(|x| x as f32));
 
     // 3. The values are the eval commands' on the saved checkpoint (weights read back from disk).
     let evs = read_evals(&b.join("metrics.jsonl")).unwrap();
@@ -203,4 +210,56 @@ fn bad_eval_tables_are_refused_naming_the_key() {
         let e = format!("{:#}", run(args(&cfg, &d.path().join(want))).unwrap_err());
         assert!(e.contains(want) && e.contains("hint:"), "{extra}: {e}");
     }
+}
+
+#[test]
+fn eval_tasks_score_the_final_weights_as_harpe_eval_tasks_does() {
+    let d = tempfile::tempdir().unwrap();
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eval_tasks/data");
+    let cfg = d.path().join("r.toml");
+    let extra = format!(
+        "\n[eval]\nevery = 2\ntasks = \"piqa,mmlu\"\ntasks_data = {:?}\ntasks_shots = \"mmlu=1,piqa=2\"\ntasks_limit = 2\n",
+        data.display().to_string()
+    );
+    std::fs::write(&cfg, format!("{TINY}{extra}")).unwrap();
+    let out = d.path().join("o");
+    run(args(&cfg, &out)).unwrap();
+    let evs = read_evals(&out.join("metrics.jsonl")).unwrap();
+    // only the final evaluation carries the tasks
+    assert!(evs[..evs.len() - 1].iter().all(|e| e.eval.tasks.is_empty()));
+    let last = evs.last().unwrap();
+    assert_eq!(last.step, 7);
+    let keys: Vec<&String> = last.eval.tasks.keys().collect();
+    for k in ["mmlu", "mmlu_stem", "mmlu_anatomy", "piqa"] {
+        assert!(keys.iter().any(|x| *x == k), "{k} missing from {keys:?}");
+    }
+    // the same numbers as harpe eval-tasks on the final checkpoint
+    let mut a = harpe::eval::tasks::run::EvalTasksArgs {
+        scoring: ScoringModel::new(&ckpt(&out, 7)),
+        tasks: "piqa,mmlu".into(),
+        data: data.clone(),
+        shots: "mmlu=1,piqa=2".into(),
+        limit: Some(2.0),
+        seed: 1234,
+        batch: 8,
+        max_length: None,
+        json: false,
+        out: None,
+        log_samples: false,
+        tokenizer: None,
+    };
+    a.scoring.loss_chunk = 100;
+    let (_, _, res) = harpe::eval::tasks::run::evaluate(&a).unwrap();
+    for (task, m) in &last.eval.tasks {
+        for (k, v) in m {
+            let w = res["results"][task][k].as_f64().unwrap();
+            assert!((v - w).abs() < 1e-9, "{task} {k}: {v} in training vs {w} from the checkpoint");
+        }
+    }
+    let tb = harpe::tensorboard::read_scalars(&out.join("tb")).unwrap();
+    assert!(tb.iter().any(|(s, t, _)| *s == 7 && t == "eval/tasks/piqa/acc,none"));
+    // a bad task name in [eval] is refused before training, naming the key
+    std::fs::write(&cfg, format!("{TINY}\n[eval]\ntasks = \"piqa,winogrande\"\ntasks_data = \"/x\"\n")).unwrap();
+    let e = format!("{:#}", run(args(&cfg, &d.path().join("bad"))).unwrap_err());
+    assert!(e.contains("[eval] tasks") && e.contains("winogrande") && e.contains("hint:"), "{e}");
 }

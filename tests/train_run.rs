@@ -93,6 +93,19 @@ fn resume_is_bit_identical_across_a_stage_boundary() {
     assert_eq!(ka.len(), 7);
     assert_eq!(ka, kb);
     assert_eq!(ka[0].4, 2, "per-source losses for the two built-in sources");
+    // TensorBoard: every step's loss once, also across the resume (its START marker purges replays)
+    for dir in [&a, &b] {
+        let tb = harpe::tensorboard::read_scalars(&dir.join("tb")).unwrap();
+        let losses: Vec<(i64, f32)> =
+            tb.iter().filter(|(_, t, _)| t == "train/loss").map(|(s, _, v)| (*s, *v)).collect();
+        let want: Vec<(i64, f32)> =
+            read_records(&dir.join("metrics.jsonl")).unwrap().iter().map(|r| (r.step as i64, r.loss as f32)).collect();
+        assert_eq!(losses, want, "{}", dir.display());
+        for tag in ["train/lr", "train/grad_norm", "train/tokens_per_s", "memory/rss_bytes", "train/loss_by_source/"] {
+            assert!(tb.iter().any(|(_, t, _)| t.starts_with(tag)), "no {tag} in {}", dir.display());
+        }
+    }
+    assert_eq!(std::fs::read_dir(b.join("tb")).unwrap().count(), 2, "one event file per session");
     // the checkpoint is a self-describing HF model dir: HARPE bases in config.json, tokenizer beside it
     let cj = std::fs::read_to_string(ckpt(&a, 7).join("config.json")).unwrap();
     assert!(cj.contains("harpe") && cj.contains("200000"), "{cj}");

@@ -22,6 +22,16 @@ pub struct GenerateOptions {
 
 /// Greedy continuation of `prompt`; returns the new tokens only.
 pub fn greedy_generate(model: &Llama, prompt: &[u32], opts: &GenerateOptions) -> Result<Vec<u32>> {
+    greedy_generate_until(model, prompt, opts, |_| Ok(false))
+}
+
+/// Greedy continuation that also stops once `stop(new tokens so far)` says so (eval-tasks' stop strings).
+pub fn greedy_generate_until(
+    model: &Llama,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut stop: impl FnMut(&[u32]) -> Result<bool>,
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("cannot generate from an empty prompt\nhint: the prompt needs at least one token (e.g. BOS)");
     }
@@ -42,7 +52,7 @@ pub fn greedy_generate(model: &Llama, prompt: &[u32], opts: &GenerateOptions) ->
         let logits = model.logits(&h)?.to_dtype(DType::F32)?.flatten_all()?; // (V)
         let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
         out.push(next);
-        if opts.stop_tokens.contains(&next) {
+        if opts.stop_tokens.contains(&next) || stop(&out)? {
             break;
         }
         let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;

@@ -9,16 +9,18 @@
 //! here draws from a random state the training uses (passkey keys come from their own seeded
 //! generator), so a run with `[eval]` trains bit-identically to one without. Evaluations already logged
 //! (the lines `MetricsLog::open` kept on resume) are never repeated: `last_step` is read back from them.
-//! Passkey uses seed 42 (eval-niah's default) and min(samples, 10) depths.
+//! Passkey uses seed 42 (eval-niah's default) and min(samples, 10) depths. `tasks` (eval-tasks'
+//! harness benchmarks) are read and prompted when the run opens and scored once, on the final weights.
 //! What this file does not do: RULER tasks (run `harpe eval-niah` on a checkpoint), multi-rank sharding
 //! of the evaluation (every rank evaluates; rank 0's line is the one logged).
 use crate::config::EvalSection;
 use crate::data::{Loader, LoaderConfig, Manifest};
 use crate::eval::niah_io::Record;
-use crate::eval::{eval_loss, niah, niah_run, passkey, ppl};
+use crate::eval::{eval_loss, niah, niah_run, passkey, ppl, tasks};
 use crate::metrics::{EvalRecord, EvalResults, PplSummary};
 use crate::model::Llama;
 use anyhow::{anyhow, bail, Context, Result};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
@@ -26,6 +28,8 @@ use tokenizers::Tokenizer;
 const PASSKEY_SEED: i64 = 42;
 /// Prompt tokens per prefill pass of the passkey generation (eval-niah's default).
 const PREFILL_CHUNK: usize = 2048;
+/// Continuation rows per forward of `[eval] tasks` (eval-tasks' `--batch` default).
+const TASKS_BATCH: usize = 8;
 
 /// What `[eval]` scores, prepared once when the run opens.
 pub struct TrainEval {
@@ -36,6 +40,8 @@ pub struct TrainEval {
     passkey: Vec<(usize, Vec<Record>)>,
     loss: Option<(PathBuf, Loader)>,
     loss_chunk: usize,
+    /// `[eval] tasks`, read and prompted (scored on the final weights only)
+    tasks: Vec<tasks::run::PreparedTask>,
     /// the step of the last evaluation logged (this session or a resumed one)
     last_step: Option<u64>,
 }
@@ -70,9 +76,20 @@ impl TrainEval {
             None => None,
             Some(dir) => Some((dir.clone(), open_loss_data(dir, tok_sha)?)),
         };
+        let mut prepared = vec![];
+        if let (Some(t), Some(d)) = (&cfg.tasks, &cfg.tasks_data) {
+            let specs = tasks::parse_tasks(t, d).context("[eval] tasks")?;
+            let shots = tasks::run::shots_of(&cfg.tasks_shots.arg(), &specs).context("[eval] tasks_shots")?;
+            for (spec, k) in specs.iter().zip(shots) {
+                prepared.push(
+                    tasks::run::prepare_task(spec, k, cfg.tasks_limit, tasks::prompt::DEFAULT_SEED)
+                        .context("[eval] tasks")?,
+                );
+            }
+        }
         let last_step =
             if metrics.exists() { crate::metrics::read_evals(metrics)?.iter().map(|r| r.step).max() } else { None };
-        Ok(Some(TrainEval { cfg: cfg.clone(), tok, docs, passkey: pk, loss, loss_chunk, last_step }))
+        Ok(Some(TrainEval { cfg: cfg.clone(), tok, docs, passkey: pk, loss, loss_chunk, tasks: prepared, last_step }))
     }
 
     /// Whether to evaluate after `step`: every `every` steps, or at a stage's end / the run's end,
@@ -83,8 +100,15 @@ impl TrainEval {
     }
 
     /// Evaluate `model` (the training weights) after `step` of `stage`, with the perplexity window
-    /// and stride of that stage.
-    pub fn evaluate(&mut self, model: &Llama, step: u64, stage: usize, window: (usize, usize)) -> Result<EvalRecord> {
+    /// and stride of that stage; `last` (the run's final weights) adds `[eval] tasks`.
+    pub fn evaluate(
+        &mut self,
+        model: &Llama,
+        step: u64,
+        stage: usize,
+        window: (usize, usize),
+        last: bool,
+    ) -> Result<EvalRecord> {
         let mut ev = EvalResults::default();
         if !self.docs.is_empty() {
             let (_, total) = ppl::score_documents(
@@ -127,8 +151,37 @@ impl TrainEval {
             .context("[eval] loss_data")?;
             ev.loss_by_bucket = rep.by_bucket.into_iter().map(|(k, c)| (k, c.loss)).collect();
         }
+        if last && !self.tasks.is_empty() {
+            ev.tasks = self.score_tasks(model).context("[eval] tasks")?;
+        }
         self.last_step = Some(step);
         Ok(EvalRecord { step, stage, eval: ev })
+    }
+
+    /// `[eval] tasks` on `model`: every numeric harness metric of every task (and MMLU group).
+    fn score_tasks(&self, model: &Llama) -> Result<BTreeMap<String, BTreeMap<String, f64>>> {
+        let sc = tasks::score::Scorer {
+            model,
+            tok: &self.tok,
+            max_length: model.max_context(),
+            batch: TASKS_BATCH,
+            chunk: self.loss_chunk,
+        };
+        let resp = tasks::run::score_tasks(&sc, &self.tasks, None, "")?;
+        let groups = self.cfg.tasks.as_deref().is_some_and(tasks::run::wants_groups);
+        let res = tasks::run::results_of(&self.tasks, &resp, groups);
+        let mut out = BTreeMap::new();
+        for (task, r) in res["results"].as_object().into_iter().flatten() {
+            let m: BTreeMap<String, f64> = r
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, _)| k.contains(','))
+                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+                .collect();
+            out.insert(task.clone(), m);
+        }
+        Ok(out)
     }
 }
 
@@ -145,6 +198,11 @@ pub fn eval_line(r: &EvalRecord) -> String {
     if !r.eval.loss_by_bucket.is_empty() {
         let v: Vec<String> = r.eval.loss_by_bucket.iter().map(|(b, l)| format!("{b}: {l:.4}")).collect();
         parts.push(format!("loss {}", v.join(" ")));
+    }
+    for (task, m) in &r.eval.tasks {
+        let v: Vec<String> =
+            m.iter().filter(|(k, _)| !k.contains("_stderr")).map(|(k, x)| format!("{k} {x:.4}")).collect();
+        parts.push(format!("{task} {}", v.join(" ")));
     }
     parts.join(" | ")
 }

@@ -1,4 +1,5 @@
-//! Evaluation: sliding-window perplexity, evaluation during training, KV-cached generation, needle-in-a-haystack suites.
+//! Evaluation: sliding-window perplexity, evaluation during training, KV-cached generation, needle-in-a-haystack
+//! suites, and the harness's short-context benchmarks (`tasks`).
 pub mod eval_loss;
 pub mod generate;
 pub mod heatmap;
@@ -11,3 +12,4 @@ pub mod passkey;
 pub mod ppl;
 pub mod punkt;
 pub mod pyrandom;
+pub mod tasks;

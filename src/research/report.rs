@@ -132,8 +132,45 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
             metrics.extend(m);
         }
     }
+    metrics.extend(eval_task_metrics(dir)?);
     let curve = good.iter().map(|r| (r.tokens_seen as f64, r.loss)).collect();
     Ok(RunData { dir: dir.to_path_buf(), arm, seed, metrics, curve, eval })
+}
+
+/// `harpe eval-tasks` scores of a run as `task:metric` (`mmlu:acc`, `hellaswag:acc_norm`,
+/// `triviaqa:exact_match`): from `RUN_DIR/eval-tasks/results.json` when present, else from the last
+/// `[eval] tasks` line of metrics.jsonl. MMLU's subjects and categories are left to results.json when the
+/// `mmlu` group is there (57 columns would bury the table).
+pub fn eval_task_metrics(dir: &Path) -> Result<BTreeMap<String, f64>> {
+    let mut by_task: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    let rj = dir.join("eval-tasks").join("results.json");
+    if rj.exists() {
+        let text = std::fs::read_to_string(&rj).with_context(|| format!("cannot read {}", rj.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: rerun harpe eval-tasks", rj.display()))?;
+        for (task, r) in v["results"].as_object().into_iter().flatten() {
+            let m = r.as_object().into_iter().flatten().filter_map(|(k, x)| x.as_f64().map(|x| (k.clone(), x)));
+            by_task.insert(task.clone(), m.collect());
+        }
+    } else if dir.join("metrics.jsonl").exists() {
+        let evals = crate::metrics::read_evals(&dir.join("metrics.jsonl"))?;
+        if let Some(last) = evals.iter().rev().find(|e| !e.eval.tasks.is_empty()) {
+            by_task = last.eval.tasks.clone();
+        }
+    }
+    let grouped = by_task.contains_key("mmlu");
+    let mut out = BTreeMap::new();
+    for (task, m) in by_task {
+        if grouped && task.starts_with("mmlu_") {
+            continue;
+        }
+        for (key, v) in m {
+            if let Some((metric, _filter)) = key.split_once(',').filter(|(m, _)| !m.ends_with("_stderr")) {
+                out.insert(format!("{task}:{metric}"), v);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Expand sweep directories into their finished runs; read every run.
@@ -344,7 +381,7 @@ pub fn markdown(rep: &Report) -> String {
             }
         }
     }
-    s.push_str("\nMetrics: `train_loss` = mean training loss of the last 10 steps; `ppl:`/`nll:` = `harpe eval-ppl`; `loss:` = `harpe eval-loss` by position bucket; `task@length` = `harpe eval-niah` score; `cost:tokens` = training tokens, `cost:train_s` = summed step time in seconds.\n");
+    s.push_str("\nMetrics: `train_loss` = mean training loss of the last 10 steps; `ppl:`/`nll:` = `harpe eval-ppl`; `loss:` = `harpe eval-loss` by position bucket; `task@length` = `harpe eval-niah` score; `task:metric` = `harpe eval-tasks` (lm-evaluation-harness rules) score; `cost:tokens` = training tokens, `cost:train_s` = summed step time in seconds.\n");
     s.push_str(&format!(
         "\nRuns: {}\n",
         rep.runs.iter().map(|r| r.dir.display().to_string()).collect::<Vec<_>>().join(", ")
