@@ -152,16 +152,25 @@ fn ckpt(run: &Path, step: u64) -> PathBuf {
     run.join("checkpoints").join(format!("step_{step:06}"))
 }
 
+/// The final model file of a run of `TINY`.
+fn model(run: &Path) -> PathBuf {
+    ckpt(run, 5).join("model.safetensors")
+}
+
+/// The one-rank run of `TINY` in `dir` and the tolerance N ranks are held to: N ranks may differ from
+/// one rank by summation order only, so a few times the measured noise floor, never more than 1e-5.
+fn baseline(dir: &Path) -> (PathBuf, PathBuf, f64) {
+    let cfg = write_cfg(dir);
+    let one = dir.join("one");
+    train(&cfg, &one, &[]);
+    let floor = noise_floor(&cfg, &one, dir);
+    (cfg, one, (4.0 * floor).clamp(1e-6, 1e-5))
+}
+
 #[test]
 fn n_ranks_and_each_zero_stage_equal_one_rank() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_cfg(d.path());
-    let one = d.path().join("one");
-    train(&cfg, &one, &[]);
-    let floor = noise_floor(&cfg, &one, d.path());
-    // N ranks may differ from one rank by summation order only: a few times the floor, never more than 1e-5
-    let tol = (4.0 * floor).clamp(1e-6, 1e-5);
-    let model = |run: &Path| ckpt(run, 5).join("model.safetensors");
+    let (cfg, one, tol) = baseline(d.path());
     for (n, z) in [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)] {
         let out = d.path().join(format!("w{n}z{z}"));
         let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
@@ -350,12 +359,7 @@ fn a_rank_that_errors_or_panics_mid_step_stops_every_rank_naming_it_and_keeps_th
 #[test]
 fn sequence_parallel_ranks_equal_one_rank() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_cfg(d.path());
-    let one = d.path().join("one");
-    train(&cfg, &one, &[]);
-    let floor = noise_floor(&cfg, &one, d.path());
-    let tol = (4.0 * floor).clamp(1e-6, 1e-5);
-    let model = |run: &Path| ckpt(run, 5).join("model.safetensors");
+    let (cfg, one, tol) = baseline(d.path());
     // (world, sp, zero): SP alone; SP x DP; SP x DP x ZeRO-3
     for (n, p, z) in [(2, 2, 0), (4, 2, 1), (4, 2, 3)] {
         let out = d.path().join(format!("w{n}sp{p}z{z}"));
