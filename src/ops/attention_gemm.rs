@@ -1,0 +1,258 @@
+//! CPU fast path of the attention op: FlashAttention-2 tiling with every block product on the `gemm`
+//! crate (the microkernels candle's CPU matmul uses), the online softmax between the GEMMs.
+//!
+//! Reference: FlashAttention-2 (Dao 2023) Algorithms 1-2; the readable scalar loops this must match are
+//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/attention_gemm.rs compares them,
+//! forward and backward, ragged, GQA, Tq < Tk).
+//! Forward: one task per (b, h, query block of `BQ` rows) on rayon; for each key block of `BK` keys up
+//! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per-row running max / sum / rescale,
+//! acc += P V_j (GEMM); O and lse are written straight into the packed (B, H, Tq, D + 1) rows the op
+//! returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
+//! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
+//! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
+//! the packed backward input through GEMM row strides (no unpacking copies).
+//! The non-obvious decision: the backward keeps the reference's one-owner-per-(b, kv head) split
+//! (no atomics, no second pass recomputing S for dQ), so it parallelises over B * Hkv tasks only; the
+//! forward, which also serves decode and prefill, splits over query blocks too.
+//! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
+//! compute (inputs arrive as f32), dropout, masks other than causal.
+use crate::ops::attention::AttnDims;
+use gemm::{gemm, Parallelism};
+use rayon::prelude::*;
+
+/// Query rows per block.
+const BQ: usize = 64;
+/// Keys per block.
+const BK: usize = 128;
+
+/// A row-major matrix view for one GEMM operand: `ptr` at (0, 0), `rs` between rows, `cs` between columns.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+/// dst (m x n, row stride `dst_rs`) := (accumulate ? dst : 0) + beta * lhs (m x k) * rhs (k x n).
+///
+/// SAFETY (caller): every operand view must stay inside its allocation for the given sizes and `dst`
+/// must not alias `lhs` or `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat,
+    rhs: Mat,
+    beta: f32,
+) {
+    // SAFETY: forwarded from the caller's contract above.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.ptr,
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
+/// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).
+fn rows(ptr: *const f32, rs: usize) -> Mat {
+    Mat { ptr, rs: rs as isize, cs: 1 }
+}
+
+/// Transposed view of a row-major block at `ptr` with row stride `rs`.
+fn transposed(ptr: *const f32, rs: usize) -> Mat {
+    Mat { ptr, rs: 1, cs: rs as isize }
+}
+
+/// Forward: returns the op's packed output, rows of D + 1 = [O | lse] for (B, H, Tq).
+pub fn attention_fwd_gemm(q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
+    let (rep, w) = (h / hkv, d + 1);
+    let mut out = vec![0f32; b * h * tq * w];
+    if tq == 0 {
+        return out;
+    }
+    out.par_chunks_mut(tq * w).enumerate().for_each(|(bh, out_h)| {
+        let (bi, g) = (bh / h, (bh % h) / rep);
+        let qh = &q[bh * tq * d..(bh + 1) * tq * d];
+        let kv = (bi * hkv + g) * tk * d..(bi * hkv + g + 1) * tk * d;
+        let (kh, vh) = (&k[kv.clone()], &v[kv]);
+        out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
+            let i0 = qb * BQ;
+            fwd_block(&qh[i0 * d..], kh, vh, out_b, i0, dims, scale, causal);
+        });
+    });
+    out
+}
+
+/// One query block: rows i0.. of one head (`qb` starts at row i0), `out_b` its packed output rows.
+#[allow(clippy::too_many_arguments)]
+fn fwd_block(
+    qb: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    out_b: &mut [f32],
+    i0: usize,
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+) {
+    let d = dims.d;
+    let nr = out_b.len() / (d + 1);
+    let lim_last = dims.limit(causal, i0 + nr - 1);
+    let mut acc = vec![0f32; nr * d];
+    let mut s = vec![0f32; nr * BK];
+    let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
+    for kb in (0..lim_last).step_by(BK) {
+        let n = BK.min(lim_last - kb);
+        // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d, s holds nr x n; no aliasing.
+        unsafe {
+            mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), transposed(kh[kb * d..].as_ptr(), d), scale)
+        };
+        for r in 0..nr {
+            let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
+            let sr = &mut s[r * n..(r + 1) * n];
+            let bm = sr[..valid].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let mnew = m[r].max(bm);
+            if mnew == f32::NEG_INFINITY {
+                sr.fill(0.0);
+                continue;
+            }
+            let corr = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - mnew).exp() };
+            let mut sum = 0f32;
+            for x in sr[..valid].iter_mut() {
+                *x = (*x - mnew).exp();
+                sum += *x;
+            }
+            sr[valid..].fill(0.0);
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+            if corr != 1.0 {
+                acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= corr);
+            }
+        }
+        // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
+        unsafe { mm(nr, d, n, acc.as_mut_ptr(), d, true, rows(s.as_ptr(), n), rows(vh[kb * d..].as_ptr(), d), 1.0) };
+    }
+    for (r, row) in out_b.chunks_mut(d + 1).enumerate() {
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            row[..d].iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+            row[d] = m[r] + l[r].ln();
+        } else {
+            row[d] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Backward: `packed` rows of 3D + 2 = [q | O | lse | dO | unused] for (B, H, Tq); returns
+/// dQ, dK, dV flattened one after the other (the `AttentionBwd` op's output).
+pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let (rep, w) = (h / hkv, 3 * d + 2);
+    assert!(
+        packed.len() == b * h * tq * w && k.len() == b * hkv * tk * d && v.len() == k.len(),
+        "attention bwd: sizes"
+    );
+    let (nq, nk) = (b * h * tq * d, k.len());
+    let mut grads = vec![0f32; nq + 2 * nk];
+    if tq == 0 || tk == 0 {
+        return grads;
+    }
+    let (dq, dkv) = grads.split_at_mut(nq);
+    let (dk, dv) = dkv.split_at_mut(nk);
+    dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d))).enumerate().for_each(
+        |(bg, (dq_g, (dk_g, dv_g)))| {
+            let (kh, vh) = (&k[bg * tk * d..(bg + 1) * tk * d], &v[bg * tk * d..(bg + 1) * tk * d]);
+            let (bi, g) = (bg / hkv, bg % hkv);
+            for r in 0..rep {
+                let bh = bi * h + g * rep + r;
+                let ph = &packed[bh * tq * w..(bh + 1) * tq * w];
+                let dq_h = &mut dq_g[r * tq * d..(r + 1) * tq * d];
+                for i0 in (0..tq).step_by(BQ) {
+                    let nr = BQ.min(tq - i0);
+                    let blk = BwdBlock { p: &ph[i0 * w..(i0 + nr) * w], kh, vh, i0, dims, scale, causal };
+                    blk.run(&mut dq_h[i0 * d..(i0 + nr) * d], dk_g, dv_g);
+                }
+            }
+        },
+    );
+    grads
+}
+
+/// One query block of the backward: packed rows `p` (nr x (3D + 2)) starting at query row i0.
+struct BwdBlock<'a> {
+    p: &'a [f32],
+    kh: &'a [f32],
+    vh: &'a [f32],
+    i0: usize,
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+}
+
+impl BwdBlock<'_> {
+    fn run(&self, dq_b: &mut [f32], dk_g: &mut [f32], dv_g: &mut [f32]) {
+        let d = self.dims.d;
+        let w = 3 * d + 2;
+        let nr = self.p.len() / w;
+        let (qp, dop) = (self.p.as_ptr(), self.p[2 * d + 1..].as_ptr());
+        // Δ_i = dO_i · O_i, and lse_i, per row
+        let (delta, lse): (Vec<f32>, Vec<f32>) = self
+            .p
+            .chunks(w)
+            .map(|row| {
+                (row[d..2 * d].iter().zip(&row[2 * d + 1..3 * d + 1]).map(|(o, g)| o * g).sum::<f32>(), row[2 * d])
+            })
+            .unzip();
+        let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1);
+        let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
+        for kb in (0..lim_last).step_by(BK) {
+            let n = BK.min(lim_last - kb);
+            let (kj, vj) = (self.kh[kb * d..].as_ptr(), self.vh[kb * d..].as_ptr());
+            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj and the
+            // dK/dV destinations are rows kb..kb+n of d; s, dp are nr x n; destinations alias no input.
+            unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
+            for r in 0..nr {
+                let valid = self.dims.limit(self.causal, self.i0 + r).saturating_sub(kb).min(n);
+                let sr = &mut s[r * n..(r + 1) * n];
+                if lse[r] == f32::NEG_INFINITY {
+                    sr.fill(0.0);
+                    continue;
+                }
+                sr[..valid].iter_mut().for_each(|x| *x = (*x - lse[r]).exp());
+                sr[valid..].fill(0.0);
+            }
+            unsafe { mm(n, d, nr, dv_g[kb * d..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
+            unsafe { mm(nr, n, d, dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
+            for r in 0..nr {
+                let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
+                dpr.iter_mut().zip(pr).for_each(|(x, p)| *x = p * (*x - delta[r]) * self.scale);
+            }
+            unsafe { mm(nr, d, n, dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
+            unsafe { mm(n, d, nr, dk_g[kb * d..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
+        }
+    }
+}
