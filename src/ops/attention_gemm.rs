@@ -17,6 +17,7 @@
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
 //! compute (inputs arrive as f32), dropout, masks other than causal.
 use crate::ops::attention::AttnDims;
+use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
@@ -134,23 +135,18 @@ fn fwd_block(
         for r in 0..nr {
             let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
             let sr = &mut s[r * n..(r + 1) * n];
-            let bm = sr[..valid].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-            let mnew = m[r].max(bm);
+            let mnew = m[r].max(vmax(&sr[..valid]));
             if mnew == f32::NEG_INFINITY {
                 sr.fill(0.0);
                 continue;
             }
             let corr = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - mnew).exp() };
-            let mut sum = 0f32;
-            for x in sr[..valid].iter_mut() {
-                *x = (*x - mnew).exp();
-                sum += *x;
-            }
+            let sum = exp_sub_sum(&mut sr[..valid], mnew);
             sr[valid..].fill(0.0);
             l[r] = l[r] * corr + sum;
             m[r] = mnew;
             if corr != 1.0 {
-                acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= corr);
+                scale_in_place(&mut acc[r * d..(r + 1) * d], corr);
             }
         }
         // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
@@ -223,9 +219,7 @@ impl BwdBlock<'_> {
         let (delta, lse): (Vec<f32>, Vec<f32>) = self
             .p
             .chunks(w)
-            .map(|row| {
-                (row[d..2 * d].iter().zip(&row[2 * d + 1..3 * d + 1]).map(|(o, g)| o * g).sum::<f32>(), row[2 * d])
-            })
+            .map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d]))
             .unzip();
         let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1);
         let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
@@ -242,14 +236,14 @@ impl BwdBlock<'_> {
                     sr.fill(0.0);
                     continue;
                 }
-                sr[..valid].iter_mut().for_each(|x| *x = (*x - lse[r]).exp());
+                exp_sub_sum(&mut sr[..valid], lse[r]);
                 sr[valid..].fill(0.0);
             }
             unsafe { mm(n, d, nr, dv_g[kb * d..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
             unsafe { mm(nr, n, d, dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
             for r in 0..nr {
                 let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
-                dpr.iter_mut().zip(pr).for_each(|(x, p)| *x = p * (*x - delta[r]) * self.scale);
+                softmax_grad(dpr, pr, delta[r], self.scale);
             }
             unsafe { mm(nr, d, n, dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
             unsafe { mm(n, d, nr, dk_g[kb * d..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
