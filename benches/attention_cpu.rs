@@ -2,7 +2,7 @@
 //! loops (`CpuKernel::Reference`), forward and forward + backward, for training shapes (Tq = Tk),
 //! chunked prefill and single-token decode (Tq < Tk), GQA and MHA, and GFLOP/s of the causal work.
 //!
-//!     RAYON_NUM_THREADS=2 cargo bench --bench attention_cpu [-- --quick]
+//!     RAYON_NUM_THREADS=2 cargo bench --bench attention_cpu [-- --quick] [--gemm-only] [--shape B,H,Hkv,Tq,Tk]
 //!
 //! FLOPs counted: causal forward 2 GEMMs of B H Tq Tk_eff D MACs (Tk_eff = keys a row sees on average),
 //! backward 5 (the recomputed S, dV, dP, dQ, dK); a MAC is 2 FLOPs. Not a test: numbers only.
@@ -37,11 +37,21 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    harpe::device::init_cpu_threads(); // as `harpe` itself runs
     let quick = std::env::args().any(|a| a == "--quick");
+    let only_gemm = std::env::args().any(|a| a == "--gemm-only"); // for profiling the fast path alone
     let d = 32;
+    // `--shape B,H,Hkv,Tq,Tk`: that shape alone
+    let pick: Option<Vec<usize>> = std::env::args()
+        .skip_while(|a| a != "--shape")
+        .nth(1)
+        .map(|s| s.split(',').map(|x| x.parse().expect("--shape B,H,Hkv,Tq,Tk")).collect());
     let mut shapes = vec![(2, 8, 4, 256, 256), (2, 8, 8, 256, 256), (2, 8, 4, 1024, 1024), (2, 8, 8, 1024, 1024)];
     if !quick {
         shapes.extend([(2, 8, 4, 4096, 4096), (1, 8, 4, 256, 4096), (1, 8, 4, 1, 4096), (1, 8, 8, 1, 4096)]);
+    }
+    if let Some(p) = &pick {
+        shapes = vec![(p[0], p[1], p[2], p[3], p[4])];
     }
     println!("{:<34} {:>10} {:>9} {:>12} {:>9} {:>8}", "shape (B,H,Hkv,Tq,Tk,D)", "kernel", "fwd ms", "fwd+bwd ms", "GFLOP/s", "x ref");
     for &(b, h, hkv, tq, tk) in &shapes {
@@ -52,10 +62,10 @@ fn main() {
         // keys a causal row sees, on average
         let tk_eff = (tk - tq) as f64 + (tq as f64 + 1.0) / 2.0;
         let macs = (b * h * tq * d) as f64 * tk_eff;
-        let reps = if tq * tk > 1 << 22 { 3 } else { 7 };
+        let reps = if pick.is_some() { 50 } else if tq * tk > 1 << 22 { 3 } else { 7 };
         let mut ref_total = None;
         for kernel in [CpuKernel::Reference, CpuKernel::Gemm] {
-            if kernel == CpuKernel::Reference && tq * tk > 1 << 22 {
+            if kernel == CpuKernel::Reference && (only_gemm || tq * tk > 1 << 22) {
                 continue; // minutes of scalar loops
             }
             let fwd = time(reps, || {

@@ -4,13 +4,28 @@
 //!
 //! Reference: PyTorch's device strings (`cuda:1`). The non-obvious decision: a CPU build still
 //! parses `cuda` (a recipe for a GPU run can be read, planned and hashed anywhere) and fails only when
-//! the device is opened, with a hint to rebuild with `--features cuda`. Not done here: choosing the
-//! attention implementation for a device (`model::attention::AttentionImpl::for_device`).
+//! the device is opened, with a hint to rebuild with `--features cuda`. `init_cpu_threads` gives candle's
+//! elementwise thread pool one thread (see there). Not done here: choosing the attention implementation
+//! for a device (`model::attention::AttentionImpl::for_device`).
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::str::FromStr;
+
+/// Set `CANDLE_NUM_THREADS=1` unless the user set it; call first thing in `main`, before any thread starts.
+///
+/// candle 0.11 runs large elementwise ops on its own spinning barrier pool (CANDLE_NUM_THREADS - 1
+/// workers, default: all cores) beside rayon's pool (GEMMs, harpe's ops), so every core has two
+/// busy-waiting threads; with 2 threads, training at T = 256 measured 400 tok/s with the default and
+/// 2200-2900 with one pool thread (benches/results/train-cpu_2vcpu_202612.md). Elementwise ops then run on
+/// the calling thread, and the parallel work stays on rayon.
+pub fn init_cpu_threads() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // Sound here: called at the top of `main`, while the process has one thread.
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+}
 
 /// A device as the user names it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
