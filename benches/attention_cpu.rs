@@ -37,7 +37,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    harpe::device::init_cpu_threads(); // as `harpe` itself runs
+    harpe::device::init_cpu_runtime(); // as `harpe` itself runs
     let quick = std::env::args().any(|a| a == "--quick");
     let only_gemm = std::env::args().any(|a| a == "--gemm-only"); // for profiling the fast path alone
     let d = 32;

@@ -50,7 +50,7 @@ enum Cmd {
 }
 
 fn main() {
-    harpe::device::init_cpu_threads();
+    harpe::device::init_cpu_runtime();
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
