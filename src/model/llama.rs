@@ -6,8 +6,8 @@
 //! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on CPU
 //! (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
-//! `AttentionImpl` the caller sets (CPU reference op, blocked reference, later CUDA or a
-//! sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
+//! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
+//! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
 //! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
@@ -40,7 +40,7 @@ pub struct Llama {
     pub norm: Tensor,    // model.norm.weight (C)
     pub lm_head: Tensor, // lm_head.weight (V, C); the same tensor as embed_tokens when tied
     pub parity: RopeParity,
-    /// The attention `layer_forward` calls; chosen by the caller (default: the CPU reference op).
+    /// The attention `layer_forward` calls; chosen by the caller (default: the attention op, GEMM blocks on CPU).
     pub attention: AttentionImpl,
 }
 

@@ -10,7 +10,9 @@
 //! returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
 //! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
 //! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
-//! the packed backward input through GEMM row strides (no unpacking copies).
+//! the packed backward input through GEMM row strides (no unpacking copies). The row work between the
+//! GEMMs (max, exp, sums, dS) runs on `ops::cpu_vec`'s vectorised loops: with libm's scalar `expf` the
+//! softmax, not the GEMMs, was the cost at head dim 32.
 //! The non-obvious decision: the backward keeps the reference's one-owner-per-(b, kv head) split
 //! (no atomics, no second pass recomputing S for dQ), so it parallelises over B * Hkv tasks only; the
 //! forward, which also serves decode and prefill, splits over query blocks too.
@@ -89,6 +91,7 @@ fn transposed(ptr: *const f32, rs: usize) -> Mat {
 /// Forward: returns the op's packed output, rows of D + 1 = [O | lse] for (B, H, Tq).
 pub fn attention_fwd_gemm(q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
     assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
     let (rep, w) = (h / hkv, d + 1);
     let mut out = vec![0f32; b * h * tq * w];
@@ -168,6 +171,7 @@ fn fwd_block(
 pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let (rep, w) = (h / hkv, 3 * d + 2);
+    // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
     assert!(
         packed.len() == b * h * tq * w && k.len() == b * hkv * tk * d && v.len() == k.len(),
         "attention bwd: sizes"
