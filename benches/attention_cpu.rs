@@ -53,7 +53,10 @@ fn main() {
     if let Some(p) = &pick {
         shapes = vec![(p[0], p[1], p[2], p[3], p[4])];
     }
-    println!("{:<34} {:>10} {:>9} {:>12} {:>9} {:>8}", "shape (B,H,Hkv,Tq,Tk,D)", "kernel", "fwd ms", "fwd+bwd ms", "GFLOP/s", "x ref");
+    println!(
+        "{:<34} {:>10} {:>9} {:>12} {:>9} {:>8}",
+        "shape (B,H,Hkv,Tq,Tk,D)", "kernel", "fwd ms", "fwd+bwd ms", "GFLOP/s", "x ref"
+    );
     for &(b, h, hkv, tq, tk) in &shapes {
         let q = Var::from_tensor(&rand(&[b, h, tq, d], 1)).expect("var");
         let k = Var::from_tensor(&rand(&[b, hkv, tk, d], 2)).expect("var");
@@ -62,7 +65,13 @@ fn main() {
         // keys a causal row sees, on average
         let tk_eff = (tk - tq) as f64 + (tq as f64 + 1.0) / 2.0;
         let macs = (b * h * tq * d) as f64 * tk_eff;
-        let reps = if pick.is_some() { 50 } else if tq * tk > 1 << 22 { 3 } else { 7 };
+        let reps = if pick.is_some() {
+            50
+        } else if tq * tk > 1 << 22 {
+            3
+        } else {
+            7
+        };
         let mut ref_total = None;
         for kernel in [CpuKernel::Reference, CpuKernel::Gemm] {
             if kernel == CpuKernel::Reference && (only_gemm || tq * tk > 1 << 22) {

@@ -49,14 +49,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .map(|s| s.trim().parse::<u32>())
         .collect::<std::result::Result<_, _>>()
         .with_context(|| format!("--prompt-ids `{}`\nhint: pass token ids as 1,2,3", a.prompt_ids))?;
-    let scoring = ScoringModel {
-        dtype: a.dtype,
-        device: a.device,
-        rope_parity: a.rope_parity,
-        ..ScoringModel::new(&a.model)
-    };
+    let scoring =
+        ScoringModel { dtype: a.dtype, device: a.device, rope_parity: a.rope_parity, ..ScoringModel::new(&a.model) };
     let model = scoring.load()?;
-    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_tokens: vec![], prefill_chunk: a.prefill_chunk };
+    let opts =
+        GenerateOptions { max_new_tokens: a.max_new_tokens, stop_tokens: vec![], prefill_chunk: a.prefill_chunk };
     let t0 = Instant::now();
     let out = greedy_generate(&model, &prompt, &opts)?;
     let secs = t0.elapsed().as_secs_f64();

@@ -220,11 +220,8 @@ impl BwdBlock<'_> {
         let nr = self.p.len() / w;
         let (qp, dop) = (self.p.as_ptr(), self.p[2 * d + 1..].as_ptr());
         // Δ_i = dO_i · O_i, and lse_i, per row
-        let (delta, lse): (Vec<f32>, Vec<f32>) = self
-            .p
-            .chunks(w)
-            .map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d]))
-            .unzip();
+        let (delta, lse): (Vec<f32>, Vec<f32>) =
+            self.p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
         let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1);
         let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
         for kb in (0..lim_last).step_by(BK) {

@@ -91,7 +91,7 @@ pub fn exp_lane(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
     let p = p * (r * r) + r + 1.0;
     let ni = t.to_bits() as i32 - ROUND.to_bits() as i32; // n as an integer, -125..=128
     let y = p * f32::from_bits(((ni + 126) as u32) << 23) * 2.0; // 2^n without overflowing at n = 128
