@@ -6,21 +6,12 @@
 //!
 //! FLOPs counted: causal forward 2 GEMMs of B H Tq Tk_eff D MACs (Tk_eff = keys a row sees on average),
 //! backward 5 (the recomputed S, dV, dP, dQ, dK); a MAC is 2 FLOPs. Not a test: numbers only.
-use candle_core::{Device, Tensor, Var};
+use candle_core::Var;
 use harpe::ops::attention::{attention_with, CpuKernel};
 use std::time::Instant;
-
-fn rand(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
-}
+#[path = "../tests/ops_common/mod.rs"]
+mod ops_common;
+use ops_common::randn;
 
 /// Median seconds of `reps` calls of `f` after one warm-up call.
 fn time(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -58,9 +49,9 @@ fn main() {
         "shape (B,H,Hkv,Tq,Tk,D)", "kernel", "fwd ms", "fwd+bwd ms", "GFLOP/s", "x ref"
     );
     for &(b, h, hkv, tq, tk) in &shapes {
-        let q = Var::from_tensor(&rand(&[b, h, tq, d], 1)).expect("var");
-        let k = Var::from_tensor(&rand(&[b, hkv, tk, d], 2)).expect("var");
-        let v = Var::from_tensor(&rand(&[b, hkv, tk, d], 3)).expect("var");
+        let q = Var::from_tensor(&randn(&[b, h, tq, d], 1, 1.0)).expect("var");
+        let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 2, 1.0)).expect("var");
+        let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 3, 1.0)).expect("var");
         let scale = 1.0 / (d as f32).sqrt();
         // keys a causal row sees, on average
         let tk_eff = (tk - tq) as f64 + (tq as f64 + 1.0) / 2.0;

@@ -5,19 +5,9 @@
 use candle_core::{Device, Tensor, Var};
 use harpe::model::attention::AttentionImpl;
 use harpe::ops::attention::{attention, attention_reference, attention_slow};
+mod ops_common;
+use ops_common::randn;
 
-fn randn(shape: &[usize], seed: u64, amp: f32) -> Tensor {
-    // deterministic pseudo-random values in [-amp, amp)
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0) * amp
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn max_abs(a: &Tensor) -> f32 {
     a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()

@@ -3,18 +3,9 @@
 //! op's parallel row loops against the sequential reference loops.
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::ops::rms_norm::{rms_norm, rms_norm_slow};
+mod ops_common;
+use ops_common::randn;
 
-fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();

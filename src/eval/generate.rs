@@ -6,21 +6,18 @@
 //! NTK rebuilds frequencies per call from the current length, as HF does, so cached keys of a dynamic
 //! model keep the base they were written with (HF behaves the same). `harpe generate` runs it on token
 //! ids and times it (the decode benchmark against transformers' `generate`). Not done here: sampling, beams.
-use crate::device::{ComputeDtype, DeviceSpec};
 use crate::eval::ppl::ScoringModel;
 use crate::model::llama::{KvCache, Llama};
-use crate::model::rope::RopeParity;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, D};
-use std::path::PathBuf;
 use std::time::Instant;
 
 /// `harpe generate`: greedy continuation of token ids under a model directory, timed.
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
-    /// HF model directory (config.json, *.safetensors)
-    #[arg(long)]
-    pub model: PathBuf,
+    /// the model flags of the scoring commands (--loss-chunk does not apply here)
+    #[command(flatten)]
+    pub scoring: ScoringModel,
     /// prompt token ids, comma-separated (e.g. 1,15043,29892)
     #[arg(long, value_name = "IDS")]
     pub prompt_ids: String,
@@ -30,15 +27,6 @@ pub struct GenerateArgs {
     /// prompt tokens per prefill forward pass
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// compute dtype of weights and activations
-    #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: ComputeDtype,
-    /// device to run the model on: cpu, cuda or cuda:N
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceSpec,
-    /// RoPE arithmetic: f64 angles or transformers' f32 arithmetic (hf: the same tokens as transformers)
-    #[arg(long, value_enum, default_value = "f64")]
-    pub rope_parity: RopeParity,
 }
 
 /// Print one JSON line: the new tokens, seconds, and new tokens per second of the whole call.
@@ -49,9 +37,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .map(|s| s.trim().parse::<u32>())
         .collect::<std::result::Result<_, _>>()
         .with_context(|| format!("--prompt-ids `{}`\nhint: pass token ids as 1,2,3", a.prompt_ids))?;
-    let scoring =
-        ScoringModel { dtype: a.dtype, device: a.device, rope_parity: a.rope_parity, ..ScoringModel::new(&a.model) };
-    let model = scoring.load()?;
+    let model = a.scoring.load()?;
     let opts =
         GenerateOptions { max_new_tokens: a.max_new_tokens, stop_tokens: vec![], prefill_chunk: a.prefill_chunk };
     let t0 = Instant::now();
