@@ -8,7 +8,6 @@ use harpe::ops::attention::{attention, attention_reference, attention_slow};
 mod ops_common;
 use ops_common::randn;
 
-
 fn max_abs(a: &Tensor) -> f32 {
     a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }

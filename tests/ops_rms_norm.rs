@@ -6,7 +6,6 @@ use harpe::ops::rms_norm::{rms_norm, rms_norm_slow};
 mod ops_common;
 use ops_common::randn;
 
-
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
