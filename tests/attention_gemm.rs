@@ -1,7 +1,8 @@
 //! The GEMM-block CPU attention (`ops::attention_gemm`, what `attention` runs) against the scalar
 //! reference loops of the same op (`attention_reference`), forward and backward, on shapes that cross
 //! its query (64) and key (128) block edges: ragged, GQA / MQA / MHA, training (Tq = Tk), chunked
-//! prefill and single-token decode (Tq < Tk), full attention, and large logits.
+//! prefill and single-token decode (Tq < Tk), full attention, large logits, and the backward's split
+//! over key ranges when threads outnumber B * Hkv.
 use candle_core::{Device, Tensor, Var};
 use harpe::model::attention::AttentionImpl;
 use harpe::ops::attention::{attention, attention_reference, attention_slow};
@@ -59,6 +60,18 @@ fn gemm_attention_matches_reference_prefill_and_decode() {
 fn gemm_attention_matches_reference_full_and_large_logits() {
     case(1, 2, 2, 130, 77, 8, false, 1.0); // full attention, Tq > Tk
     case(1, 2, 1, 140, 140, 8, true, 6.0); // logits up to ~100: online softmax rescaling matters
+}
+
+#[test]
+fn gemm_attention_backward_split_over_key_ranges_matches_reference() {
+    // more threads than B * Hkv tasks: the backward cuts each head's keys into ranges (private dQ sums)
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    pool.install(|| {
+        case(1, 2, 1, 300, 300, 8, true, 1.0); // ranges of 128 keys: 128 + 128 + 44
+        case(1, 4, 2, 70, 600, 8, true, 1.0); // chunked prefill: early ranges are all cached keys
+        case(2, 2, 1, 257, 257, 16, true, 1.0);
+        case(1, 2, 1, 130, 200, 8, false, 1.0); // full attention
+    });
 }
 
 #[test]

@@ -14,8 +14,10 @@
 //! GEMMs (max, exp, sums, dS) runs on `ops::cpu_vec`'s vectorised loops: with libm's scalar `expf` the
 //! softmax, not the GEMMs, was the cost at head dim 32.
 //! The non-obvious decision: the backward keeps the reference's one-owner-per-(b, kv head) split
-//! (no atomics, no second pass recomputing S for dQ), so it parallelises over B * Hkv tasks only; the
-//! forward, which also serves decode and prefill, splits over query blocks too.
+//! (no atomics, no second pass recomputing S for dQ); when B * Hkv tasks would leave threads idle
+//! (B = 1, few kv heads) each head's keys are cut into ranges that own their rows of dK, dV and add
+//! their part of dQ into a private buffer, summed after (O(T D) more memory per range). The forward,
+//! which also serves decode and prefill, splits over query blocks.
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
 //! compute (inputs arrive as f32), dropout, masks other than causal.
 use crate::ops::attention::AttnDims;
@@ -183,23 +185,96 @@ pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
     }
     let (dq, dkv) = grads.split_at_mut(nq);
     let (dk, dv) = dkv.split_at_mut(nk);
+    let keys = key_range_len(b * hkv, tk);
     dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d))).enumerate().for_each(
         |(bg, (dq_g, (dk_g, dv_g)))| {
-            let (kh, vh) = (&k[bg * tk * d..(bg + 1) * tk * d], &v[bg * tk * d..(bg + 1) * tk * d]);
-            let (bi, g) = (bg / hkv, bg % hkv);
-            for r in 0..rep {
-                let bh = bi * h + g * rep + r;
-                let ph = &packed[bh * tq * w..(bh + 1) * tq * w];
-                let dq_h = &mut dq_g[r * tq * d..(r + 1) * tq * d];
-                for i0 in (0..tq).step_by(BQ) {
-                    let nr = BQ.min(tq - i0);
-                    let blk = BwdBlock { p: &ph[i0 * w..(i0 + nr) * w], kh, vh, i0, dims, scale, causal };
-                    blk.run(&mut dq_h[i0 * d..(i0 + nr) * d], dk_g, dv_g);
-                }
+            let head = BwdHead {
+                packed,
+                k: &k[bg * tk * d..(bg + 1) * tk * d],
+                v: &v[bg * tk * d..(bg + 1) * tk * d],
+                bg,
+                dims,
+                scale,
+                causal,
+            };
+            if keys >= tk {
+                head.run(0, dq_g, dk_g, dv_g);
+                return;
+            }
+            // several key ranges: each owns its rows of dK, dV and sums its part of dQ privately
+            let sum = dk_g
+                .par_chunks_mut(keys * d)
+                .zip(dv_g.par_chunks_mut(keys * d))
+                .enumerate()
+                .map(|(p, (dk_p, dv_p))| {
+                    let mut dq_p = vec![0f32; dq_g.len()];
+                    head.run(p * keys, &mut dq_p, dk_p, dv_p);
+                    dq_p
+                })
+                .reduce_with(|mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                    a
+                });
+            if let Some(sum) = sum {
+                dq_g.copy_from_slice(&sum);
             }
         },
     );
     grads
+}
+
+/// Keys per range of the backward's split: all `tk` when the B * Hkv tasks fill rayon's threads, else
+/// ranges (whole key blocks) enough for about two tasks per thread.
+fn key_range_len(tasks: usize, tk: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    if tasks >= threads {
+        return tk;
+    }
+    let parts = (2 * threads).div_ceil(tasks);
+    tk.div_ceil(parts).div_ceil(BK).max(1) * BK
+}
+
+/// The backward of one (b, kv head): its `rep` query heads' packed rows, its k and v.
+struct BwdHead<'a> {
+    packed: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    bg: usize,
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+}
+
+impl BwdHead<'_> {
+    /// Adds into dQ of the head's query heads (`dq_g`) the part from keys k0.. (`dk_p`, `dv_p`: those
+    /// keys' rows, which this call owns; k0 is a multiple of BK).
+    fn run(&self, k0: usize, dq_g: &mut [f32], dk_p: &mut [f32], dv_p: &mut [f32]) {
+        let AttnDims { h, hkv, tq, d, .. } = self.dims;
+        let (rep, w) = (h / hkv, 3 * d + 2);
+        let (bi, g) = (self.bg / hkv, self.bg % hkv);
+        let k1 = k0 + dk_p.len() / d;
+        for r in 0..rep {
+            let bh = bi * h + g * rep + r;
+            let ph = &self.packed[bh * tq * w..(bh + 1) * tq * w];
+            let dq_h = &mut dq_g[r * tq * d..(r + 1) * tq * d];
+            for i0 in (0..tq).step_by(BQ) {
+                let nr = BQ.min(tq - i0);
+                if self.dims.limit(self.causal, i0 + nr - 1) <= k0 {
+                    continue; // the block sees none of these keys
+                }
+                let blk = BwdBlock {
+                    p: &ph[i0 * w..(i0 + nr) * w],
+                    kh: self.k,
+                    vh: self.v,
+                    i0,
+                    dims: self.dims,
+                    scale: self.scale,
+                    causal: self.causal,
+                };
+                blk.run(k0..k1, &mut dq_h[i0 * d..(i0 + nr) * d], dk_p, dv_p);
+            }
+        }
+    }
 }
 
 /// One query block of the backward: packed rows `p` (nr x (3D + 2)) starting at query row i0.
@@ -214,7 +289,9 @@ struct BwdBlock<'a> {
 }
 
 impl BwdBlock<'_> {
-    fn run(&self, dq_b: &mut [f32], dk_g: &mut [f32], dv_g: &mut [f32]) {
+    /// Adds this block's dQ rows into `dq_b` and its part of dK, dV for the keys in `keys` into `dk_p`,
+    /// `dv_p` (rows keys.start..keys.end).
+    fn run(&self, keys: std::ops::Range<usize>, dq_b: &mut [f32], dk_p: &mut [f32], dv_p: &mut [f32]) {
         let d = self.dims.d;
         let w = 3 * d + 2;
         let nr = self.p.len() / w;
@@ -222,13 +299,14 @@ impl BwdBlock<'_> {
         // Δ_i = dO_i · O_i, and lse_i, per row
         let (delta, lse): (Vec<f32>, Vec<f32>) =
             self.p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
-        let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1);
+        let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1).min(keys.end);
         let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
-        for kb in (0..lim_last).step_by(BK) {
+        for kb in (keys.start..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
+            let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
             let (kj, vj) = (self.kh[kb * d..].as_ptr(), self.vh[kb * d..].as_ptr());
-            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj and the
-            // dK/dV destinations are rows kb..kb+n of d; s, dp are nr x n; destinations alias no input.
+            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj are rows
+            // kb..kb+n of d, the dK/dV destinations those rows of this key range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
             unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
             for r in 0..nr {
                 let valid = self.dims.limit(self.causal, self.i0 + r).saturating_sub(kb).min(n);
@@ -240,14 +318,14 @@ impl BwdBlock<'_> {
                 exp_sub_sum(&mut sr[..valid], lse[r]);
                 sr[valid..].fill(0.0);
             }
-            unsafe { mm(n, d, nr, dv_g[kb * d..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
+            unsafe { mm(n, d, nr, dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
             unsafe { mm(nr, n, d, dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
             for r in 0..nr {
                 let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
                 softmax_grad(dpr, pr, delta[r], self.scale);
             }
             unsafe { mm(nr, d, n, dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
-            unsafe { mm(n, d, nr, dk_g[kb * d..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
+            unsafe { mm(n, d, nr, dk_p[at..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
         }
     }
 }
