@@ -12,7 +12,10 @@
 //! checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
 //! every rank. Old checkpoints are pruned only after the new one is complete. Resume reads the fp32
 //! master weights from the optimizer shard (not the possibly-bf16 HF weights), which is what makes it
-//! bit-identical. The shard file format is unchanged from format 1.
+//! bit-identical. The shard file format is unchanged from format 1. Resume re-shards: every rank reads
+//! the shards of whatever world size wrote the checkpoint and takes its own flat range (a slice
+//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly (it reads every shard file
+//! on every rank, which is simple and fine for the sizes harpe resumes on one node).
 //! What this file does not do: decide when to save (train.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
 use crate::comms::{Comm, Mesh};
@@ -99,15 +102,16 @@ fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
 /// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
 fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
     let (master, m, v) = (o.master().to_host()?, o.m().to_host()?, o.v().to_host()?);
-    let views = [
-        ("master", TensorBytes::from_f32(&master)),
-        ("m", TensorBytes::from_f32(&m)),
-        ("v", TensorBytes::from_f32(&v)),
-    ];
+    optim_bytes_of(&master, &m, &v, o.t(), o.range())
+}
+
+/// The optimizer shard file's bytes for `range` of the flat space.
+fn optim_bytes_of(master: &[f32], m: &[f32], v: &[f32], t: u64, range: std::ops::Range<usize>) -> Result<Vec<u8>> {
+    let views =
+        [("master", TensorBytes::from_f32(master)), ("m", TensorBytes::from_f32(m)), ("v", TensorBytes::from_f32(v))];
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
-    let info =
-        serde_json::json!({"format": FORMAT, "t": o.t(), "range_start": o.range().start, "range_end": o.range().end});
+    let info = serde_json::json!({"format": FORMAT, "t": t, "range_start": range.start, "range_end": range.end});
     let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
     safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.to_string(), v)), Some(meta))
         .map_err(|e| anyhow!("cannot serialize the optimizer state: {e}"))
@@ -274,12 +278,24 @@ pub fn load_state(dir: &Path) -> Result<TrainState> {
     Ok(st)
 }
 
-/// Load this rank's optimizer shard into `optim` (its range must match).
-pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
-    let p = dir.join(optim_file(mesh));
-    let bytes = std::fs::read(&p).with_context(|| {
-        format!("cannot read {}\nhint: resume with the same number of ranks that wrote the checkpoint", p.display())
-    })?;
+/// One rank's optimizer shard file: its flat range, AdamW step count and fp32 (master, m, v).
+pub struct OptimShard {
+    /// the file it came from
+    pub path: PathBuf,
+    /// the flat range it holds
+    pub range: std::ops::Range<usize>,
+    /// AdamW step count
+    pub t: u64,
+    /// fp32 master weights, first and second moments of `range`
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Read one `optim-*.safetensors` file.
+pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
+    let bytes = std::fs::read(p)
+        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete or not readable", p.display()))?;
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
     let info: serde_json::Value = meta
@@ -294,30 +310,173 @@ pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
         })
     };
     let range = num("range_start")? as usize..num("range_end")? as usize;
-    if range != optim.range() {
-        bail!(
-            "{}: holds parameters {:?}, this rank owns {:?}\nhint: the model or the number of ranks differs from the run that wrote it",
-            p.display(),
-            range,
-            optim.range()
-        );
-    }
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
     let n = range.len();
-    let read = |k: &str| -> Result<FlatBuf> {
-        let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}", p.display()))?;
+    let read = |k: &str| -> Result<Vec<f32>> {
+        let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}\nhint: the file is damaged", p.display()))?;
         let d = t.data();
         if d.len() != n * 4 {
             bail!(
-                "{}: tensor `{k}` has {} values, expected {n}\nhint: the model differs from the checkpoint's",
+                "{}: tensor `{k}` has {} values, its range {range:?} needs {n}\nhint: the file is damaged",
                 p.display(),
                 d.len() / 4,
             );
         }
-        Ok(FlatBuf::from_vec(d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()))
+        Ok(d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
     };
-    optim.restore(read("master")?, read("m")?, read("v")?, num("t")?)
+    Ok(OptimShard { path: p.to_path_buf(), t: num("t")?, master: read("master")?, m: read("m")?, v: read("v")?, range })
+}
+
+/// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
+pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| {
+            format!("cannot list {}\nhint: pass a checkpoint directory (RUN/checkpoints/step_N)", dir.display())
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let n = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            n.starts_with("optim-") && n.ends_with(".safetensors")
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!(
+            "{} holds no optimizer shard (optim-*.safetensors)\nhint: pass a complete harpe checkpoint directory",
+            dir.display()
+        );
+    }
+    let mut shards = files.iter().map(|p| read_optim_shard(p)).collect::<Result<Vec<_>>>()?;
+    shards.sort_by_key(|s| (s.range.start, s.range.end));
+    Ok(shards)
+}
+
+/// fp32 (master, m, v) of a flat range and the AdamW step count.
+pub type Stitched = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
+
+/// The optimizer state of the flat range `want`, stitched from `shards` (any world size: re-sharding is
+/// a slice computation). Replicated shards (ZeRO-0) may overlap: the first covering one is used. Refuses
+/// a gap in the covered range, or shards at different AdamW steps.
+pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usize>) -> Result<Stitched> {
+    let t = shards.first().map(|s| s.t).unwrap_or(0);
+    if let Some(s) = shards.iter().find(|s| s.t != t) {
+        bail!(
+            "{}: {} is at optimizer step {} but {} at {t}\nhint: the checkpoint mixes shards of different saves; use another checkpoint",
+            dir.display(),
+            s.path.display(),
+            s.t,
+            shards[0].path.display()
+        );
+    }
+    let (mut master, mut m, mut v) =
+        (Vec::with_capacity(want.len()), Vec::with_capacity(want.len()), Vec::with_capacity(want.len()));
+    let mut pos = want.start;
+    for s in shards {
+        if pos >= want.end {
+            break;
+        }
+        if s.range.end <= pos {
+            continue;
+        }
+        if s.range.start > pos {
+            break; // a gap: reported below
+        }
+        let hi = s.range.end.min(want.end);
+        let local = pos - s.range.start..hi - s.range.start;
+        master.extend_from_slice(&s.master[local.clone()]);
+        m.extend_from_slice(&s.m[local.clone()]);
+        v.extend_from_slice(&s.v[local]);
+        pos = hi;
+    }
+    if pos < want.end {
+        let end = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+        bail!(
+            "{}: the optimizer shards cover the flat parameters only up to {pos} of the needed {want:?} (shards end at {end})\nhint: the checkpoint is missing a shard, or the model has more parameters than the run that wrote it",
+            dir.display()
+        );
+    }
+    Ok((master, m, v, t))
+}
+
+/// Load this rank's optimizer state into `optim` from the shards of checkpoint `dir`, whatever world
+/// size wrote them (the flat index space is the same; this rank takes its range). `mesh` only names
+/// the rank in errors.
+pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
+    let shards = read_optim_shards(dir)?;
+    let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+    let want = optim.range();
+    if want.end > total {
+        bail!(
+            "{}: the optimizer shards hold {total} parameters, rank {} needs {want:?}\nhint: the model differs from the run that wrote the checkpoint",
+            dir.display(),
+            mesh.rank()
+        );
+    }
+    let (master, m, v, t) = stitch_optim(dir, &shards, want)?;
+    optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
+}
+
+/// `harpe consolidate`: a plain HF model directory plus ONE optimizer state file from a sharded checkpoint.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConsolidateArgs {
+    /// a complete checkpoint directory, e.g. runs/NAME/checkpoints/step_000500
+    #[arg(value_name = "CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// output directory (must not exist yet) [default: CHECKPOINT-consolidated]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// Run `harpe consolidate`: copy the HF model files (config.json, model*.safetensors, the index,
+/// tokenizer.json) and state.json, and stitch every rank's optimizer shard into
+/// `optim-00000-of-00001.safetensors` (the file a one-rank run writes, so the result also resumes
+/// on one rank). The model files are already whole: rank 0 writes them from the gathered weights.
+pub fn consolidate(a: ConsolidateArgs) -> Result<()> {
+    let dir = &a.checkpoint;
+    if !dir.join(DONE).is_file() {
+        bail!(
+            "{} is not a complete checkpoint (no {DONE} marker)\nhint: pass RUN/checkpoints/step_N of a finished save",
+            dir.display()
+        );
+    }
+    let out = a.out.clone().unwrap_or_else(|| {
+        let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "checkpoint".into());
+        dir.with_file_name(format!("{name}-consolidated"))
+    });
+    if out.exists() {
+        bail!("{} already exists\nhint: choose a new --out directory", out.display());
+    }
+    let shards = read_optim_shards(dir)?;
+    let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+    let (master, m, v, t) = stitch_optim(dir, &shards, 0..total)?;
+    let tmp = out.with_file_name(format!(
+        ".tmp-{}",
+        out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
+    ));
+    fresh_dir(out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")), &tmp)?;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let p = entry?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let keep = name == "config.json"
+            || name == "tokenizer.json"
+            || name == "state.json"
+            || (name.starts_with("model") && (name.ends_with(".safetensors") || name.ends_with(".json")));
+        if keep {
+            std::fs::copy(&p, tmp.join(&name))
+                .with_context(|| format!("copying {} into {}\nhint: is the disk full?", p.display(), tmp.display()))?;
+        }
+    }
+    let one = Mesh::single();
+    write_file(&tmp.join(optim_file(&one)), &optim_bytes_of(&master, &m, &v, t, 0..total)?)?;
+    std::fs::rename(&tmp, &out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+    println!(
+        "consolidated {} optimizer shard(s) ({} parameters, step {t}) and the model into {}",
+        shards.len(),
+        total,
+        out.display()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -297,12 +297,87 @@ impl Backend {
     }
 }
 
-/// `[dist]`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// `[dist]`: the keys' meaning is documented once, on `comms::launch::DistConfig` (`dist_config` maps
+/// this section onto it and its `validate` checks the values).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DistSection {
+    /// "single" | "local" | "nccl"
     #[serde(default)]
     pub backend: Backend,
+    /// ranks in total (0 = whatever the launcher started; `local` needs it)
+    #[serde(default)]
+    pub world_size: usize,
+    /// ZeRO stage 0-3
+    #[serde(default)]
+    pub zero_stage: u8,
+    /// MiB of gradients per reduce(-scatter) bucket
+    #[serde(default = "d_bucket_mb")]
+    pub bucket_mb: f64,
+    /// seconds a collective waits for the slowest rank
+    #[serde(default = "d_timeout_s")]
+    pub timeout_s: f64,
+    /// Ulysses sequence-parallel degree P: each sequence split over P ranks (divides world_size, the
+    /// kv heads and every stage's seq_len)
+    #[serde(default = "d_one")]
+    pub sp_degree: usize,
+}
+
+fn d_bucket_mb() -> f64 {
+    crate::comms::launch::DistConfig::default().bucket_mb
+}
+fn d_timeout_s() -> f64 {
+    crate::comms::launch::DistConfig::default().timeout_s
+}
+
+impl Default for DistSection {
+    fn default() -> Self {
+        DistSection {
+            backend: Backend::Single,
+            world_size: 0,
+            zero_stage: 0,
+            bucket_mb: d_bucket_mb(),
+            timeout_s: d_timeout_s(),
+            sp_degree: 1,
+        }
+    }
+}
+
+impl DistSection {
+    /// The section as `launch::DistConfig`, range-checked; `origin` names the config file.
+    pub fn dist_config(&self, origin: &str) -> Result<crate::comms::launch::DistConfig> {
+        use crate::comms::launch::{BackendKind, DistConfig};
+        let backend = match self.backend {
+            Backend::Single => BackendKind::Single,
+            Backend::Local => BackendKind::Local,
+            Backend::Nccl => BackendKind::Nccl,
+        };
+        let d = DistConfig {
+            backend,
+            world_size: self.world_size,
+            zero_stage: self.zero_stage,
+            bucket_mb: self.bucket_mb,
+            timeout_s: self.timeout_s,
+        };
+        d.validate(origin)?;
+        if backend == BackendKind::Local && self.world_size == 0 {
+            bail!(
+                "{origin}: dist.backend = \"local\" runs dist.world_size ranks as threads, but dist.world_size is not set\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
+            );
+        }
+        if self.sp_degree == 0 {
+            bail!("{origin}: dist.sp_degree = 0: at least one rank holds each sequence\nhint: 1 (no sequence parallelism) or a divisor of dist.world_size");
+        }
+        if self.sp_degree > 1 && (self.world_size == 0 || !self.world_size.is_multiple_of(self.sp_degree)) {
+            bail!(
+                "{origin}: dist.sp_degree = {} must divide dist.world_size = {} (each sequence is split over sp_degree ranks)\nhint: e.g. dist.world_size = {} with dist.backend = \"local\"",
+                self.sp_degree,
+                self.world_size,
+                2 * self.sp_degree
+            );
+        }
+        Ok(d)
+    }
 }
 
 /// `[log]`.
@@ -638,6 +713,29 @@ impl RunConfig {
         if let Some(a) = &self.model.init {
             if a.num_hidden_layers == 0 || a.hidden_size == 0 || a.num_attention_heads == 0 || a.vocab_size == 0 {
                 bail!("{origin}: [model.init] sizes must be > 0\nhint: see configs/tiny-cpu.toml");
+            }
+        }
+        self.dist.dist_config(origin)?;
+        // the global batch must split evenly over the data-parallel ranks (results independent of N),
+        // and every sequence over the sequence-parallel ones
+        let sp = self.dist.sp_degree.max(1);
+        let dp = self.dist.world_size / sp;
+        for i in 0..self.stages.len() {
+            let stage = format!("stage {i}");
+            if dp > 1 {
+                crate::comms::launch::rank_batching(
+                    origin,
+                    &stage,
+                    self.accumulation(i),
+                    self.train.micro_batch_size,
+                    dp,
+                )?;
+            }
+            let t = self.stages[i].seq_len;
+            if !t.is_multiple_of(sp) {
+                bail!(
+                    "{origin}: {stage}: seq_len {t} does not split into dist.sp_degree = {sp} equal parts\nhint: use a seq_len divisible by {sp} (harpe does not pad sequence-parallel sequences)"
+                );
             }
         }
         Ok(())

@@ -98,7 +98,12 @@ impl GradAccum {
         Ok(GradAccum { buf: FlatBuf::zeros(layout.total, device)? })
     }
 
-    /// The gradient buffer (whole flat space).
+    /// A zeroed buffer of `n` values (ZeRO-3: this rank's shard of the flat space only).
+    pub fn zeros(n: usize, device: &Device) -> Result<GradAccum> {
+        Ok(GradAccum { buf: FlatBuf::zeros(n, device)? })
+    }
+
+    /// The gradient buffer (whole flat space, or the shard for `zeros`).
     pub fn buf(&self) -> &FlatBuf {
         &self.buf
     }

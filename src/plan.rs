@@ -408,13 +408,12 @@ pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     for i in 0..cfg.stages.len() {
         let sh = stage_shape(cfg, i, gpu);
         if !splits_over_ranks(&sh, world) {
-            let unit = world.gpus / world.sp_degree.max(1) * sh.micro_batch * sh.seq_len;
+            let dp = world.gpus / world.sp_degree.max(1);
+            let unit = dp * sh.seq_len;
             bail!(
-                "stage {i}: {} sequences of {} tokens per step do not split evenly over {} data-parallel ranks x micro-batch {}\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
+                "stage {i}: {} sequences of {} tokens per step do not split evenly over {dp} data-parallel ranks\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
                 sh.tokens_per_step / sh.seq_len,
                 sh.seq_len,
-                world.gpus / world.sp_degree.max(1),
-                sh.micro_batch
             );
         }
     }
@@ -475,7 +474,10 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let inputs = if matches!(shape.checkpointing, Checkpointing::None) { 0.0 } else { n_seg as f64 * tl * c * wb };
     let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
     let (recompute, loss, ws_note) = if cpu {
-        let g = cpu_graph_per_token(arch) * tl * 4.0; // one layer's autograd graph
+        // one layer's autograd graph; Ulysses keeps three copies of q, k, v and of o per layer (the
+        // exchange's input and output and the re-laid-out result)
+        let sp_copies = if p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
+        let g = (cpu_graph_per_token(arch) + sp_copies) * tl * 4.0;
         let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
         let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
         let kept = last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
@@ -500,9 +502,24 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         ws,
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
+    if cpu && z < 3 {
+        // the CPU loop all-gathers the updated shards into one full fp32 copy and writes the model from it
+        add("gathered_weights", n * 4.0, "the full fp32 weights the CPU loop gathers into (ZeRO 0-2)".into());
+    }
     if world.gpus > 1 {
-        let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
-        add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+        if cpu {
+            // Local ranks exchange copies: the all-reduce of ZeRO 0-1 deposits the whole gradient; ZeRO 2-3
+            // hand on one group (a layer or the embedding/head) at a time
+            let unit = if z < 2 { n } else { (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64) };
+            add(
+                "comm_buckets",
+                unit * gb,
+                "the gradient copy a Local collective holds (all of it, or one layer)".into(),
+            );
+        } else {
+            let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
+            add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+        }
     }
     if p > 1 {
         add("sp_all_to_all", tl * (hd + 2.0 * kvd) * wb, "Ulysses: q, k, v in the head-sharded layout".into());
@@ -577,8 +594,10 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
 /// Whether the sequences of one step split into whole micro-batches on every data-parallel rank.
 fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
     let dp = w.gpus / w.sp_degree.max(1);
-    let per_step = sh.micro_batch * sh.seq_len * dp;
-    per_step > 0 && sh.tokens_per_step.is_multiple_of(per_step)
+    let unit = (sh.micro_batch * sh.seq_len).max(1);
+    let micro_batches = sh.tokens_per_step / unit;
+    sh.tokens_per_step.is_multiple_of(unit)
+        && crate::comms::launch::rank_batching("", "", micro_batches, sh.micro_batch, dp).is_ok()
 }
 
 /// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
@@ -727,6 +746,9 @@ pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunC
         keys.world_size = int("world_size")?.map(|v| v as usize);
         keys.zero_stage = int("zero_stage")?.map(|v| v.min(255) as u8);
         keys.sp_degree = int("sp_degree")?.map(|v| v as usize);
+        // the backend decides how ranks are started, not what they hold; without world_size a `local`
+        // backend would not parse
+        d.remove("backend");
     }
     let merged = toml::to_string(&table)?;
     let label =

@@ -17,14 +17,25 @@
 //!   master weights and moments of its shard (`FlatBuf`s); after each update the shards are all-gathered
 //!   into one full fp32 `weights` buffer and every parameter is written back from it (`comms::zero`), so
 //!   a stage's model is built from `weights`, never from a shard.
-//! - The communicator comes from `[dist]` (`Comm::from_config`); with one rank every collective is a
-//!   no-op, so there is no `if distributed` branch here.
+//! - The communicator comes from `[dist]`: `run` starts `dist.world_size` rank threads for `local`, each
+//!   running `run_rank`, the same loop; with one rank every collective is a no-op. `plan_check` runs
+//!   `harpe plan`'s arithmetic first and refuses a CPU run that cannot fit (unless `--force`). Rank 0
+//!   alone writes the run directory and evaluates. ZeRO changes only where parameters and gradients live
+//!   (`Params`: resident Vars and a full gradient buffer for 0-1; per-layer reduce-scatter into a
+//!   gradient shard for 2; layers also gathered before each use for 3), never the order of the loop.
+//! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
+//!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
+//!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
+//!   gradient sum over all ranks is the one-rank gradient.
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
 //!
-//! What this file does not do: multi-rank backends (comms/ refuses them for now), document masks inside
+//! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside
 //! packed sequences (Fu et al. train without them); the evaluation rules (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
-use crate::comms::zero::{self, ShardMap, Split};
+use crate::comms::launch::{launch_if_asked, rank_batching, BackendKind};
+use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
+use crate::comms::sequence::{SpGroup, Ulysses};
+use crate::comms::zero::{self, ShardMap, Split, ZeroShards};
 use crate::comms::{Comm, Mesh};
 use crate::config::{DataSource, RunConfig};
 use crate::data::loader::source_name;
@@ -38,15 +49,17 @@ use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
-use crate::model::llama::rms_norm;
+use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD};
 use crate::model::rope::RopeTables;
 use crate::model::weights::{init_random, load_tensors, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
 use anyhow::{anyhow, bail, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -73,12 +86,30 @@ pub struct TrainArgs {
     /// override one config value, e.g. --set optim.lr=1e-5 or --set stage.0.steps=10 (repeatable)
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
-    /// use a run directory that already belongs to a different config (replaces its config.toml)
+    /// use a run directory that already belongs to a different config (replaces its config.toml);
+    /// also start a run that `harpe plan` says will not fit
     #[arg(long)]
     pub force: bool,
+    /// start N worker processes (one per GPU, dist.backend = "nccl"); needs a build with
+    /// --features nccl. On CPU use --set dist.backend=local --set dist.world_size=N instead
+    #[arg(long, value_name = "N")]
+    pub nproc_per_node: Option<usize>,
 }
 
 impl TrainArgs {
+    /// The arguments of `harpe train --config CONFIG [--out OUT]` with every other flag at its default.
+    pub fn new(config: &Path, out: Option<&Path>) -> TrainArgs {
+        TrainArgs {
+            config: config.to_path_buf(),
+            out: out.map(Path::to_path_buf),
+            steps: None,
+            resume: false,
+            set: vec![],
+            force: false,
+            nproc_per_node: None,
+        }
+    }
+
     /// The run directory: `--out`, else `runs/<config file name without .toml>`.
     pub fn run_dir(&self) -> PathBuf {
         self.out.clone().unwrap_or_else(|| {
@@ -96,7 +127,8 @@ pub struct MicroOut {
 
 /// Forward and backward of one micro-batch with activation checkpointing every `seg` layers; adds
 /// `scale * d(sum nll)/d(param)` into `grads`. ids (B, T) u32, targets (B*T) u32 (IGNORE_INDEX skips),
-/// `tables[l]` the RoPE tables of layer l (or one shared table).
+/// `tables[l]` the RoPE tables of layer l (or one shared table). Every parameter is the model's own
+/// `Var` (`vars`, layout order); ZeRO-3 calls `forward_backward_with` instead.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Llama,
@@ -110,34 +142,161 @@ pub fn forward_backward(
     scale: f64,
     grads: &mut GradAccum,
 ) -> Result<MicroOut> {
+    let mut params = Params::Resident { vars, layout, grads };
+    forward_backward_with(model, &mut params, tables, ids, targets, seg, loss_chunk, scale)
+}
+
+/// Where `forward_backward_with` takes the parameters from and puts their gradients.
+pub enum Params<'a> {
+    /// every parameter resident in the model as `vars` (layout order, ZeRO 0-1); gradients added into
+    /// the full-length `grads`
+    Resident { vars: &'a [Var], layout: &'a ParamLayout, grads: &'a mut GradAccum },
+    /// ZeRO-2: parameters resident (`vars`); each group's gradients reduce-scattered into this rank's
+    /// shard as soon as the backward that produced them is done
+    ShardedGrads { vars: &'a [Var], z: ZeroShards<'a> },
+    /// ZeRO-3: each group also gathered right before use and dropped after
+    Sharded(ZeroShards<'a>),
+}
+
+/// A parameter group whose gradients are handed on (ZeRO 2-3): layout indices and their `Var`s, which
+/// (ZeRO-3) keep the gathered weights alive while their graph is.
+type Held = (Range<usize>, Vec<Var>);
+
+impl Params<'_> {
+    /// Decoder layer `l`'s weights and, ZeRO 2-3, the group whose gradients go to the shards.
+    fn layer(&self, model: &Llama, l: usize) -> Result<(LayerWeights, Option<Held>)> {
+        match self {
+            Params::Resident { .. } => Ok((model.layers[l].clone(), None)),
+            Params::ShardedGrads { vars, z } => {
+                let idx = layer_param_indices(z.layout, l)?;
+                Ok((model.layers[l].clone(), Some((idx.clone(), vars[idx].to_vec()))))
+            }
+            Params::Sharded(z) => {
+                let idx = layer_param_indices(z.layout, l)?;
+                let vars = z.gather(idx.clone(), &format!("layer {l} weights"))?;
+                let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let arr: [Tensor; 9] = t.try_into().map_err(|_| anyhow!("internal: layer {l} has not 9 parameters"))?;
+                Ok((LayerWeights::from_array(arr), Some((idx, vars))))
+            }
+        }
+    }
+
+    /// (embedding, final norm, head) for one micro-batch, and (ZeRO 2-3) their groups in that order
+    /// (the head's only when untied).
+    fn outer(&self, model: &Llama) -> Result<(Tensor, Tensor, Tensor, Vec<Held>)> {
+        let resident = (model.embed_tokens.clone(), model.norm.clone(), model.lm_head.clone());
+        let groups = |layout: &ParamLayout| -> Result<Vec<Range<usize>>> {
+            let mut names = vec![EMBED_TOKENS, FINAL_NORM];
+            if !model.cfg.tie_word_embeddings {
+                names.push(LM_HEAD);
+            }
+            names.iter().map(|n| param_index(layout, n).map(|i| i..i + 1)).collect()
+        };
+        match self {
+            Params::Resident { .. } => Ok((resident.0, resident.1, resident.2, vec![])),
+            Params::ShardedGrads { vars, z } => {
+                let held = groups(z.layout)?.into_iter().map(|i| (i.clone(), vars[i].to_vec())).collect();
+                Ok((resident.0, resident.1, resident.2, held))
+            }
+            Params::Sharded(z) => {
+                let held: Vec<Held> = groups(z.layout)?
+                    .into_iter()
+                    .map(|i| Ok((i.clone(), z.gather(i.clone(), &z.layout.params[i.start].name)?)))
+                    .collect::<Result<_>>()?;
+                let t = |h: &Held| h.1[0].as_tensor().clone();
+                let head = held.get(2).map(t).unwrap_or_else(|| t(&held[0]));
+                Ok((t(&held[0]), t(&held[1]), head, held))
+            }
+        }
+    }
+
+    /// Take the gradients `store` holds: resident, every parameter's; ZeRO 2-3, those of `held`.
+    fn take_grads(&mut self, store: &GradStore, held: &[&Held]) -> Result<()> {
+        let z = match self {
+            Params::Resident { vars, layout, grads } => return grads.add_from(layout, vars, store),
+            Params::ShardedGrads { z, .. } | Params::Sharded(z) => z,
+        };
+        for (idx, vars) in held {
+            z.scatter_grads(idx.clone(), vars, store, "grads")?;
+        }
+        Ok(())
+    }
+}
+
+/// Index of parameter `name` in `layout`.
+fn param_index(layout: &ParamLayout, name: &str) -> Result<usize> {
+    layout
+        .params
+        .iter()
+        .position(|p| p.name == name)
+        .ok_or_else(|| anyhow!("internal: no parameter {name} in the layout"))
+}
+
+/// Layout indices of decoder layer `l`'s parameters (consecutive, `LAYER_PARAMS` order).
+fn layer_param_indices(layout: &ParamLayout, l: usize) -> Result<Range<usize>> {
+    let i = param_index(layout, &layer_param_name(l, LAYER_PARAMS[0]))?;
+    let idx = i..i + LAYER_PARAMS.len();
+    let ok = layout
+        .params
+        .get(idx.clone())
+        .is_some_and(|ps| ps.iter().zip(LAYER_PARAMS).all(|(p, n)| p.name == layer_param_name(l, n)));
+    if !ok {
+        bail!("internal: layer {l}'s parameters are not consecutive in the layout");
+    }
+    Ok(idx)
+}
+
+/// `forward_backward` over any `Params`: the forward keeps only the (detached) input of every segment
+/// of `seg` layers (the last one keeps its graph), the backward recomputes each earlier segment from
+/// its input. Under ZeRO-3 a layer is gathered for the forward and again for the recompute, and every
+/// backward hands its gradients on at once; the collectives run in the same order on every rank.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_with(
+    model: &Llama,
+    params: &mut Params,
+    tables: &[RopeTables],
+    ids: &Tensor,
+    targets: &Tensor,
+    seg: usize,
+    loss_chunk: usize,
+    scale: f64,
+) -> Result<MicroOut> {
     let (b, t) = ids.dims2()?;
     let c = model.cfg.hidden_size;
-    let n_layers = model.layers.len();
+    let n_layers = model.cfg.num_hidden_layers;
     let table = |l: usize| &tables[l.min(tables.len() - 1)];
     let segments: Vec<(usize, usize)> =
         (0..n_layers).step_by(seg.max(1)).map(|s| (s, (s + seg).min(n_layers))).collect();
-    let run_segment = |x: &Tensor, (lo, hi): (usize, usize)| -> Result<Tensor> {
+    let run_segment = |params: &Params, x: &Tensor, (lo, hi): (usize, usize), held: &mut Vec<Held>| -> Result<Tensor> {
         let mut x = x.clone();
         for l in lo..hi {
-            x = model.layer_forward(l, &x, table(l), None)?; // (B, T, C)
+            let (w, h) = params.layer(model, l)?;
+            x = model.layer_forward_with(l, &w, &x, table(l), None)?; // (B, T, C)
+            held.extend(h);
         }
         Ok(x)
     };
+    let (embed, norm, head, outer) = params.outer(model)?;
 
     // Forward: keep only the (detached) input of every segment; the last one keeps its graph.
-    let x0 = model.embed(ids)?; // (B, T, C), graph into embed_tokens
+    let x0 = model.embed_with(&embed, ids)?; // (B, T, C), graph into embed_tokens
     let mut saved: Vec<Tensor> = Vec::with_capacity(segments.len()); // segment inputs (B, T, C)
     let mut x = x0.detach();
     for &s in &segments[..segments.len() - 1] {
         saved.push(x.clone());
-        x = run_segment(&x, s)?.detach();
+        x = run_segment(params, &x, s, &mut vec![])?.detach(); // gathered weights freed here
     }
     let last_in = Var::from_tensor(&x)?;
-    let y = run_segment(last_in.as_tensor(), segments[segments.len() - 1])?; // (B, T, C)
-    let h = rms_norm(&y, &model.norm, model.cfg.rms_norm_eps)?.reshape((b * t, c))?; // (B*T, C)
-    let nll = chunked_cross_entropy(&h, &model.lm_head, targets, loss_chunk)?; // (B*T)
+    let mut held = vec![];
+    let y = run_segment(params, last_in.as_tensor(), segments[segments.len() - 1], &mut held)?; // (B, T, C)
+    let h = rms_norm(&y, &norm, model.cfg.rms_norm_eps)?.reshape((b * t, c))?; // (B*T, C)
+    let nll = chunked_cross_entropy(&h, &head, targets, loss_chunk)?; // (B*T)
     let store = (nll.sum_all()? * scale)?.backward()?;
-    grads.add_from(layout, vars, &store)?;
+    // the head (the embedding when tied) and the final norm, then the last segment's layers
+    let head_groups: Vec<&Held> =
+        outer.iter().skip(1).chain(if model.cfg.tie_word_embeddings { outer.first() } else { None }).collect();
+    params.take_grads(&store, &held.iter().chain(head_groups).collect::<Vec<_>>())?;
+    drop(held);
     let mut g =
         store.get(last_in.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached the last layers"))?;
     let nll = nll.to_vec1::<f32>()?;
@@ -146,21 +305,29 @@ pub fn forward_backward(
     // Backward through the earlier segments, last to first, recomputing each from its saved input.
     for (i, &s) in segments[..segments.len() - 1].iter().enumerate().rev() {
         let xin = Var::from_tensor(&saved[i])?;
-        let y = run_segment(xin.as_tensor(), s)?; // (B, T, C)
+        let mut held = vec![];
+        let y = run_segment(params, xin.as_tensor(), s, &mut held)?; // (B, T, C)
         let store = (y * g.detach())?.sum_all()?.backward()?;
-        grads.add_from(layout, vars, &store)?;
+        params.take_grads(&store, &held.iter().collect::<Vec<_>>())?;
         g = store.get(xin.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached layer {}", s.0))?;
         saved.truncate(i);
     }
     let store = (x0 * g.detach())?.sum_all()?.backward()?;
-    grads.add_from(layout, vars, &store)?;
+    params.take_grads(&store, &outer.first().into_iter().collect::<Vec<_>>())?;
     Ok(MicroOut { nll })
 }
 
 /// RoPE tables for positions 0..t of every layer (one shared table unless layers differ).
 pub fn rope_tables(model: &Llama, t: usize) -> Result<Vec<RopeTables>> {
-    let n = if model.cfg.rope.per_layer() { model.layers.len() } else { 1 };
-    (0..n).map(|l| model.rope_tables(l, 0, t)).collect()
+    rope_tables_at(model, 0, t, t)
+}
+
+/// RoPE tables for the global positions start..start+len of sequences of `total` tokens (a
+/// sequence-parallel rank's part; `total` decides dynamic schemes), every layer or one shared.
+pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> Result<Vec<RopeTables>> {
+    let c = &model.cfg;
+    let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
+    (0..n).map(|l| c.rope.tables(c.head_dim, l, start, len, total, model.parity, model.device())).collect()
 }
 
 /// Input ids (B, T) and shifted targets (B*T, last position of each sequence ignored) of sequences.
@@ -244,7 +411,7 @@ fn prepare_run_dir(dir: &Path, toml: &str, hash: &str, force: bool) -> Result<()
     let cfg_path = dir.join("config.toml");
     if cfg_path.exists() && !force {
         let old = std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?;
-        let old_hash = crate::util::sha256_hex(old.as_bytes());
+        let old_hash = results_hash(&old)?;
         if old_hash != hash {
             bail!(
                 "{} belongs to a run with a different config (config hash {} != {})\nhint: use another --out, or pass --force to reuse the directory",
@@ -255,6 +422,17 @@ fn prepare_run_dir(dir: &Path, toml: &str, hash: &str, force: bool) -> Result<()
         }
     }
     crate::util::write_atomic(&cfg_path, toml.as_bytes())
+}
+
+/// The hash that guards a run directory and its resume: sha256 of the resolved TOML without its
+/// `[dist]` table, whose keys (backend, world size, ZeRO stage, buckets, timeout) change how the run is
+/// computed, never its results, so a checkpoint continues on another world size.
+pub fn results_hash(toml_text: &str) -> Result<String> {
+    let mut t: toml::Table = toml_text.parse().map_err(|e: toml::de::Error| {
+        anyhow!("config.toml: {}\nhint: the run directory's config.toml is damaged", e.to_string().trim_end())
+    })?;
+    t.remove("dist");
+    Ok(crate::util::sha256_hex(toml::to_string(&t)?.as_bytes()))
 }
 
 /// The dataset directory of stage `i`, preparing the built-in one on first use.
@@ -288,11 +466,117 @@ fn tokenizer_path(cfg: &RunConfig, run_dir: &Path) -> Result<PathBuf> {
     Ok(p)
 }
 
-/// Run `harpe train`.
+/// Run `harpe train`: one rank in this thread (`single`), or `dist.world_size` rank threads sharing a
+/// `Local` group (`local`), each running the same loop on its slice of every global batch.
 pub fn run(args: TrainArgs) -> Result<()> {
-    let mut r = Run::open(&args)?;
+    let origin = args.config.display().to_string();
+    let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
+    let dist = cfg.dist.dist_config(&origin)?;
+    if let Some(n) = args.nproc_per_node {
+        return spawn_nccl_workers(&origin, n, dist.backend);
+    }
+    plan_check(&cfg, &origin, &dist, args.force)?;
+    match dist.backend {
+        BackendKind::Local => {
+            let world = dist.world_size.max(1);
+            let sp = cfg.dist.sp_degree.max(1);
+            // one more Local group per sequence-parallel group (ranks d*P..(d+1)*P) for the all-to-alls
+            let mut sp_handles: Vec<Option<LocalComm>> = vec![];
+            if sp > 1 {
+                for _ in 0..world / sp {
+                    sp_handles.extend(LocalGroup::new(sp, dist.timeout())?.handles().into_iter().map(Some));
+                }
+            }
+            let sp_handles = std::sync::Mutex::new(sp_handles);
+            let rank_main = |lc: Arc<LocalComm>| {
+                let taken = sp_handles
+                    .lock()
+                    .map_err(|_| anyhow!("internal: poisoned lock"))?
+                    .get_mut(lc.rank())
+                    .and_then(Option::take);
+                let group = taken.map(|h| SpGroup::Local(Arc::new(h)));
+                let res = run_rank(&args, Comm::Local(lc, sp), group.clone());
+                if let (Err(e), Some(g)) = (&res, &group) {
+                    g.abort(&format!("returned an error: {e:#}")); // its sequence-parallel peers stop too
+                }
+                res
+            };
+            spawn_local(world, dist.timeout(), rank_main).map_err(|e| {
+                anyhow!(
+                    "{e}\nhint: the error of the rank that failed first is the cause; the others stopped because of it"
+                )
+            })?;
+            Ok(())
+        }
+        BackendKind::Single | BackendKind::Nccl => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?, None),
+    }
+}
+
+/// `harpe plan` before any work: refuse (unless `--force`) a CPU run whose peak memory per rank, as the
+/// plan computes it for this config, ZeRO stage and SP degree, does not fit this machine's memory
+/// shared by the `Local` ranks. GPU runs are planned with `harpe plan --gpu ...` (the device's memory
+/// is not queried here yet).
+fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistConfig, force: bool) -> Result<()> {
+    use crate::plan::{plan_for, Gpu, GpuKind, World};
+    if cfg.train.device != crate::device::DeviceSpec::Cpu {
+        return Ok(());
+    }
+    let ranks = dist.world_size.max(1);
+    let mut gpu = Gpu::new(GpuKind::Cpu);
+    gpu.mem_bytes /= ranks as u64; // rank threads share the host's memory
+    let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: cfg.dist.sp_degree.max(1) };
+    let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
+    if plan.fits || force {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    bail!(
+        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {ranks} rank(s) can use on this machine\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
+        gib(plan.total_bytes),
+        plan.stage,
+        gib(plan.usable_bytes)
+    )
+}
+
+/// `--nproc-per-node N`: N worker processes of this command line (without the flag), one per GPU, each
+/// joining an NCCL group. Checked before anything starts: N >= 1, `dist.backend = "nccl"`, and a build
+/// with NCCL (a CPU build refuses the flag and names the thread backend instead of spawning workers
+/// that would all fail the same way).
+fn spawn_nccl_workers(origin: &str, n: usize, backend: BackendKind) -> Result<()> {
+    if n == 0 {
+        bail!(
+            "--nproc-per-node 0: at least one worker is needed\nhint: --nproc-per-node = number of GPUs on this node"
+        );
+    }
+    if !cfg!(feature = "nccl") {
+        bail!(
+            "--nproc-per-node {n} starts one process per GPU over NCCL, but this harpe was built without NCCL\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; for GPUs build with --features nccl (scripts/cuda-env.sh)"
+        );
+    }
+    if backend != BackendKind::Nccl {
+        bail!(
+            "{origin}: --nproc-per-node {n} needs dist.backend = \"nccl\" (the workers are separate processes)\nhint: add --set dist.backend=nccl"
+        );
+    }
+    let outcome = launch_if_asked(Some(n))?.ok_or_else(|| anyhow!("internal: no workers were started"))?;
+    if !outcome.success() {
+        bail!(
+            "worker rank {} failed first (exit code {})\nhint: its own error is printed above; the other workers were stopped because of it",
+            outcome.first_failure.unwrap_or(0),
+            outcome.exit_code()
+        );
+    }
+    Ok(())
+}
+
+/// The training loop of one rank.
+fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<()> {
+    let mut r = Run::open(args, comm, sp)?;
+    // `[eval]` runs on rank 0 alone, on its full copy of the weights (ZeRO 0-2); the other ranks wait
+    // for it at the next collective, so `dist.timeout_s` must cover one evaluation
+    let eval_cfg = if r.mesh.rank() == 0 { r.cfg.eval.as_ref() } else { None };
     let mut ev = TrainEval::open(
-        r.cfg.eval.as_ref(),
+        eval_cfg,
         &r.tokenizer,
         &r.tok_sha,
         &r.run_dir.join("metrics.jsonl"),
@@ -342,7 +626,8 @@ struct Run {
     weights: FlatBuf,
     optim: AdamW,
     state: TrainState,
-    log: MetricsLog,
+    /// metrics.jsonl, written by rank 0 only
+    log: Option<MetricsLog>,
     /// stop after this many steps in total (`--steps`)
     limit: u64,
     total_steps: u64,
@@ -352,41 +637,90 @@ struct Run {
     last_saved: Option<PathBuf>,
     /// set by SIGINT/SIGTERM: finish the step, checkpoint, exit 0
     stop: Arc<AtomicBool>,
-    /// the run directory's advisory lock (released when the run ends or the process dies)
-    _lock: crate::util::DirLock,
+    /// the run directory's advisory lock, held by rank 0 (released when the run ends or the process dies)
+    _lock: Option<crate::util::DirLock>,
+    /// `dist.zero_stage` (every stage is the same computation at one rank)
+    zero_stage: u8,
+    /// gradient elements per reduce-scatter bucket (`dist.bucket_mb`)
+    bucket: usize,
+    /// the sequence-parallel group this rank shares its sequences with (`dist.sp_degree` > 1)
+    sp: Option<SpGroup>,
+    /// tokens trained before this session (a resume), for the session's tokens/s
+    tokens_at_start: u64,
 }
 
 impl Run {
     /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
-    fn open(args: &TrainArgs) -> Result<Run> {
+    /// Rank 0 alone locks and writes the run directory; the other ranks wait for it (a barrier).
+    fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
         let resolved = RunConfig::load(&args.config, &args.set)?;
         let cfg = resolved.cfg;
-        let comm = Comm::from_config(&cfg.dist, &origin)?;
+        let dist = cfg.dist.dist_config(&origin)?;
+        let hash = results_hash(&resolved.toml)?;
         let mesh = comm.mesh();
+        let lead = mesh.rank() == 0;
         let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
         let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
-        // one writer per run directory, held until the run ends (issue 16)
-        let lock = crate::util::lock_dir(&run_dir, "harpe train")?;
-        println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
-        prepare_run_dir(&run_dir, &resolved.toml, &resolved.hash, args.force)?;
+        // one writer per run directory, held until the run ends (issue 16): rank 0 prepares it first
+        let mut lock = None;
+        let (mut tokenizer, mut first) = (None, Ok(()));
+        if lead {
+            first = (|| -> Result<()> {
+                lock = Some(crate::util::lock_dir(&run_dir, "harpe train")?);
+                println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
+                prepare_run_dir(&run_dir, &resolved.toml, &hash, args.force)?;
+                tokenizer = Some(tokenizer_path(&cfg, &run_dir)?);
+                Ok(())
+            })();
+        }
+        if !comm.all_ok(first.is_ok())? {
+            first?;
+            bail!("rank 0 could not prepare the run directory {}", run_dir.display());
+        }
+        // the other ranks read what rank 0 resolved (and wrote) instead of writing it again
+        let tokenizer = match tokenizer {
+            Some(t) => t,
+            None => cfg.model.tokenizer.clone().unwrap_or_else(|| match &cfg.model.path {
+                Some(d) => d.join("tokenizer.json"),
+                None => run_dir.join("tokenizer.json"),
+            }),
+        };
         let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
         let stop = stop_flag()?;
 
         let (base_cfg, init) = initial_model(&cfg, &origin)?;
-        let tokenizer = tokenizer_path(&cfg, &run_dir)?;
+        let p = mesh.sp_size;
+        if !(base_cfg.num_attention_heads.is_multiple_of(p) && base_cfg.num_key_value_heads.is_multiple_of(p)) {
+            bail!(
+                "{origin}: dist.sp_degree = {p} must divide the model's {} query heads and {} kv heads (Ulysses gives each rank whole heads)\nhint: choose a sp_degree that divides num_key_value_heads",
+                base_cfg.num_attention_heads,
+                base_cfg.num_key_value_heads
+            );
+        }
         let tok_sha = tokenizer_sha256(&tokenizer)?;
         let (layout, mut weights) = flatten_params(&init)?;
         drop(init);
-        let map = ShardMap::new(&layout, mesh.world(), Split::Slices);
-        let mut optim = AdamW::new(&layout, &weights, &map, mesh.rank(), AdamWHyper::from_config(&cfg.optim))?;
+        // ZeRO-0 replicates the optimizer (a one-rank map: every rank owns everything); 1-2 shard it
+        let (owners, my_shard) = if dist.zero_stage == 0 { (1, 0) } else { (mesh.world(), mesh.rank()) };
+        let map = ShardMap::new(&layout, owners, Split::Slices);
+        let mut optim = AdamW::new(&layout, &weights, &map, my_shard, AdamWHyper::from_config(&cfg.optim))?;
         let state = match &resume_from {
-            Some(dir) => resume(dir, args.force, &resolved.hash, &comm, &map, &mut optim, &mut weights)?,
-            None => TrainState::new(cfg.train.seed, &resolved.hash, base_cfg.rope.clone()),
+            Some(dir) => resume(dir, args.force, &hash, &comm, &mut optim)?,
+            None => TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()),
         };
+        // ZeRO-3 keeps no full copy of the weights: each layer is gathered from the shards when used
+        if dist.zero_stage == 3 {
+            weights = FlatBuf::from_vec(vec![]);
+        } else {
+            zero::publish(&comm, &map, &optim, &mut weights)?;
+        }
+        let tokens_at_start = state.tokens_seen;
         Ok(Run {
-            log: MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?,
+            log: if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?) } else { None },
+            zero_stage: dist.zero_stage,
+            bucket: dist.bucket_elems(4),
             limit: args.steps.unwrap_or(u64::MAX),
             total_steps: (0..cfg.stages.len()).map(|i| cfg.stage_steps(i).0).sum(),
             sched: cfg.schedule.schedule(),
@@ -410,6 +744,8 @@ impl Run {
             state,
             stop,
             _lock: lock,
+            sp,
+            tokens_at_start,
         })
     }
 
@@ -432,6 +768,9 @@ impl Run {
 
     /// Print a line above the progress bar (or plainly without one).
     fn say(&self, stage: &Stage, line: String) {
+        if self.mesh.rank() != 0 {
+            return;
+        }
         match &stage.pb {
             Some(pb) => pb.println(line),
             None => println!("{line}"),
@@ -455,6 +794,9 @@ struct Stage {
     accum: usize,
     bsz: usize,
     seq_len: usize,
+    /// this rank's tokens of every sequence: start..start + len (all of them without sequence parallelism)
+    tok_start: usize,
+    tok_len: usize,
     lr_peak: f64,
     /// layers per activation-checkpointing segment
     seg: usize,
@@ -476,9 +818,23 @@ impl Stage {
         }
         mc.max_position_embeddings = mc.max_position_embeddings.max(seq_len);
         mc.validate(&format!("{}: stage {si}", r.origin))?;
-        let (model, vars) = trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?;
-        let model = model.with_attention(AttentionImpl::for_device(&r.device)); // the attention seam
-        let tables = rope_tables(&model, seq_len)?;
+        let (model, vars) = if r.zero_stage == 3 {
+            (Llama::skeleton(mc.clone(), r.dtype, &r.device)?, vec![]) // layers are gathered per use
+        } else {
+            trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?
+        };
+        // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
+        let attention = match &r.sp {
+            Some(g) => AttentionImpl::Custom(Arc::new(Ulysses {
+                group: g.clone(),
+                inner: AttentionImpl::for_device(&r.device),
+            })),
+            None => AttentionImpl::for_device(&r.device),
+        };
+        let model = model.with_attention(attention);
+        // this rank's tokens (all of them without sequence parallelism) at their global positions
+        let (tok_start, tok_len) = (r.mesh.sp_rank * seq_len / r.mesh.sp_size, seq_len / r.mesh.sp_size);
+        let tables = rope_tables_at(&model, tok_start, tok_len, seq_len)?;
         let mut loader = open_loader(r, si)?;
         if si == r.state.stage && r.state.stage_step > 0 {
             let cursor = serde_json::from_value(r.state.data_cursor.clone())
@@ -492,21 +848,31 @@ impl Stage {
             }
         }
         r.state.rope = mc.rope.clone();
-        let (accum, bsz) = (cfg.accumulation(si), cfg.train.micro_batch_size);
+        let stage_name = format!("stage {si}");
+        let (mb, steps_mb) = (cfg.train.micro_batch_size, cfg.accumulation(si));
+        let (bsz, accum) = rank_batching(&r.origin, &stage_name, steps_mb, mb, r.mesh.dp_size)?;
         Ok(Stage {
             si,
             sources: loader.manifest().source_names.clone(),
-            grads: GradAccum::new(&r.layout, &r.weights.device())?,
+            // ZeRO 2-3 accumulate only this rank's shard of the gradients
+            grads: if r.zero_stage >= 2 {
+                GradAccum::zeros(r.optim.range().len(), &r.device)?
+            } else {
+                GradAccum::new(&r.layout, &r.device)?
+            },
             steps,
             tokens_per_step,
             accum,
             bsz,
             seq_len,
+            tok_start,
+            tok_len,
             lr_peak: cfg.stage_lr(si),
             seg: cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers),
-            targets_per_step: (accum * bsz * (seq_len - 1)) as f64,
+            // the GLOBAL step's targets: each rank's gradients are partial sums of one global mean
+            targets_per_step: (steps_mb * mb * (seq_len - 1)) as f64,
             flops_tok: metrics::flops_per_token(r.layout.total, mc.num_hidden_layers, mc.hidden_size, seq_len),
-            pb: progress_bar(cfg.log.progress, si, steps, r.state.stage_step),
+            pb: progress_bar(cfg.log.progress && r.mesh.rank() == 0, si, steps, r.state.stage_step),
             mc,
             model,
             vars,
@@ -525,7 +891,17 @@ impl Stage {
 
 /// The dataset loader of stage `si` for this rank's data-parallel slice, checked against the tokenizer.
 fn open_loader(r: &Run, si: usize) -> Result<Loader> {
-    let data_dir = stage_dataset(&r.cfg, si, &r.run_dir, &r.tokenizer)?;
+    // rank 0 prepares a built-in dataset first; the others then find it
+    let first =
+        if r.mesh.rank() == 0 { stage_dataset(&r.cfg, si, &r.run_dir, &r.tokenizer).map(Some) } else { Ok(None) };
+    if !r.comm.all_ok(first.is_ok())? {
+        first?;
+        bail!("stage {si}: rank 0 could not prepare the dataset");
+    }
+    let data_dir = match first? {
+        Some(d) => d,
+        None => stage_dataset(&r.cfg, si, &r.run_dir, &r.tokenizer)?,
+    };
     let lcfg = LoaderConfig {
         seq_len: r.cfg.stages[si].seq_len,
         shuffle: r.cfg.data.shuffle,
@@ -562,36 +938,63 @@ struct StepOut {
 /// One optimizer step: `accum` micro-batches forward/backward, gradient all-reduce, norm, then either
 /// a skip (non-finite loss or gradient) or clip + AdamW on this rank's shard + all-gather + write-back.
 fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
-    mem::reset_peak();
+    if r.mesh.rank() == 0 {
+        mem::reset_peak(); // process-wide: one reset per step (rank threads share the process)
+    }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
     s.grads.zero();
     let mut sums = [0f64; 2]; // nll sum, target count
-    let mut per_source = BTreeMap::new();
+                              // per source id: (nll sum, count), summed over ranks with the loss below
+    let mut by_source = vec![0f64; if s.sources.len() < 2 { 0 } else { 2 * s.sources.len() }];
     for _ in 0..s.accum {
         let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
         let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
         let (ids, targets) = batch_tensors(&toks, &r.device)?;
-        let out = forward_backward(
-            &s.model,
-            &s.vars,
-            &r.layout,
-            &s.tables,
-            &ids,
-            &targets,
-            s.seg,
-            r.cfg.train.loss_chunk_tokens,
-            1.0 / s.targets_per_step,
-            &mut s.grads,
-        )?;
+        // sequence parallelism: this rank's tokens and their targets (the last rank's last one is ignored)
+        let (ids, targets) = if s.tok_len == s.seq_len {
+            (ids, targets)
+        } else {
+            let tg = targets.reshape((s.bsz, s.seq_len))?.narrow(1, s.tok_start, s.tok_len)?;
+            (ids.narrow(1, s.tok_start, s.tok_len)?.contiguous()?, tg.flatten_all()?.contiguous()?)
+        };
+        let mut params = if r.zero_stage < 2 {
+            Params::Resident { vars: &s.vars, layout: &r.layout, grads: &mut s.grads }
+        } else {
+            let z = ZeroShards {
+                comm: &r.comm,
+                map: &r.map,
+                layout: &r.layout,
+                master: r.optim.master(),
+                grads: s.grads.buf_mut(),
+                dtype: r.dtype,
+                device: r.device.clone(),
+                bucket: r.bucket,
+            };
+            if r.zero_stage == 2 {
+                Params::ShardedGrads { vars: &s.vars, z }
+            } else {
+                Params::Sharded(z)
+            }
+        };
+        let (chunk, scale) = (r.cfg.train.loss_chunk_tokens, 1.0 / s.targets_per_step);
+        let out = forward_backward_with(&s.model, &mut params, &s.tables, &ids, &targets, s.seg, chunk, scale)?;
+        injected_fault(r.mesh.rank(), r.state.step)?;
         sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
-        sums[1] += (s.bsz * (s.seq_len - 1)) as f64;
-        accumulate_per_source(&seqs, &out.nll, &s.sources, &mut per_source);
+        let last = (s.tok_start + s.tok_len == s.seq_len) as usize; // holds the ignored last position
+        sums[1] += (s.bsz * (s.tok_len - last)) as f64;
+        accumulate_per_source(&seqs, &out.nll, s.tok_start, s.tok_len, &mut by_source)?;
     }
-    r.comm.all_reduce_mean(s.grads.buf_mut())?;
-    r.comm.all_reduce_sum_f64(&mut sums)?;
-    let loss = sums[0] / sums[1];
-    let grad_norm = grads::global_norm(s.grads.buf());
+    let grad_norm = reduce_gradients(r, s)?;
+    let mut reduced: Vec<f64> = sums.iter().chain(&by_source).copied().collect();
+    r.comm.all_reduce_sum_f64(&mut reduced)?;
+    let loss = reduced[0] / reduced[1];
+    let per_source: BTreeMap<String, (f64, f64)> = reduced[2..]
+        .chunks_exact(2)
+        .enumerate()
+        .filter(|(_, c)| c[1] > 0.0)
+        .map(|(i, c)| (source_name(&s.sources, Some(i as u32)), (c[0], c[1])))
+        .collect();
     let lr = r.sched.lr_at(s.lr_peak, r.state.stage_step, s.steps);
     let skipped = !(loss.is_finite() && grad_norm.is_finite());
     if skipped {
@@ -601,13 +1004,47 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         r.bad_streak = 0;
         grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip);
         r.optim.step(s.grads.buf(), lr)?;
-        zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
+        if r.zero_stage < 3 {
+            zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
+        }
     }
     r.state.step += 1;
     r.state.stage_step += 1;
     r.state.tokens_seen += s.tokens_per_step;
     r.state.data_cursor = serde_json::to_value(s.loader.cursor())?;
     Ok(StepOut { loss, grad_norm, lr, skipped, per_source, seconds: t0.elapsed().as_secs_f64(), start_bytes })
+}
+
+/// The test hook of the multi-rank failure paths: `HARPE_FAULT=RANK:STEP:error|panic` makes rank RANK
+/// fail after a micro-batch of step STEP (0-based, before that step's gradient collectives), so tests
+/// can check that the other ranks stop, naming it, and that the last checkpoint stays intact.
+fn injected_fault(rank: usize, step: u64) -> Result<()> {
+    let Ok(spec) = std::env::var("HARPE_FAULT") else { return Ok(()) };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let (Some(r), Some(st), Some(kind)) = (parts.first(), parts.get(1), parts.get(2)) else {
+        bail!("HARPE_FAULT={spec}: expected RANK:STEP:error|panic\nhint: unset HARPE_FAULT (it is a test hook)");
+    };
+    if r.parse::<usize>().ok() != Some(rank) || st.parse::<u64>().ok() != Some(step) {
+        return Ok(());
+    }
+    match *kind {
+        "panic" => panic!("HARPE_FAULT: injected panic on rank {rank} at step {step}"),
+        "error" => bail!("HARPE_FAULT: injected error on rank {rank} at step {step}"),
+        k => bail!("HARPE_FAULT={spec}: unknown kind {k:?}\nhint: error or panic"),
+    }
+}
+
+/// Sum the ranks' partial gradients and return the global norm. ZeRO 0-1: all-reduce, every rank gets
+/// all of them; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer is
+/// this rank's shard, and the norm sums the shards' squares.
+fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
+    if r.zero_stage < 2 {
+        r.comm.all_reduce_sum(s.grads.buf_mut())?;
+        return Ok(grads::global_norm(s.grads.buf()));
+    }
+    let mut sq = [s.grads.buf().sum_squares()];
+    r.comm.all_reduce_sum_f64(&mut sq)?;
+    Ok(sq[0].sqrt())
 }
 
 /// Append the step's record to metrics.jsonl; print a line every `log.every` steps and on a skip.
@@ -633,7 +1070,9 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         per_source: out.per_source.iter().map(|(k, (sum, n))| (k.clone(), sum / n.max(1.0))).collect(),
         elapsed_s: r.t_start.elapsed().as_secs_f64(),
     };
-    r.log.write(&rec)?;
+    if let Some(log) = r.log.as_mut() {
+        log.write(&rec)?;
+    }
     if r.state.step.is_multiple_of(r.cfg.log.every.max(1)) || out.skipped {
         r.say(s, metrics::step_line(&rec, r.total_steps));
     }
@@ -647,14 +1086,26 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
 /// `--steps`; log the line to metrics.jsonl (before the step's checkpoint, so a resume from that
 /// checkpoint keeps it), print it, redraw eval.png.
 fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<()> {
-    let Some(ev) = ev else { return Ok(()) };
     let boundary = r.state.stage_step == s.steps || r.state.step >= r.limit;
-    if !ev.due(r.state.step, boundary) {
-        return Ok(());
-    }
+    let due = ev.as_ref().is_some_and(|e| e.due(r.state.step, boundary));
+    // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it evaluates
+    let full = if r.zero_stage == 3 && !r.comm.all_ok(!due)? {
+        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
+    } else {
+        None
+    };
+    let Some(ev) = ev.filter(|_| due) else { return Ok(()) };
+    // rank 0 alone evaluates: with the device's own attention (never the sequence-parallel exchange)
+    let model = match &full {
+        Some(w) => trainable_model(&s.mc, &r.layout, w, r.dtype, &r.device)?.0,
+        None => s.model.clone(),
+    };
+    let model = &model.with_attention(AttentionImpl::for_device(&r.device));
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
-    let rec = ev.evaluate(&s.model, r.state.step, s.si, window)?;
-    r.log.write_eval(&rec)?;
+    let rec = ev.evaluate(model, r.state.step, s.si, window)?;
+    if let Some(log) = r.log.as_mut() {
+        log.write_eval(&rec)?;
+    }
     r.say(s, eval_line(&rec));
     if r.cfg.log.plot {
         let recs = metrics::read_evals(&r.run_dir.join("metrics.jsonl"))?;
@@ -668,7 +1119,12 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
 fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
     let stage_end = r.state.stage_step == s.steps;
     let periodic = r.cfg.checkpoint.every > 0 && r.state.step.is_multiple_of(r.cfg.checkpoint.every);
-    let stopping = r.stop.load(Ordering::SeqCst) || r.state.step >= r.limit;
+    // every rank must agree on a signal, or they would disagree on whether to save
+    let signalled = !r.comm.all_ok(!r.stop.load(Ordering::SeqCst))?;
+    if signalled {
+        r.stop.store(true, Ordering::SeqCst);
+    }
+    let stopping = signalled || r.state.step >= r.limit;
     if !(periodic || stage_end || stopping) || out.skipped || r.bad_streak > 0 {
         return Ok(());
     }
@@ -678,9 +1134,22 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         snap.stage_step = 0;
         snap.data_cursor = serde_json::Value::Null;
     }
+    // ZeRO-3: every rank joins the gather of the full weights rank 0 writes
+    let full = if r.zero_stage == 3 {
+        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
+    } else {
+        None
+    };
     let write_model = |dir: &Path| -> Result<()> {
-        let tensors: Vec<(String, Tensor)> =
-            r.layout.params.iter().zip(&s.vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect();
+        let tensors: Vec<(String, Tensor)> = match &full {
+            Some(w) => r
+                .layout
+                .params
+                .iter()
+                .map(|p| Ok((p.name.clone(), w.param_tensor(p.range.clone(), &p.shape, r.dtype, &r.device)?)))
+                .collect::<Result<_>>()?,
+            None => r.layout.params.iter().zip(&s.vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect(),
+        };
         save_model_dir(dir, &s.mc, &tensors, r.cfg.checkpoint.max_shard_bytes)?;
         std::fs::copy(&r.tokenizer, dir.join("tokenizer.json"))
             .with_context(|| format!("copying {} into the checkpoint", r.tokenizer.display()))?;
@@ -703,6 +1172,9 @@ enum End {
 
 /// End of a session (the only one, on every path): the loss curve of the whole run, then a summary.
 fn finish(r: &Run, end: End) -> Result<()> {
+    if r.mesh.rank() != 0 {
+        return Ok(());
+    }
     if r.cfg.log.plot {
         let recs = metrics::read_records(&r.run_dir.join("metrics.jsonl"))?;
         metrics::plot_loss(&recs, &r.run_dir.join("loss.png"), "harpe train: loss")?;
@@ -717,7 +1189,7 @@ fn finish(r: &Run, end: End) -> Result<()> {
                 st.tokens_seen,
                 st.skipped_steps,
                 r.last_saved.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
-                st.tokens_seen as f64 / r.t_start.elapsed().as_secs_f64().max(1e-9)
+                (st.tokens_seen - r.tokens_at_start) as f64 / r.t_start.elapsed().as_secs_f64().max(1e-9)
             );
         }
     }
@@ -737,15 +1209,7 @@ fn stop_flag() -> Result<Arc<AtomicBool>> {
 
 /// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`), this
 /// rank's optimizer shard, and the weights gathered from every rank's shard.
-fn resume(
-    dir: &Path,
-    force: bool,
-    hash: &str,
-    comm: &Comm,
-    map: &ShardMap,
-    optim: &mut AdamW,
-    weights: &mut FlatBuf,
-) -> Result<TrainState> {
+fn resume(dir: &Path, force: bool, hash: &str, comm: &Comm, optim: &mut AdamW) -> Result<TrainState> {
     let state = checkpoint::load_state(dir)?;
     if state.config_hash != hash && !force {
         bail!(
@@ -755,9 +1219,9 @@ fn resume(
     }
     let mesh = comm.mesh();
     checkpoint::load_optim(dir, &mesh, optim)?;
-    map.place(mesh.rank(), optim.master(), weights)?;
-    comm.all_gather(weights, map)?;
-    println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
+    if mesh.rank() == 0 {
+        println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
+    }
     Ok(state)
 }
 
@@ -774,22 +1238,30 @@ fn resume_point(ckpt_root: &Path, resume: bool) -> Result<Option<PathBuf>> {
     Ok(latest)
 }
 
-/// Add the nll of every predicted token to the source of that token (position p predicts p + 1).
-fn accumulate_per_source(seqs: &[Sequence], nll: &[f32], names: &[String], acc: &mut BTreeMap<String, (f64, f64)>) {
-    if names.len() < 2 {
-        return;
+/// Add the nll of every predicted token to the source of that token (position p predicts p + 1) as
+/// (nll sum, count) pairs per source id in `acc` (`2 * names.len()` values, empty with < 2 sources);
+/// `nll` holds positions `start..start + len` of each sequence (one rank's part under sequence
+/// parallelism, all of it otherwise).
+fn accumulate_per_source(seqs: &[Sequence], nll: &[f32], start: usize, len: usize, acc: &mut [f64]) -> Result<()> {
+    if acc.is_empty() {
+        return Ok(());
     }
+    let n = acc.len() / 2;
     for (i, s) in seqs.iter().enumerate() {
         let t = s.tokens.len();
         // position p predicts token p + 1; its source is that token's (Sequence::source_of, the one rule)
-        for p in 0..t.saturating_sub(1) {
+        for p in start..(start + len).min(t.saturating_sub(1)) {
             if let Some(id) = s.source_of(p + 1) {
-                let e = acc.entry(source_name(names, Some(id))).or_insert((0.0, 0.0));
-                e.0 += nll[i * t + p] as f64;
-                e.1 += 1.0;
+                let id = id as usize;
+                if id >= n {
+                    bail!("a sequence names source id {id}, but the dataset lists {n} sources\nhint: the dataset is damaged; check it with harpe inspect-data --verify");
+                }
+                acc[2 * id] += nll[i * len + p - start] as f64;
+                acc[2 * id + 1] += 1.0;
             }
         }
     }
+    Ok(())
 }
 
 fn progress_bar(enabled: bool, stage: usize, steps: u64, pos: u64) -> Option<indicatif::ProgressBar> {

@@ -1,8 +1,8 @@
 //! The launcher environment (torchrun, Slurm, hostlists), the worker spawner, and the TCP rendezvous
 //! (threads and real processes on localhost).
 use harpe::comms::launch::{
-    expand_nodelist, free_port, micro_batches_per_rank, spawn_workers, strip_nproc_flag, BackendKind, DistConfig,
-    LaunchEnv, LaunchSource, SpawnOptions,
+    expand_nodelist, free_port, rank_batching, spawn_workers, strip_nproc_flag, BackendKind, DistConfig, LaunchEnv,
+    LaunchSource, SpawnOptions,
 };
 use harpe::comms::rendezvous::{binary_version, config_hash, rendezvous, Rendezvous, RendezvousSpec};
 use std::collections::BTreeMap;
@@ -409,10 +409,14 @@ fn dist_config_is_reconciled_with_the_launcher_before_any_work() {
         assert!(e.contains(want) && e.contains("hint:"), "{e}");
     }
     assert_eq!(DistConfig { bucket_mb: 1.0, ..DistConfig::default() }.bucket_elems(4), 262_144);
-    assert_eq!(micro_batches_per_rank("run.toml", "stage 0", 8, 4).unwrap(), 2);
-    let e = format!("{:#}", micro_batches_per_rank("run.toml", "stage 1", 6, 4).unwrap_err());
+    // 8 micro-batches of 2 over 4 ranks: 2 each; 2 micro-batches of 8 over 4 ranks: one of 4 each;
+    // 3 of 4 over 2 ranks: 6 sequences each, in 2 micro-batches of 3
+    assert_eq!(rank_batching("run.toml", "stage 0", 8, 2, 4).unwrap(), (2, 2));
+    assert_eq!(rank_batching("run.toml", "stage 0", 2, 8, 4).unwrap(), (4, 1));
+    assert_eq!(rank_batching("run.toml", "stage 0", 3, 4, 2).unwrap(), (3, 2));
+    let e = format!("{:#}", rank_batching("run.toml", "stage 1", 3, 2, 4).unwrap_err());
     assert!(
-        e.contains("stage 1: 6 micro-batches per optimizer step cannot be split evenly over 4") && e.contains("hint:"),
+        e.contains("stage 1: 6 sequences per optimizer step cannot be split evenly over 4") && e.contains("hint:"),
         "{e}"
     );
 }

@@ -74,14 +74,7 @@ fn train_with_cuda_in_a_cpu_build_fails_with_the_hint() {
     let d = tempfile::tempdir().unwrap();
     let cfg = d.path().join("run.toml");
     std::fs::write(&cfg, CFG).unwrap();
-    let args = harpe::train::TrainArgs {
-        config: cfg,
-        out: Some(d.path().join("out")),
-        steps: None,
-        resume: false,
-        set: vec![],
-        force: false,
-    };
+    let args = harpe::train::TrainArgs::new(&cfg, Some(&d.path().join("out")));
     let e = format!("{:#}", harpe::train::run(args).unwrap_err());
     assert!(e.contains("run.toml: train.device = \"cuda:1\""), "{e}");
     assert!(e.contains("hint: this harpe was built without CUDA: rebuild with --features cuda"), "{e}");

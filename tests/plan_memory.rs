@@ -3,6 +3,8 @@
 //! memory is the largest VmHWM of any step (metrics.jsonl, reset at every step start), so the whole
 //! process (binary, weights, gradients, optimizer state, activations) is compared with `total_bytes`.
 //! The difference between the two lengths isolates the activation terms from the fixed overhead.
+//! Under `Local` ranks (threads of one process) the process holds every rank's memory once and the
+//! fixed overhead once, so the prediction is `ranks x (total - fixed_overhead) + fixed_overhead`.
 use harpe::metrics::read_records;
 use harpe::plan::{load_config, plan_for, Gpu, GpuKind, World};
 
@@ -83,4 +85,78 @@ fn cpu_plan_is_within_15_percent_of_the_measured_peak() {
         assert!((0.85..=1.15).contains(&r), "T={t}: measured/planned peak = {r:.3}, outside 15%");
     }
     assert!((0.85..=1.15).contains(&r_delta), "activation growth measured/planned = {r_delta:.3}, outside 15%");
+}
+
+/// Measured process peak of a `Local` run and its prediction from the per-rank plan.
+fn local_measured_and_predicted(dir: &std::path::Path, t: usize, world: usize, zero: u8, sp: usize) -> (u64, u64) {
+    let cfg = dir.join(format!("l{t}.toml"));
+    std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
+    let out = dir.join(format!("l{t}-w{world}-z{zero}-sp{sp}"));
+    let mut sets: Vec<String> = vec![
+        "dist.backend=\"local\"".into(),
+        format!("dist.world_size={world}"),
+        format!("dist.zero_stage={zero}"),
+        format!("dist.sp_degree={sp}"),
+        "stage.0.steps=2".into(),
+        format!("train.global_batch_tokens={}", 4 * t),
+    ];
+    if sp == 4 {
+        // SP 4 needs kv heads divisible by 4
+        sets.extend(["model.init.num_attention_heads=8".into(), "model.init.num_key_value_heads=4".into()]);
+    }
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&out)
+        .args(sets.iter().flat_map(|s| ["--set", s.as_str()]))
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success(), "{}", out.display());
+    let recs = read_records(&out.join("metrics.jsonl")).unwrap();
+    let measured = recs.iter().map(|r| r.step_peak_bytes).max().unwrap();
+    let (run, keys) = load_config(&cfg, &sets).unwrap();
+    let w = World { gpus: world, zero_stage: keys.zero_stage.unwrap(), sp_degree: keys.sp_degree.unwrap() };
+    let plan = plan_for(&run, &w, &Gpu::new(GpuKind::Cpu)).unwrap();
+    let fixed = plan.term("fixed_overhead");
+    (measured, world as u64 * (plan.total_bytes - fixed) + fixed)
+}
+
+#[test]
+fn cpu_plan_of_local_ranks_is_within_15_percent_of_the_measured_peak() {
+    if !std::path::Path::new("/proc/self/clear_refs").exists() {
+        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    // every ZeRO stage and SP 1/2/4 at T = 512; at T = 1024 one case per ZeRO family and SP degree
+    let cases = [
+        (512, 2, 0, 1),
+        (512, 2, 1, 2),
+        (512, 2, 3, 2),
+        (512, 4, 1, 1),
+        (512, 4, 2, 2),
+        (512, 4, 3, 1),
+        (512, 4, 3, 4),
+        (1024, 2, 0, 1),
+        (1024, 4, 2, 2),
+        (1024, 4, 3, 4),
+    ];
+    let mut bad = vec![];
+    for (t, w, z, sp) in cases {
+        {
+            let (m, p) = local_measured_and_predicted(d.path(), t, w, z, sp);
+            let r = m as f64 / p as f64;
+            eprintln!(
+                "T={t} ranks {w} ZeRO-{z} SP {sp}: measured {} MiB, predicted {} MiB, ratio {r:.3}",
+                m >> 20,
+                p >> 20
+            );
+            if !(0.85..=1.15).contains(&r) {
+                bad.push(format!("T={t} ranks {w} ZeRO-{z} SP {sp}: measured/predicted {r:.3}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "outside 15%: {bad:?}");
 }

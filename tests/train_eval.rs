@@ -52,14 +52,7 @@ rope = { scheme = "harpe", head_bases = [10000.0, 200000.0] }
 "#;
 
 fn args(cfg: &Path, out: &Path) -> TrainArgs {
-    TrainArgs {
-        config: cfg.to_path_buf(),
-        out: Some(out.to_path_buf()),
-        steps: None,
-        resume: false,
-        set: vec![],
-        force: false,
-    }
+    TrainArgs::new(cfg, Some(out))
 }
 
 fn ckpt(out: &Path, step: u64) -> PathBuf {

@@ -397,22 +397,33 @@ impl DistConfig {
     }
 }
 
-/// Micro-batches each data-parallel rank runs per optimizer step: `micro_batches_per_step / dp_size`,
-/// refused when the world does not divide the global batch (results must not depend on the world).
-pub fn micro_batches_per_rank(
+/// How each data-parallel rank runs its part of an optimizer step of `micro_batches_per_step`
+/// micro-batches of `micro_batch` sequences: (sequences per micro-batch, micro-batches), together
+/// `micro_batches_per_step * micro_batch / dp_size` sequences. The step's sequences must split evenly
+/// over the ranks (results must not depend on the world; the loader's stride gives the ranks exactly
+/// one rank's sequences of the step); when a rank's share is not a multiple of `micro_batch`, it runs
+/// smaller micro-batches (the largest common divisor), which changes memory and speed, never results.
+pub fn rank_batching(
     origin: &str,
     stage: &str,
     micro_batches_per_step: usize,
+    micro_batch: usize,
     dp_size: usize,
-) -> Result<usize> {
-    if dp_size == 0 || !micro_batches_per_step.is_multiple_of(dp_size) {
+) -> Result<(usize, usize)> {
+    let seqs = micro_batches_per_step * micro_batch;
+    if dp_size == 0 || micro_batch == 0 || !seqs.is_multiple_of(dp_size) {
         bail!(
-            "{origin}: {stage}: {micro_batches_per_step} micro-batches per optimizer step cannot be split evenly over \
-             {dp_size} data-parallel ranks\nhint: make train.global_batch_tokens / (train.micro_batch_size x seq_len) \
-             a multiple of the data-parallel world size"
+            "{origin}: {stage}: {seqs} sequences per optimizer step cannot be split evenly over \
+             {dp_size} data-parallel ranks\nhint: make train.global_batch_tokens / seq_len a multiple of the \
+             data-parallel world size"
         );
     }
-    Ok(micro_batches_per_step / dp_size)
+    let per_rank = seqs / dp_size;
+    let mut mb = micro_batch.min(per_rank);
+    while !per_rank.is_multiple_of(mb) {
+        mb -= 1;
+    }
+    Ok((mb, per_rank / mb))
 }
 
 /// Expand a Slurm hostlist (`node[01-03,07],gpu5`, `r[1-2]-n[1-2]`) into host names, in order.

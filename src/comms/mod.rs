@@ -10,16 +10,24 @@
 //! part of a sequence it holds); the optimizer shard and the checkpoint file names use the global rank
 //! `dp_rank * sp_size + sp_rank` of `dp_size * sp_size` (ZeRO shards over every rank, as DeepSpeed-Ulysses
 //! does), which is `optim-00000-of-00001` at one rank, as before.
-//! What this file does not do yet: the `Local` (threads) and `Nccl` backends and the launcher; a config
-//! asking for them is refused by `Comm::from_config` with a hint. A new backend is one more variant.
+//! `Local` wraps one rank's `LocalComm` handle (ranks as threads, `local::spawn_local` starts them; the
+//! training loop does that for `dist.backend = "local"`). A shard map of ONE rank used with N ranks
+//! means "replicated" (ZeRO-0: every rank owns the whole flat space), so `all_gather` is then a no-op.
+//! `sequence` holds the Ulysses all-to-all for `dist.sp_degree` > 1 (its own `SpGroup` per sequence-
+//! parallel group; the mesh of `Local(c, P)` is (N/P) x P).
+//! What this file does not do yet: the `Nccl` backend; a config asking for it is refused by
+//! `Comm::from_config` with a hint. A new backend is one more variant.
 pub mod launch;
 pub mod local;
 pub mod rendezvous;
+pub mod sequence;
 pub mod zero;
 
 use crate::config::{Backend, DistSection};
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
+use local::{LocalComm, ReduceOp};
+use std::sync::Arc;
 use zero::ShardMap;
 
 /// Who this process is among the training ranks.
@@ -57,6 +65,9 @@ impl Mesh {
 pub enum Comm {
     /// One process, one device: every collective is a no-op.
     Single,
+    /// One of N ranks running as threads of this process, and the sequence-parallel degree P: ranks
+    /// r*P..(r+1)*P share sequences (data-parallel rank r), so the mesh is (N/P) x P.
+    Local(Arc<LocalComm>, usize),
 }
 
 impl Comm {
@@ -64,7 +75,10 @@ impl Comm {
     pub fn from_config(dist: &DistSection, origin: &str) -> Result<Comm> {
         match dist.backend {
             Backend::Single => Ok(Comm::Single),
-            b @ (Backend::Local | Backend::Nccl) => bail!(
+            Backend::Local => bail!(
+                "{origin}: dist.backend = \"local\" starts its ranks as threads inside `harpe train`; a lone communicator cannot be built for it\nhint: run `harpe train --set dist.backend=local --set dist.world_size=N`, or use comms::local::spawn_local in tests"
+            ),
+            b @ Backend::Nccl => bail!(
                 "{origin}: dist.backend = \"{}\" is not implemented in this build of harpe\nhint: use dist.backend = \"single\" (one process, one device); multi-rank training arrives with the Local and NCCL backends",
                 b.name()
             ),
@@ -75,6 +89,10 @@ impl Comm {
     pub fn mesh(&self) -> Mesh {
         match self {
             Comm::Single => Mesh::single(),
+            Comm::Local(c, sp) => {
+                let sp = (*sp).max(1);
+                Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
+            }
         }
     }
 
@@ -85,6 +103,18 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
+            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Avg, "grads mean"),
+        }
+    }
+
+    /// Sum `buf` over all ranks (gradients already scaled by 1 / the global token count).
+    pub fn all_reduce_sum(&self, buf: &mut FlatBuf) -> Result<()> {
+        match self {
+            Comm::Single => {
+                let _ = buf;
+                Ok(())
+            }
+            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Sum, "grads"),
         }
     }
 
@@ -95,11 +125,15 @@ impl Comm {
                 let _ = vals;
                 Ok(())
             }
+            Comm::Local(c, _) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
         }
     }
 
     /// On entry every rank's own range of `buf` (per `map`) is valid; on exit the whole buffer is.
     pub fn all_gather(&self, buf: &mut FlatBuf, map: &ShardMap) -> Result<()> {
+        if map.world() == 1 {
+            return Ok(()); // replicated ownership (ZeRO-0): every rank already holds everything
+        }
         if map.world() != self.mesh().world() {
             bail!("internal: a shard map for {} ranks used with {} ranks", map.world(), self.mesh().world());
         }
@@ -108,6 +142,10 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
+            Comm::Local(c, _) => {
+                let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+                c.all_gather_v_inplace(buf.host_mut()?, &counts, "weights")
+            }
         }
     }
 
@@ -115,6 +153,37 @@ impl Comm {
     pub fn barrier(&self) -> Result<()> {
         match self {
             Comm::Single => Ok(()),
+            Comm::Local(c, _) => c.barrier("barrier"),
+        }
+    }
+
+    /// All-gather of slices of lengths `counts` (rank order) into `output`, their concatenation; this
+    /// rank contributes `input` (`counts[rank]` values). ZeRO-3 gathers one layer's weights with it.
+    pub fn all_gather_v(&self, input: &[f32], output: &mut [f32], counts: &[usize], label: &str) -> Result<()> {
+        match self {
+            Comm::Single => {
+                if input.len() != output.len() {
+                    bail!("internal: all_gather \"{label}\" of {} values into {}", input.len(), output.len());
+                }
+                output.copy_from_slice(input);
+                Ok(())
+            }
+            Comm::Local(c, _) => c.all_gather_v(input, output, counts, label),
+        }
+    }
+
+    /// Reduce-scatter (sum) of `input`, the concatenation of slices of lengths `counts`: this rank gets
+    /// slice `rank` summed over ranks in `output`. ZeRO-3 hands one layer's gradients to their owners.
+    pub fn reduce_scatter_v_sum(&self, input: &[f32], output: &mut [f32], counts: &[usize], label: &str) -> Result<()> {
+        match self {
+            Comm::Single => {
+                if input.len() != output.len() {
+                    bail!("internal: reduce_scatter \"{label}\" of {} values into {}", input.len(), output.len());
+                }
+                output.copy_from_slice(input);
+                Ok(())
+            }
+            Comm::Local(c, _) => c.reduce_scatter_v(input, output, counts, ReduceOp::Sum, label),
         }
     }
 
@@ -144,7 +213,8 @@ mod tests {
     #[test]
     fn unimplemented_backends_are_refused_with_a_hint() {
         for b in [Backend::Local, Backend::Nccl] {
-            let e = Comm::from_config(&DistSection { backend: b }, "run.toml").unwrap_err().to_string();
+            let d = DistSection { backend: b, ..Default::default() };
+            let e = Comm::from_config(&d, "run.toml").unwrap_err().to_string();
             assert!(e.contains("run.toml: dist.backend") && e.contains(b.name()) && e.contains("hint:"), "{e}");
         }
     }

@@ -11,14 +11,17 @@
 //! shard is one flat range and the collectives move contiguous blocks. The write-back after the
 //! all-gather writes every parameter from the gathered full buffer, never from a shard, so no weight can
 //! stay stale whatever the cut (the earlier loop skipped parameters crossing a shard boundary).
-//! What this file does not do: the collectives themselves (`Comm`), or ZeRO-2/3 gradient and weight
-//! sharding (the gradient buffer and the gathered weights are still full-length on every rank).
+//! ZeRO-2 and 3 (`ZeroShards`) reduce-scatter each layer's gradients as soon as its backward is done
+//! (in `dist.bucket_mb` rounds), so gradients exist only as each rank's shard; ZeRO-3 also keeps no full
+//! weight buffer: each layer is gathered before its forward and again before its recompute.
+//! What this file does not do: the collectives themselves (`Comm`), overlap of the exchange with compute.
 use crate::comms::Comm;
 use crate::flatbuf::FlatBuf;
 use crate::grads::ParamLayout;
 use crate::optim::adamw::AdamW;
 use anyhow::{bail, Result};
-use candle_core::Var;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Var};
 use std::ops::Range;
 
 /// How the flat parameter space is cut between ranks.
@@ -123,9 +126,16 @@ impl ShardMap {
     }
 }
 
-/// The ZeRO publish step: put this rank's updated master slice into `weights` (full flat space), fill
-/// the other ranks' slices by an all-gather (a no-op at one rank), then write every parameter of
-/// `weights` into the model's `vars`.
+/// Put this rank's master slice into `weights` (full flat space) and fill the other ranks' slices by
+/// an all-gather (a no-op at one rank): every rank then holds all the current weights.
+pub fn publish(comm: &Comm, map: &ShardMap, optim: &AdamW, weights: &mut FlatBuf) -> Result<()> {
+    // a one-rank map is replicated ownership (ZeRO-0): every rank holds the whole master
+    let owner = if map.world() == 1 { 0 } else { comm.mesh().rank() };
+    map.place(owner, optim.master(), weights)?;
+    comm.all_gather(weights, map)
+}
+
+/// The ZeRO publish step: `publish`, then write every parameter of `weights` into the model's `vars`.
 pub fn gather_and_write_back(
     comm: &Comm,
     map: &ShardMap,
@@ -134,8 +144,7 @@ pub fn gather_and_write_back(
     layout: &ParamLayout,
     vars: &[Var],
 ) -> Result<()> {
-    map.place(comm.mesh().rank(), optim.master(), weights)?;
-    comm.all_gather(weights, map)?;
+    publish(comm, map, optim, weights)?;
     write_back(vars, layout, weights)
 }
 
@@ -153,6 +162,106 @@ pub fn write_back(vars: &[Var], layout: &ParamLayout, weights: &FlatBuf) -> Resu
         v.set(&weights.param_tensor(p.range.clone(), &p.shape, v.dtype(), v.device())?)?;
     }
     Ok(())
+}
+
+/// The per-group exchanges of ZeRO-2 and ZeRO-3. ZeRO-3 (parameters sharded): a rank keeps only its
+/// fp32 master shard; a group of consecutive parameters (one decoder layer, or the embedding, the final
+/// norm, the head) is all-gathered into compute-dtype `Var`s right before it is used and dropped
+/// after. Both stages reduce-scatter the gradients the backward produced for a group at once, in
+/// rounds of at most `bucket` elements (`dist.bucket_mb`), each rank adding its part into its gradient
+/// shard, so no rank ever holds a full-length gradient buffer.
+/// Every rank must call `gather` and `scatter_grads` for the same groups in the same order (the
+/// training loop's control flow is the same on every rank); a missing gradient counts as zeros.
+pub struct ZeroShards<'a> {
+    pub comm: &'a Comm,
+    pub map: &'a ShardMap,
+    pub layout: &'a ParamLayout,
+    /// this rank's fp32 master weights (`map.flat_range(rank)`)
+    pub master: &'a FlatBuf,
+    /// this rank's gradient shard (same range), accumulated over the step's micro-batches
+    pub grads: &'a mut FlatBuf,
+    pub dtype: DType,
+    pub device: Device,
+    /// gradient elements per reduce-scatter round (at least 1)
+    pub bucket: usize,
+}
+
+impl ZeroShards<'_> {
+    /// Flat range of the consecutive parameters `params` (indices into the layout).
+    fn flat_of(&self, params: &Range<usize>) -> Range<usize> {
+        self.layout.params[params.start].range.start..self.layout.params[params.end - 1].range.end
+    }
+
+    /// Per rank, the part of `flat` it owns (consecutive, covering `flat` in rank order).
+    fn parts(&self, flat: &Range<usize>) -> Vec<Range<usize>> {
+        (0..self.map.world())
+            .map(|r| {
+                let o = self.map.flat_range(r);
+                let (lo, hi) = (o.start.max(flat.start), o.end.min(flat.end));
+                lo..hi.max(lo)
+            })
+            .collect()
+    }
+
+    /// The parameters `params` gathered from every rank's shard, as `Var`s in the compute dtype.
+    pub fn gather(&self, params: Range<usize>, label: &str) -> Result<Vec<Var>> {
+        let flat = self.flat_of(&params);
+        let parts = self.parts(&flat);
+        let me = self.comm.mesh().rank();
+        let own = self.map.flat_range(me).start;
+        let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        let mine = if parts[me].is_empty() {
+            &[][..]
+        } else {
+            &self.master.host()?[parts[me].start - own..parts[me].end - own]
+        };
+        let mut full = vec![0f32; flat.len()];
+        self.comm.all_gather_v(mine, &mut full, &counts, label)?;
+        let full = FlatBuf::from_vec(full);
+        self.layout.params[params]
+            .iter()
+            .map(|p| {
+                let r = p.range.start - flat.start..p.range.end - flat.start;
+                Ok(Var::from_tensor(&full.param_tensor(r, &p.shape, self.dtype, &self.device)?)?)
+            })
+            .collect()
+    }
+
+    /// Sum the gradients `store` holds for `vars` (the parameters `params`) over ranks, in rounds of
+    /// at most `bucket` elements; add this rank's part into its gradient shard.
+    pub fn scatter_grads(&mut self, params: Range<usize>, vars: &[Var], store: &GradStore, label: &str) -> Result<()> {
+        let flat = self.flat_of(&params);
+        let mut full = FlatBuf::zeros(flat.len(), &Device::Cpu)?;
+        for (p, v) in self.layout.params[params].iter().zip(vars) {
+            if let Some(g) = store.get(v.as_tensor()) {
+                full.add_tensor(p.range.start - flat.start..p.range.end - flat.start, g)?;
+            }
+        }
+        let full = full.host()?;
+        let me = self.comm.mesh().rank();
+        let own = self.map.flat_range(me).start;
+        for lo in (flat.start..flat.end).step_by(self.bucket.max(1)) {
+            let round = lo..(lo + self.bucket.max(1)).min(flat.end);
+            let parts = self.parts(&round);
+            let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            let mut mine = vec![0f32; counts[me]];
+            let input = &full[round.start - flat.start..round.end - flat.start];
+            self.comm.reduce_scatter_v_sum(input, &mut mine, &counts, label)?;
+            if !parts[me].is_empty() {
+                let dst = &mut self.grads.host_mut()?[parts[me].start - own..parts[me].end - own];
+                dst.iter_mut().zip(&mine).for_each(|(d, g)| *d += g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter gathered into one full fp32 buffer (checkpoints and evaluation).
+    pub fn gather_all(comm: &Comm, map: &ShardMap, master: &FlatBuf, total: usize) -> Result<FlatBuf> {
+        let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+        let mut full = vec![0f32; total];
+        comm.all_gather_v(master.host()?, &mut full, &counts, "all weights")?;
+        Ok(FlatBuf::from_vec(full))
+    }
 }
 
 #[cfg(test)]

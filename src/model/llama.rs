@@ -230,6 +230,22 @@ impl Llama {
         })
     }
 
+    /// The model's configuration without any weights (ZeRO-3: the training loop gathers each layer and
+    /// passes it to `embed_with` / `layer_forward_with`); anything that needs the model's own weights
+    /// fails with an error instead of computing with them.
+    pub fn skeleton(cfg: LlamaConfig, dtype: DType, device: &Device) -> Result<Llama> {
+        let empty = Tensor::zeros((0, cfg.hidden_size), dtype, device)?;
+        Ok(Llama {
+            cfg,
+            embed_tokens: empty.clone(),
+            layers: vec![],
+            norm: empty.clone(),
+            lm_head: empty,
+            parity: RopeParity::F64,
+            attention: AttentionImpl::default(),
+        })
+    }
+
     /// Wrap every parameter in a candle `Var` and rebuild the model from them, so `backward()` yields a
     /// gradient per parameter (tied embeddings are one Var used twice).
     pub fn into_trainable(self) -> Result<(Llama, Vec<(String, Var)>)> {
@@ -287,8 +303,14 @@ impl Llama {
 
     /// Token embeddings: ids (B, T) u32 -> (B, T, C).
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        self.embed_with(&self.embed_tokens, ids)
+    }
+
+    /// Token embeddings from the table `embed_tokens` (V, C) instead of the model's own (ZeRO-3 passes
+    /// the table it gathered).
+    pub fn embed_with(&self, embed_tokens: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let x = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?;
+        let x = embed_tokens.index_select(&ids.flatten_all()?, 0)?;
         Ok(x.reshape((b, t, self.cfg.hidden_size))?)
     }
 
@@ -300,7 +322,22 @@ impl Llama {
         tables: &RopeTables,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let w = &self.layers[layer];
+        let w = self.layers.get(layer).ok_or_else(|| {
+            anyhow!("internal: this model holds no weights of layer {layer} (a ZeRO-3 skeleton passes them in)")
+        })?;
+        self.layer_forward_with(layer, w, x, tables, cache)
+    }
+
+    /// `layer_forward` with the layer's parameters `w` passed in (ZeRO-3 gathers them per layer and
+    /// frees them after; the model then holds no layer weights of its own).
+    pub fn layer_forward_with(
+        &self,
+        layer: usize,
+        w: &LayerWeights,
+        x: &Tensor,
+        tables: &RopeTables,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t, _c) = x.dims3()?;
         let (h, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
@@ -343,7 +380,7 @@ impl Llama {
         let t = ids.dim(1)?;
         let mut x = self.embed(ids)?;
         let shared = if self.cfg.rope.per_layer() { None } else { Some(self.rope_tables(0, start, t)?) };
-        for l in 0..self.layers.len() {
+        for l in 0..self.cfg.num_hidden_layers {
             let tables = match &shared {
                 Some(tab) => tab.clone(),
                 None => self.rope_tables(l, start, t)?,

@@ -129,10 +129,12 @@ impl AdamW {
         self.t = 0;
     }
 
-    /// One update with learning rate `lr`; `grads` is the full-length flat gradient buffer, of which
-    /// this rank reads its own range.
+    /// One update with learning rate `lr`; `grads` is either the full-length flat gradient buffer, of
+    /// which this rank reads its own range, or exactly this rank's shard of it (ZeRO-3).
     pub fn step(&mut self, grads: &FlatBuf, lr: f64) -> Result<()> {
-        if grads.len() < self.range.end {
+        // a shard-length buffer starts at this rank's range (a full one is longer unless range = 0..n)
+        let off = if grads.len() == self.range.len() { 0 } else { self.range.start };
+        if grads.len() < off + self.range.len() {
             bail!("internal: a gradient buffer of {} values for a shard ending at {}", grads.len(), self.range.end);
         }
         self.t += 1;
@@ -141,7 +143,7 @@ impl AdamW {
         let bc2_sqrt = (1.0 - (beta2 as f64).powi(self.t as i32)).sqrt();
         let step_size = (lr / bc1) as f32;
         let (bc2_sqrt, lr) = (bc2_sqrt as f32, lr as f32);
-        let grad = &grads.host()?[self.range.clone()];
+        let grad = &grads.host()?[off..off + self.range.len()];
         let (master, m, v) = (self.master.host_mut()?, self.m.host_mut()?, self.v.host_mut()?);
         for (seg, wd) in &self.segments {
             let decay = 1.0 - lr * wd;

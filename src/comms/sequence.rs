@@ -1,0 +1,205 @@
+//! Ulysses sequence parallelism: the P ranks of a sequence-parallel group each hold T/P consecutive
+//! tokens of the same sequences between attention blocks; around attention an all-to-all over heads
+//! gives each rank all T tokens of H/P query heads (and Hkv/P kv heads), and the inverse all-to-all
+//! brings the output back to the rank's own tokens.
+//!
+//! Reference: Jacobs et al. 2023, "DeepSpeed Ulysses" (all-to-all on q, k, v and the attention
+//! output); DESIGN.md §6. Layout: q (B, H, T/P, D) on every rank -> (B, H/P, T, D); rank p gets
+//! query heads p*H/P.. and kv heads p*Hkv/P.., so GQA's head h -> kv head h / (H/Hkv) holds locally too.
+//! The non-obvious decisions:
+//! - The exchange is one candle custom op (`AllToAll`) on a contiguous (P, ...) tensor whose chunk j
+//!   goes to rank j; an equal-chunk all-to-all is its own inverse, so its backward is the same op on
+//!   the gradient and autograd carries gradients across ranks. The reshapes around it are plain candle
+//!   ops with their own backward.
+//! - RoPE is applied before the exchange, on the rank's own tokens at their GLOBAL positions (the
+//!   training loop builds each rank's tables from offset sp_rank*T/P), with each head's own base, so
+//!   HARPE's per-head bases travel with their heads.
+//! - Every rank runs the same graph, so forward and backward meet the collectives in the same order.
+//!
+//! What this file does not do: padding (T must divide by P; refused before any work), ring
+//! attention, the NCCL all-to-all (one more `SpGroup` variant).
+use crate::comms::local::LocalComm;
+use crate::model::attention::{AttentionFn, AttentionImpl};
+use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
+
+/// The ranks that share one sequence.
+#[derive(Clone, Debug)]
+pub enum SpGroup {
+    /// ranks as threads of this process
+    Local(Arc<LocalComm>),
+}
+
+impl SpGroup {
+    /// Ranks in the group (P).
+    pub fn size(&self) -> usize {
+        match self {
+            SpGroup::Local(c) => c.world_size(),
+        }
+    }
+
+    /// This rank's place in the group: it holds tokens rank*T/P..(rank+1)*T/P.
+    pub fn rank(&self) -> usize {
+        match self {
+            SpGroup::Local(c) => c.rank(),
+        }
+    }
+
+    /// Stop the group's other ranks at their next collective (this rank failed outside one).
+    pub fn abort(&self, reason: &str) {
+        match self {
+            SpGroup::Local(c) => c.abort(reason),
+        }
+    }
+}
+
+/// Equal-chunk all-to-all of a contiguous tensor whose first dimension is P: chunk j goes to rank j,
+/// chunk i of the result came from rank i. Its own inverse, hence its own backward.
+#[derive(Clone, Debug)]
+struct AllToAll {
+    group: SpGroup,
+    label: &'static str,
+}
+
+impl CustomOp1 for AllToAll {
+    fn name(&self) -> &'static str {
+        "ulysses-all-to-all"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (lo, hi) = l
+            .contiguous_offsets()
+            .ok_or_else(|| Error::Msg(format!("all_to_all \"{}\": the input is not contiguous", self.label)))?;
+        let SpGroup::Local(c) = &self.group;
+        let err = |e: anyhow::Error| Error::Msg(format!("{e:#}"));
+        let out = match s {
+            CpuStorage::F32(v) => {
+                let mut o = vec![0f32; hi - lo];
+                c.all_to_all(&v[lo..hi], &mut o, self.label).map_err(err)?;
+                CpuStorage::F32(o)
+            }
+            CpuStorage::BF16(v) => {
+                let mut o = vec![half::bf16::ZERO; hi - lo];
+                c.all_to_all(&v[lo..hi], &mut o, self.label).map_err(err)?;
+                CpuStorage::BF16(o)
+            }
+            _ => return Err(Error::Msg(format!("all_to_all \"{}\": only f32 and bf16 are supported", self.label))),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.contiguous()?.apply_op1(self.clone())?))
+    }
+}
+
+/// q/k/v of this rank's tokens, all heads (B, Hx, T/P, D) -> all tokens of its Hx/P heads (B, Hx/P, T, D).
+pub fn heads_to_seq(group: &SpGroup, x: &Tensor, label: &'static str) -> Result<Tensor> {
+    let p = group.size();
+    let (b, hx, tl, d) = x.dims4()?;
+    if !hx.is_multiple_of(p) {
+        return Err(Error::Msg(format!("sequence parallelism: {hx} heads do not split over {p} ranks")));
+    }
+    let chunks = x.reshape((b, p, hx / p, tl, d))?.transpose(0, 1)?.contiguous()?; // (P, B, Hx/P, T/P, D)
+    let got = chunks.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's tokens
+    got.permute((1, 2, 0, 3, 4))?.reshape((b, hx / p, p * tl, d)) // (B, Hx/P, T, D)
+}
+
+/// The attention output of this rank's heads over all tokens (B, H/P, T, D) -> its own tokens with
+/// every head (B, H, T/P, D): the inverse of `heads_to_seq`.
+pub fn seq_to_heads(group: &SpGroup, o: &Tensor, label: &'static str) -> Result<Tensor> {
+    let p = group.size();
+    let (b, hp, t, d) = o.dims4()?;
+    if !t.is_multiple_of(p) {
+        return Err(Error::Msg(format!("sequence parallelism: {t} tokens do not split over {p} ranks")));
+    }
+    let tl = t / p;
+    let chunks = o.reshape((b, hp, p, tl, d))?.permute((2, 0, 1, 3, 4))?.contiguous()?; // (P, B, H/P, T/P, D)
+    let got = chunks.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's heads
+    got.transpose(0, 1)?.reshape((b, p * hp, tl, d)) // (B, H, T/P, D)
+}
+
+/// Attention under Ulysses: exchange, the device's attention over all T tokens, exchange back.
+#[derive(Debug)]
+pub struct Ulysses {
+    pub group: SpGroup,
+    /// the attention run on (B, H/P, T, D): the device default
+    pub inner: AttentionImpl,
+}
+
+impl AttentionFn for Ulysses {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+        if q.dtype() != k.dtype() || q.dtype() != v.dtype() || !matches!(q.dtype(), DType::F32 | DType::BF16) {
+            return Err(Error::Msg("sequence parallelism: q, k, v must share the dtype f32 or bf16".into()));
+        }
+        let q = heads_to_seq(&self.group, q, "ulysses q")?;
+        let k = heads_to_seq(&self.group, k, "ulysses k")?;
+        let v = heads_to_seq(&self.group, v, "ulysses v")?;
+        let o = self.inner.attend(&q, &k, &v, scale, causal)?; // (B, H/P, T, D)
+        seq_to_heads(&self.group, &o, "ulysses o")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comms::local::spawn_local;
+    use candle_core::{Device, Var};
+    use std::time::Duration;
+
+    /// Deterministic (B, H, T, D) values.
+    fn make(b: usize, h: usize, t: usize, d: usize, seed: f32) -> Tensor {
+        let n = b * h * t * d;
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin() * 0.8).collect();
+        Tensor::from_vec(v, (b, h, t, d), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn ulysses_attention_forward_and_backward_equal_one_rank() {
+        // GQA 4 q heads over 2 kv heads, T = 12 split over P = 2 ranks; causal
+        let (b, h, hkv, t, d) = (2, 4, 2, 12, 8);
+        let (q, k, v) = (make(b, h, t, d, 0.1), make(b, hkv, t, d, 0.7), make(b, hkv, t, d, 1.3));
+        let w = make(b, h, t, d, 2.1); // upstream gradient: loss = sum(o * w)
+        let scale = 1.0 / (d as f32).sqrt();
+        let whole = |q: &Tensor, k: &Tensor, v: &Tensor| AttentionImpl::CpuReference.attend(q, k, v, scale, true);
+        let (qv, kv, vv) =
+            (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+        let o_ref = whole(qv.as_tensor(), kv.as_tensor(), vv.as_tensor()).unwrap();
+        let store = (&o_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();
+        let refs: Vec<Vec<f32>> = [o_ref.clone(), g(&qv), g(&kv), g(&vv)]
+            .iter()
+            .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        for p in [1usize, 2] {
+            let tl = t / p;
+            let parts = spawn_local(p, Duration::from_secs(20), |c| {
+                let r = c.rank();
+                let att = Ulysses { group: SpGroup::Local(c), inner: AttentionImpl::CpuReference };
+                let mine = |x: &Tensor| Var::from_tensor(&x.narrow(2, r * tl, tl).unwrap()).unwrap();
+                let (ql, kl, vl) = (mine(&q), mine(&k), mine(&v));
+                let o = att.attend(ql.as_tensor(), kl.as_tensor(), vl.as_tensor(), scale, true)?;
+                let gs = (&o * w.narrow(2, r * tl, tl)?)?.sum_all()?.backward()?;
+                let grad = |x: &Var| gs.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
+                Ok([o, grad(&ql)?, grad(&kl)?, grad(&vl)?])
+            })
+            .unwrap();
+            for (i, name) in ["o", "dq", "dk", "dv"].iter().enumerate() {
+                let got: Vec<Tensor> = parts.iter().map(|pr| pr[i].clone()).collect();
+                let got = Tensor::cat(&got, 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "P = {p}: {name} differs by {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn heads_that_do_not_split_are_an_error() {
+        let r = spawn_local(2, Duration::from_secs(5), |c| {
+            let g = SpGroup::Local(c);
+            Ok(heads_to_seq(&g, &make(1, 3, 4, 2, 0.0), "q").is_err())
+        })
+        .unwrap();
+        assert!(r.iter().all(|&e| e));
+    }
+}
