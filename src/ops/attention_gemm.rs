@@ -262,54 +262,40 @@ impl BwdHead<'_> {
                 if self.dims.limit(self.causal, i0 + nr - 1) <= k0 {
                     continue; // the block sees none of these keys
                 }
-                let blk = BwdBlock {
-                    p: &ph[i0 * w..(i0 + nr) * w],
-                    kh: self.k,
-                    vh: self.v,
-                    i0,
-                    dims: self.dims,
-                    scale: self.scale,
-                    causal: self.causal,
-                };
-                blk.run(k0..k1, &mut dq_h[i0 * d..(i0 + nr) * d], dk_p, dv_p);
+                self.block(&ph[i0 * w..(i0 + nr) * w], i0, k0..k1, &mut dq_h[i0 * d..(i0 + nr) * d], dk_p, dv_p);
             }
         }
     }
-}
 
-/// One query block of the backward: packed rows `p` (nr x (3D + 2)) starting at query row i0.
-struct BwdBlock<'a> {
-    p: &'a [f32],
-    kh: &'a [f32],
-    vh: &'a [f32],
-    i0: usize,
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-}
-
-impl BwdBlock<'_> {
-    /// Adds this block's dQ rows into `dq_b` and its part of dK, dV for the keys in `keys` into `dk_p`,
-    /// `dv_p` (rows keys.start..keys.end).
-    fn run(&self, keys: std::ops::Range<usize>, dq_b: &mut [f32], dk_p: &mut [f32], dv_p: &mut [f32]) {
+    /// One query block: packed rows `p` (nr x (3D + 2)) from query row i0. Adds its dQ rows into `dq_b`
+    /// and its part of dK, dV for the keys in `keys` into `dk_p`, `dv_p` (rows keys.start..keys.end).
+    fn block(
+        &self,
+        p: &[f32],
+        i0: usize,
+        keys: std::ops::Range<usize>,
+        dq_b: &mut [f32],
+        dk_p: &mut [f32],
+        dv_p: &mut [f32],
+    ) {
         let d = self.dims.d;
         let w = 3 * d + 2;
-        let nr = self.p.len() / w;
-        let (qp, dop) = (self.p.as_ptr(), self.p[2 * d + 1..].as_ptr());
+        let nr = p.len() / w;
+        let (qp, dop) = (p.as_ptr(), p[2 * d + 1..].as_ptr());
         // Δ_i = dO_i · O_i, and lse_i, per row
         let (delta, lse): (Vec<f32>, Vec<f32>) =
-            self.p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
-        let lim_last = self.dims.limit(self.causal, self.i0 + nr - 1).min(keys.end);
+            p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
+        let lim_last = self.dims.limit(self.causal, i0 + nr - 1).min(keys.end);
         let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
         for kb in (keys.start..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
-            let (kj, vj) = (self.kh[kb * d..].as_ptr(), self.vh[kb * d..].as_ptr());
+            let (kj, vj) = (self.k[kb * d..].as_ptr(), self.v[kb * d..].as_ptr());
             // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj are rows
             // kb..kb+n of d, the dK/dV destinations those rows of this key range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
             unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
             for r in 0..nr {
-                let valid = self.dims.limit(self.causal, self.i0 + r).saturating_sub(kb).min(n);
+                let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
                 let sr = &mut s[r * n..(r + 1) * n];
                 if lse[r] == f32::NEG_INFINITY {
                     sr.fill(0.0);
