@@ -4,13 +4,38 @@
 //!
 //! Reference: PyTorch's device strings (`cuda:1`). The non-obvious decision: a CPU build still
 //! parses `cuda` (a recipe for a GPU run can be read, planned and hashed anywhere) and fails only when
-//! the device is opened, with a hint to rebuild with `--features cuda`. Not done here: choosing the
-//! attention implementation for a device (`model::attention::AttentionImpl::for_device`).
+//! the device is opened, with a hint to rebuild with `--features cuda`. `init_cpu_runtime` sets candle's
+//! elementwise pool to one thread and glibc's reuse of large blocks (see there). Not done here: choosing
+//! the attention implementation for a device (`model::attention::AttentionImpl::for_device`).
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::str::FromStr;
+
+/// Process settings of the CPU path; call first thing in `main`, while the process has one thread.
+///
+/// 1. `CANDLE_NUM_THREADS=1` unless the user set it. candle 0.11 runs large elementwise ops on its own
+///    spinning barrier pool (CANDLE_NUM_THREADS - 1 workers, default: all cores) beside rayon's pool
+///    (GEMMs, harpe's ops), so every core gets two busy-waiting threads; on 2 threads, training at
+///    T = 256 measured 400 tok/s with the default and 2200-2900 with one pool thread. Elementwise ops then
+///    run on the calling thread; the parallel work stays on rayon.
+/// 2. glibc keeps freed blocks up to 32 MiB for reuse (`M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD`) instead of
+///    returning every activation-sized buffer to the kernel and page-faulting it back in on the next op
+///    (15% of a T = 1024 step was page faults; +50% tok/s). Freed blocks are reused, so the peak is the
+///    live tensors' plus fragmentation; free memory goes back to the kernel above 256 MiB. Both measured in benches/results/train-cpu_2vcpu_202612.md.
+pub fn init_cpu_runtime() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // Sound here: called at the top of `main`, while the process has one thread.
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
 
 /// A device as the user names it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -9,30 +9,20 @@
 //! loss per data source and scale the sum by the number of target tokens of the whole optimizer step
 //! (exact gradient accumulation). Targets equal to `IGNORE_INDEX` contribute 0 and get no gradient.
 //! `chunked_nll` / `nll_rows` are the one NLL rule: eval-ppl calls them too (accumulating in f64).
-//! The CPU path uses candle's gemm on chunks; a CUDA kernel is a later issue. Not done here: z-loss,
+//! The CPU path uses candle's gemm on chunks, reading hidden and weight in place (the op's node only
+//! carries the nll, so no copy of either is made); a CUDA kernel is a later issue. Not done here: z-loss,
 //! label smoothing.
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 /// Target value that is skipped (no loss, no gradient).
 pub const IGNORE_INDEX: u32 = u32::MAX;
 
+/// The loss's autograd node: input 0 is the nll (N) already computed from the detached hidden and weight
+/// (`chunked_nll`, candle's gemm reading the tensors in place), inputs 1, 2 are hidden and weight, so
+/// the backward gets them as tensors; the forward only passes the nll through (N floats).
 struct ChunkedCe {
     chunk: usize,
-}
-
-/// A CPU storage slice as a tensor (copies; layouts must be contiguous).
-fn cpu_tensor(s: &CpuStorage, l: &Layout, what: &str) -> Result<Tensor> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("chunked cross-entropy: {what} must be contiguous")))?;
-    let dev = Device::Cpu;
-    match s {
-        CpuStorage::F32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::BF16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::F16(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        CpuStorage::U32(v) => Tensor::from_slice(&v[a..b], l.shape(), &dev),
-        _ => candle_core::bail!("chunked cross-entropy: unsupported dtype for {what} (f32, bf16, f16 or u32 expected)"),
-    }
+    targets: Tensor,
 }
 
 /// Targets with ignored entries replaced by 0 (for gather) and the 0/1 validity mask, both (n, 1).
@@ -116,32 +106,27 @@ impl CustomOp3 for ChunkedCe {
         &self,
         s1: &CpuStorage,
         l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+        _s3: &CpuStorage,
+        _l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let h = cpu_tensor(s1, l1, "hidden")?; // (N, C)
-        let w = cpu_tensor(s2, l2, "weight")?; // (V, C)
-        let t = cpu_tensor(s3, l3, "targets")?; // (N)
-        let (n, _c, _v) = check(&h, &w, &t)?;
-        let w_t = w.t()?; // (C, V), strided view: gemm reads it in place
-        let nll = chunked_nll(&t, self.chunk, DType::F32, |start, len| {
-            h.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32) // (len, V)
-        })?
-        .to_vec1::<f32>()?;
-        Ok((CpuStorage::F32(nll), Shape::from_dims(&[n])))
+        let nll = match (s1, l1.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((a, b))) => v[a..b].to_vec(),
+            _ => candle_core::bail!("chunked cross-entropy: the nll must be contiguous f32"),
+        };
+        Ok((CpuStorage::F32(nll), l1.shape().clone()))
     }
 
     fn bwd(
         &self,
+        _nll: &Tensor,
         hidden: &Tensor,
         weight: &Tensor,
-        targets: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (h, w, t) = (hidden.detach(), weight.detach(), targets.detach());
+        let (h, w, t) = (hidden.detach(), weight.detach(), self.targets.clone());
         let (n, c, v) = check(&h, &w, &t)?;
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
@@ -160,7 +145,7 @@ impl CustomOp3 for ChunkedCe {
             dw = (dw + dlogits.t()?.matmul(&hc.to_dtype(DType::F32)?)?)?;
         }
         let dh = Tensor::cat(&dh, 0)?.to_dtype(hidden.dtype())?;
-        Ok((Some(dh), Some(dw.to_dtype(weight.dtype())?), None))
+        Ok((None, Some(dh), Some(dw.to_dtype(weight.dtype())?)))
     }
 }
 
@@ -168,7 +153,15 @@ impl CustomOp3 for ChunkedCe {
 /// differentiable in `hidden` and `weight`.
 pub fn chunked_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, chunk: usize) -> Result<Tensor> {
     let chunk = chunk.max(1);
-    hidden.contiguous()?.apply_op3(&weight.contiguous()?, &targets.contiguous()?, ChunkedCe { chunk })
+    let (h, w) = (hidden.contiguous()?, weight.contiguous()?);
+    let targets = targets.contiguous()?.detach();
+    let (hd, wd) = (h.detach(), w.detach());
+    check(&hd, &wd, &targets)?;
+    let w_t = wd.t()?; // (C, V), strided view: gemm reads it in place
+    let nll = chunked_nll(&targets, chunk, DType::F32, |start, len| {
+        hd.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32) // (len, V)
+    })?; // (N), outside the graph
+    nll.apply_op3(&h, &w, ChunkedCe { chunk, targets })
 }
 
 /// The same per-token nll from plain candle ops with the full (N, V) logits (tests, tiny shapes).
@@ -182,7 +175,7 @@ pub fn cross_entropy_slow(hidden: &Tensor, weight: &Tensor, targets: &Tensor) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
+    use candle_core::{Device, Var};
 
     fn setup(n: usize, c: usize, v: usize, seed: u64) -> (Var, Var, Tensor) {
         use rand::{Rng, SeedableRng};

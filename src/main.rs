@@ -24,6 +24,8 @@ enum Cmd {
     EvalPpl(harpe::eval::ppl::EvalPplArgs),
     /// Next-token loss on a prepared dataset by source and by position bucket (Fu et al. Table 5)
     EvalLoss(harpe::eval::eval_loss::EvalLossArgs),
+    /// Greedy continuation of token ids with a KV cache, timed (tokens/s as one JSON line)
+    Generate(harpe::eval::generate::GenerateArgs),
     /// RULER's needle tasks, passkey and the needle grid: prompts, generation, scores, heatmaps
     EvalNiah(harpe::eval::niah_run::EvalNiahArgs),
     /// MMLU, HellaSwag, ARC, PIQA, TriviaQA from local files with lm-evaluation-harness's prompts and metrics
@@ -52,6 +54,7 @@ enum Cmd {
 }
 
 fn main() {
+    harpe::device::init_cpu_runtime();
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
@@ -59,6 +62,7 @@ fn main() {
         Cmd::Train(a) => harpe::train::run(a),
         Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
         Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
+        Cmd::Generate(a) => harpe::eval::generate::run(a),
         Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
         Cmd::EvalTasks(a) => harpe::eval::tasks::run::run(*a),
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),

@@ -601,14 +601,14 @@ fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
 }
 
 /// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
-/// (`Llama::layer_forward`): RMSNorm sqr/div/mul (3C, twice), q/k/v projections (HD + 2 Hkv·D), RoPE's
-/// contiguous copy and output for q and k (2HD + 2 Hkv·D), v made contiguous (Hkv·D), attention output
-/// (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate, silu, up, product (4I), down and the
-/// residual (2C).
+/// (`Llama::layer_forward`): the fused RMSNorm op's output (C, twice), q/k/v projections (HD + 2 Hkv·D),
+/// RoPE's output for q and k (HD + Hkv·D; it reads the projections' strided rows, no copy), v made
+/// contiguous (Hkv·D), attention output (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate,
+/// silu, up, product (4I), down and the residual (2C).
 pub fn cpu_graph_per_token(a: &Arch) -> f64 {
     let (c, i) = (a.hidden as f64, a.intermediate as f64);
     let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
-    10.0 * c + 5.0 * hd + 5.0 * kvd + 4.0 * i
+    6.0 * c + 4.0 * hd + 4.0 * kvd + 4.0 * i
 }
 
 /// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.

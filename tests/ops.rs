@@ -50,6 +50,31 @@ fn rotary_matches_slow_forward_and_backward() {
 }
 
 #[test]
+fn rotary_reads_strided_rows_like_the_reference_forward_and_backward() {
+    // the model's layout: projections (B, T, H, D) seen as (B, H, T, D) through a transpose, no copy
+    use harpe::ops::rotary::{rotary_cpu, rotary_par};
+    let (b, t, h, d) = (2, 9, 4, 8);
+    let (cos, sin) = tables(&[1e4, 5e5], d, t, 3);
+    let x = Var::from_tensor(&randn(&[b, t, h, d], 7)).unwrap();
+    let xt = x.as_tensor().transpose(1, 2).unwrap(); // (B, H, T, D), strided
+    assert!(!xt.is_contiguous());
+    let w = randn(&[b, h, t, d], 8);
+    let y = rope(&xt, &cos, &sin).unwrap();
+    let y_slow = rope_slow(&xt.contiguous().unwrap(), &cos, &sin).unwrap();
+    assert!(max_abs_diff(&y, &y_slow) < 1e-6);
+    let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g_slow = (rope_slow(&xt, &cos, &sin).unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let (ga, gb) = (g.get(x.as_tensor()).unwrap(), g_slow.get(x.as_tensor()).unwrap());
+    assert!(max_abs_diff(ga, gb) < 1e-6);
+    // the parallel strided loops against the readable reference loops, bit for bit
+    let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (c, s) = (vals(&cos), vals(&sin));
+    let xs = vals(x.as_tensor());
+    let reference = rotary_cpu(&vals(&xt.contiguous().unwrap()), &c, &s, (b, h, t, d), 2);
+    assert_eq!(rotary_par(&xs, [t * h * d, d, h * d], &c, &s, (b, h, t, d), 2), reference);
+}
+
+#[test]
 fn rotary_preserves_norm_and_relative_position() {
     // A rotation: norms are kept; q.k after RoPE depends only on the position difference.
     let d = 16;

@@ -1,19 +1,10 @@
 //! The fused RMSNorm op (`ops::rms_norm`): CPU reference loops vs the plain-op `rms_norm_slow` (the
-//! model's formula), forward and backward, f32 and bf16, and finite differences of the backward.
+//! model's formula), forward and backward, f32 and bf16, finite differences of the backward, and the
+//! op's parallel row loops against the sequential reference loops.
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::ops::rms_norm::{rms_norm, rms_norm_slow};
-
-fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+mod ops_common;
+use ops_common::randn;
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();
@@ -100,4 +91,19 @@ fn finite_differences_agree_with_backward() {
 fn mismatched_weight_is_an_error() {
     let e = rms_norm(&randn(&[2, 5], 1, 1.0), &randn(&[4], 2, 1.0), 1e-6).unwrap_err().to_string();
     assert!(e.contains("does not end in the weight's width 4"), "{e}");
+}
+
+#[test]
+fn parallel_loops_match_the_reference_loops() {
+    use harpe::ops::rms_norm::{rms_norm_bwd_cpu, rms_norm_bwd_par, rms_norm_cpu, rms_norm_par};
+    // 103 rows: several rayon tasks and a ragged last one
+    let (n, c) = (103, 24);
+    let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (x, w, dy) = (vals(&randn(&[n, c], 4, 2.0)), vals(&randn(&[c], 5, 1.0)), vals(&randn(&[n, c], 6, 1.0)));
+    assert_eq!(rms_norm_par(&x, &w, c, 1e-5), rms_norm_cpu(&x, &w, c, 1e-5).0, "forward is the same row code");
+    let ((dxp, dwp), (dxr, dwr)) = (rms_norm_bwd_par(&dy, &x, &w, c, 1e-5), rms_norm_bwd_cpu(&dy, &x, &w, c, 1e-5));
+    assert_eq!(dxp, dxr, "dx is the same row code");
+    let err = dwp.iter().zip(&dwr).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let mag = dwr.iter().map(|v| v.abs()).fold(0f32, f32::max);
+    assert!(err <= 1e-5 * mag.max(1.0) && mag > 0.0, "dw differs by {err} (max {mag})");
 }

@@ -4,10 +4,54 @@
 //! The non-obvious decision: prefill chunks reuse the same causal attention op with Tq < Tk, so a chunked
 //! prefill computes exactly what one full forward would (tested against full recomputation). Dynamic
 //! NTK rebuilds frequencies per call from the current length, as HF does, so cached keys of a dynamic
-//! model keep the base they were written with (HF behaves the same). Not done here: sampling, beams.
+//! model keep the base they were written with (HF behaves the same). `harpe generate` runs it on token
+//! ids and times it (the decode benchmark against transformers' `generate`). Not done here: sampling, beams.
+use crate::eval::ppl::ScoringModel;
 use crate::model::llama::{KvCache, Llama};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, D};
+use std::time::Instant;
+
+/// `harpe generate`: greedy continuation of token ids under a model directory, timed.
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// the model flags of the scoring commands (--loss-chunk does not apply here)
+    #[command(flatten)]
+    pub scoring: ScoringModel,
+    /// prompt token ids, comma-separated (e.g. 1,15043,29892)
+    #[arg(long, value_name = "IDS")]
+    pub prompt_ids: String,
+    /// new tokens to generate (exactly this many: no stop token)
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// prompt tokens per prefill forward pass
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+}
+
+/// Print one JSON line: the new tokens, seconds, and new tokens per second of the whole call.
+pub fn run(a: GenerateArgs) -> Result<()> {
+    let prompt: Vec<u32> = a
+        .prompt_ids
+        .split(',')
+        .map(|s| s.trim().parse::<u32>())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(|| format!("--prompt-ids `{}`\nhint: pass token ids as 1,2,3", a.prompt_ids))?;
+    let model = a.scoring.load()?;
+    let opts =
+        GenerateOptions { max_new_tokens: a.max_new_tokens, stop_tokens: vec![], prefill_chunk: a.prefill_chunk };
+    let t0 = Instant::now();
+    let out = greedy_generate(&model, &prompt, &opts)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let line = serde_json::json!({
+        "prompt_tokens": prompt.len(),
+        "new_tokens": out,
+        "seconds": secs,
+        "tokens_per_s": out.len() as f64 / secs,
+    });
+    println!("{line}");
+    Ok(())
+}
 
 /// Decoding settings.
 #[derive(Clone, Debug)]

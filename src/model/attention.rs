@@ -8,7 +8,7 @@
 //! provides the Ulysses all-to-all wrapper and it is chosen at run time. Every arm computes the same
 //! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
 //! Not done here: the CUDA kernel (helper arm added by the GPU issue), the sequence-parallel wrapper.
-use crate::ops::attention::{attention, attention_blocked};
+use crate::ops::attention::{attention, attention_blocked, attention_reference};
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 
@@ -24,8 +24,10 @@ pub trait AttentionFn: Send + Sync + std::fmt::Debug {
 /// Which attention `layer_forward` runs.
 #[derive(Clone, Debug, Default)]
 pub enum AttentionImpl {
-    /// `ops::attention`: the flash-style CPU reference op with its own backward op (today's default).
+    /// `ops::attention`: the flash-style op with its own backward op, on CPU as GEMM blocks (the default).
     #[default]
+    Cpu,
+    /// `ops::attention_reference`: the same op running its scalar reference loops (tests, debugging).
     CpuReference,
     /// `ops::attention_blocked`: query blocks against all keys from plain candle ops (any device).
     Blocked { block: usize },
@@ -34,11 +36,11 @@ pub enum AttentionImpl {
 }
 
 impl AttentionImpl {
-    /// The implementation a device runs by default: the reference op on CPU; on CUDA the blocked
+    /// The implementation a device runs by default: the GEMM-block op on CPU; on CUDA the blocked
     /// reference until the CUDA kernel lands.
     pub fn for_device(dev: &Device) -> AttentionImpl {
         match dev {
-            Device::Cpu => AttentionImpl::CpuReference,
+            Device::Cpu => AttentionImpl::Cpu,
             _ => AttentionImpl::Blocked { block: DEFAULT_BLOCK },
         }
     }
@@ -46,7 +48,8 @@ impl AttentionImpl {
     /// Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D); differentiable.
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
         match self {
-            AttentionImpl::CpuReference => attention(q, k, v, scale, causal),
+            AttentionImpl::Cpu => attention(q, k, v, scale, causal),
+            AttentionImpl::CpuReference => attention_reference(q, k, v, scale, causal),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
         }

@@ -3,18 +3,18 @@
 //!
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
-//! `ops::attention`; candle's fused ones have none), RMSNorm is built from plain ops so it has a
-//! gradient, and RoPE tables come from the model's `RopeScheme` per call (per layer only when
+//! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on CPU
+//! (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
-//! `AttentionImpl` the caller sets (CPU reference op, blocked reference, later CUDA or a
-//! sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
+//! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
+//! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
 //! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::{RopeParity, RopeTables};
 use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashMap;
 
 /// One decoder layer's parameters (HF names in comments).
@@ -40,7 +40,7 @@ pub struct Llama {
     pub norm: Tensor,    // model.norm.weight (C)
     pub lm_head: Tensor, // lm_head.weight (V, C); the same tensor as embed_tokens when tied
     pub parity: RopeParity,
-    /// The attention `layer_forward` calls; chosen by the caller (default: the CPU reference op).
+    /// The attention `layer_forward` calls; chosen by the caller (default: the attention op, GEMM blocks on CPU).
     pub attention: AttentionImpl,
 }
 
@@ -139,13 +139,15 @@ impl LayerWeights {
     }
 }
 
-/// RMSNorm from plain ops (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)).
+/// RMSNorm (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)). On CPU the fused op with
+/// its own backward (`ops::rms_norm`, rows in parallel); elsewhere its plain-op twin until the GPU path
+/// switches to the op's CUDA launch.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    let dtype = x.dtype();
-    let xf = x.to_dtype(DType::F32)?;
-    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = xf.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
-    y.broadcast_mul(w)
+    if x.device().is_cpu() && x.dtype() == w.dtype() {
+        crate::ops::rms_norm::rms_norm(x, w, eps)
+    } else {
+        crate::ops::rms_norm::rms_norm_slow(x, w, eps)
+    }
 }
 
 /// x (..., In) @ w^T with w (Out, In).

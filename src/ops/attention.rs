@@ -13,7 +13,10 @@
 //! autograd saves lives where O lives (no host copy, no state in the op).
 //! `attention_blocked` (query blocks against all keys, plain candle ops) and `attention_slow` (full
 //! (Tq x Tk) scores) are the references; `model::attention::AttentionImpl` chooses among them.
+//! The op runs either the scalar loops below (`CpuKernel::Reference`, `attention_reference`) or the
+//! same algorithm on GEMM blocks (`CpuKernel::Gemm`, `ops::attention_gemm`, what `attention` runs).
 //! Not done here: dropout, sliding windows, document masks (later issues).
+use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -32,7 +35,8 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
-    fn limit(&self, causal: bool, i: usize) -> usize {
+    /// Keys query row `i` may see: 0..limit.
+    pub(crate) fn limit(&self, causal: bool, i: usize) -> usize {
         if causal {
             (self.tk - self.tq + i + 1).min(self.tk)
         } else {
@@ -164,6 +168,16 @@ pub fn attention_bwd_cpu(
 struct AttentionFwd {
     scale: f32,
     causal: bool,
+    kernel: CpuKernel,
+}
+
+/// Which CPU loops the attention op (forward and backward) runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuKernel {
+    /// The readable scalar reference loops of this file.
+    Reference,
+    /// The same algorithm on GEMM blocks (`ops::attention_gemm`): the fast default.
+    Gemm,
 }
 
 fn dims_of(lq: &Layout, lk: &Layout, lv: &Layout) -> Result<AttnDims> {
@@ -211,9 +225,15 @@ impl CustomOp3 for AttentionFwd {
         let q = f32_slice(s1, l1, "attention", "q")?;
         let k = f32_slice(s2, l2, "attention", "k")?;
         let v = f32_slice(s3, l3, "attention", "v")?;
-        let (o, lse) = attention_fwd_cpu(q, k, v, dims, self.scale, self.causal);
         let AttnDims { b, h, tq, d, .. } = dims;
-        Ok((CpuStorage::F32(pack_o_lse(&o, &lse, d)), Shape::from_dims(&[b, h, tq, d + 1])))
+        let packed = match self.kernel {
+            CpuKernel::Reference => {
+                let (o, lse) = attention_fwd_cpu(q, k, v, dims, self.scale, self.causal);
+                pack_o_lse(&o, &lse, d)
+            }
+            CpuKernel::Gemm => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal),
+        };
+        Ok((CpuStorage::F32(packed), Shape::from_dims(&[b, h, tq, d + 1])))
     }
 
     // cuda_fwd: the CUDA kernel (kernels/attention.cu) plugs in here with the same packed output.
@@ -229,8 +249,11 @@ impl CustomOp3 for AttentionFwd {
         let d = q.dim(3)?;
         // (B, H, Tq, 3D + 2): q | O | lse | dO | d(lse) (zero: lse is not an output of `attention`)
         let packed = Tensor::cat(&[&q.detach(), &res.detach(), &grad.detach()], 3)?;
-        let flat =
-            packed.apply_op3(&k.detach(), &v.detach(), AttentionBwd { scale: self.scale, causal: self.causal, d })?;
+        let flat = packed.apply_op3(
+            &k.detach(),
+            &v.detach(),
+            AttentionBwd { scale: self.scale, causal: self.causal, d, kernel: self.kernel },
+        )?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let part = |at: usize, t: &Tensor| flat.narrow(0, at, t.elem_count())?.reshape(t.shape());
         Ok((Some(part(0, q)?), Some(part(nq, k)?), Some(part(nq + nk, v)?)))
@@ -243,6 +266,7 @@ struct AttentionBwd {
     scale: f32,
     causal: bool,
     d: usize,
+    kernel: CpuKernel,
 }
 
 impl CustomOp3 for AttentionBwd {
@@ -269,6 +293,11 @@ impl CustomOp3 for AttentionBwd {
         let packed = f32_slice(s1, l1, "attention backward", "packed")?;
         let k = f32_slice(s2, l2, "attention backward", "k")?;
         let v = f32_slice(s3, l3, "attention backward", "v")?;
+        if self.kernel == CpuKernel::Gemm {
+            let grads = attention_bwd_gemm(packed, k, v, dims, self.scale, self.causal);
+            let n = grads.len();
+            return Ok((CpuStorage::F32(grads), Shape::from_dims(&[n])));
+        }
         let rows = b * h * tq;
         let (mut q, mut o, mut dout) =
             (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
@@ -291,11 +320,29 @@ impl CustomOp3 for AttentionBwd {
 }
 
 /// Causal (or full) attention softmax(q k^T * scale) v with GQA; differentiable in q, k, v.
+/// On CPU it runs the GEMM-block kernel (`CpuKernel::Gemm`).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    attention_with(q, k, v, scale, causal, CpuKernel::Gemm)
+}
+
+/// `attention` running the scalar reference loops (tests, and the readable twin of every kernel).
+pub fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    attention_with(q, k, v, scale, causal, CpuKernel::Reference)
+}
+
+/// `attention` with the CPU loops chosen explicitly.
+pub fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    kernel: CpuKernel,
+) -> Result<Tensor> {
     let dtype = q.dtype();
     let d = q.dim(3)?;
     let f = |t: &Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
-    let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal })?; // (B, H, Tq, D + 1)
+    let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal, kernel })?; // (B, H, Tq, D + 1)
     packed.narrow(3, 0, d)?.to_dtype(dtype)
 }
 

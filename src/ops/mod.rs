@@ -1,6 +1,8 @@
 //! Fused ops: each file has a CPU reference (`cpu_fwd`, readable loops), its backward, and a `_slow`
 //! version from plain candle ops; CUDA launches slot in beside the CPU path.
 pub mod attention;
+pub mod attention_gemm;
+pub mod cpu_vec;
 pub mod cross_entropy_chunk;
 pub mod rms_norm;
 pub mod rotary;

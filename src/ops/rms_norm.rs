@@ -8,9 +8,11 @@
 //! and dw (C) into one flat tensor, because a candle CustomOp returns one tensor; `bwd` splits it.
 //! Nothing is saved between forward and backward except x: rstd is recomputed (one more read of x),
 //! which keeps the op's memory equal to candle's plain-op version at long T.
+//! The op's CPU path runs the reference's row code in parallel over rows (`rms_norm_par`, `rms_norm_bwd_par`).
 //! Does not: fuse the residual add; give a second derivative (the backward op has no backward).
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// A storage type of the reference loops (arithmetic is f32).
 pub trait NormFloat: Copy + Default {
@@ -48,20 +50,37 @@ fn rstd_of<T: NormFloat>(row: &[T], eps: f32) -> f32 {
     1.0 / (ss / row.len() as f32 + eps).sqrt()
 }
 
+/// One row of the forward: y = (x / sqrt(mean(x^2) + eps) cast to T) * w; returns rstd.
+fn norm_row<T: NormFloat>(xr: &[T], w: &[T], yr: &mut [T], eps: f32) -> f32 {
+    let c = xr.len();
+    let ss: f32 = xr.iter().map(|v| v.f() * v.f()).sum();
+    let denom = (ss / c as f32 + eps).sqrt();
+    for j in 0..c {
+        let xhat = T::of(xr[j].f() / denom).f(); // cast back to the storage dtype before the weight
+        yr[j] = T::of(xhat * w[j].f());
+    }
+    1.0 / denom
+}
+
+/// One row of the backward: writes dx, adds the row's dy xhat into `dw`.
+fn norm_bwd_row<T: NormFloat>(dyr: &[T], xr: &[T], w: &[T], dxr: &mut [T], dw: &mut [f32], eps: f32) {
+    let c = xr.len();
+    let r = rstd_of(xr, eps);
+    let dot: f32 = (0..c).map(|j| dyr[j].f() * w[j].f() * xr[j].f() * r).sum::<f32>() / c as f32;
+    for j in 0..c {
+        let xhat = xr[j].f() * r;
+        dxr[j] = T::of(r * (dyr[j].f() * w[j].f() - xhat * dot));
+        dw[j] += dyr[j].f() * T::of(xhat).f();
+    }
+}
+
 /// Forward reference: x (N, C), w (C) -> (y (N, C), rstd (N)).
 pub fn rms_norm_cpu<T: NormFloat>(x: &[T], w: &[T], c: usize, eps: f32) -> (Vec<T>, Vec<f32>) {
     let n = x.len() / c.max(1);
     let mut y = vec![T::default(); x.len()];
     let mut rstd = vec![0f32; n];
     for i in 0..n {
-        let (xr, yr) = (&x[i * c..(i + 1) * c], &mut y[i * c..(i + 1) * c]);
-        let ss: f32 = xr.iter().map(|v| v.f() * v.f()).sum();
-        let denom = (ss / c as f32 + eps).sqrt();
-        for j in 0..c {
-            let xhat = T::of(xr[j].f() / denom).f(); // cast back to the storage dtype before the weight
-            yr[j] = T::of(xhat * w[j].f());
-        }
-        rstd[i] = 1.0 / denom;
+        rstd[i] = norm_row(&x[i * c..(i + 1) * c], w, &mut y[i * c..(i + 1) * c], eps);
     }
     (y, rstd)
 }
@@ -72,15 +91,57 @@ pub fn rms_norm_bwd_cpu<T: NormFloat>(dy: &[T], x: &[T], w: &[T], c: usize, eps:
     let mut dx = vec![T::default(); x.len()];
     let mut dw = vec![0f32; c];
     for i in 0..n {
-        let (xr, dyr) = (&x[i * c..(i + 1) * c], &dy[i * c..(i + 1) * c]);
-        let r = rstd_of(xr, eps);
-        let dot: f32 = (0..c).map(|j| dyr[j].f() * w[j].f() * xr[j].f() * r).sum::<f32>() / c as f32;
-        for j in 0..c {
-            let xhat = xr[j].f() * r;
-            dx[i * c + j] = T::of(r * (dyr[j].f() * w[j].f() - xhat * dot));
-            dw[j] += dyr[j].f() * T::of(xhat).f();
-        }
+        let rows = i * c..(i + 1) * c;
+        norm_bwd_row(&dy[rows.clone()], &x[rows.clone()], w, &mut dx[rows], &mut dw, eps);
     }
+    (dx, dw.into_iter().map(T::of).collect())
+}
+
+/// Rows per rayon task of the parallel loops (a task stays well above rayon's ~1 us overhead at C >= 64).
+const ROWS_PER_TASK: usize = 16;
+
+/// `rms_norm_cpu`'s forward, rows in parallel (the op's CPU path): the same row code, so the same bits.
+pub fn rms_norm_par<T: NormFloat + Send + Sync>(x: &[T], w: &[T], c: usize, eps: f32) -> Vec<T> {
+    let mut y = vec![T::default(); x.len()];
+    let blk = ROWS_PER_TASK * c.max(1);
+    y.par_chunks_mut(blk).zip(x.par_chunks(blk)).for_each(|(yb, xb)| {
+        for (yr, xr) in yb.chunks_mut(c).zip(xb.chunks(c)) {
+            norm_row(xr, w, yr, eps);
+        }
+    });
+    y
+}
+
+/// `rms_norm_bwd_cpu`, rows in parallel; dw is summed per task, then over tasks (another rounding order
+/// than the reference's one running sum: equal within f32 rounding, not bit-equal).
+pub fn rms_norm_bwd_par<T: NormFloat + Send + Sync>(
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    c: usize,
+    eps: f32,
+) -> (Vec<T>, Vec<T>) {
+    let mut dx = vec![T::default(); x.len()];
+    let blk = ROWS_PER_TASK * c.max(1);
+    let dw = dx
+        .par_chunks_mut(blk)
+        .zip(x.par_chunks(blk).zip(dy.par_chunks(blk)))
+        .fold(
+            || vec![0f32; c],
+            |mut dw, (dxb, (xb, dyb))| {
+                for ((dxr, xr), dyr) in dxb.chunks_mut(c).zip(xb.chunks(c)).zip(dyb.chunks(c)) {
+                    norm_bwd_row(dyr, xr, w, dxr, &mut dw, eps);
+                }
+                dw
+            },
+        )
+        .reduce(
+            || vec![0f32; c],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(p, q)| *p += q);
+                a
+            },
+        );
     (dx, dw.into_iter().map(T::of).collect())
 }
 
@@ -114,13 +175,13 @@ impl CustomOp2 for RmsNorm {
         let (_, c) = rows(lx, lw)?;
         let out = match (sx, sw) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                CpuStorage::F32(rms_norm_cpu(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps).0)
+                CpuStorage::F32(rms_norm_par(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps))
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                CpuStorage::BF16(rms_norm_cpu(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps).0)
+                CpuStorage::BF16(rms_norm_par(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps))
             }
             (CpuStorage::F16(x), CpuStorage::F16(w)) => {
-                CpuStorage::F16(rms_norm_cpu(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps).0)
+                CpuStorage::F16(rms_norm_par(slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps))
             }
             _ => candle_core::bail!("rms_norm: x and w must share one dtype of f32, bf16, f16"),
         };
@@ -177,17 +238,17 @@ impl CustomOp3 for RmsNormBwd {
         let out = match (sd, sx, sw) {
             (CpuStorage::F32(d), CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (dx, dw) =
-                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                    rms_norm_bwd_par(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::F32(pack(dx, dw))
             }
             (CpuStorage::BF16(d), CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let (dx, dw) =
-                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                    rms_norm_bwd_par(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::BF16(pack(dx, dw))
             }
             (CpuStorage::F16(d), CpuStorage::F16(x), CpuStorage::F16(w)) => {
                 let (dx, dw) =
-                    rms_norm_bwd_cpu(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
+                    rms_norm_bwd_par(slice(d, ld, "dy")?, slice(x, lx, "x")?, slice(w, lw, "w")?, c, self.eps);
                 CpuStorage::F16(pack(dx, dw))
             }
             _ => candle_core::bail!("rms_norm backward: dy, x and w must share one dtype of f32, bf16, f16"),

@@ -9,8 +9,10 @@
 //! cos and sin is a scale, so the same formula holds). The op computes in f32; on CPU `rope` upcasts
 //! bf16/f16 inputs and casts back; on CUDA (kernels/rope.cu) f32 and bf16 x are read as they are and
 //! rounded once at the store, which gives the same values without the two casts' memory traffic.
-//! Not done here: building the tables (`model::rope`).
+//! The CPU op runs `rotary_par`: rows in parallel, x read through its strides (no transpose copy); the
+//! readable `rotary_cpu` is its reference. Not done here: building the tables (`model::rope`).
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// A contiguous f32 view of a CPU storage, or a clear error.
 pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str, arg: &str) -> Result<&'a [f32]> {
@@ -22,6 +24,19 @@ pub(crate) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str, arg: &str) 
 }
 
 struct Rotary;
+
+/// One row: y = x rotated by the angles of one table row (`cos`, `sin` of D/2 each).
+#[inline]
+fn rotate_row(x: &[f32], cos: &[f32], sin: &[f32], y: &mut [f32]) {
+    let half = cos.len();
+    let (x1, x2) = x.split_at(half);
+    let (y1, y2) = y.split_at_mut(half);
+    for j in 0..half {
+        let (c, s) = (cos[j], sin[j]);
+        y1[j] = x1[j] * c - x2[j] * s;
+        y2[j] = x2[j] * c + x1[j] * s;
+    }
+}
 
 /// The reference loops: one (b, h, t) row at a time.
 pub fn rotary_cpu(
@@ -52,6 +67,43 @@ pub fn rotary_cpu(
     y
 }
 
+/// The op's CPU path: `rotary_cpu` with (b, h) rows in parallel, reading x through its strides (the
+/// last one 1; element (b, h, t, j) at `x[b s0 + h s1 + t s2 + j]`), so the (B, T, H, D) -> (B, H, T, D)
+/// transpose of the projections folds into the rotation instead of costing a copy. y is contiguous.
+pub fn rotary_par(
+    x: &[f32],
+    strides: [usize; 3],
+    cos: &[f32],
+    sin: &[f32],
+    (b, h, t, d): (usize, usize, usize, usize),
+    htab: usize,
+) -> Vec<f32> {
+    let (half, rep) = (d / 2, h / htab);
+    let mut y = vec![0f32; b * h * t * d];
+    if y.is_empty() {
+        return y;
+    }
+    y.par_chunks_mut(t * d).enumerate().for_each(|(bh, yh)| {
+        let (bi, hi) = (bh / h, bh % h);
+        let tab = hi / rep;
+        for (ti, yr) in yh.chunks_mut(d).enumerate() {
+            let at = bi * strides[0] + hi * strides[1] + ti * strides[2];
+            let trow = (tab * t + ti) * half;
+            rotate_row(&x[at..at + d], &cos[trow..trow + half], &sin[trow..trow + half], yr);
+        }
+    });
+    y
+}
+
+/// x's f32 storage from its start offset, and its (B, H, T) strides, when its last dim is contiguous.
+fn strided_rows<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [f32], [usize; 3])> {
+    let CpuStorage::F32(v) = s else { candle_core::bail!("rotary: `x` must be f32") };
+    match l.stride() {
+        &[s0, s1, s2, 1] => Ok((&v[l.start_offset()..], [s0, s1, s2])),
+        _ => candle_core::bail!("rotary: `x` must have a contiguous last dimension"),
+    }
+}
+
 impl CustomOp3 for Rotary {
     fn name(&self) -> &'static str {
         "harpe-rotary"
@@ -67,11 +119,11 @@ impl CustomOp3 for Rotary {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (b, h, t, d, htab) = check_shapes(l1, l2, l3)?;
-        let x = f32_slice(s1, l1, "rotary", "x")?;
+        let (x, strides) = strided_rows(s1, l1)?;
         let cos = f32_slice(s2, l2, "rotary", "cos")?;
         let sin = f32_slice(s3, l3, "rotary", "sin")?;
-        let y = rotary_cpu(x, cos, sin, (b, h, t, d), htab);
-        Ok((CpuStorage::F32(y), l1.shape().clone()))
+        let y = rotary_par(x, strides, cos, sin, (b, h, t, d), htab);
+        Ok((CpuStorage::F32(y), l1.shape().clone())) // contiguous, whatever x's strides
     }
 
     #[cfg(feature = "cuda")]
@@ -95,7 +147,7 @@ impl CustomOp3 for Rotary {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = grad.contiguous()?.apply_op3(cos, &sin.neg()?, Rotary)?; // itself differentiable
+        let dx = rows_contiguous(grad)?.apply_op3(cos, &sin.neg()?, Rotary)?; // itself differentiable
         Ok((Some(dx), None, None))
     }
 }
@@ -106,9 +158,18 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if x.device().is_cuda() && matches!(dtype, DType::F32 | DType::BF16) {
         return x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary);
     }
-    let xf = x.to_dtype(DType::F32)?.contiguous()?;
-    let y = xf.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary)?;
+    // f32 on CPU goes in as it is (strided rows are fine); other dtypes are upcast (a contiguous copy)
+    let y = rows_contiguous(&x.to_dtype(DType::F32)?)?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary)?;
     y.to_dtype(dtype)
+}
+
+/// `t` itself when its last dimension is contiguous (what the CPU op reads), else a contiguous copy.
+fn rows_contiguous(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() && t.stride().last() == Some(&1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
 }
 
 /// The same rotation from plain candle ops (rotate_half form), for tests.

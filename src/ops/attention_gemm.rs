@@ -1,0 +1,317 @@
+//! CPU fast path of the attention op: FlashAttention-2 tiling with every block product on the `gemm`
+//! crate (the microkernels candle's CPU matmul uses), the online softmax between the GEMMs.
+//!
+//! Reference: FlashAttention-2 (Dao 2023) Algorithms 1-2; the readable scalar loops this must match are
+//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/attention_gemm.rs compares them,
+//! forward and backward, ragged, GQA, Tq < Tk).
+//! Forward: one task per (b, h, query block of `BQ` rows) on rayon; for each key block of `BK` keys up
+//! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per-row running max / sum / rescale,
+//! acc += P V_j (GEMM); O and lse are written straight into the packed (B, H, Tq, D + 1) rows the op
+//! returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
+//! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
+//! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
+//! the packed backward input through GEMM row strides (no unpacking copies). The row work between the
+//! GEMMs (max, exp, sums, dS) runs on `ops::cpu_vec`'s vectorised loops: with libm's scalar `expf` the
+//! softmax, not the GEMMs, was the cost at head dim 32.
+//! The non-obvious decision: the backward keeps the reference's one-owner-per-(b, kv head) split
+//! (no atomics, no second pass recomputing S for dQ); when B * Hkv tasks would leave threads idle
+//! (B = 1, few kv heads) each head's keys are cut into ranges that own their rows of dK, dV and add
+//! their part of dQ into a private buffer, summed after (O(T D) more memory per range). The forward,
+//! which also serves decode and prefill, splits over query blocks.
+//! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
+//! compute (inputs arrive as f32), dropout, masks other than causal.
+use crate::ops::attention::AttnDims;
+use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
+use gemm::{gemm, Parallelism};
+use rayon::prelude::*;
+
+/// Query rows per block.
+const BQ: usize = 64;
+/// Keys per block.
+const BK: usize = 128;
+
+/// A row-major matrix view for one GEMM operand: `ptr` at (0, 0), `rs` between rows, `cs` between columns.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+/// dst (m x n, row stride `dst_rs`) := (accumulate ? dst : 0) + beta * lhs (m x k) * rhs (k x n).
+///
+/// SAFETY (caller): every operand view must stay inside its allocation for the given sizes and `dst`
+/// must not alias `lhs` or `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat,
+    rhs: Mat,
+    beta: f32,
+) {
+    // SAFETY: forwarded from the caller's contract above.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.ptr,
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
+/// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).
+fn rows(ptr: *const f32, rs: usize) -> Mat {
+    Mat { ptr, rs: rs as isize, cs: 1 }
+}
+
+/// Transposed view of a row-major block at `ptr` with row stride `rs`.
+fn transposed(ptr: *const f32, rs: usize) -> Mat {
+    Mat { ptr, rs: 1, cs: rs as isize }
+}
+
+/// Forward: returns the op's packed output, rows of D + 1 = [O | lse] for (B, H, Tq).
+pub fn attention_fwd_gemm(q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
+    assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
+    let (rep, w) = (h / hkv, d + 1);
+    let mut out = vec![0f32; b * h * tq * w];
+    if tq == 0 {
+        return out;
+    }
+    out.par_chunks_mut(tq * w).enumerate().for_each(|(bh, out_h)| {
+        let (bi, g) = (bh / h, (bh % h) / rep);
+        let qh = &q[bh * tq * d..(bh + 1) * tq * d];
+        let kv = (bi * hkv + g) * tk * d..(bi * hkv + g + 1) * tk * d;
+        let (kh, vh) = (&k[kv.clone()], &v[kv]);
+        out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
+            let i0 = qb * BQ;
+            fwd_block(&qh[i0 * d..], kh, vh, out_b, i0, dims, scale, causal);
+        });
+    });
+    out
+}
+
+/// One query block: rows i0.. of one head (`qb` starts at row i0), `out_b` its packed output rows.
+#[allow(clippy::too_many_arguments)]
+fn fwd_block(
+    qb: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    out_b: &mut [f32],
+    i0: usize,
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+) {
+    let d = dims.d;
+    let nr = out_b.len() / (d + 1);
+    let lim_last = dims.limit(causal, i0 + nr - 1);
+    let mut acc = vec![0f32; nr * d];
+    let mut s = vec![0f32; nr * BK];
+    let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
+    for kb in (0..lim_last).step_by(BK) {
+        let n = BK.min(lim_last - kb);
+        // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d, s holds nr x n; no aliasing.
+        unsafe {
+            mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), transposed(kh[kb * d..].as_ptr(), d), scale)
+        };
+        for r in 0..nr {
+            let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
+            let sr = &mut s[r * n..(r + 1) * n];
+            let mnew = m[r].max(vmax(&sr[..valid]));
+            if mnew == f32::NEG_INFINITY {
+                sr.fill(0.0);
+                continue;
+            }
+            let corr = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - mnew).exp() };
+            let sum = exp_sub_sum(&mut sr[..valid], mnew);
+            sr[valid..].fill(0.0);
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+            if corr != 1.0 {
+                scale_in_place(&mut acc[r * d..(r + 1) * d], corr);
+            }
+        }
+        // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
+        unsafe { mm(nr, d, n, acc.as_mut_ptr(), d, true, rows(s.as_ptr(), n), rows(vh[kb * d..].as_ptr(), d), 1.0) };
+    }
+    for (r, row) in out_b.chunks_mut(d + 1).enumerate() {
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            row[..d].iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+            row[d] = m[r] + l[r].ln();
+        } else {
+            row[d] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Backward: `packed` rows of 3D + 2 = [q | O | lse | dO | unused] for (B, H, Tq); returns
+/// dQ, dK, dV flattened one after the other (the `AttentionBwd` op's output).
+pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let (rep, w) = (h / hkv, 3 * d + 2);
+    // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
+    assert!(
+        packed.len() == b * h * tq * w && k.len() == b * hkv * tk * d && v.len() == k.len(),
+        "attention bwd: sizes"
+    );
+    let (nq, nk) = (b * h * tq * d, k.len());
+    let mut grads = vec![0f32; nq + 2 * nk];
+    if tq == 0 || tk == 0 {
+        return grads;
+    }
+    let (dq, dkv) = grads.split_at_mut(nq);
+    let (dk, dv) = dkv.split_at_mut(nk);
+    let keys = key_range_len(b * hkv, tk);
+    dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d))).enumerate().for_each(
+        |(bg, (dq_g, (dk_g, dv_g)))| {
+            let head = BwdHead {
+                packed,
+                k: &k[bg * tk * d..(bg + 1) * tk * d],
+                v: &v[bg * tk * d..(bg + 1) * tk * d],
+                bg,
+                dims,
+                scale,
+                causal,
+            };
+            if keys >= tk {
+                head.run(0, dq_g, dk_g, dv_g);
+                return;
+            }
+            // several key ranges: each owns its rows of dK, dV and sums its part of dQ privately
+            let sum = dk_g
+                .par_chunks_mut(keys * d)
+                .zip(dv_g.par_chunks_mut(keys * d))
+                .enumerate()
+                .map(|(p, (dk_p, dv_p))| {
+                    let mut dq_p = vec![0f32; dq_g.len()];
+                    head.run(p * keys, &mut dq_p, dk_p, dv_p);
+                    dq_p
+                })
+                .reduce_with(|mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                    a
+                });
+            if let Some(sum) = sum {
+                dq_g.copy_from_slice(&sum);
+            }
+        },
+    );
+    grads
+}
+
+/// Keys per range of the backward's split: all `tk` when the B * Hkv tasks fill rayon's threads, else
+/// ranges (whole key blocks) enough for about two tasks per thread.
+fn key_range_len(tasks: usize, tk: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    if tasks >= threads {
+        return tk;
+    }
+    let parts = (2 * threads).div_ceil(tasks);
+    tk.div_ceil(parts).div_ceil(BK).max(1) * BK
+}
+
+/// The backward of one (b, kv head): its `rep` query heads' packed rows, its k and v.
+struct BwdHead<'a> {
+    packed: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    bg: usize,
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+}
+
+impl BwdHead<'_> {
+    /// Adds into dQ of the head's query heads (`dq_g`) the part from keys k0.. (`dk_p`, `dv_p`: those
+    /// keys' rows, which this call owns; k0 is a multiple of BK).
+    fn run(&self, k0: usize, dq_g: &mut [f32], dk_p: &mut [f32], dv_p: &mut [f32]) {
+        let AttnDims { h, hkv, tq, d, .. } = self.dims;
+        let (rep, w) = (h / hkv, 3 * d + 2);
+        let (bi, g) = (self.bg / hkv, self.bg % hkv);
+        let k1 = k0 + dk_p.len() / d;
+        for r in 0..rep {
+            let bh = bi * h + g * rep + r;
+            let ph = &self.packed[bh * tq * w..(bh + 1) * tq * w];
+            let dq_h = &mut dq_g[r * tq * d..(r + 1) * tq * d];
+            for i0 in (0..tq).step_by(BQ) {
+                let nr = BQ.min(tq - i0);
+                if self.dims.limit(self.causal, i0 + nr - 1) <= k0 {
+                    continue; // the block sees none of these keys
+                }
+                self.block(&ph[i0 * w..(i0 + nr) * w], i0, k0..k1, &mut dq_h[i0 * d..(i0 + nr) * d], dk_p, dv_p);
+            }
+        }
+    }
+
+    /// One query block: packed rows `p` (nr x (3D + 2)) from query row i0. Adds its dQ rows into `dq_b`
+    /// and its part of dK, dV for the keys in `keys` into `dk_p`, `dv_p` (rows keys.start..keys.end).
+    fn block(
+        &self,
+        p: &[f32],
+        i0: usize,
+        keys: std::ops::Range<usize>,
+        dq_b: &mut [f32],
+        dk_p: &mut [f32],
+        dv_p: &mut [f32],
+    ) {
+        let d = self.dims.d;
+        let w = 3 * d + 2;
+        let nr = p.len() / w;
+        let (qp, dop) = (p.as_ptr(), p[2 * d + 1..].as_ptr());
+        // Δ_i = dO_i · O_i, and lse_i, per row
+        let (delta, lse): (Vec<f32>, Vec<f32>) =
+            p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
+        let lim_last = self.dims.limit(self.causal, i0 + nr - 1).min(keys.end);
+        let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
+        for kb in (keys.start..lim_last).step_by(BK) {
+            let n = BK.min(lim_last - kb);
+            let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
+            let (kj, vj) = (self.k[kb * d..].as_ptr(), self.v[kb * d..].as_ptr());
+            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj are rows
+            // kb..kb+n of d, the dK/dV destinations those rows of this key range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
+            unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
+            for r in 0..nr {
+                let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
+                let sr = &mut s[r * n..(r + 1) * n];
+                if lse[r] == f32::NEG_INFINITY {
+                    sr.fill(0.0);
+                    continue;
+                }
+                exp_sub_sum(&mut sr[..valid], lse[r]);
+                sr[valid..].fill(0.0);
+            }
+            unsafe { mm(n, d, nr, dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
+            unsafe { mm(nr, n, d, dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
+            for r in 0..nr {
+                let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
+                softmax_grad(dpr, pr, delta[r], self.scale);
+            }
+            unsafe { mm(nr, d, n, dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
+            unsafe { mm(n, d, nr, dk_p[at..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
+        }
+    }
+}

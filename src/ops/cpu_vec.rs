@@ -1,0 +1,195 @@
+//! Vectorised row primitives of the CPU fast paths (attention's softmax, RMSNorm, cross-entropy): exp,
+//! max, sums and scaled dot products over f32 slices, each with its readable scalar twin (`*_ref`).
+//!
+//! Reference: Cephes `expf` (range reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, 2^n from
+//! the exponent bits); the twins use `f32::exp` and plain folds.
+//! The non-obvious decision: harpe is built for baseline x86-64 (SSE2), where `f32::exp` is a libm call per
+//! element, which made the softmax, not the GEMMs, the cost of attention at small head dims. The same
+//! plain-Rust loop bodies (`#[inline(always)]`, branch-free, written in lanes of 16 so they vectorise) are
+//! compiled again under `#[target_feature(enable = "avx2,fma")]` and `"avx512f"` (no `mul_add`: without FMA
+//! hardware it is a libm call) and chosen at run time.
+//! Accuracy: `exp` is within 2 ulp of `f32::exp` on [-86.6, 88.7], 0 below -86.6 (so -inf gives 0), +inf
+//! above 88.7, NaN stays NaN. Sums run in 16 lanes, so their rounding differs from a left fold by
+//! ~1e-7 relative. Tested in tests/cpu_vec.rs. Does not: f64, or ISA-specific intrinsics (the compiler
+//! picks the instructions).
+
+/// Lanes of the split accumulators (one AVX-512 register, two AVX2 ones).
+const LANES: usize = 16;
+
+/// True when the AVX2 + FMA copies of these loops can run (checked once per call; the check is cached).
+#[inline]
+fn have_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// True when the AVX-512 copies can run.
+#[inline]
+fn have_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && have_avx2()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines `pub fn $name` running `$body` compiled for AVX-512, else AVX2 + FMA, when the CPU has them,
+/// else for the baseline target.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty $body:block) => {
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) -> $ret {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> $ret $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) -> $ret {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            fn avx512($($arg: $ty),*) -> $ret {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if have_avx512() {
+                // SAFETY: the CPU supports avx512f, avx2 and fma (checked just above).
+                return unsafe { avx512($($arg),*) };
+            }
+            #[cfg(target_arch = "x86_64")]
+            if have_avx2() {
+                // SAFETY: the CPU supports avx2 and fma (checked just above).
+                return unsafe { avx2($($arg),*) };
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+/// e^x, branch-free (inlined into the loops below).
+#[inline(always)]
+pub fn exp_lane(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer held in the mantissa
+    let xc = x.clamp(-86.6, 88.7);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = (xc - n * LN2_HI) - n * LN2_LO; // n * LN2_HI is exact (LN2_HI has 9 significant bits)
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
+    let p = p * (r * r) + r + 1.0;
+    let ni = t.to_bits() as i32 - ROUND.to_bits() as i32; // n as an integer, -125..=128
+    let y = p * f32::from_bits(((ni + 126) as u32) << 23) * 2.0; // 2^n without overflowing at n = 128
+    let y = if x < -86.6 { 0.0 } else { y }; // e^-86.6 = 2.4e-38: below it, flush to 0
+    let y = if x > 88.7 { f32::INFINITY } else { y };
+    if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+dispatch!(
+    /// xs[i] = e^(xs[i] - m) in place; returns the sum of the new values (vectorised `exp_sub_sum_ref`).
+    exp_sub_sum(xs: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
+            *x = exp_lane(*x - m);
+            *a += *x;
+        }
+    }
+    let mut tail = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp_lane(*x - m);
+        tail += *x;
+    }
+    acc.iter().sum::<f32>() + tail
+});
+
+/// xs[i] = e^(xs[i] - m) in place; returns the sum of the new values (softmax numerator and denominator).
+pub fn exp_sub_sum_ref(xs: &mut [f32], m: f32) -> f32 {
+    xs.iter_mut().fold(0.0, |s, x| {
+        *x = (*x - m).exp();
+        s + *x
+    })
+}
+
+dispatch!(
+    /// The largest element, -inf for an empty slice (vectorised `max_ref`; NaN handling unspecified).
+    max(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    let m = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+    acc.iter().fold(m, |a, &x| a.max(x))
+});
+
+/// The largest element (-inf for an empty slice).
+pub fn max_ref(xs: &[f32]) -> f32 {
+    xs.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x))
+}
+
+dispatch!(
+    /// sum a[i] b[i] over the shorter length (vectorised `dot_ref`).
+    dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for ((s, &p), &q) in acc.iter_mut().zip(x).zip(y) {
+            *s += p * q;
+        }
+    }
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(p, q)| p * q).sum();
+    acc.iter().sum::<f32>() + tail
+});
+
+/// sum a[i] b[i] over the shorter length.
+pub fn dot_ref(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+dispatch!(
+    /// xs[i] *= s.
+    scale_in_place(xs: &mut [f32], s: f32) -> () {
+    xs.iter_mut().for_each(|x| *x *= s);
+});
+
+dispatch!(
+    /// dp[i] = p[i] (dp[i] - delta) scale: the softmax backward of one attention row (dS from P and dP).
+    softmax_grad(dp: &mut [f32], p: &[f32], delta: f32, scale: f32) -> () {
+    dp.iter_mut().zip(p).for_each(|(x, p)| *x = p * (*x - delta) * scale);
+});
+
+dispatch!(
+    /// sum xs[i]^2 (vectorised `dot_ref(xs, xs)`).
+    sum_sq(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x * x;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().map(|x| x * x).sum::<f32>()
+});

@@ -1,0 +1,45 @@
+//! `ops::cpu_vec` (the vectorised exp, max, dot, sums of the CPU fast paths) against their scalar
+//! twins (`f32::exp`, plain folds) on ragged lengths, and exp's special values.
+use harpe::ops::cpu_vec::*;
+
+fn ulps(a: f32, b: f32) -> i64 {
+    (a.to_bits() as i64 - b.to_bits() as i64).abs()
+}
+
+#[test]
+fn exp_is_within_two_ulp_of_libm() {
+    let mut worst = 0;
+    let mut x = -86.5f32;
+    while x < 88.6 {
+        let (f, r) = (exp_lane(x), x.exp());
+        worst = worst.max(ulps(f, r));
+        x += 0.001_37;
+    }
+    assert!(worst <= 2, "worst {worst} ulp");
+    assert_eq!(exp_lane(f32::NEG_INFINITY), 0.0);
+    assert_eq!(exp_lane(-100.0), 0.0);
+    assert_eq!(exp_lane(0.0), 1.0);
+    assert_eq!(exp_lane(100.0), f32::INFINITY);
+    assert!(exp_lane(f32::NAN).is_nan());
+}
+
+#[test]
+fn vector_loops_match_their_references() {
+    for n in [0, 1, 15, 16, 17, 100, 257] {
+        let xs: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.1).collect();
+        let ys: Vec<f32> = (0..n).map(|i| ((i * 53 % 89) as f32 - 44.0) * 0.05).collect();
+        assert_eq!(max(&xs), max_ref(&xs), "max n={n}");
+        let (mut a, mut b) = (xs.clone(), xs.clone());
+        let m = max_ref(&xs);
+        let (sa, sb) = (exp_sub_sum(&mut a, m), exp_sub_sum_ref(&mut b, m));
+        assert!((sa - sb).abs() <= 1e-6 * sb.max(1.0), "exp_sub_sum n={n}: {sa} vs {sb}");
+        assert!(a.iter().zip(&b).all(|(p, q)| ulps(*p, *q) <= 2), "exp values n={n}");
+        let (da, db) = (dot(&xs, &ys), dot_ref(&xs, &ys));
+        assert!((da - db).abs() <= 1e-5 * db.abs().max(1.0), "dot n={n}: {da} vs {db}");
+        let sq = dot_ref(&xs, &xs);
+        assert!((sum_sq(&xs) - sq).abs() <= 1e-5 * sq.max(1.0), "sum_sq n={n}");
+        let mut c = xs.clone();
+        scale_in_place(&mut c, 0.5);
+        assert!(c.iter().zip(&xs).all(|(p, q)| *p == q * 0.5), "scale n={n}");
+    }
+}
