@@ -491,3 +491,25 @@ fn ranks_split_a_micro_batch_when_the_step_has_fewer_micro_batches_than_ranks() 
         1e-5,
     );
 }
+
+/// Tied embeddings (the head is the embedding): under ZeRO 2-3 and SP the embedding's group takes its
+/// gradient from the loss and from the input side, and the run equals one rank.
+#[test]
+fn tied_embeddings_under_zero_2_3_and_sp_equal_one_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let tied = "model.init.tie_word_embeddings=true";
+    let one = d.path().join("one-tied");
+    train(&cfg, &one, &["--set", tied]);
+    assert!(!tensors(&model(&one)).contains_key("lm_head.weight"), "a tied model saves no lm_head");
+    for (n, z, p) in [(4, 2, 1), (4, 3, 1), (2, 3, 2)] {
+        let out = d.path().join(format!("tied-w{n}z{z}sp{p}"));
+        let sets = [format!("dist.world_size={n}"), format!("dist.zero_stage={z}"), format!("dist.sp_degree={p}")];
+        let mut a = vec!["--set", tied, "--set", "dist.backend=local"];
+        a.extend(sets.iter().flat_map(|s| ["--set", s.as_str()]));
+        train(&cfg, &out, &a);
+        let what = format!("tied, {n} ranks, ZeRO-{z}, SP {p}");
+        assert_same_losses(&one, &out, &what);
+        assert_same_tensors(&model(&one), &model(&out), &what, 1e-5);
+    }
+}
