@@ -1100,7 +1100,7 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     let due = ev.as_ref().is_some_and(|e| e.due(r.state.step, boundary));
     // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it evaluates
     let full = if r.zero_stage == 3 && !r.comm.all_ok(!due)? {
-        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
+        Some(ZeroShards::gather_all(&r.comm, &r.map, &r.optim, r.layout.total)?)
     } else {
         None
     };
@@ -1148,11 +1148,8 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         snap.data_cursor = serde_json::Value::Null;
     }
     // ZeRO-3: every rank joins the gather of the full weights rank 0 writes
-    let full = if r.zero_stage == 3 {
-        Some(ZeroShards::gather_all(&r.comm, &r.map, r.optim.master(), r.layout.total)?)
-    } else {
-        None
-    };
+    let full =
+        if r.zero_stage == 3 { Some(ZeroShards::gather_all(&r.comm, &r.map, &r.optim, r.layout.total)?) } else { None };
     let write_model = |dir: &Path| -> Result<()> {
         let tensors: Vec<(String, Tensor)> = match &full {
             Some(w) => r

@@ -96,17 +96,6 @@ impl Comm {
         }
     }
 
-    /// Sum `buf` over all ranks, then divide by the number of ranks (gradient averaging).
-    pub fn all_reduce_mean(&self, buf: &mut FlatBuf) -> Result<()> {
-        match self {
-            Comm::Single => {
-                let _ = buf;
-                Ok(())
-            }
-            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Avg, "grads mean"),
-        }
-    }
-
     /// Sum `buf` over all ranks (gradients already scaled by 1 / the global token count).
     pub fn all_reduce_sum(&self, buf: &mut FlatBuf) -> Result<()> {
         match self {
@@ -205,7 +194,7 @@ mod tests {
         assert_eq!(c.mesh(), Mesh::single());
         assert_eq!((c.mesh().rank(), c.mesh().world()), (0, 1));
         let mut g = FlatBuf::from_vec(vec![1.0f32, -2.0]);
-        c.all_reduce_mean(&mut g).unwrap();
+        c.all_reduce_sum(&mut g).unwrap();
         assert_eq!(g.host().unwrap(), &[1.0, -2.0]);
         assert!(c.all_ok(true).unwrap() && !c.all_ok(false).unwrap());
     }

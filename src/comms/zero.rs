@@ -255,12 +255,12 @@ impl ZeroShards<'_> {
         Ok(())
     }
 
-    /// Every parameter gathered into one full fp32 buffer (checkpoints and evaluation).
-    pub fn gather_all(comm: &Comm, map: &ShardMap, master: &FlatBuf, total: usize) -> Result<FlatBuf> {
-        let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
-        let mut full = vec![0f32; total];
-        comm.all_gather_v(master.host()?, &mut full, &counts, "all weights")?;
-        Ok(FlatBuf::from_vec(full))
+    /// Every parameter gathered into a fresh full fp32 buffer (ZeRO-3 checkpoints and evaluation):
+    /// `publish` into a buffer that exists only for the caller.
+    pub fn gather_all(comm: &Comm, map: &ShardMap, optim: &AdamW, total: usize) -> Result<FlatBuf> {
+        let mut full = FlatBuf::zeros(total, &optim.master().device())?;
+        publish(comm, map, optim, &mut full)?;
+        Ok(full)
     }
 }
 
