@@ -694,14 +694,11 @@ impl Run {
         let stop = stop_flag()?;
 
         let (base_cfg, init) = initial_model(&cfg, &origin)?;
-        let p = mesh.sp_size;
-        if !(base_cfg.num_attention_heads.is_multiple_of(p) && base_cfg.num_key_value_heads.is_multiple_of(p)) {
-            bail!(
-                "{origin}: dist.sp_degree = {p} must divide the model's {} query heads and {} kv heads (Ulysses gives each rank whole heads)\nhint: choose a sp_degree that divides num_key_value_heads",
-                base_cfg.num_attention_heads,
-                base_cfg.num_key_value_heads
-            );
-        }
+        // the one rule for which world / ZeRO / SP combinations a model allows (also for CUDA runs,
+        // which `plan_check` does not plan)
+        let world = crate::plan::World { gpus: mesh.world(), zero_stage: dist.zero_stage, sp_degree: mesh.sp_size };
+        crate::plan::validate_world(&world, &crate::plan::Arch::of_run(&cfg, &origin)?)
+            .with_context(|| format!("{origin}: [dist]"))?;
         let tok_sha = tokenizer_sha256(&tokenizer)?;
         let (layout, mut weights) = flatten_params(&init)?;
         drop(init);
