@@ -91,3 +91,24 @@ fn cpu_default_is_the_gemm_op() {
     let e = rel_err(&via_seam, &attention_reference(&q, &k, &v, 0.3, true).unwrap());
     assert!(e < 1e-5, "seam vs reference differs by {e}");
 }
+
+#[test]
+fn gemm_attention_backward_is_the_same_on_every_run() {
+    // the key-range split sums private dQ parts: their order must not follow rayon's run-time splits
+    let (q, k, v) = (randn(&[1, 4, 300, 8], 11, 1.0), randn(&[1, 1, 300, 8], 12, 1.0), randn(&[1, 1, 300, 8], 13, 1.0));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    let grads = || {
+        pool.install(|| {
+            let (qv, kv, vv) =
+                (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+            let o =
+                harpe::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), 0.35, true).unwrap();
+            let g = (o.sqr().unwrap().sum_all().unwrap()).backward().unwrap();
+            [&qv, &kv, &vv].map(|x| g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        })
+    };
+    let first = grads();
+    for _ in 0..12 {
+        assert!(grads() == first, "two runs of the same backward differ");
+    }
+}

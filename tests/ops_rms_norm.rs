@@ -107,3 +107,21 @@ fn parallel_loops_match_the_reference_loops() {
     let mag = dwr.iter().map(|v| v.abs()).fold(0f32, f32::max);
     assert!(err <= 1e-5 * mag.max(1.0) && mag > 0.0, "dw differs by {err} (max {mag})");
 }
+
+#[test]
+fn parallel_backward_is_the_same_on_every_run_and_thread_count() {
+    use harpe::ops::rms_norm::rms_norm_bwd_par;
+    // enough rows for many tasks; work stealing differs from run to run and with the thread count, the
+    // summation order of dw must not
+    let (n, c) = (4099, 32);
+    let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (x, w, dy) = (vals(&randn(&[n, c], 7, 2.0)), vals(&randn(&[c], 8, 1.0)), vals(&randn(&[n, c], 9, 1.0)));
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| rms_norm_bwd_par(&dy, &x, &w, c, 1e-5))
+    };
+    let first = on(1);
+    for threads in [2, 3, 8, 8, 8, 16] {
+        assert!(on(threads) == first, "dx/dw differ at {threads} threads");
+    }
+}

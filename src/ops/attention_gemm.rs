@@ -201,8 +201,10 @@ pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 head.run(0, dq_g, dk_g, dv_g);
                 return;
             }
-            // several key ranges: each owns its rows of dK, dV and sums its part of dQ privately
-            let sum = dk_g
+            // several key ranges: each owns its rows of dK, dV and sums its part of dQ privately; the
+            // parts are added in range order (a `reduce` tree would follow rayon's run-time splits and
+            // make two runs differ in the last bits)
+            let parts: Vec<Vec<f32>> = dk_g
                 .par_chunks_mut(keys * d)
                 .zip(dv_g.par_chunks_mut(keys * d))
                 .enumerate()
@@ -211,12 +213,10 @@ pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                     head.run(p * keys, &mut dq_p, dk_p, dv_p);
                     dq_p
                 })
-                .reduce_with(|mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                });
-            if let Some(sum) = sum {
-                dq_g.copy_from_slice(&sum);
+                .collect();
+            dq_g.fill(0.0);
+            for part in &parts {
+                dq_g.iter_mut().zip(part).for_each(|(x, y)| *x += y);
             }
         },
     );

@@ -112,8 +112,10 @@ pub fn rms_norm_par<T: NormFloat + Send + Sync>(x: &[T], w: &[T], c: usize, eps:
     y
 }
 
-/// `rms_norm_bwd_cpu`, rows in parallel; dw is summed per task, then over tasks (another rounding order
-/// than the reference's one running sum: equal within f32 rounding, not bit-equal).
+/// `rms_norm_bwd_cpu`, rows in parallel; dw is summed in a fixed number of contiguous row groups, then
+/// over the groups in index order: another rounding order than the reference's one running sum (equal
+/// within f32 rounding, not bit-equal), but the same on every run whatever rayon's work stealing does
+/// (a `fold`/`reduce` tree follows the run-time splits and made training runs differ in the last bits).
 pub fn rms_norm_bwd_par<T: NormFloat + Send + Sync>(
     dy: &[T],
     x: &[T],
@@ -122,28 +124,30 @@ pub fn rms_norm_bwd_par<T: NormFloat + Send + Sync>(
     eps: f32,
 ) -> (Vec<T>, Vec<T>) {
     let mut dx = vec![T::default(); x.len()];
-    let blk = ROWS_PER_TASK * c.max(1);
-    let dw = dx
-        .par_chunks_mut(blk)
-        .zip(x.par_chunks(blk).zip(dy.par_chunks(blk)))
-        .fold(
-            || vec![0f32; c],
-            |mut dw, (dxb, (xb, dyb))| {
-                for ((dxr, xr), dyr) in dxb.chunks_mut(c).zip(xb.chunks(c)).zip(dyb.chunks(c)) {
-                    norm_bwd_row(dyr, xr, w, dxr, &mut dw, eps);
-                }
-                dw
-            },
-        )
-        .reduce(
-            || vec![0f32; c],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(p, q)| *p += q);
-                a
-            },
-        );
+    let c = c.max(1);
+    let rows = x.len() / c;
+    let per_group = rows.div_ceil(DW_GROUPS).max(ROWS_PER_TASK) * c;
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per_group)
+        .zip(x.par_chunks(per_group).zip(dy.par_chunks(per_group)))
+        .map(|(dxg, (xg, dyg))| {
+            let mut dw = vec![0f32; c];
+            for ((dxr, xr), dyr) in dxg.chunks_mut(c).zip(xg.chunks(c)).zip(dyg.chunks(c)) {
+                norm_bwd_row(dyr, xr, w, dxr, &mut dw, eps);
+            }
+            dw
+        })
+        .collect();
+    let mut dw = vec![0f32; c];
+    for part in &partials {
+        dw.iter_mut().zip(part).for_each(|(p, q)| *p += q);
+    }
     (dx, dw.into_iter().map(T::of).collect())
 }
+
+/// Row groups of the parallel backward's dw sums (fixed, so the summation order never depends on the
+/// thread count or scheduling).
+const DW_GROUPS: usize = 64;
 
 /// Rows and width of x (N, C) against w (C), or a shape error naming both.
 fn rows(lx: &Layout, lw: &Layout) -> Result<(usize, usize)> {
