@@ -110,6 +110,34 @@ impl<'de> Deserialize<'de> for DeviceSpec {
     }
 }
 
+/// Memory of a CUDA device when a run starts: what the plan check compares against.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceMemory {
+    /// the driver's device name, e.g. "NVIDIA H200"
+    pub name: String,
+    /// bytes free now (other processes' allocations already taken out)
+    pub free: u64,
+    /// bytes in total
+    pub total: u64,
+}
+
+/// Free and total memory of a CUDA device (`None` for the CPU, which the plan sizes from /proc).
+pub fn device_memory(dev: &Device) -> Result<Option<DeviceMemory>> {
+    match dev {
+        Device::Cpu => Ok(None),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let stream = d.cuda_stream();
+            let ctx = stream.context();
+            let name = ctx.name().map_err(|e| anyhow!("cannot read the CUDA device's name: {e}"))?;
+            let (free, total) =
+                ctx.mem_get_info().map_err(|e| anyhow!("cannot query the memory of CUDA device {name}: {e}"))?;
+            Ok(Some(DeviceMemory { name, free: free as u64, total: total as u64 }))
+        }
+        d => bail!("no memory query for {d:?} in this build\n{NO_CUDA_HINT}"),
+    }
+}
+
 /// Compute dtype of weights and activations (training keeps master weights and moments in f32;
 /// log-softmax and reductions are f32 everywhere).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -74,6 +74,16 @@ impl GpuKind {
         bail!("--gpu: unknown GPU `{s}` (known: a100, h100, h200, cpu)\nhint: the nearest known name is `{nearest}`; other GPUs: pass --gpu-mem, --peak-tflops and --link-gbs with the closest kind")
     }
 
+    /// The kind of a CUDA device from its driver name ("NVIDIA H200", "NVIDIA A100-SXM4-80GB"); `None`
+    /// for other GPUs (the caller keeps the measured memory and states the assumed peak).
+    pub fn from_device_name(name: &str) -> Option<GpuKind> {
+        let low = name.to_ascii_lowercase();
+        [("a100", GpuKind::A100), ("h100", GpuKind::H100), ("h200", GpuKind::H200)]
+            .into_iter()
+            .find(|(n, _)| low.contains(n))
+            .map(|(_, k)| k)
+    }
+
     fn name(&self) -> &'static str {
         Self::NAMES.iter().find(|(_, k)| k == self).map(|(n, _)| *n).unwrap_or("?")
     }

@@ -518,13 +518,28 @@ pub fn run(args: TrainArgs) -> Result<()> {
 /// shared by the `Local` ranks. GPU runs are planned with `harpe plan --gpu ...` (the device's memory
 /// is not queried here yet).
 fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistConfig, force: bool) -> Result<()> {
+    use crate::device::DeviceSpec;
     use crate::plan::{plan_for, Gpu, GpuKind, World};
-    if cfg.train.device != crate::device::DeviceSpec::Cpu {
-        return Ok(());
-    }
     let ranks = dist.world_size.max(1);
-    let mut gpu = Gpu::new(GpuKind::Cpu);
-    gpu.mem_bytes /= ranks as u64; // rank threads share the host's memory
+    // ranks that share one device's memory: threads of one process (the host, or one GPU under `local`)
+    let sharing = if dist.backend == BackendKind::Nccl { 1 } else { ranks };
+    let (mut gpu, what) = match cfg.train.device {
+        DeviceSpec::Cpu => (Gpu::new(GpuKind::Cpu), "this machine".to_string()),
+        DeviceSpec::Cuda(_) => {
+            let dev = cfg.train.device.open(&format!("{origin}: train.device"))?;
+            let Some(m) = crate::device::device_memory(&dev)? else { return Ok(()) };
+            let mut gpu = Gpu::new(GpuKind::from_device_name(&m.name).unwrap_or(GpuKind::A100));
+            gpu.mem_bytes = m.free;
+            let what = format!(
+                "{} ({:.1} of {:.1} GiB free)",
+                m.name,
+                m.free as f64 / (1u64 << 30) as f64,
+                m.total as f64 / (1u64 << 30) as f64
+            );
+            (gpu, what)
+        }
+    };
+    gpu.mem_bytes /= sharing as u64;
     let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: cfg.dist.sp_degree.max(1) };
     let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
     if plan.fits || force {
@@ -532,7 +547,7 @@ fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistCo
     }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     bail!(
-        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {ranks} rank(s) can use on this machine\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
+        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {sharing} rank(s) can use on {what}\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
         gib(plan.total_bytes),
         plan.stage,
         gib(plan.usable_bytes)

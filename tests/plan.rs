@@ -127,6 +127,11 @@ fn bad_worlds_name_the_numbers_and_the_nearest_valid_choice() {
     let e = format!("{:#}", GpuKind::parse("v100").unwrap_err());
     assert!(e.contains("v100") && e.contains("nearest known name is `a100`"), "{e}");
     assert_eq!(GpuKind::parse("H200").unwrap(), GpuKind::H200);
+    // train's start-up check names the device by the driver's name
+    assert_eq!(GpuKind::from_device_name("NVIDIA A100-SXM4-80GB"), Some(GpuKind::A100));
+    assert_eq!(GpuKind::from_device_name("NVIDIA H200"), Some(GpuKind::H200));
+    assert_eq!(GpuKind::from_device_name("NVIDIA H100 80GB HBM3"), Some(GpuKind::H100));
+    assert_eq!(GpuKind::from_device_name("NVIDIA L40S"), None);
     // a step's sequences must split over the data-parallel ranks: 4 sequences on 8 ranks do not, on 4 do
     let (cfg4, _) =
         load_config(Path::new(MISSION), &[LLAMA2_7B.into(), "train.global_batch_tokens=524288".into()]).unwrap();
