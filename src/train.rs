@@ -43,8 +43,8 @@ use crate::data::{
     builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence,
 };
 use crate::eval::in_training::{eval_line, TrainEval};
-use crate::flatbuf::FlatBuf;
-use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
+use crate::flatbuf::{FlatBuf, Placement};
+use crate::grads::{self, flatten_params_in, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
 use crate::model::attention::AttentionImpl;
@@ -95,6 +95,11 @@ pub struct TrainArgs {
     /// --features nccl. On CPU use --set dist.backend=local --set dist.world_size=N instead
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
+    /// test knob: keep the training state (weights, AdamW, gradients) in the device variant of
+    /// `FlatBuf` even on the CPU, so the GPU path's candle-op logic runs and can be compared with the
+    /// host path there (a CUDA run always uses it)
+    #[arg(long, hide = true)]
+    pub device_resident_state: bool,
 }
 
 impl TrainArgs {
@@ -108,6 +113,7 @@ impl TrainArgs {
             set: vec![],
             force: false,
             nproc_per_node: None,
+            device_resident_state: false,
         }
     }
 
@@ -615,6 +621,8 @@ struct Run {
     tokenizer: PathBuf,
     tok_sha: String,
     device: Device,
+    /// where the flat training state lives (`FlatBuf` placement)
+    placement: Placement,
     dtype: DType,
     comm: Comm,
     mesh: Mesh,
@@ -700,7 +708,12 @@ impl Run {
         crate::plan::validate_world(&world, &crate::plan::Arch::of_run(&cfg, &origin)?)
             .with_context(|| format!("{origin}: [dist]"))?;
         let tok_sha = tokenizer_sha256(&tokenizer)?;
-        let (layout, mut weights) = flatten_params(&init)?;
+        // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
+        let placement = match args.device_resident_state {
+            true => Placement::Device(device.clone()),
+            false => Placement::of(&device),
+        };
+        let (layout, mut weights) = flatten_params_in(&init, &placement)?;
         drop(init);
         // ZeRO-0 replicates the optimizer (a one-rank map: every rank owns everything); 1-2 shard it
         let (owners, my_shard) = if dist.zero_stage == 0 { (1, 0) } else { (mesh.world(), mesh.rank()) };
@@ -712,7 +725,7 @@ impl Run {
         };
         // ZeRO-3 keeps no full copy of the weights: each layer is gathered from the shards when used
         if dist.zero_stage == 3 {
-            weights = FlatBuf::from_vec(vec![]);
+            weights = FlatBuf::zeros_in(0, &placement)?;
         } else {
             zero::publish(&comm, &map, &optim, &mut weights)?;
         }
@@ -737,6 +750,7 @@ impl Run {
             tokenizer,
             tok_sha,
             device,
+            placement,
             dtype,
             comm,
             mesh,
@@ -848,7 +862,7 @@ impl Stage {
             r.state.stage = si;
             r.state.stage_step = 0;
             if si > 0 && cfg.stage_resets_optimizer(si) {
-                r.optim.reset_moments();
+                r.optim.reset_moments()?;
             }
         }
         r.state.rope = mc.rope.clone();
@@ -860,9 +874,9 @@ impl Stage {
             sources: loader.manifest().source_names.clone(),
             // ZeRO 2-3 accumulate only this rank's shard of the gradients
             grads: if r.zero_stage >= 2 {
-                GradAccum::zeros(r.optim.range().len(), &r.device)?
+                GradAccum::zeros_in(r.optim.range().len(), &r.placement)?
             } else {
-                GradAccum::new(&r.layout, &r.device)?
+                GradAccum::zeros_in(r.layout.total, &r.placement)?
             },
             steps,
             tokens_per_step,
@@ -947,7 +961,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
-    s.grads.zero();
+    s.grads.zero()?;
     let mut sums = [0f64; 2]; // nll sum, target count
                               // per source id: (nll sum, count), summed over ranks with the loss below
     let mut by_source = vec![0f64; if s.sources.len() < 2 { 0 } else { 2 * s.sources.len() }];
@@ -1006,7 +1020,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         r.state.skipped_steps += 1;
     } else {
         r.bad_streak = 0;
-        grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip);
+        grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
         r.optim.step(s.grads.buf(), lr)?;
         if r.zero_stage < 3 {
             zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
@@ -1044,9 +1058,9 @@ fn injected_fault(rank: usize, step: u64) -> Result<()> {
 fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
     if r.zero_stage < 2 {
         r.comm.all_reduce_sum(s.grads.buf_mut())?;
-        return Ok(grads::global_norm(s.grads.buf()));
+        return grads::global_norm(s.grads.buf());
     }
-    let mut sq = [s.grads.buf().sum_squares()];
+    let mut sq = [s.grads.buf().sum_squares()?];
     r.comm.all_reduce_sum_f64(&mut sq)?;
     Ok(sq[0].sqrt())
 }
