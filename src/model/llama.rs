@@ -3,8 +3,8 @@
 //!
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
-//! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on CPU
-//! (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
+//! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
+//! device (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
@@ -139,11 +139,12 @@ impl LayerWeights {
     }
 }
 
-/// RMSNorm (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)). On CPU the fused op with
-/// its own backward (`ops::rms_norm`, rows in parallel); elsewhere its plain-op twin until the GPU path
-/// switches to the op's CUDA launch.
+/// RMSNorm (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)). The fused op with its own
+/// backward on every device (`ops::rms_norm`: rows in parallel on CPU, kernels/rms_norm.cu on CUDA);
+/// its plain-op twin only for what the kernels do not take (x and w of different dtypes, f16 on CUDA).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == w.dtype() {
+    let kernel_dtype = x.device().is_cpu() || matches!(x.dtype(), DType::F32 | DType::BF16);
+    if x.dtype() == w.dtype() && kernel_dtype {
         crate::ops::rms_norm::rms_norm(x, w, eps)
     } else {
         crate::ops::rms_norm::rms_norm_slow(x, w, eps)
