@@ -51,7 +51,7 @@ use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD};
 use crate::model::rope::RopeTables;
-use crate::model::weights::{init_random, load_tensors, save_model_dir};
+use crate::model::weights::{init_random, load_flat, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
@@ -377,15 +377,16 @@ pub fn trainable_model(
     Ok((model, named.into_iter().map(|(_, v)| v).collect()))
 }
 
-/// The run's model architecture and initial fp32 weights (HF order).
-fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(String, Tensor)>)> {
+/// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
+/// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
+/// GPU straight to the device, host memory far below the model size); a random init is made on the CPU.
+fn initial_model(cfg: &RunConfig, origin: &str, p: &Placement) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
     let cpu = Device::Cpu;
     if let Some(dir) = &cfg.model.path {
         let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
         mc.validate(&dir.join("config.json").display().to_string())?;
-        let t = load_tensors(dir, DType::F32, &cpu)?;
-        let model = Llama::from_tensors(mc.clone(), t, &dir.display().to_string())?;
-        return Ok((mc, model.tensors()));
+        let (layout, flat) = load_flat(dir, &mc, p)?;
+        return Ok((mc, layout, flat));
     }
     let a = cfg.model.init.as_ref().ok_or_else(|| anyhow!("{origin}: [model] has neither path nor init"))?;
     let rope = cfg.initial_rope().ok_or_else(|| {
@@ -404,7 +405,8 @@ fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(Str
     mc.initializer_range = a.initializer_range;
     mc.validate(&format!("{origin} [model.init]"))?;
     let t = init_random(&mc, cfg.train.seed, DType::F32, &cpu)?;
-    Ok((mc, t))
+    let (layout, flat) = flatten_params_in(&t, p)?;
+    Ok((mc, layout, flat))
 }
 
 /// Make sure the run directory exists, is writable, and belongs to this config (unless `force`).
@@ -701,20 +703,18 @@ impl Run {
         let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
         let stop = stop_flag()?;
 
-        let (base_cfg, init) = initial_model(&cfg, &origin)?;
+        // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
+        let placement = match args.device_resident_state {
+            true => Placement::Device(device.clone()),
+            false => Placement::of(&device),
+        };
+        let (base_cfg, layout, mut weights) = initial_model(&cfg, &origin, &placement)?;
         // the one rule for which world / ZeRO / SP combinations a model allows (also for CUDA runs,
         // which `plan_check` does not plan)
         let world = crate::plan::World { gpus: mesh.world(), zero_stage: dist.zero_stage, sp_degree: mesh.sp_size };
         crate::plan::validate_world(&world, &crate::plan::Arch::of_run(&cfg, &origin)?)
             .with_context(|| format!("{origin}: [dist]"))?;
         let tok_sha = tokenizer_sha256(&tokenizer)?;
-        // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
-        let placement = match args.device_resident_state {
-            true => Placement::Device(device.clone()),
-            false => Placement::of(&device),
-        };
-        let (layout, mut weights) = flatten_params_in(&init, &placement)?;
-        drop(init);
         // ZeRO-0 replicates the optimizer (a one-rank map: every rank owns everything); 1-2 shard it
         let (owners, my_shard) = if dist.zero_stage == 0 { (1, 0) } else { (mesh.world(), mesh.rank()) };
         let map = ShardMap::new(&layout, owners, Split::Slices);
