@@ -124,6 +124,25 @@ impl CustomOp3 for ChunkedCe {
         Ok((CpuStorage::F32(nll), l1.shape().clone()))
     }
 
+    /// On CUDA the same pass-through: a device copy of the nll (computed by the fused chunk kernel).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+        _s3: &candle_core::CudaStorage,
+        _l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        match (s1.dtype(), l1.contiguous_offsets()) {
+            // try_clone copies the whole storage: right when the nll starts at offset 0 (it is fresh)
+            (DType::F32, Some((0, _))) => Ok((s1.try_clone(l1)?, l1.shape().clone())),
+            _ => candle_core::bail!("chunked cross-entropy: the nll must be contiguous f32 from offset 0"),
+        }
+    }
+
     fn bwd(
         &self,
         _nll: &Tensor,
