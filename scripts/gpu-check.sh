@@ -14,8 +14,8 @@
 #   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16, fwd/bwd; exit 1 on FAIL), then its
 #      small cases once more under compute-sanitizer memcheck and racecheck when the machine has it;
 #   3. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable);
-#   4. the tiny config on the GPU: `harpe train --config configs/tiny-cpu.toml --set train.device="cuda"`
-#      (expected to fail until the device-resident training state lands; the failure is recorded);
+#   4. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
+#      curves compared step by step: they must agree to 1e-4 relative (`train_parity`);
 #   5. the results file with every command's output and exit code. The script's exit code is 1 when any
 #      step failed, so a caller sees it; the file is written either way.
 # Environment: HARPE_GPU_BUNDLE (default gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for
@@ -69,6 +69,38 @@ PYEOF
 
 REPORT=""
 FAILED=0
+
+# Compares the per-step losses of two metrics.jsonl files: argv = CPU file, GPU file, steps, tolerance.
+PARITY_PY='
+import json, sys
+def losses(p):
+    with open(p) as f:
+        recs = [json.loads(l) for l in f if l.strip()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r and "grad_norm" in r}
+cpu, gpu = losses(sys.argv[1]), losses(sys.argv[2])
+steps, tol = int(sys.argv[3]), float(sys.argv[4])
+worst = 0.0
+print("step  cpu loss     gpu loss     rel diff")
+for s in sorted(cpu):
+    if s in gpu:
+        rel = abs(cpu[s] - gpu[s]) / max(abs(cpu[s]), 1e-12)
+        worst = max(worst, rel)
+        print("%4d  %.8f  %.8f  %.2e" % (s, cpu[s], gpu[s], rel))
+ok = len(cpu) == steps and sorted(cpu) == sorted(gpu) and worst <= tol
+print("%d cpu / %d gpu steps, max relative difference %.3e (bound %.0e): %s" % (len(cpu), len(gpu), worst, tol, "PASS" if ok else "FAIL"))
+sys.exit(0 if ok else 1)
+'
+
+# The tiny config trained 20 f32 steps on the GPU (device-resident state, harpe's kernels) and on the CPU
+# by the same binary; the losses must agree to 1e-4 relative at every step (issue 10's parity target).
+train_parity() {
+  local bin="$1" dir steps=20
+  dir="$(mktemp -d)"
+  local common=(train --config configs/tiny-cpu.toml --set 'train.dtype="f32"' --set log.progress=false --steps "$steps")
+  step "tiny config on the GPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' --out "$dir/cuda"
+  step "tiny config on the CPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cpu"' --out "$dir/cpu"
+  step "tiny config: GPU vs CPU losses (1e-4 relative)" 30 "$PY" -c "$PARITY_PY" "$dir/cpu/metrics.jsonl" "$dir/cuda/metrics.jsonl" "$steps" 1e-4
+}
 step() { # NAME TIMEOUT CMD... : run, record output and exit code in the report
   local name="$1" limit="$2"
   shift 2
@@ -108,9 +140,7 @@ run() {
     REPORT+=$'\n'"## compute-sanitizer"$'\n\n'"not installed on this machine: memcheck/racecheck skipped."$'\n'
   fi
   step "bench" 180 "$bin" bench
-  local run_dir
-  run_dir="$(mktemp -d)"
-  step "tiny config on the GPU" 60 "$bin" train --config configs/tiny-cpu.toml --set 'train.device="cuda"' --out "$run_dir/tiny" --steps 20
+  train_parity "$bin"
   {
     echo "# harpe on $gpu (driver $driver, compute capability $cap), $(date -u +%Y-%m-%d)"
     echo

@@ -414,6 +414,7 @@ pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
         );
     }
     let (master, m, v, t) = stitch_optim(dir, &shards, want)?;
+    // restore moves the host values to the optimizer's placement (a host checkpoint resumes on a device)
     optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
 }
 
@@ -549,5 +550,41 @@ mod tests {
         let p5 = save(&root, &state(5), &o, &comm, 2, &model).unwrap();
         assert!(!p5.join("junk").exists() && p5.join(DONE).is_file());
         assert!(!root.join(".tmp-step_000005").exists());
+    }
+
+    /// The device variant writes the same files as the host one, and either resumes into the other.
+    #[test]
+    fn device_state_writes_the_same_files_and_resumes_across_placements() {
+        use crate::flatbuf::Placement;
+        let d = tempfile::tempdir().unwrap();
+        let l = ParamLayout::new(&[("w".into(), vec![5]), ("model.norm.weight".into(), vec![2])]);
+        let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.1, wd_embedding: 0.0, wd_norm: 0.0 };
+        let map = ShardMap::new(&l, 1, Split::Slices);
+        let dp = Placement::Device(candle_core::Device::Cpu);
+        let p0 = FlatBuf::from_vec((0..7).map(|i| i as f32 * 0.25 - 1.0).collect());
+        let mut host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
+        let mut dev = AdamW::new(&l, &p0.clone().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let g = FlatBuf::from_vec(vec![0.3, -0.1, 0.2, 0.0, 0.5, -0.4, 0.1]);
+        for _ in 0..3 {
+            host.step(&g, 0.01).unwrap();
+            dev.step(&g.clone().placed(&dp).unwrap(), 0.01).unwrap();
+        }
+        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let comm = Comm::Single;
+        let ph = save(&d.path().join("h"), &state(3), &host, &comm, 1, &model).unwrap();
+        let pd = save(&d.path().join("d"), &state(3), &dev, &comm, 1, &model).unwrap();
+        let f = optim_file(&comm.mesh());
+        assert_eq!(std::fs::read(ph.join(&f)).unwrap(), std::fs::read(pd.join(&f)).unwrap(), "same bytes");
+        // host checkpoint -> device state, device checkpoint -> host state
+        let mut into_dev = AdamW::new(&l, &p0.clone().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let mut into_host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
+        load_optim(&ph, &comm.mesh(), &mut into_dev).unwrap();
+        load_optim(&pd, &comm.mesh(), &mut into_host).unwrap();
+        assert!(matches!(into_dev.master(), FlatBuf::Device(_)) && matches!(into_host.master(), FlatBuf::Host(_)));
+        assert_eq!(
+            (into_dev.master(), into_dev.m(), into_dev.v(), into_dev.t()),
+            (host.master(), host.m(), host.v(), 3)
+        );
+        assert_eq!((into_host.master(), into_host.v()), (dev.master(), dev.v()));
     }
 }

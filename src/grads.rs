@@ -7,7 +7,7 @@
 //! optimizer, the all-reduce and a ZeRO shard are all ranges of the same index space; the norm is
 //! accumulated in f64 so it does not depend on summation order at the precision we log.
 //! What this file does not do: decide what to do with a bad step (that is the loop's guard).
-use crate::flatbuf::FlatBuf;
+use crate::flatbuf::{FlatBuf, Placement};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
@@ -75,11 +75,16 @@ impl ParamLayout {
     }
 }
 
-/// Flatten HF-named tensors (in `order`) into one fp32 buffer and its layout.
+/// Flatten HF-named tensors (in `order`) into one fp32 buffer (on the tensors' device) and its layout.
 pub fn flatten_params(order: &[(String, Tensor)]) -> Result<(ParamLayout, FlatBuf)> {
-    let layout = ParamLayout::new(&order.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect::<Vec<_>>());
     let device = order.first().map(|(_, t)| t.device().clone()).unwrap_or(Device::Cpu);
-    let mut flat = FlatBuf::zeros(layout.total, &device)?;
+    flatten_params_in(order, &Placement::of(&device))
+}
+
+/// `flatten_params` into a buffer with placement `p` (the training state's; tensors may be anywhere).
+pub fn flatten_params_in(order: &[(String, Tensor)], p: &Placement) -> Result<(ParamLayout, FlatBuf)> {
+    let layout = ParamLayout::new(&order.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect::<Vec<_>>());
+    let mut flat = FlatBuf::zeros_in(layout.total, p)?;
     for (p, (_, t)) in layout.params.iter().zip(order) {
         flat.set_tensor(p.range.clone(), t)?;
     }
@@ -100,7 +105,12 @@ impl GradAccum {
 
     /// A zeroed buffer of `n` values (ZeRO-3: this rank's shard of the flat space only).
     pub fn zeros(n: usize, device: &Device) -> Result<GradAccum> {
-        Ok(GradAccum { buf: FlatBuf::zeros(n, device)? })
+        GradAccum::zeros_in(n, &Placement::of(device))
+    }
+
+    /// A zeroed buffer of `n` values with placement `p` (the training state's).
+    pub fn zeros_in(n: usize, p: &Placement) -> Result<GradAccum> {
+        Ok(GradAccum { buf: FlatBuf::zeros_in(n, p)? })
     }
 
     /// The gradient buffer (whole flat space, or the shard for `zeros`).
@@ -114,8 +124,8 @@ impl GradAccum {
     }
 
     /// Set every gradient to zero (start of a step).
-    pub fn zero(&mut self) {
-        self.buf.fill(0.0);
+    pub fn zero(&mut self) -> Result<()> {
+        self.buf.fill(0.0)
     }
 
     /// Add the gradients that `store` holds for `vars` (same order as the layout); parameters that the
@@ -133,20 +143,20 @@ impl GradAccum {
     }
 }
 
-/// L2 norm of the whole gradient (sum of squares in f64).
-pub fn global_norm(g: &FlatBuf) -> f64 {
-    g.sum_squares().sqrt()
+/// L2 norm of the whole gradient (sum of squares in f64, on the buffer's device; one scalar crosses).
+pub fn global_norm(g: &FlatBuf) -> Result<f64> {
+    Ok(g.sum_squares()?.sqrt())
 }
 
 /// Clip by global norm in place (torch semantics); returns the scale applied (1 when not clipped).
 /// `max_norm <= 0` disables clipping.
-pub fn clip_by_global_norm(g: &mut FlatBuf, norm: f64, max_norm: f64) -> f32 {
+pub fn clip_by_global_norm(g: &mut FlatBuf, norm: f64, max_norm: f64) -> Result<f32> {
     if max_norm <= 0.0 || norm <= max_norm {
-        return 1.0;
+        return Ok(1.0);
     }
     let scale = (max_norm / (norm + 1e-6)) as f32;
-    g.scale(scale);
-    scale
+    g.scale(scale)?;
+    Ok(scale)
 }
 
 #[cfg(test)]
@@ -190,13 +200,41 @@ mod tests {
             acc.add_from(&l, &[a.clone(), b.clone()], &store).unwrap();
         }
         assert_eq!(acc.buf().host().unwrap(), &[4.0, 8.0, 0.0, 0.0]);
-        let n = global_norm(acc.buf());
+        let n = global_norm(acc.buf()).unwrap();
         assert!((n - 80f64.sqrt()).abs() < 1e-9);
-        let s = clip_by_global_norm(acc.buf_mut(), n, 1.0);
+        let s = clip_by_global_norm(acc.buf_mut(), n, 1.0).unwrap();
         assert!(s < 1.0);
-        assert!((global_norm(acc.buf()) - 1.0).abs() < 1e-5);
-        assert!(acc.buf().all_finite());
+        assert!((global_norm(acc.buf()).unwrap() - 1.0).abs() < 1e-5);
+        assert!(acc.buf().all_finite().unwrap());
         acc.buf_mut().host_mut().unwrap()[0] = f32::NAN;
-        assert!(!acc.buf().all_finite());
+        assert!(!acc.buf().all_finite().unwrap());
+    }
+
+    #[test]
+    fn device_variant_accumulates_norms_and_clips_like_the_host() {
+        let l = ParamLayout::new(&[("a".into(), vec![3]), ("b".into(), vec![2])]);
+        let a = Var::from_tensor(&Tensor::new(&[1f32, -2., 0.5], &Device::Cpu).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[3f32, 4.], &Device::Cpu).unwrap()).unwrap();
+        let mut host = GradAccum::new(&l, &Device::Cpu).unwrap();
+        let mut dev = GradAccum::zeros_in(l.total, &Placement::Device(Device::Cpu)).unwrap();
+        for k in 1..=3 {
+            let loss = ((a.as_tensor().sqr().unwrap() * k as f64).unwrap().sum_all().unwrap()
+                + b.as_tensor().sum_all().unwrap())
+            .unwrap();
+            let store = loss.backward().unwrap();
+            host.add_from(&l, &[a.clone(), b.clone()], &store).unwrap();
+            dev.add_from(&l, &[a.clone(), b.clone()], &store).unwrap();
+        }
+        assert!(matches!(dev.buf(), FlatBuf::Device(_)));
+        assert_eq!(host.buf(), dev.buf());
+        let (nh, nd) = (global_norm(host.buf()).unwrap(), global_norm(dev.buf()).unwrap());
+        assert_eq!(nh, nd);
+        assert_eq!(
+            clip_by_global_norm(host.buf_mut(), nh, 1.0).unwrap(),
+            clip_by_global_norm(dev.buf_mut(), nd, 1.0).unwrap()
+        );
+        assert_eq!(host.buf(), dev.buf());
+        dev.zero().unwrap();
+        assert_eq!(dev.buf().sum_squares().unwrap(), 0.0);
     }
 }

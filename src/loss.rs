@@ -10,8 +10,12 @@
 //! (exact gradient accumulation). Targets equal to `IGNORE_INDEX` contribute 0 and get no gradient.
 //! `chunked_nll` / `nll_rows` are the one NLL rule: eval-ppl calls them too (accumulating in f64).
 //! The CPU path uses candle's gemm on chunks, reading hidden and weight in place (the op's node only
-//! carries the nll, so no copy of either is made); a CUDA kernel is a later issue. Not done here: z-loss,
-//! label smoothing.
+//! carries the nll, so no copy of either is made). On CUDA the chunk's softmax part is the fused kernel
+//! (kernels/cross_entropy.cu through `ops::cross_entropy_chunk`: nll forward, dlogits backward) between
+//! the same cuBLAS matmuls; the logits are f32 on both paths. `chunked_cross_entropy_with(.., fused)`
+//! picks the path explicitly (tests run the fused path's CPU reference against the plain ops).
+//! Not done here: z-loss, label smoothing.
+use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 /// Target value that is skipped (no loss, no gradient).
@@ -23,6 +27,8 @@ pub const IGNORE_INDEX: u32 = u32::MAX;
 struct ChunkedCe {
     chunk: usize,
     targets: Tensor,
+    /// the chunk's softmax part by the fused ops (`ops::cross_entropy_chunk`), else by plain candle ops
+    fused: bool,
 }
 
 /// Targets with ignored entries replaced by 0 (for gather) and the 0/1 validity mask, both (n, 1).
@@ -118,6 +124,25 @@ impl CustomOp3 for ChunkedCe {
         Ok((CpuStorage::F32(nll), l1.shape().clone()))
     }
 
+    /// On CUDA the same pass-through: a device copy of the nll (computed by the fused chunk kernel).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+        _s3: &candle_core::CudaStorage,
+        _l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        match (s1.dtype(), l1.contiguous_offsets()) {
+            // try_clone copies the whole storage: right when the nll starts at offset 0 (it is fresh)
+            (DType::F32, Some((0, _))) => Ok((s1.try_clone(l1)?, l1.shape().clone())),
+            _ => candle_core::bail!("chunked cross-entropy: the nll must be contiguous f32 from offset 0"),
+        }
+    }
+
     fn bwd(
         &self,
         _nll: &Tensor,
@@ -136,11 +161,18 @@ impl CustomOp3 for ChunkedCe {
         for start in (0..n).step_by(self.chunk) {
             let len = self.chunk.min(n - start);
             let hc = h.narrow(0, start, len)?; // (n, C)
-            let (idx, mask) = targets_and_mask(&t.narrow(0, start, len)?)?;
-            let gc = (g.narrow(0, start, len)? * mask)?; // (n, 1)
-            let (logits, lse) = chunk_logits(&hc, &w_t)?;
-            let p = logits.broadcast_sub(&lse)?.exp()?; // softmax (n, V)
-            let dlogits = p.broadcast_mul(&gc)?.scatter_add(&idx, &gc.neg()?, 1)?; // (n, V)
+            let tc = t.narrow(0, start, len)?;
+            let dlogits = if self.fused {
+                let logits = hc.matmul(&w_t)?.to_dtype(DType::F32)?; // (n, V)
+                ce_chunk_dlogits(&logits, &tc, &g.narrow(0, start, len)?.flatten_all()?)?
+            // (n, V), 0 if ignored
+            } else {
+                let (idx, mask) = targets_and_mask(&tc)?;
+                let gc = (g.narrow(0, start, len)? * mask)?; // (n, 1)
+                let (logits, lse) = chunk_logits(&hc, &w_t)?;
+                let p = logits.broadcast_sub(&lse)?.exp()?; // softmax (n, V)
+                p.broadcast_mul(&gc)?.scatter_add(&idx, &gc.neg()?, 1)? // (n, V)
+            };
             dh.push(dlogits.matmul(&w32)?); // (n, C)
             dw = (dw + dlogits.t()?.matmul(&hc.to_dtype(DType::F32)?)?)?;
         }
@@ -150,18 +182,45 @@ impl CustomOp3 for ChunkedCe {
 }
 
 /// Per-token nll (N) f32 of hidden (N, C) under lm-head weight (V, C), `chunk` tokens at a time;
-/// differentiable in `hidden` and `weight`.
+/// differentiable in `hidden` and `weight`. The fused chunk kernels on CUDA, plain candle ops elsewhere.
 pub fn chunked_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, chunk: usize) -> Result<Tensor> {
+    chunked_cross_entropy_with(hidden, weight, targets, chunk, hidden.device().is_cuda())
+}
+
+/// `chunked_cross_entropy` with the chunk's softmax part by the fused ops (`fused`: the CUDA kernels on
+/// CUDA, their CPU reference loops on CPU) or by plain candle ops (`chunked_nll`, the one NLL rule).
+pub fn chunked_cross_entropy_with(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk: usize,
+    fused: bool,
+) -> Result<Tensor> {
     let chunk = chunk.max(1);
     let (h, w) = (hidden.contiguous()?, weight.contiguous()?);
     let targets = targets.contiguous()?.detach();
     let (hd, wd) = (h.detach(), w.detach());
-    check(&hd, &wd, &targets)?;
+    let (n, _, _) = check(&hd, &wd, &targets)?; // targets checked once on the host, before any launch
     let w_t = wd.t()?; // (C, V), strided view: gemm reads it in place
-    let nll = chunked_nll(&targets, chunk, DType::F32, |start, len| {
-        hd.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32) // (len, V)
-    })?; // (N), outside the graph
-    nll.apply_op3(&h, &w, ChunkedCe { chunk, targets })
+    let logits_of = |start: usize, len: usize| hd.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32); // (len, V)
+    let nll = if fused {
+        let parts = (0..n)
+            .step_by(chunk)
+            .map(|start| {
+                let len = chunk.min(n - start);
+                ce_chunk_nll(&logits_of(start, len)?, &targets.narrow(0, start, len)?)
+                // (len), 0 if ignored
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if parts.is_empty() {
+            Tensor::zeros(0, DType::F32, hd.device())?
+        } else {
+            Tensor::cat(&parts, 0)?
+        }
+    } else {
+        chunked_nll(&targets, chunk, DType::F32, logits_of)?
+    }; // (N), outside the graph
+    nll.apply_op3(&h, &w, ChunkedCe { chunk, targets, fused })
 }
 
 /// The same per-token nll from plain candle ops with the full (N, V) logits (tests, tiny shapes).
@@ -212,6 +271,28 @@ mod tests {
         // the ignored token's hidden row gets no gradient
         let dh1 = gf.get(h.as_tensor()).unwrap().get(1).unwrap().abs().unwrap().sum_all().unwrap();
         assert_eq!(dh1.to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    /// The fused path (here the CE chunk ops' CPU reference loops, the CUDA kernels' twin) gives the
+    /// plain-op path's nll and gradients.
+    #[test]
+    fn fused_chunk_path_matches_the_plain_op_path() {
+        let (n, c, v) = (11, 6, 13);
+        let (h, w, t) = setup(n, c, v, 4);
+        let up = Tensor::from_vec((0..n).map(|i| 0.3 - i as f32 * 0.07).collect::<Vec<_>>(), n, &Device::Cpu).unwrap();
+        let a = chunked_cross_entropy_with(&h, &w, &t, 4, true).unwrap();
+        let b = chunked_cross_entropy_with(&h, &w, &t, 4, false).unwrap();
+        assert!(max_abs_diff(&a, &b) < 1e-5, "{}", max_abs_diff(&a, &b));
+        assert_eq!(a.to_vec1::<f32>().unwrap()[1], 0.0, "the ignored token");
+        let ga = (a * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (b * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for var in [&h, &w] {
+            let (x, y) = (ga.get(var.as_tensor()).unwrap(), gb.get(var.as_tensor()).unwrap());
+            assert!(max_abs_diff(x, y) < 1e-5, "{}", max_abs_diff(x, y));
+        }
+        let bad = Tensor::from_vec(vec![0u32, 99, 1], 3, &Device::Cpu).unwrap();
+        let (h3, w3, _) = setup(3, c, v, 5);
+        assert!(chunked_cross_entropy_with(&h3, &w3, &bad, 2, true).unwrap_err().to_string().contains("target id 99"));
     }
 
     #[test]

@@ -43,15 +43,15 @@ use crate::data::{
     builtin_texts, prepare_from_texts, tokenizer_sha256, Loader, LoaderConfig, PrepareOptions, Sequence,
 };
 use crate::eval::in_training::{eval_line, TrainEval};
-use crate::flatbuf::FlatBuf;
-use crate::grads::{self, flatten_params, GradAccum, ParamLayout};
+use crate::flatbuf::{FlatBuf, Placement};
+use crate::grads::{self, flatten_params_in, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD};
 use crate::model::rope::RopeTables;
-use crate::model::weights::{init_random, load_tensors, save_model_dir};
+use crate::model::weights::{init_random, load_flat, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
@@ -95,6 +95,11 @@ pub struct TrainArgs {
     /// --features nccl. On CPU use --set dist.backend=local --set dist.world_size=N instead
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
+    /// test knob: keep the training state (weights, AdamW, gradients) in the device variant of
+    /// `FlatBuf` even on the CPU, so the GPU path's candle-op logic runs and can be compared with the
+    /// host path there (a CUDA run always uses it)
+    #[arg(long, hide = true)]
+    pub device_resident_state: bool,
 }
 
 impl TrainArgs {
@@ -108,6 +113,7 @@ impl TrainArgs {
             set: vec![],
             force: false,
             nproc_per_node: None,
+            device_resident_state: false,
         }
     }
 
@@ -371,15 +377,16 @@ pub fn trainable_model(
     Ok((model, named.into_iter().map(|(_, v)| v).collect()))
 }
 
-/// The run's model architecture and initial fp32 weights (HF order).
-fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(String, Tensor)>)> {
+/// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
+/// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
+/// GPU straight to the device, host memory far below the model size); a random init is made on the CPU.
+fn initial_model(cfg: &RunConfig, origin: &str, p: &Placement) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
     let cpu = Device::Cpu;
     if let Some(dir) = &cfg.model.path {
         let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
         mc.validate(&dir.join("config.json").display().to_string())?;
-        let t = load_tensors(dir, DType::F32, &cpu)?;
-        let model = Llama::from_tensors(mc.clone(), t, &dir.display().to_string())?;
-        return Ok((mc, model.tensors()));
+        let (layout, flat) = load_flat(dir, &mc, p)?;
+        return Ok((mc, layout, flat));
     }
     let a = cfg.model.init.as_ref().ok_or_else(|| anyhow!("{origin}: [model] has neither path nor init"))?;
     let rope = cfg.initial_rope().ok_or_else(|| {
@@ -398,7 +405,8 @@ fn initial_model(cfg: &RunConfig, origin: &str) -> Result<(LlamaConfig, Vec<(Str
     mc.initializer_range = a.initializer_range;
     mc.validate(&format!("{origin} [model.init]"))?;
     let t = init_random(&mc, cfg.train.seed, DType::F32, &cpu)?;
-    Ok((mc, t))
+    let (layout, flat) = flatten_params_in(&t, p)?;
+    Ok((mc, layout, flat))
 }
 
 /// Make sure the run directory exists, is writable, and belongs to this config (unless `force`).
@@ -630,6 +638,8 @@ struct Run {
     tokenizer: PathBuf,
     tok_sha: String,
     device: Device,
+    /// where the flat training state lives (`FlatBuf` placement)
+    placement: Placement,
     dtype: DType,
     comm: Comm,
     mesh: Mesh,
@@ -708,15 +718,18 @@ impl Run {
         let resume_from = resume_point(&run_dir.join("checkpoints"), args.resume)?;
         let stop = stop_flag()?;
 
-        let (base_cfg, init) = initial_model(&cfg, &origin)?;
+        // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
+        let placement = match args.device_resident_state {
+            true => Placement::Device(device.clone()),
+            false => Placement::of(&device),
+        };
+        let (base_cfg, layout, mut weights) = initial_model(&cfg, &origin, &placement)?;
         // the one rule for which world / ZeRO / SP combinations a model allows (also for CUDA runs,
         // which `plan_check` does not plan)
         let world = crate::plan::World { gpus: mesh.world(), zero_stage: dist.zero_stage, sp_degree: mesh.sp_size };
         crate::plan::validate_world(&world, &crate::plan::Arch::of_run(&cfg, &origin)?)
             .with_context(|| format!("{origin}: [dist]"))?;
         let tok_sha = tokenizer_sha256(&tokenizer)?;
-        let (layout, mut weights) = flatten_params(&init)?;
-        drop(init);
         // ZeRO-0 replicates the optimizer (a one-rank map: every rank owns everything); 1-2 shard it
         let (owners, my_shard) = if dist.zero_stage == 0 { (1, 0) } else { (mesh.world(), mesh.rank()) };
         let map = ShardMap::new(&layout, owners, Split::Slices);
@@ -727,7 +740,7 @@ impl Run {
         };
         // ZeRO-3 keeps no full copy of the weights: each layer is gathered from the shards when used
         if dist.zero_stage == 3 {
-            weights = FlatBuf::from_vec(vec![]);
+            weights = FlatBuf::zeros_in(0, &placement)?;
         } else {
             zero::publish(&comm, &map, &optim, &mut weights)?;
         }
@@ -752,6 +765,7 @@ impl Run {
             tokenizer,
             tok_sha,
             device,
+            placement,
             dtype,
             comm,
             mesh,
@@ -863,7 +877,7 @@ impl Stage {
             r.state.stage = si;
             r.state.stage_step = 0;
             if si > 0 && cfg.stage_resets_optimizer(si) {
-                r.optim.reset_moments();
+                r.optim.reset_moments()?;
             }
         }
         r.state.rope = mc.rope.clone();
@@ -875,9 +889,9 @@ impl Stage {
             sources: loader.manifest().source_names.clone(),
             // ZeRO 2-3 accumulate only this rank's shard of the gradients
             grads: if r.zero_stage >= 2 {
-                GradAccum::zeros(r.optim.range().len(), &r.device)?
+                GradAccum::zeros_in(r.optim.range().len(), &r.placement)?
             } else {
-                GradAccum::new(&r.layout, &r.device)?
+                GradAccum::zeros_in(r.layout.total, &r.placement)?
             },
             steps,
             tokens_per_step,
@@ -962,7 +976,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
-    s.grads.zero();
+    s.grads.zero()?;
     let mut sums = [0f64; 2]; // nll sum, target count
                               // per source id: (nll sum, count), summed over ranks with the loss below
     let mut by_source = vec![0f64; if s.sources.len() < 2 { 0 } else { 2 * s.sources.len() }];
@@ -1021,7 +1035,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         r.state.skipped_steps += 1;
     } else {
         r.bad_streak = 0;
-        grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip);
+        grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
         r.optim.step(s.grads.buf(), lr)?;
         if r.zero_stage < 3 {
             zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
@@ -1059,9 +1073,9 @@ fn injected_fault(rank: usize, step: u64) -> Result<()> {
 fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
     if r.zero_stage < 2 {
         r.comm.all_reduce_sum(s.grads.buf_mut())?;
-        return Ok(grads::global_norm(s.grads.buf()));
+        return grads::global_norm(s.grads.buf());
     }
-    let mut sq = [s.grads.buf().sum_squares()];
+    let mut sq = [s.grads.buf().sum_squares()?];
     r.comm.all_reduce_sum_f64(&mut sq)?;
     Ok(sq[0].sqrt())
 }

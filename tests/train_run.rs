@@ -269,3 +269,44 @@ fn a_backend_this_build_lacks_is_refused_with_a_hint() {
         assert!(!out.exists(), "{b}: refused before the run directory is made");
     }
 }
+
+/// The GPU path's training state (`FlatBuf::Device`, here on a CPU tensor through the hidden
+/// `--device-resident-state` knob) trains like the host state: the same losses (1e-6 relative) and
+/// weights over both stages, single rank and ZeRO-3 over two thread ranks; and a host checkpoint
+/// resumes into device state.
+#[test]
+fn device_resident_state_trains_like_host_state() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path(), TINY);
+    let losses =
+        |p: &Path| -> Vec<f64> { read_records(&p.join("metrics.jsonl")).unwrap().iter().map(|r| r.loss).collect() };
+    let weights = |p: &Path| {
+        let t = harpe::model::weights::load_tensors(&ckpt(p, 7), candle_core::DType::F32, &candle_core::Device::Cpu);
+        let mut t: Vec<(String, Vec<f32>)> =
+            t.unwrap().into_iter().map(|(k, v)| (k, v.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+        t.sort_by(|a, b| a.0.cmp(&b.0));
+        t
+    };
+    let zero3 = vec!["dist.backend=\"local\"".to_string(), "dist.world_size=2".into(), "dist.zero_stage=3".into()];
+    for set in [vec![], zero3] {
+        let (h, dv) = (d.path().join(format!("h{}", set.len())), d.path().join(format!("d{}", set.len())));
+        run(TrainArgs { set: set.clone(), ..args(&cfg, &h) }).unwrap();
+        run(TrainArgs { set: set.clone(), device_resident_state: true, ..args(&cfg, &dv) }).unwrap();
+        let (lh, ld) = (losses(&h), losses(&dv));
+        assert_eq!(lh.len(), 7);
+        for (k, (a, b)) in lh.iter().zip(&ld).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{set:?} step {k}: host loss {a} vs device-state loss {b}");
+        }
+        for ((n, a), (_, b)) in weights(&h).iter().zip(&weights(&dv)) {
+            let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "{set:?} {n}: weights differ by {worst}");
+        }
+    }
+    // host checkpoint at step 2 -> device state to the end == the straight host run
+    let m = d.path().join("mixed");
+    run(TrainArgs { steps: Some(2), ..args(&cfg, &m) }).unwrap();
+    run(TrainArgs { resume: true, device_resident_state: true, ..args(&cfg, &m) }).unwrap();
+    let (lh, lm) = (losses(&d.path().join("h0")), losses(&m));
+    assert_eq!(lm.len(), 7);
+    assert!(lh.iter().zip(&lm).all(|(a, b)| (a - b).abs() <= 1e-6 * a.abs()), "{lh:?} vs {lm:?}");
+}

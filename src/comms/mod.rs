@@ -5,7 +5,9 @@
 //! (ZeRO as a no-op at one process). The non-obvious decisions: the training loop always calls the
 //! collectives (gradient all-reduce, master-weight all-gather, metric reduction, checkpoint barrier),
 //! so one process and many processes run the same straight-line code and `train.rs` has no
-//! `if distributed` branch; collectives take `FlatBuf`s (host or device), never host slices. The mesh
+//! `if distributed` branch; collectives take `FlatBuf`s (host or device), never host slices. `Single`
+//! leaves device buffers where they are; `Local` (threads) copies a device buffer through the host and
+//! back for each collective for now, which is correct but slow: the NCCL backend is the GPU path. The mesh
 //! separates the data-parallel rank (which data a rank reads) from the sequence-parallel rank (which
 //! part of a sequence it holds); the optimizer shard and the checkpoint file names use the global rank
 //! `dp_rank * sp_size + sp_rank` of `dp_size * sp_size` (ZeRO shards over every rank, as DeepSpeed-Ulysses
@@ -103,7 +105,9 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
-            Comm::Local(c, _) => c.all_reduce(buf.host_mut()?, ReduceOp::Sum, "grads"),
+            // threads exchange host slices: a device buffer is copied through the host for now (the
+            // NCCL backend will reduce device memory in place)
+            Comm::Local(c, _) => buf.with_host_mut(|v| c.all_reduce(v, ReduceOp::Sum, "grads")),
         }
     }
 
@@ -133,7 +137,8 @@ impl Comm {
             }
             Comm::Local(c, _) => {
                 let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
-                c.all_gather_v_inplace(buf.host_mut()?, &counts, "weights")
+                // through the host for a device buffer, as all_reduce_sum
+                buf.with_host_mut(|v| c.all_gather_v_inplace(v, &counts, "weights"))
             }
         }
     }
@@ -196,6 +201,12 @@ mod tests {
         let mut g = FlatBuf::from_vec(vec![1.0f32, -2.0]);
         c.all_reduce_sum(&mut g).unwrap();
         assert_eq!(g.host().unwrap(), &[1.0, -2.0]);
+        // device buffers stay on their device
+        let mut d = g.clone().placed(&crate::flatbuf::Placement::Device(candle_core::Device::Cpu)).unwrap();
+        c.all_reduce_sum(&mut d).unwrap();
+        let l = crate::grads::ParamLayout::new(&[("w".into(), vec![2])]);
+        c.all_gather(&mut d, &ShardMap::new(&l, 1, zero::Split::Slices)).unwrap();
+        assert!(matches!(d, FlatBuf::Device(_)) && d == g);
         assert!(c.all_ok(true).unwrap() && !c.all_ok(false).unwrap());
     }
 
@@ -205,6 +216,30 @@ mod tests {
             let d = DistSection { backend: b, ..Default::default() };
             let e = Comm::from_config(&d, "run.toml").unwrap_err().to_string();
             assert!(e.contains("run.toml: dist.backend") && e.contains(b.name()) && e.contains("hint:"), "{e}");
+        }
+    }
+
+    #[test]
+    fn local_collectives_accept_device_buffers() {
+        use crate::flatbuf::Placement;
+        use std::time::Duration;
+        let l = crate::grads::ParamLayout::new(&[("w".into(), vec![5])]);
+        let map = ShardMap::new(&l, 2, zero::Split::Slices);
+        let out = local::spawn_local(2, Duration::from_secs(20), |lc| {
+            let c = Comm::Local(lc, 1);
+            let r = c.mesh().rank() as f32;
+            let dp = Placement::Device(candle_core::Device::Cpu);
+            let mut g = FlatBuf::from_vec(vec![1.0 + r; 5]).placed(&dp)?;
+            c.all_reduce_sum(&mut g)?;
+            let mut w = FlatBuf::from_vec(vec![10.0 * (r + 1.0); 5]).placed(&dp)?;
+            c.all_gather(&mut w, &map)?;
+            anyhow::ensure!(matches!(g, FlatBuf::Device(_)) && matches!(w, FlatBuf::Device(_)));
+            Ok((g.to_host()?.to_vec(), w.to_host()?.to_vec()))
+        })
+        .unwrap();
+        for (g, w) in out {
+            assert_eq!(g, vec![3.0; 5]);
+            assert_eq!(w, vec![10.0, 10.0, 10.0, 20.0, 20.0]);
         }
     }
 }

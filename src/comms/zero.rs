@@ -21,7 +21,7 @@ use crate::grads::ParamLayout;
 use crate::optim::adamw::AdamW;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::ops::Range;
 
 /// How the flat parameter space is cut between ranks.
@@ -210,13 +210,14 @@ impl ZeroShards<'_> {
         let me = self.comm.mesh().rank();
         let own = self.map.flat_range(me).start;
         let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        // the exchange is on host slices (`Local`): a device master shard's part is copied out for now
         let mine = if parts[me].is_empty() {
-            &[][..]
+            vec![]
         } else {
-            &self.master.host()?[parts[me].start - own..parts[me].end - own]
+            self.master.range_to_host(parts[me].start - own..parts[me].end - own)?
         };
         let mut full = vec![0f32; flat.len()];
-        self.comm.all_gather_v(mine, &mut full, &counts, label)?;
+        self.comm.all_gather_v(&mine, &mut full, &counts, label)?;
         let full = FlatBuf::from_vec(full);
         self.layout.params[params]
             .iter()
@@ -248,8 +249,9 @@ impl ZeroShards<'_> {
             let input = &full[round.start - flat.start..round.end - flat.start];
             self.comm.reduce_scatter_v_sum(input, &mut mine, &counts, label)?;
             if !parts[me].is_empty() {
-                let dst = &mut self.grads.host_mut()?[parts[me].start - own..parts[me].end - own];
-                dst.iter_mut().zip(&mine).for_each(|(d, g)| *d += g);
+                let n = mine.len();
+                let part = Tensor::from_vec(mine, n, &Device::Cpu)?;
+                self.grads.add_tensor(parts[me].start - own..parts[me].end - own, &part)?;
             }
         }
         Ok(())
@@ -258,7 +260,7 @@ impl ZeroShards<'_> {
     /// Every parameter gathered into a fresh full fp32 buffer (ZeRO-3 checkpoints and evaluation):
     /// `publish` into a buffer that exists only for the caller.
     pub fn gather_all(comm: &Comm, map: &ShardMap, optim: &AdamW, total: usize) -> Result<FlatBuf> {
-        let mut full = FlatBuf::zeros(total, &optim.master().device())?;
+        let mut full = optim.master().zeros_like(total)?;
         publish(comm, map, optim, &mut full)?;
         Ok(full)
     }

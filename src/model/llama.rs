@@ -3,8 +3,8 @@
 //!
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
-//! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on CPU
-//! (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
+//! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
+//! device (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
@@ -100,6 +100,37 @@ pub fn param_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     v
 }
 
+/// The one rule for which tensors a checkpoint of `cfg` must hold: every parameter of `param_shapes`
+/// with its shape; besides them only a tied model's `lm_head.weight` and rotary `inv_freq` tables.
+pub fn check_params(cfg: &LlamaConfig, found: &[(String, Vec<usize>)], origin: &str) -> Result<()> {
+    let got: HashMap<&str, &[usize]> = found.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+    for (name, shape) in param_shapes(cfg) {
+        let dims = got.get(name.as_str()).ok_or_else(|| {
+            anyhow!(
+                "{origin}: tensor `{name}` is missing\nhint: is the checkpoint complete and does config.json match it?"
+            )
+        })?;
+        if *dims != shape.as_slice() {
+            bail!(
+                "{origin}: tensor `{name}` has shape {dims:?}, config.json implies {shape:?}\nhint: config.json and the weights disagree"
+            );
+        }
+    }
+    let expected: std::collections::HashSet<String> = param_shapes(cfg).into_iter().map(|(n, _)| n).collect();
+    let allowed = |k: &str| {
+        expected.contains(k) || k.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && k == LM_HEAD)
+    };
+    let mut extra: Vec<&str> = got.keys().copied().filter(|k| !allowed(k)).collect();
+    extra.sort();
+    if let Some(first) = extra.first() {
+        bail!(
+            "{origin}: unexpected tensor `{first}` ({} unexpected in all)\nhint: the weights do not belong to a Llama model with this config.json",
+            extra.len()
+        );
+    }
+    Ok(())
+}
+
 /// True for parameters that are RMSNorm weights (the one norm rule: no weight decay by default).
 pub fn is_norm_param(name: &str) -> bool {
     name.ends_with("layernorm.weight") || name == FINAL_NORM
@@ -139,11 +170,12 @@ impl LayerWeights {
     }
 }
 
-/// RMSNorm (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)). On CPU the fused op with
-/// its own backward (`ops::rms_norm`, rows in parallel); elsewhere its plain-op twin until the GPU path
-/// switches to the op's CUDA launch.
+/// RMSNorm (f32 statistics, HF order of casts): w * (x / sqrt(mean(x^2) + eps)). The fused op with its own
+/// backward on every device (`ops::rms_norm`: rows in parallel on CPU, kernels/rms_norm.cu on CUDA);
+/// its plain-op twin only for what the kernels do not take (x and w of different dtypes, f16 on CUDA).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == w.dtype() {
+    let kernel_dtype = x.device().is_cpu() || matches!(x.dtype(), DType::F32 | DType::BF16);
+    if x.dtype() == w.dtype() && kernel_dtype {
         crate::ops::rms_norm::rms_norm(x, w, eps)
     } else {
         crate::ops::rms_norm::rms_norm_slow(x, w, eps)
@@ -180,30 +212,10 @@ impl Llama {
     /// Build from HF-named tensors; every expected name must be there with its shape.
     /// `rotary_emb.inv_freq` buffers of old checkpoints are recomputed, so they are ignored.
     pub fn from_tensors(cfg: LlamaConfig, mut t: HashMap<String, Tensor>, origin: &str) -> Result<Llama> {
-        for (name, shape) in param_shapes(&cfg) {
-            let got = t.get(&name).ok_or_else(|| {
-                anyhow!("{origin}: tensor `{name}` is missing\nhint: is the checkpoint complete and does config.json match it?")
-            })?;
-            if got.dims() != shape.as_slice() {
-                bail!(
-                    "{origin}: tensor `{name}` has shape {:?}, config.json implies {:?}\nhint: config.json and the weights disagree",
-                    got.dims(),
-                    shape
-                );
-            }
-        }
+        let found: Vec<(String, Vec<usize>)> = t.iter().map(|(k, v)| (k.clone(), v.dims().to_vec())).collect();
+        check_params(&cfg, &found, origin)?;
         if cfg.tie_word_embeddings {
             t.remove(LM_HEAD);
-        }
-        let expected: std::collections::HashSet<String> = param_shapes(&cfg).into_iter().map(|(n, _)| n).collect();
-        let mut extra: Vec<&String> =
-            t.keys().filter(|k| !expected.contains(*k) && !k.ends_with("rotary_emb.inv_freq")).collect();
-        extra.sort();
-        if let Some(first) = extra.first() {
-            bail!(
-                "{origin}: unexpected tensor `{first}` ({} unexpected in all)\nhint: the weights do not belong to a Llama model with this config.json",
-                extra.len()
-            );
         }
         let mut take =
             |n: &str| -> Result<Tensor> { t.remove(n).ok_or_else(|| anyhow!("{origin}: tensor `{n}` is missing")) };

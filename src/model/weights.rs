@@ -5,8 +5,10 @@
 //! The non-obvious decision: files are memory-mapped and every tensor is checked (dtype, shape, the
 //! shard the index names) with an error naming file and tensor; saving writes each file atomically
 //! (temporary name, fsync, rename) and the index last. Not done here: optimizer state (`checkpoint`).
+use crate::flatbuf::{FlatBuf, Placement};
+use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
-use crate::model::llama::{param_shapes, Llama};
+use crate::model::llama::{check_params, param_shapes, Llama};
 use crate::util::write_atomic;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -31,25 +33,70 @@ fn st_dtype(d: safetensors::Dtype, file: &Path, name: &str) -> Result<DType> {
     })
 }
 
-/// Read every tensor of one safetensors file, converted to `dtype` on `device`.
-pub fn read_safetensors(file: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+/// Memory-map a safetensors file (read-only).
+fn map_file(file: &Path) -> Result<memmap2::Mmap> {
     let f = std::fs::File::open(file)
         .with_context(|| format!("cannot open {}\nhint: is the model directory complete?", file.display()))?;
     // SAFETY: the file is opened read-only and not modified while mapped (a model directory is not
     // written by another process while we load it).
-    let mmap = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", file.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
+    unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", file.display()))
+}
+
+fn parse<'a>(mmap: &'a memmap2::Mmap, file: &Path) -> Result<safetensors::SafeTensors<'a>> {
+    safetensors::SafeTensors::deserialize(mmap).map_err(|e| {
         anyhow!(
             "{}: not a valid safetensors file: {e}\nhint: the file is truncated or corrupt; re-download or re-save it",
             file.display()
         )
-    })?;
-    let mut out = HashMap::new();
+    })
+}
+
+/// Every tensor of one safetensors file, one at a time: `f(name, tensor)` gets it in the file's dtype
+/// on `device`, made straight from the memory map (one host-to-device copy on a GPU; a host copy on the
+/// CPU, or first when the data is misaligned); right after, that tensor's pages are dropped from this
+/// process (`madvise(MADV_DONTNEED)`: the file stays in the page cache, but the process's resident memory
+/// does not grow with the file), so host memory holds about one tensor beyond what `f` keeps.
+pub fn visit_safetensors(file: &Path, device: &Device, mut f: impl FnMut(String, Tensor) -> Result<()>) -> Result<()> {
+    let mmap = map_file(file)?;
+    let st = parse(&mmap, file)?;
+    let page = 4096usize;
     for (name, view) in st.tensors() {
         let dt = st_dtype(view.dtype(), file, &name)?;
-        let t = Tensor::from_raw_buffer(view.data(), dt, view.shape(), device)
+        let data = view.data();
+        let t = Tensor::from_raw_buffer(data, dt, view.shape(), device)
             .with_context(|| format!("{}: cannot read tensor `{name}`", file.display()))?;
+        let start = (data.as_ptr() as usize - mmap.as_ptr() as usize) / page * page;
+        let end = (data.as_ptr() as usize - mmap.as_ptr() as usize + data.len()).min(mmap.len());
+        #[cfg(unix)]
+        // SAFETY: DONTNEED on a private read-only file mapping only drops the process's copies of the
+        // pages; a later read faults them in again from the file. No reference into these pages is held
+        // (the tensor owns a copy; `data` is not used again).
+        unsafe {
+            let _ = mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start);
+        }
+        f(name, t)?;
+    }
+    Ok(())
+}
+
+/// Read every tensor of one safetensors file, converted to `dtype` on `device`.
+pub fn read_safetensors(file: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    visit_safetensors(file, device, |name, t| {
         out.insert(name, t.to_dtype(dtype)?);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Names and shapes of every tensor of a model directory, from the safetensors headers only (no data
+/// is read), in file order.
+pub fn tensor_shapes(dir: &Path) -> Result<Vec<(String, Vec<usize>)>> {
+    let (files, _) = weight_files(dir)?;
+    let mut out = vec![];
+    for f in &files {
+        let mmap = map_file(f)?;
+        out.extend(parse(&mmap, f)?.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec())));
     }
     Ok(out)
 }
@@ -109,13 +156,15 @@ pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
     )
 }
 
-/// Load all tensors of a model directory, checking that each lives in the shard the index names.
-pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+/// Visit every tensor of a model directory one at a time (`visit_safetensors`, file after file) as
+/// `f(name, tensor in the file's dtype on device)`, checking that each lives in the shard the index
+/// names, appears once, and that no tensor of the index is missing.
+pub fn visit_model_tensors(dir: &Path, device: &Device, mut f: impl FnMut(String, Tensor) -> Result<()>) -> Result<()> {
     let (files, index) = weight_files(dir)?;
-    let mut all = HashMap::new();
-    for f in &files {
-        let fname = f.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
-        for (name, t) in read_safetensors(f, dtype, device)? {
+    let mut seen = std::collections::HashSet::new();
+    for file in &files {
+        let fname = file.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        visit_safetensors(file, device, |name, t| {
             if let Some(wm) = &index {
                 match wm.get(&name) {
                     Some(expected) if *expected == fname => {}
@@ -129,13 +178,14 @@ pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap
                     ),
                 }
             }
-            if all.insert(name.clone(), t).is_some() {
+            if !seen.insert(name.clone()) {
                 bail!("{}: tensor `{name}` appears in two shards\nhint: the checkpoint is inconsistent", dir.display());
             }
-        }
+            f(name, t)
+        })?;
     }
     if let Some(wm) = &index {
-        if let Some(missing) = wm.keys().find(|k| !all.contains_key(*k)) {
+        if let Some(missing) = wm.keys().find(|k| !seen.contains(*k)) {
             bail!(
                 "{}: tensor `{missing}` is in the index but not in shard {}\nhint: a shard is truncated or from another checkpoint",
                 dir.display(),
@@ -143,7 +193,35 @@ pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap
             );
         }
     }
+    Ok(())
+}
+
+/// Load all tensors of a model directory in `dtype` on `device` (`visit_model_tensors`' checks).
+pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut all = HashMap::new();
+    visit_model_tensors(dir, device, |name, t| {
+        all.insert(name, t.to_dtype(dtype)?);
+        Ok(())
+    })?;
     Ok(all)
+}
+
+/// The training state's fp32 weights of a model directory, streamed into one flat buffer with
+/// placement `p` (on a GPU: the device) one tensor at a time, so host memory stays far below the model
+/// size: names and shapes are checked from the headers first (`llama::check_params`, the rules of
+/// `Llama::from_tensors`), then each tensor goes from the memory map to the device and into its range.
+pub fn load_flat(dir: &Path, cfg: &LlamaConfig, p: &Placement) -> Result<(ParamLayout, FlatBuf)> {
+    let origin = dir.display().to_string();
+    check_params(cfg, &tensor_shapes(dir)?, &origin)?;
+    let layout = ParamLayout::new(&param_shapes(cfg));
+    let place: HashMap<&str, std::ops::Range<usize>> =
+        layout.params.iter().map(|q| (q.name.as_str(), q.range.clone())).collect();
+    let mut flat = FlatBuf::zeros_in(layout.total, p)?;
+    visit_model_tensors(dir, &p.device(), |name, t| match place.get(name.as_str()) {
+        Some(r) => flat.set_tensor(r.clone(), &t).with_context(|| format!("{origin}: tensor `{name}`")),
+        None => Ok(()), // a tied head or a rotary table: `check_params` allowed it, training does not use it
+    })?;
+    Ok((layout, flat))
 }
 
 /// Load a model directory (config.json + safetensors) as a `Llama` in `dtype` on `device`.

@@ -3,15 +3,19 @@
 //! buffers rather than tensors (AdamW, the gradient norm) for the optimizer to call.
 //!
 //! Reference: ../shared/cuda-build.md §3 (`get_or_load_custom_func`, `builder().arg(..).launch(..)`).
-//! The non-obvious decision: AdamW and the norm take cudarc slices, not candle tensors: the training
-//! state is flat buffers (DESIGN §6, `FlatBuf`) that the optimizer updates in place, which candle's
-//! immutable tensors cannot express. Only the norm's one f64 crosses to the host.
+//! The non-obvious decision: AdamW and the norm work on raw device memory, not through candle ops: the
+//! training state is flat buffers (DESIGN §6, `FlatBuf::Device`) that the optimizer updates in place,
+//! which candle's immutable tensors cannot express; `adamw_step_tensors` takes the device pointers of
+//! those buffers' tensors (never shared, see flatbuf.rs), `adamw_step` those of cudarc slices (selftest,
+//! bench). Only the norm's one f64 crosses to the host.
 //! Does not: choose the device or own the training state (the optimizer does), run anything on CPU
 //! (`kernels_emu` is the host twin of the same kernels).
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
-use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use candle_core::{bail, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::bf16;
 use std::ops::Range;
 
@@ -110,7 +114,7 @@ pub fn adamw_step(
     m: &mut CudaSlice<f32>,
     v: &mut CudaSlice<f32>,
     grad: &CudaSlice<f32>,
-    mut out: ComputeOut<'_>,
+    out: ComputeOut<'_>,
     segments: &[(Range<usize>, f32)],
     s: AdamWStep,
 ) -> Result<()> {
@@ -128,37 +132,97 @@ pub fn adamw_step(
             grad.len()
         );
     }
-    let merged = merge_segments(segments, n)?;
-    let name = match out {
-        ComputeOut::Bf16(_) => "adamw_bf16",
-        _ => "adamw_f32",
+    let stream = dev.cuda_stream();
+    let (pm, _s1) = master.device_ptr_mut(&stream);
+    let (mm, _s2) = m.device_ptr_mut(&stream);
+    let (vm, _s3) = v.device_ptr_mut(&stream);
+    let (gm, _s4) = grad.device_ptr(&stream);
+    let (outp, _s5, bf) = match out {
+        ComputeOut::None => (0, None, false),
+        ComputeOut::F32(o) => {
+            let (p, g) = o.device_ptr_mut(&stream);
+            (p, Some(g), false)
+        }
+        ComputeOut::Bf16(o) => {
+            let (p, g) = o.device_ptr_mut(&stream);
+            (p, Some(g), true)
+        }
     };
+    // SAFETY: the four buffers and `out` (when not null) hold `n` elements each (checked above) and are
+    // borrowed mutably (read-only for grad) for the whole launch.
+    unsafe { launch_adamw(dev, [pm, mm, vm, gm], outp, bf, n, segments, s) }
+}
+
+/// `adamw_step` on the 1-D f32 device tensors of `FlatBuf::Device` buffers, updated in place:
+/// master, m, v (`n` each) and `grad[grad_off..grad_off + n]` (a full-length gradient buffer or the
+/// shard itself); no compute-weight output (the write-back copies the parameters).
+pub fn adamw_step_tensors(
+    master: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    grad_off: usize,
+    segments: &[(Range<usize>, f32)],
+    s: AdamWStep,
+) -> Result<()> {
+    let n = master.elem_count();
+    if m.elem_count() != n || v.elem_count() != n || grad.elem_count() < grad_off + n {
+        bail!(
+            "adamw: master {n}, m {}, v {} values and a gradient of {} read from {grad_off}",
+            m.elem_count(),
+            v.elem_count(),
+            grad.elem_count()
+        );
+    }
+    let Device::Cuda(dev) = master.device() else { bail!("adamw: the optimizer state is not on a CUDA device") };
+    let stream = dev.cuda_stream();
+    let ptr = |t: &Tensor, what: &str| -> Result<u64> {
+        let (st, l) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*st else { bail!("adamw: `{what}` is not on a CUDA device") };
+        if cs.device().id() != dev.id() {
+            bail!("adamw: `{what}` is on another CUDA device than the master weights");
+        }
+        let r = contiguous(l, "adamw", what)?;
+        let (p, _sync) = cs.as_cuda_slice::<f32>()?.device_ptr(&stream);
+        Ok(p + (r.start * std::mem::size_of::<f32>()) as u64)
+    };
+    let g = ptr(grad, "grad")? + (grad_off * std::mem::size_of::<f32>()) as u64;
+    let ptrs = [ptr(master, "master")?, ptr(m, "m")?, ptr(v, "v")?, g];
+    // SAFETY: each tensor is a dense f32 buffer of at least `n` elements past its pointer (checked
+    // above); master/m/v belong to `FlatBuf::Device` buffers that are never shared (their views are
+    // copies) and whose owner holds them mutably for this call, so writing them in place on candle's
+    // one stream is seen by nobody else; the storages stay alive in the tensors held by the caller.
+    unsafe { launch_adamw(dev, ptrs, 0, false, n, segments, s) }
+}
+
+/// Launch `adamw_<dtype>` over `[master, m, v, grad]` device pointers (`out` 0 = no compute copy), one
+/// launch per run of equal weight decay.
+///
+/// # Safety
+/// Every pointer must address `n` valid elements (f32; `out` bf16 when `out_bf16`, else f32).
+unsafe fn launch_adamw(
+    dev: &CudaDevice,
+    [pm, mm, vm, gm]: [u64; 4],
+    out: u64,
+    out_bf16: bool,
+    n: usize,
+    segments: &[(Range<usize>, f32)],
+    s: AdamWStep,
+) -> Result<()> {
+    let merged = merge_segments(segments, n)?;
+    let name = if out_bf16 { "adamw_bf16" } else { "adamw_f32" };
+    let out_size = if out_bf16 { 2 } else { 4 };
     let func = dev.get_or_load_custom_func(name, "harpe_adamw", ADAMW_PTX)?;
     for (r, wd) in merged {
         let len = (r.end - r.start) as u64;
-        let (mut ms, mut mm, mut mv) = (master.slice_mut(r.clone()), m.slice_mut(r.clone()), v.slice_mut(r.clone()));
-        let g = grad.slice(r.clone());
-        let null = 0u64;
-        let mut of;
-        let mut ob;
+        let at = |p: u64| p + 4 * r.start as u64;
+        let (p, m, v, g) = (at(pm), at(mm), at(vm), at(gm));
+        let o = if out == 0 { 0 } else { out + out_size * r.start as u64 };
         let mut b = func.builder();
-        b.arg(&mut ms).arg(&mut mm).arg(&mut mv).arg(&g);
-        match &mut out {
-            ComputeOut::None => {
-                b.arg(&null);
-            }
-            ComputeOut::F32(o) => {
-                of = o.slice_mut(r.clone());
-                b.arg(&mut of);
-            }
-            ComputeOut::Bf16(o) => {
-                ob = o.slice_mut(r.clone());
-                b.arg(&mut ob);
-            }
-        }
+        b.arg(&p).arg(&m).arg(&v).arg(&g).arg(&o);
         b.arg(&len).arg(&s.lr).arg(&s.beta1).arg(&s.beta2).arg(&s.eps).arg(&wd);
         b.arg(&s.step_size).arg(&s.bc2_sqrt).arg(&s.grad_scale);
-        // SAFETY: every buffer covers `len` elements of the launched range; out may be null.
+        // SAFETY: the caller guarantees `n` elements behind every pointer; this range is inside 0..n.
         unsafe { b.launch(cfg(grid_for(len as usize, BLOCK), BLOCK)) }.w()?;
     }
     Ok(())

@@ -8,6 +8,11 @@
 //! the shard map's (parameter, element range) slices; `step` reads this rank's part of the full-length
 //! gradient buffer, so a ZeRO-2 reduce-scatter can fill that part in place. State is private: the
 //! checkpoint code reads it through `master/m/v/t` and restores it with `restore`.
+//! The state lives where `params` does (`FlatBuf` placement): host loops for the host variant (the
+//! reference), the fused kernel kernels/adamw.cu for a CUDA buffer (`ops::cuda::adamw_step_tensors`, in
+//! place, one launch per run of equal weight decay), and the same arithmetic as candle ops for a device
+//! buffer on a CPU tensor (`step_candle`: how tests check the device path without a GPU; bit-identical
+//! to the host loops, as every operation is the same f32 operation in the same order).
 //! What this file does not do: gradient clipping, communication or the write-back of updated weights
 //! into the model (grads.rs, comms/).
 use crate::comms::zero::ShardMap;
@@ -15,6 +20,7 @@ use crate::config::OptimSection;
 use crate::flatbuf::FlatBuf;
 use crate::grads::{ParamGroup, ParamLayout};
 use anyhow::{bail, Result};
+use candle_core::Tensor;
 use std::ops::Range;
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule each step).
@@ -75,12 +81,11 @@ impl AdamW {
             .iter()
             .map(|s| (s.flat.start - range.start..s.flat.end - range.start, hp.wd(layout.params[s.param].group)))
             .collect();
-        let device = params.device();
         Ok(AdamW {
             hp,
             master: params.slice_to_owned(range.clone())?,
-            m: FlatBuf::zeros(range.len(), &device)?,
-            v: FlatBuf::zeros(range.len(), &device)?,
+            m: params.zeros_like(range.len())?,
+            v: params.zeros_like(range.len())?,
             t: 0,
             range,
             segments,
@@ -112,21 +117,24 @@ impl AdamW {
         self.t
     }
 
-    /// Replace the state with values read from a checkpoint (lengths must match the shard).
+    /// Replace the state with values read from a checkpoint (lengths must match the shard); they are
+    /// moved to this state's placement (a host checkpoint resumes into device state and back).
     pub fn restore(&mut self, master: FlatBuf, m: FlatBuf, v: FlatBuf, t: u64) -> Result<()> {
         let n = self.range.len();
         if master.len() != n || m.len() != n || v.len() != n {
             bail!("internal: restoring {}/{}/{} values into a shard of {n}", master.len(), m.len(), v.len());
         }
-        (self.master, self.m, self.v, self.t) = (master, m, v, t);
+        let p = self.master.placement();
+        (self.master, self.m, self.v, self.t) = (master.placed(&p)?, m.placed(&p)?, v.placed(&p)?, t);
         Ok(())
     }
 
     /// Forget the moments and the step count (a stage configured with `reset_optimizer`).
-    pub fn reset_moments(&mut self) {
-        self.m.fill(0.0);
-        self.v.fill(0.0);
+    pub fn reset_moments(&mut self) -> Result<()> {
+        self.m.fill(0.0)?;
+        self.v.fill(0.0)?;
         self.t = 0;
+        Ok(())
     }
 
     /// One update with learning rate `lr`; `grads` is either the full-length flat gradient buffer, of
@@ -143,6 +151,9 @@ impl AdamW {
         let bc2_sqrt = (1.0 - (beta2 as f64).powi(self.t as i32)).sqrt();
         let step_size = (lr / bc1) as f32;
         let (bc2_sqrt, lr) = (bc2_sqrt as f32, lr as f32);
+        if let FlatBuf::Device(g) = grads {
+            return self.step_device(g, off, lr, step_size, bc2_sqrt);
+        }
         let grad = &grads.host()?[off..off + self.range.len()];
         let (master, m, v) = (self.master.host_mut()?, self.m.host_mut()?, self.v.host_mut()?);
         for (seg, wd) in &self.segments {
@@ -158,6 +169,49 @@ impl AdamW {
                 let denom = v[i].sqrt() / bc2_sqrt + eps;
                 p[i] -= step_size * m[i] / denom;
             }
+        }
+        Ok(())
+    }
+
+    /// The step on device buffers: the fused kernel on CUDA, `step_candle` on a CPU tensor.
+    fn step_device(&mut self, grad: &Tensor, off: usize, lr: f32, step_size: f32, bc2_sqrt: f32) -> Result<()> {
+        let (Some(master), Some(m), Some(v)) =
+            (self.master.device_tensor(), self.m.device_tensor(), self.v.device_tensor())
+        else {
+            bail!("internal: a device gradient buffer for optimizer state in host memory");
+        };
+        #[cfg(feature = "cuda")]
+        if master.device().is_cuda() {
+            let AdamWHyper { beta1, beta2, eps, .. } = self.hp;
+            let s = crate::ops::cuda::AdamWStep { lr, beta1, beta2, eps, step_size, bc2_sqrt, grad_scale: 1.0 };
+            crate::ops::cuda::adamw_step_tensors(master, m, v, grad, off, &self.segments, s)?;
+            return Ok(());
+        }
+        let _ = (master, m, v);
+        self.step_candle(grad, off, lr, step_size, bc2_sqrt)
+    }
+
+    /// The host loops' arithmetic as candle ops on a segment at a time, written back with `slice_set`.
+    fn step_candle(&mut self, grad: &Tensor, off: usize, lr: f32, step_size: f32, bc2_sqrt: f32) -> Result<()> {
+        let AdamWHyper { beta1, beta2, eps, .. } = self.hp;
+        let dev = grad.device().clone();
+        let k = |x: f32| Tensor::new(x, &dev);
+        for (seg, wd) in self.segments.clone() {
+            let (s, n) = (seg.start, seg.len());
+            let part = |b: &FlatBuf| -> Result<Tensor> {
+                let t = b.device_tensor().ok_or_else(|| anyhow::anyhow!("internal: host optimizer state"))?;
+                Ok(t.narrow(0, s, n)?)
+            };
+            let g = grad.narrow(0, off + s, n)?;
+            let p = part(&self.master)?.broadcast_mul(&k(1.0 - lr * wd)?)?;
+            let m0 = part(&self.m)?;
+            let m = (&m0 + (&g - &m0)?.broadcast_mul(&k(1.0 - beta1)?)?)?;
+            let v = (part(&self.v)?.broadcast_mul(&k(beta2)?)? + g.broadcast_mul(&k(1.0 - beta2)?)?.mul(&g)?)?;
+            let denom = v.sqrt()?.broadcast_div(&k(bc2_sqrt)?)?.broadcast_add(&k(eps)?)?;
+            let p = (p - m.broadcast_mul(&k(step_size)?)?.div(&denom)?)?;
+            self.master.set_range_device(s, &p)?;
+            self.m.set_range_device(s, &m)?;
+            self.v.set_range_device(s, &v)?;
         }
         Ok(())
     }
@@ -216,5 +270,44 @@ mod tests {
         assert_eq!(joined, whole.master().host().unwrap());
         let joined3: Vec<f32> = t.iter().flat_map(|o| o.master().host().unwrap().to_vec()).collect();
         assert_eq!(joined3, whole.master().host().unwrap());
+    }
+
+    #[test]
+    fn device_state_steps_like_the_host_and_resumes_across_placements() {
+        use crate::flatbuf::Placement;
+        use candle_core::Device;
+        let l = ParamLayout::new(&[("a.weight".into(), vec![4, 3]), ("model.norm.weight".into(), vec![5])]);
+        let p0: Vec<f32> = (0..l.total).map(|i| 0.5 - i as f32 * 0.03).collect();
+        let dp = Placement::Device(Device::Cpu);
+        for world in [1, 3] {
+            let map = ShardMap::new(&l, world, Split::Slices);
+            for rank in 0..world {
+                let host_p = FlatBuf::from_vec(p0.clone());
+                let dev_p = host_p.clone().placed(&dp).unwrap();
+                let mut h = AdamW::new(&l, &host_p, &map, rank, hp(0.1)).unwrap();
+                let mut d = AdamW::new(&l, &dev_p, &map, rank, hp(0.1)).unwrap();
+                assert!(matches!(d.master(), FlatBuf::Device(_)) && matches!(d.m(), FlatBuf::Device(_)));
+                for step in 0..4 {
+                    let g: Vec<f32> = (0..l.total).map(|i| ((i * 5 + step * 3) % 7) as f32 * 0.1 - 0.3).collect();
+                    let gd = FlatBuf::from_vec(g.clone()).placed(&dp).unwrap();
+                    h.step(&FlatBuf::from_vec(g), 1e-2).unwrap();
+                    d.step(&gd, 1e-2).unwrap();
+                }
+                assert_eq!(h.master(), d.master(), "world {world} rank {rank}");
+                assert_eq!((h.m(), h.v(), h.t()), (d.m(), d.v(), d.t()));
+                // host state restored into device state and the reverse, then one more equal step
+                let mut d2 = AdamW::new(&l, &dev_p, &map, rank, hp(0.1)).unwrap();
+                let mut h2 = AdamW::new(&l, &host_p, &map, rank, hp(0.1)).unwrap();
+                d2.restore(h.master().clone(), h.m().clone(), h.v().clone(), h.t()).unwrap();
+                h2.restore(d.master().clone(), d.m().clone(), d.v().clone(), d.t()).unwrap();
+                assert!(matches!(d2.master(), FlatBuf::Device(_)) && matches!(h2.master(), FlatBuf::Host(_)));
+                let g = FlatBuf::from_vec(vec![0.2; l.total]);
+                d2.step(&g.clone().placed(&dp).unwrap(), 1e-2).unwrap();
+                h2.step(&g, 1e-2).unwrap();
+                assert_eq!(d2.master(), h2.master());
+                d2.reset_moments().unwrap();
+                assert_eq!((d2.m().sum_squares().unwrap(), d2.t()), (0.0, 0));
+            }
+        }
     }
 }
