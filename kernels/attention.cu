@@ -21,13 +21,17 @@
 // `attn_dq_convert_*` then writes dQ in the storage type). Nothing of size Tq x Tk exists anywhere.
 // Tiles: BQ = BK = 32 for D <= 64, 16 for D = 128 (static shared memory stays under 48 KiB in f32:
 // backward at D = 128 holds Q, dO, K, V tiles = 4 x 16 x 128 x 4 B = 32 KiB plus the two 16 x 16 score tiles).
-// The non-obvious decision: the tiles are plain FMA loops over shared memory, not tensor-core mma.sync —
-// correctness first, proven by the host emulation (kernels/emu.h, tests/attention_emu.rs) before any GPU
+// Two sets of tiles: `attn_{fwd,bwd}_*` are plain FMA loops over shared memory (every dtype, every head
+// dim: the readable reference and the f32 path), `attn_{fwd,bwd}_tc_*` the same algorithm on sm_80 tensor
+// cores (mma.sync m16n8k16 + ldmatrix, bf16/f16, D = 64 and 128; described at their definition below).
+// The non-obvious decision: correctness first, proven by the host emulation (kernels/emu.h, whose twins of
+// mma.sync/ldmatrix reproduce the PTX per-lane fragment layouts; tests/attention_emu.rs) before any GPU
 // sees it. Grids are 1-D (block index decoded into tile, head, batch) so the same entry macro serves the
-// emulator.
-// Does not: tensor cores (mma.sync / ldmatrix with emulated fragment twins: the documented next step),
-// deterministic dQ (atomics: summation order varies run to run on a GPU), dropout, sliding windows,
-// document masks (varlen), head dims other than 16, 32, 64, 128.
+// emulator. `attn_pack_fwd_*`/`attn_unpack_bwd_*` convert between these buffers and the op layouts of
+// `ops::attention` (O|lse rows of D + 1 f32; [q | O | lse | dO | .] rows of 3D + 2 f32).
+// Does not: wgmma/TMA (Hopper), cp.async double buffering, deterministic dQ (atomics: summation order
+// varies run to run on a GPU), dropout, sliding windows, document masks (varlen), head dims other than
+// 16, 32, 64, 128 (tensor cores: 64, 128).
 #include "common.cuh"
 
 #define ATTN_NT 128
@@ -552,6 +556,34 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
     }
 }
 
+// The layouts of the `ops::attention` custom ops: the forward's output packs O and lse as f32 rows of D + 1;
+// the backward's input rows [q | O | lse | dO | unused] (3D + 2 f32) are split into the kernels' buffers.
+template <class T>
+__device__ void attn_pack_fwd_impl(const T* __restrict__ o, const float* __restrict__ lse, float* __restrict__ packed,
+                                   unsigned rows, unsigned d) {
+  const unsigned long long n = (unsigned long long)rows * (d + 1);
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned long long r = i / (d + 1), c = i % (d + 1);
+    packed[i] = c < d ? load_f32(o[r * d + c]) : lse[r];
+  }
+}
+
+template <class T>
+__device__ void attn_unpack_bwd_impl(const float* __restrict__ packed, T* __restrict__ q, T* __restrict__ o,
+                                     T* __restrict__ dout, float* __restrict__ lse, unsigned rows, unsigned d) {
+  const unsigned long long w = 3ull * d + 2, n = (unsigned long long)rows * w;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned long long r = i / w, c = i % w;
+    const float x = packed[i];
+    if (c < d) q[r * d + c] = store_as<T>(x);
+    else if (c < 2ull * d) o[r * d + c - d] = store_as<T>(x);
+    else if (c == 2ull * d) lse[r] = x;
+    else if (c < 3ull * d + 1) dout[r * d + c - 2ull * d - 1] = store_as<T>(x);
+  }
+}
+
 #define ATTN_FWD_PARAMS(T)                                                                                 \
   (const T* q, const T* k, const T* v, T* o, float* lse, unsigned nb, unsigned h, unsigned hkv, unsigned tq, \
    unsigned tk, float scale, int causal)
@@ -564,6 +596,10 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
 #define ATTN_DELTA_ARGS (o, dout, delta, rows, d)
 #define ATTN_CONV_PARAMS(T) (const float* acc, T* dq, unsigned long long n)
 #define ATTN_CONV_ARGS (acc, dq, n)
+#define ATTN_PACK_PARAMS(T) (const T* o, const float* lse, float* packed, unsigned rows, unsigned d)
+#define ATTN_PACK_ARGS (o, lse, packed, rows, d)
+#define ATTN_UNPACK_PARAMS(T) (const float* packed, T* q, T* o, T* dout, float* lse, unsigned rows, unsigned d)
+#define ATTN_UNPACK_ARGS (packed, q, o, dout, lse, rows, d)
 
 #define ATTN_KERNELS_D(sfx, T, D)                                                                       \
   extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_##sfx##_d##D ATTN_FWD_PARAMS(T) {      \
@@ -583,14 +619,18 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   extern "C" __global__ void attn_bwd_delta_##sfx ATTN_DELTA_PARAMS(T) { attn_bwd_delta_impl<T> ATTN_DELTA_ARGS; } \
   EMU_ENTRY(attn_bwd_delta_##sfx, ATTN_DELTA_PARAMS(T), ATTN_DELTA_ARGS)                                    \
   extern "C" __global__ void attn_dq_convert_##sfx ATTN_CONV_PARAMS(T) { attn_dq_convert_impl<T> ATTN_CONV_ARGS; } \
-  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)
+  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)                                    \
+  extern "C" __global__ void attn_pack_fwd_##sfx ATTN_PACK_PARAMS(T) { attn_pack_fwd_impl<T> ATTN_PACK_ARGS; }   \
+  EMU_ENTRY(attn_pack_fwd_##sfx, ATTN_PACK_PARAMS(T), ATTN_PACK_ARGS)                                       \
+  extern "C" __global__ void attn_unpack_bwd_##sfx ATTN_UNPACK_PARAMS(T) { attn_unpack_bwd_impl<T> ATTN_UNPACK_ARGS; } \
+  EMU_ENTRY(attn_unpack_bwd_##sfx, ATTN_UNPACK_PARAMS(T), ATTN_UNPACK_ARGS)
 
 #define ATTN_TC_KERNELS_D(sfx, T, D)                                                                     \
   extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_tc_##sfx##_d##D ATTN_FWD_PARAMS(T) {   \
     attn_fwd_tc_impl<T, D> ATTN_FWD_ARGS;                                                               \
   }                                                                                                     \
   EMU_ENTRY(attn_fwd_tc_##sfx##_d##D, ATTN_FWD_PARAMS(T), ATTN_FWD_ARGS)                                \
-  extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_bwd_tc_##sfx##_d##D ATTN_BWD_PARAMS(T) {   \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT, 1) attn_bwd_tc_##sfx##_d##D ATTN_BWD_PARAMS(T) {\
     attn_bwd_tc_impl<T, D> ATTN_BWD_ARGS;                                                               \
   }                                                                                                     \
   EMU_ENTRY(attn_bwd_tc_##sfx##_d##D, ATTN_BWD_PARAMS(T), ATTN_BWD_ARGS)

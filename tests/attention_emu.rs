@@ -265,7 +265,13 @@ fn probe_case<T: AttnFloat>(seed: u64) {
     for way in 0..4 {
         for (e, w) in want.iter().enumerate() {
             let got = out[way * 256 + e] as f64;
-            assert!((got - w).abs() <= 1e-5, "{} way {way} element ({}, {}): {got} vs {w}", std::any::type_name::<T>(), e / 16, e % 16);
+            assert!(
+                (got - w).abs() <= 1e-5,
+                "{} way {way} element ({}, {}): {got} vs {w}",
+                std::any::type_name::<T>(),
+                e / 16,
+                e % 16
+            );
         }
     }
     // an input that is not symmetric in any layout: a permuted A must permute the rows of the product
@@ -327,4 +333,28 @@ fn tensor_core_tiles_refuse_what_they_do_not_take() {
     assert_eq!(AttnKernel::best(2, 128), AttnKernel::TensorCore);
     assert_eq!(AttnKernel::best(4, 128), AttnKernel::Fma);
     assert_eq!(AttnKernel::best(2, 16), AttnKernel::Fma);
+}
+
+#[test]
+fn pack_and_unpack_kernels_follow_the_op_layouts() {
+    // the layouts `ops::attention`'s custom ops use: O|lse rows of D + 1, [q | O | lse | dO | .] rows of 3D + 2
+    let (rows, d) = (5usize, 64usize);
+    let mut r = ChaCha8Rng::seed_from_u64(9);
+    let o: Vec<bf16> = to_t(&uniform(&mut r, rows * d));
+    let lse = uniform(&mut r, rows);
+    let packed = ka::pack_fwd(&o, &lse, d).unwrap();
+    for i in 0..rows {
+        assert_eq!(&packed[i * (d + 1)..i * (d + 1) + d], &of_t(&o[i * d..(i + 1) * d])[..], "row {i}");
+        assert_eq!(packed[i * (d + 1) + d], lse[i]);
+    }
+    let w = 3 * d + 2;
+    let big: Vec<f32> = to_t::<f16>(&uniform(&mut r, rows * w)).iter().map(|x| x.to_f32()).collect();
+    let (q, o2, dout, lse2) = ka::unpack_bwd::<f16>(&big, d).unwrap();
+    for i in 0..rows {
+        let row = &big[i * w..(i + 1) * w];
+        assert_eq!(of_t(&q[i * d..(i + 1) * d]), &row[..d]);
+        assert_eq!(of_t(&o2[i * d..(i + 1) * d]), &row[d..2 * d]);
+        assert_eq!(lse2[i], row[2 * d]);
+        assert_eq!(of_t(&dout[i * d..(i + 1) * d]), &row[2 * d + 1..3 * d + 1]);
+    }
 }

@@ -126,6 +126,8 @@ type BwdFn<T> = unsafe extern "C" fn(
 );
 type DeltaFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *mut f32, u32, u32);
 type ConvFn<T> = unsafe extern "C" fn(u32, u32, usize, *const f32, *mut T, u64);
+type PackFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const f32, *mut f32, u32, u32);
+type UnpackFn<T> = unsafe extern "C" fn(u32, u32, usize, *const f32, *mut T, *mut T, *mut T, *mut f32, u32, u32);
 type ProbeFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *const T, *mut f32);
 
 mod ffi {
@@ -174,7 +176,16 @@ mod ffi {
     }
     macro_rules! decl_rows {
         ($t:ty, $delta:ident, $conv:ident) => {
-            pub fn $delta(gx: u32, bx: u32, smem: usize, o: *const $t, dout: *const $t, delta: *mut f32, rows: u32, d: u32);
+            pub fn $delta(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                o: *const $t,
+                dout: *const $t,
+                delta: *mut f32,
+                rows: u32,
+                d: u32,
+            );
             pub fn $conv(gx: u32, bx: u32, smem: usize, acc: *const f32, dq: *mut $t, n: u64);
         };
     }
@@ -221,11 +232,33 @@ mod ffi {
             emu_attn_fwd_tc_f16_d128,
             emu_attn_bwd_tc_f16_d128
         );
-        decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32);
-        decl_rows!(bf16, emu_attn_bwd_delta_bf16, emu_attn_dq_convert_bf16);
-        decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16);
-        pub fn emu_mma_probe_bf16(gx: u32, bx: u32, smem: usize, a: *const bf16, b: *const bf16, bt: *const bf16, out: *mut f32);
-        pub fn emu_mma_probe_f16(gx: u32, bx: u32, smem: usize, a: *const f16, b: *const f16, bt: *const f16, out: *mut f32);
+        decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32, emu_attn_pack_fwd_f32, emu_attn_unpack_bwd_f32);
+        decl_rows!(
+            bf16,
+            emu_attn_bwd_delta_bf16,
+            emu_attn_dq_convert_bf16,
+            emu_attn_pack_fwd_bf16,
+            emu_attn_unpack_bwd_bf16
+        );
+        decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16, emu_attn_pack_fwd_f16, emu_attn_unpack_bwd_f16);
+        pub fn emu_mma_probe_bf16(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            a: *const bf16,
+            b: *const bf16,
+            bt: *const bf16,
+            out: *mut f32,
+        );
+        pub fn emu_mma_probe_f16(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            a: *const f16,
+            b: *const f16,
+            bt: *const f16,
+            out: *mut f32,
+        );
     }
 }
 
@@ -244,11 +277,15 @@ pub trait AttnFloat: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     #[doc(hidden)]
     const CONV: ConvFn<Self>;
     #[doc(hidden)]
+    const PACK: PackFn<Self>;
+    #[doc(hidden)]
+    const UNPACK: UnpackFn<Self>;
+    #[doc(hidden)]
     const PROBE: Option<ProbeFn<Self>>;
 }
 
 macro_rules! attn_float {
-    ($t:ty, $to:expr, $from:expr, $delta:ident, $conv:ident, $probe:expr,
+    ($t:ty, $to:expr, $from:expr, $delta:ident, $conv:ident, $pack:ident, $unpack:ident, $probe:expr,
      fma [$(($d:literal, $fwd:ident, $bwd:ident)),*], tc [$(($dt:literal, $tfwd:ident, $tbwd:ident)),*]) => {
         impl AttnFloat for $t {
             fn to_f32(self) -> f32 {
@@ -273,6 +310,8 @@ macro_rules! attn_float {
             }
             const DELTA: DeltaFn<Self> = ffi::$delta;
             const CONV: ConvFn<Self> = ffi::$conv;
+            const PACK: PackFn<Self> = ffi::$pack;
+            const UNPACK: UnpackFn<Self> = ffi::$unpack;
             const PROBE: Option<ProbeFn<Self>> = $probe;
         }
     };
@@ -283,6 +322,8 @@ attn_float!(
     |x: f32| x,
     emu_attn_bwd_delta_f32,
     emu_attn_dq_convert_f32,
+    emu_attn_pack_fwd_f32,
+    emu_attn_unpack_bwd_f32,
     None,
     fma [
         (16, emu_attn_fwd_f32_d16, emu_attn_bwd_f32_d16),
@@ -298,6 +339,8 @@ attn_float!(
     bf16::from_f32,
     emu_attn_bwd_delta_bf16,
     emu_attn_dq_convert_bf16,
+    emu_attn_pack_fwd_bf16,
+    emu_attn_unpack_bwd_bf16,
     Some(ffi::emu_mma_probe_bf16 as ProbeFn<bf16>),
     fma [
         (16, emu_attn_fwd_bf16_d16, emu_attn_bwd_bf16_d16),
@@ -313,6 +356,8 @@ attn_float!(
     f16::from_f32,
     emu_attn_bwd_delta_f16,
     emu_attn_dq_convert_f16,
+    emu_attn_pack_fwd_f16,
+    emu_attn_unpack_bwd_f16,
     Some(ffi::emu_mma_probe_f16 as ProbeFn<f16>),
     fma [
         (16, emu_attn_fwd_f16_d16, emu_attn_bwd_f16_d16),
@@ -503,4 +548,49 @@ pub fn mma_probe<T: AttnFloat>(a: &[T], b: &[T], bt: &[T]) -> Result<Vec<f32>> {
     // SAFETY: lengths checked; one block of one warp, as the kernel is written.
     unsafe { f(1, 32, 0, a.as_ptr(), b.as_ptr(), bt.as_ptr(), out.as_mut_ptr()) };
     Ok(out)
+}
+
+/// The forward op's output layout (kernels/attention.cu `attn_pack_fwd_*`): O (rows, D) and lse (rows) as
+/// f32 rows of D + 1.
+pub fn pack_fwd<T: AttnFloat>(o: &[T], lse: &[f32], d: usize) -> Result<Vec<f32>> {
+    let rows = lse.len();
+    check_len("o", o.len(), rows * d)?;
+    let mut packed = vec![0f32; rows * (d + 1)];
+    let grid = u32_of("pack grid", packed.len().div_ceil(ATTN_THREADS as usize).min(65535))?;
+    // SAFETY: lengths checked; a grid-stride loop over rows * (d + 1).
+    unsafe {
+        T::PACK(grid, ATTN_THREADS, 0, o.as_ptr(), lse.as_ptr(), packed.as_mut_ptr(), u32_of("rows", rows)?, d as u32)
+    };
+    Ok(packed)
+}
+
+/// The backward op's input split (`attn_unpack_bwd_*`): rows of 3D + 2 f32 [q | O | lse | dO | .] ->
+/// (q, O, dO, lse).
+#[allow(clippy::type_complexity)]
+pub fn unpack_bwd<T: AttnFloat>(packed: &[f32], d: usize) -> Result<(Vec<T>, Vec<T>, Vec<T>, Vec<f32>)> {
+    let w = 3 * d + 2;
+    if packed.len() % w != 0 {
+        bail!("attention unpack: {} values are not rows of 3 * {d} + 2", packed.len());
+    }
+    let rows = packed.len() / w;
+    let (mut q, mut o, mut dout) =
+        (vec![T::default(); rows * d], vec![T::default(); rows * d], vec![T::default(); rows * d]);
+    let mut lse = vec![0f32; rows];
+    let grid = u32_of("unpack grid", packed.len().div_ceil(ATTN_THREADS as usize).min(65535))?;
+    // SAFETY: every buffer holds `rows` rows of its width; a grid-stride loop over rows * w.
+    unsafe {
+        T::UNPACK(
+            grid,
+            ATTN_THREADS,
+            0,
+            packed.as_ptr(),
+            q.as_mut_ptr(),
+            o.as_mut_ptr(),
+            dout.as_mut_ptr(),
+            lse.as_mut_ptr(),
+            u32_of("rows", rows)?,
+            d as u32,
+        )
+    };
+    Ok((q, o, dout, lse))
 }
