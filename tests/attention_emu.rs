@@ -358,3 +358,16 @@ fn pack_and_unpack_kernels_follow_the_op_layouts() {
         assert_eq!(of_t(&dout[i * d..(i + 1) * d]), &row[2 * d + 1..3 * d + 1]);
     }
 }
+
+#[test]
+fn selftest_attention_rows_pass_on_the_emulator() {
+    use harpe::selftest::{attention, Target};
+    for seed in [1u64, 2] {
+        let checks = attention::checks(&Target::Emulated, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
+        // 2 probe rows + 4 (dtype, kernel) pairs x 2 shapes x 4 outputs
+        assert_eq!(checks.len(), 2 + 4 * 2 * 4, "seed {seed}");
+        for c in &checks {
+            assert!(c.pass, "seed {seed}: {} {} {:?}: {:e} > {:e}", c.kernel, c.case, c.dtype, c.max_err, c.bound);
+        }
+    }
+}

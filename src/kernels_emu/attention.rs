@@ -175,7 +175,7 @@ mod ffi {
         )*};
     }
     macro_rules! decl_rows {
-        ($t:ty, $delta:ident, $conv:ident) => {
+        ($t:ty, $delta:ident, $conv:ident, $pack:ident, $unpack:ident) => {
             pub fn $delta(
                 gx: u32,
                 bx: u32,
@@ -187,6 +187,28 @@ mod ffi {
                 d: u32,
             );
             pub fn $conv(gx: u32, bx: u32, smem: usize, acc: *const f32, dq: *mut $t, n: u64);
+            pub fn $pack(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                o: *const $t,
+                lse: *const f32,
+                packed: *mut f32,
+                rows: u32,
+                d: u32,
+            );
+            pub fn $unpack(
+                gx: u32,
+                bx: u32,
+                smem: usize,
+                packed: *const f32,
+                q: *mut $t,
+                o: *mut $t,
+                dout: *mut $t,
+                lse: *mut f32,
+                rows: u32,
+                d: u32,
+            );
         };
     }
     #[link(name = "harpe_kernels_emu", kind = "static")]
@@ -569,7 +591,7 @@ pub fn pack_fwd<T: AttnFloat>(o: &[T], lse: &[f32], d: usize) -> Result<Vec<f32>
 #[allow(clippy::type_complexity)]
 pub fn unpack_bwd<T: AttnFloat>(packed: &[f32], d: usize) -> Result<(Vec<T>, Vec<T>, Vec<T>, Vec<f32>)> {
     let w = 3 * d + 2;
-    if packed.len() % w != 0 {
+    if !packed.len().is_multiple_of(w) {
         bail!("attention unpack: {} values are not rows of 3 * {d} + 2", packed.len());
     }
     let rows = packed.len() / w;

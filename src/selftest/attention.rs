@@ -153,6 +153,9 @@ fn emu_run<T: AttnFloat>(
     Ok([of_t(&o), of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
+/// One query row of `naive16`: (O_i, dQ_i, p_i, dS_i).
+type NaiveRow = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Dense attention with every intermediate rounded by `rd` (the naive 16-bit implementation of the
 /// bound): [O, dQ, dK, dV]. Rows in parallel (p and dS of a head are kept: O(Tq Tk) host memory), then
 /// keys in parallel, each sum in the same order as a sequential loop over (head, row, key).
@@ -180,7 +183,7 @@ fn naive16(
             let kj = |j: usize| &k[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
             let vj = |j: usize| &v[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
             // per row: (O_i, dQ_i, p_i, dS_i)
-            let rows: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = (0..tq)
+            let rows: Vec<NaiveRow> = (0..tq)
                 .into_par_iter()
                 .map(|i| {
                     let (qi, doi) = (row(q, i), row(dout, i));
@@ -195,8 +198,8 @@ fn naive16(
                     let ds: Vec<f32> = (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(j)) - delta))).collect();
                     let mut dqi = vec![0f32; d];
                     for (j, &dsj) in ds.iter().enumerate() {
-                        for c in 0..d {
-                            dqi[c] = rd(dqi[c] + rd(scale * rd(dsj * kj(j)[c])));
+                        for (a, kc) in dqi.iter_mut().zip(kj(j)) {
+                            *a = rd(*a + rd(scale * rd(dsj * kc)));
                         }
                     }
                     (oi, dqi, p, ds)
