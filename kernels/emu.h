@@ -6,7 +6,10 @@
 // dynamic shared memory is one per-launch buffer; warp shuffles/votes go through a per-warp exchange
 // (each lane writes its value, a warp barrier, each lane reads its source lane, a second barrier);
 // atomics are compare-and-swap loops on the bit pattern; bf16/f16 are 16-bit structs with
-// round-to-nearest-even conversions (NaN kept quiet).
+// round-to-nearest-even conversions (NaN kept quiet); the tensor-core instructions of kernels/mma.cuh
+// (mma_16816, ldmatrix_x{2,4}[_trans], copy16) are twins that reproduce the PTX ISA's per-lane fragment
+// layouts: each lane publishes its registers (or row address) to the warp, one barrier, then computes
+// its own output lanes from the table (products and sums in f32, k in order).
 // Reference: CUDA C++ Programming Guide (thread hierarchy, warp shuffle and vote functions, atomics).
 // The non-obvious decision: one global mutex serialises launches, because `static` __shared__ storage
 // is one per kernel function, not one per launch; blocks then never overlap, and a barrier between
