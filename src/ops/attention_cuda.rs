@@ -251,19 +251,20 @@ pub fn bwd(
         // SAFETY: dq by the convert kernel, dk/dv by the backward (every valid key row), all in full.
         let (mut dq, mut dk, mut dv) =
             unsafe { (dev.alloc::<T>(b * h * tq * d)?, dev.alloc::<T>(b * hkv * tk * d)?, dev.alloc::<T>(b * hkv * tk * d)?) };
-        let mut bufs = BwdBufs {
-            q: view::<T>(sq, lq, "attention", "q")?,
-            k: view::<T>(sk, lk, "attention", "k")?,
-            v: view::<T>(sv, lv, "attention", "v")?,
-            o: view::<T>(so, lo, "attention", "O")?,
-            lse: lse.slice(..),
-            dout: view::<T>(sd, ld, "attention", "dO")?,
-            dq: dq.slice_mut(..),
-            dk: dk.slice_mut(..),
-            dv: dv.slice_mut(..),
-        };
-        bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal)?;
-        drop(bufs);
+        {
+            let mut bufs = BwdBufs {
+                q: view::<T>(sq, lq, "attention", "q")?,
+                k: view::<T>(sk, lk, "attention", "k")?,
+                v: view::<T>(sv, lv, "attention", "v")?,
+                o: view::<T>(so, lo, "attention", "O")?,
+                lse: lse.slice(..),
+                dout: view::<T>(sd, ld, "attention", "dO")?,
+                dq: dq.slice_mut(..),
+                dk: dk.slice_mut(..),
+                dv: dv.slice_mut(..),
+            };
+            bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal)?;
+        }
         Ok((
             CudaStorage::wrap_cuda_slice(dq, dev.clone()),
             CudaStorage::wrap_cuda_slice(dk, dev.clone()),
