@@ -9,14 +9,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 5] = ["rope", "rms_norm", "cross_entropy", "adamw", "attention"];
+const KERNELS: [&str; 6] = ["rope", "rms_norm", "cross_entropy", "adamw", "attention", "mma_probe"];
 
 fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let kdir = root.join("kernels");
     println!("cargo:rerun-if-changed=kernels");
-    for f in ["emu.h", "common.cuh"] {
+    for f in ["emu.h", "common.cuh", "mma.cuh"] {
         println!("cargo:rerun-if-changed={}", kdir.join(f).display());
     }
     build_emulation(&kdir, &out);

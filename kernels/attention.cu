@@ -21,13 +21,17 @@
 // `attn_dq_convert_*` then writes dQ in the storage type). Nothing of size Tq x Tk exists anywhere.
 // Tiles: BQ = BK = 32 for D <= 64, 16 for D = 128 (static shared memory stays under 48 KiB in f32:
 // backward at D = 128 holds Q, dO, K, V tiles = 4 x 16 x 128 x 4 B = 32 KiB plus the two 16 x 16 score tiles).
-// The non-obvious decision: the tiles are plain FMA loops over shared memory, not tensor-core mma.sync —
-// correctness first, proven by the host emulation (kernels/emu.h, tests/attention_emu.rs) before any GPU
+// Two sets of tiles: `attn_{fwd,bwd}_*` are plain FMA loops over shared memory (every dtype, every head
+// dim: the readable reference and the f32 path), `attn_{fwd,bwd}_tc_*` the same algorithm on sm_80 tensor
+// cores (mma.sync m16n8k16 + ldmatrix, bf16/f16, D = 64 and 128; described at their definition below).
+// The non-obvious decision: correctness first, proven by the host emulation (kernels/emu.h, whose twins of
+// mma.sync/ldmatrix reproduce the PTX per-lane fragment layouts; tests/attention_emu.rs) before any GPU
 // sees it. Grids are 1-D (block index decoded into tile, head, batch) so the same entry macro serves the
-// emulator.
-// Does not: tensor cores (mma.sync / ldmatrix with emulated fragment twins: the documented next step),
-// deterministic dQ (atomics: summation order varies run to run on a GPU), dropout, sliding windows,
-// document masks (varlen), head dims other than 16, 32, 64, 128.
+// emulator. `attn_pack_fwd_*`/`attn_unpack_bwd_*` convert between these buffers and the op layouts of
+// `ops::attention` (O|lse rows of D + 1 f32; [q | O | lse | dO | .] rows of 3D + 2 f32).
+// Does not: wgmma/TMA (Hopper), cp.async double buffering, deterministic dQ (atomics: summation order
+// varies run to run on a GPU), dropout, sliding windows, document masks (varlen), head dims other than
+// 16, 32, 64, 128 (tensor cores: 64, 128).
 #include "common.cuh"
 
 #define ATTN_NT 128
@@ -262,6 +266,324 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
     dq[i] = store_as<T>(acc[i]);
 }
 
+// ---- Tensor-core path (sm_80 mma.sync m16n8k16 + ldmatrix; bf16 and f16 inputs, f32 accumulation) ----
+// Same math, masks, outputs and launch grids (1-D, decoded the same way) as the FMA kernels above, which stay
+// the reference and the path for f32 inputs and small head dims; these run for 16-bit inputs at D = 64, 128.
+// 4 warps per block. Forward: BQ = 64 query rows per block, 16 per warp (the warp's Q fragments stay in
+// registers); K/V tiles of BK keys in shared memory (rows padded by 8 elements: conflict-free ldmatrix);
+// per tile S = Q K^T (A = Q via ldmatrix_x4, B = K rows via ldmatrix_x4), masked, online softmax on the C
+// fragments (a row's 4 lanes reduce with two shuffles), P re-packed from C to A fragments in registers (the
+// C layout of two 8-column tiles is the A layout of one 16-wide k step), O += P V (B = V via
+// ldmatrix_x4_trans). P is rounded to the input type before P V (FA2's choice); the row sum l is f32.
+// Backward: one block per (b, kv head, BK = 64 keys), 16 keys per warp; dK, dV of the warp's keys in C
+// fragments (registers) over all query tiles (BQ rows) of the group's heads; per tile S^T = K Q^T and
+// dP^T = V dO^T (A from K/V rows, B from Q/dO rows, both ldmatrix_x4), P^T = exp(scale S^T - lse),
+// dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q (A re-packed from C, B via ldmatrix_x4_trans);
+// dS^T goes to shared memory, and the block computes dQ (BQ x D) = dS K with each warp owning 4 of the
+// 8-column tiles (A = dS via ldmatrix_x4_trans of dS^T, B = K via ldmatrix_x4_trans), atomically added to
+// the f32 dQ accumulator. Inputs must be 16-byte aligned (the launcher checks; copy16 loads).
+template <int D>
+struct AttnTc {
+  static constexpr int NW = 4, BQ = 64, BK = D >= 128 ? 32 : 64;  // forward tiles
+  static constexpr int BKB = 64, BQB = D >= 128 ? 16 : 32;        // backward tiles (keys, queries)
+  static constexpr int DP = D + 8;                                  // padded shared row (elements)
+};
+
+// Rows [r0, r0 + n) of a (rows, D) tensor into a padded shared tile; rows at or past `valid` are zero.
+template <class T, int D, int DP>
+__device__ __forceinline__ void attn_tile_load(T (*dst)[DP], const T* src, unsigned r0, int n, unsigned valid) {
+  for (unsigned e = threadIdx.x; e < (unsigned)n * (D / 8); e += blockDim.x) {
+    const unsigned r = e / (D / 8), c = e % (D / 8) * 8;
+    if (r0 + r < valid) {
+      copy16(&dst[r][c], src + (size_t)(r0 + r) * D + c);
+    } else {
+      for (int i = 0; i < 8; ++i) dst[r][c + i] = store_as<T>(0.0f);
+    }
+  }
+}
+
+template <class T, int D>
+__device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 T* __restrict__ o, float* __restrict__ lse, unsigned nb, unsigned h, unsigned hkv,
+                                 unsigned tq, unsigned tk, float scale, int causal) {
+  using P = AttnTc<D>;
+  constexpr int BQ = P::BQ, BK = P::BK, DP = P::DP, KD = D / 16, NS = BK / 8, NO = D / 8;
+  __shared__ __align__(16) T qs[BQ][DP];
+  __shared__ __align__(16) T ks[BK][DP];
+  __shared__ __align__(16) T vs[BK][DP];
+  const unsigned l = threadIdx.x % 32, w = threadIdx.x / 32, g = l / 4, t = l % 4;
+  const unsigned ntiles = (tq + BQ - 1) / BQ;
+  const unsigned qt = blockIdx.x % ntiles, bh = blockIdx.x / ntiles, bi = bh / h, hi = bh % h;
+  const unsigned kvh = bi * hkv + hi / (h / hkv), q0 = qt * BQ;
+  const T* kh = k + (size_t)kvh * tk * D;
+  const T* vh = v + (size_t)kvh * tk * D;
+  attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq);
+  __syncthreads();
+  uint32_t qf[KD][4];  // this warp's 16 query rows as A fragments, one per 16-wide k step
+  #pragma unroll
+  for (int kk = 0; kk < KD; ++kk) ldmatrix_x4(qf[kk], &qs[w * 16 + l % 8 + (l / 8) % 2 * 8][kk * 16 + l / 16 * 8]);
+  // this lane's two rows: g and g + 8 of the warp's 16
+  const unsigned row[2] = {q0 + w * 16 + g, q0 + w * 16 + g + 8};
+  float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};
+  float acc[NO][4];
+  #pragma unroll
+  for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const unsigned last = (q0 + BQ < tq ? q0 + BQ : tq) - 1;
+  long kend = causal ? attn_qpos(last, tq, tk) + 1 : (long)tk;
+  if (kend > (long)tk) kend = tk;
+  if (kend < 0) kend = 0;
+
+  for (unsigned k0 = 0; k0 < (unsigned)kend; k0 += BK) {
+    attn_tile_load<T, D, DP>(ks, kh, k0, BK, tk);
+    attn_tile_load<T, D, DP>(vs, vh, k0, BK, tk);
+    __syncthreads();
+    float s[NS][4];
+    #pragma unroll
+    for (int n = 0; n < NS; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      #pragma unroll
+      for (int kk = 0; kk < KD; kk += 2) {
+        uint32_t b[4];  // keys n*8.., d kk*16.. (b[0..1]) and (kk+1)*16.. (b[2..3])
+        ldmatrix_x4(b, &ks[n * 8 + l % 8][kk * 16 + l / 8 * 8]);
+        mma_16816<T>(s[n], qf[kk], b);
+        mma_16816<T>(s[n], qf[kk + 1], b + 2);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+    #pragma unroll
+    for (int n = 0; n < NS; ++n)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const unsigned r = row[e / 2], kj = k0 + n * 8 + 2 * t + (e & 1);
+        const bool ok = r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(r, tq, tk));
+        s[n][e] = ok ? s[n][e] * scale : -INFINITY;
+        mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
+      }
+    float corr[2];
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float mnew = fmaxf(m[i], mx[i]);
+      corr[i] = mnew == -INFINITY || m[i] == -INFINITY ? (mnew == -INFINITY ? 1.0f : 0.0f) : expf(m[i] - mnew);
+      m[i] = mnew;
+      lsum[i] *= corr[i];
+    }
+    #pragma unroll
+    for (int n = 0; n < NS; ++n)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e / 2]);
+        s[n][e] = p;
+        lsum[e / 2] += p;  // this lane's part of the row sum; the row's 4 lanes are summed at the end
+      }
+    #pragma unroll
+    for (int n = 0; n < NO; ++n)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e / 2];
+    #pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]), pack2<T>(s[2 * kt][2], s[2 * kt][3]),
+                             pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]), pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+      #pragma unroll
+      for (int n = 0; n < NO; n += 2) {
+        uint32_t b[4];  // V keys kt*16.. (k) x d n*8.. and (n+1)*8.. (n), transposed from V's rows
+        ldmatrix_x4_trans(b, &vs[kt * 16 + l % 8 + (l / 8) % 2 * 8][n * 8 + l / 16 * 8]);
+        mma_16816<T>(acc[n], a, b);
+        mma_16816<T>(acc[n + 1], a, b + 2);
+      }
+    }
+    __syncthreads();  // ks/vs are rewritten by the next tile
+  }
+
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 1);
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 2);
+  }
+  #pragma unroll
+  for (int n = 0; n < NO; ++n)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned r = row[e / 2];
+      const float lv = lsum[e / 2];
+      if (r < tq) o[((size_t)bh * tq + r) * D + n * 8 + 2 * t + (e & 1)] = store_as<T>(lv > 0.0f ? acc[n][e] / lv : 0.0f);
+    }
+  #pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (t == 0 && row[i] < tq) lse[(size_t)bh * tq + row[i]] = lsum[i] > 0.0f ? m[i] + logf(lsum[i]) : -INFINITY;
+}
+
+template <class T, int D>
+__device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 const T* __restrict__ dout, const float* __restrict__ lse,
+                                 const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
+                                 T* __restrict__ dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq,
+                                 unsigned tk, float scale, int causal) {
+  using P = AttnTc<D>;
+  constexpr int BK = P::BKB, BQ = P::BQB, DP = P::DP, KD = D / 16, NS = BQ / 8, NO = D / 8;
+  constexpr int WPM = D / 32;  // warps per 16-row m tile of dQ (each owns 4 of its D/8 column tiles)
+  static_assert(BQ / 16 * WPM == P::NW, "dQ tiles must split evenly over the warps");
+  __shared__ __align__(16) T ks[BK][DP];
+  __shared__ __align__(16) T vs[BK][DP];
+  __shared__ __align__(16) T qs[BQ][DP];
+  __shared__ __align__(16) T dos[BQ][DP];
+  __shared__ __align__(16) T dst[BK][BQ + 8];  // dS^T (keys x queries)
+  __shared__ float lse_s[BQ], delta_s[BQ];
+  const unsigned l = threadIdx.x % 32, w = threadIdx.x / 32, g = l / 4, t = l % 4;
+  const unsigned ntiles = (tk + BK - 1) / BK;
+  const unsigned kt0 = blockIdx.x % ntiles, bg = blockIdx.x / ntiles, bi = bg / hkv, gi = bg % hkv;
+  const unsigned rep = h / hkv, k0 = kt0 * BK;
+  const size_t kvoff = (size_t)bg * tk * D;
+  attn_tile_load<T, D, DP>(ks, k + kvoff, k0, BK, tk);
+  attn_tile_load<T, D, DP>(vs, v + kvoff, k0, BK, tk);
+  // this lane's two key rows: g and g + 8 of the warp's 16
+  const unsigned key[2] = {k0 + w * 16 + g, k0 + w * 16 + g + 8};
+  float dka[NO][4], dva[NO][4];
+  #pragma unroll
+  for (int n = 0; n < NO; ++n)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
+  unsigned qstart = 0;
+  if (causal) {
+    const long first = (long)k0 - ((long)tk - (long)tq);
+    qstart = first > 0 ? (unsigned)first / BQ * BQ : 0;
+  }
+  const unsigned mt = w / WPM, n0 = w % WPM * 4;  // this warp's dQ tile: rows mt*16.., column tiles n0..n0+3
+
+  for (unsigned r = 0; r < rep; ++r) {
+    const unsigned bh = bi * h + gi * rep + r;
+    float* dqh = dq_acc + (size_t)bh * tq * D;
+    for (unsigned q0 = qstart; q0 < tq; q0 += BQ) {
+      __syncthreads();  // the previous tile's readers of qs/dos/dst are done (and ks/vs are loaded)
+      attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq);
+      attn_tile_load<T, D, DP>(dos, dout + (size_t)bh * tq * D, q0, BQ, tq);
+      for (unsigned i = threadIdx.x; i < (unsigned)BQ; i += blockDim.x) {
+        const bool in = q0 + i < tq;
+        lse_s[i] = in ? lse[(size_t)bh * tq + q0 + i] : -INFINITY;
+        delta_s[i] = in ? delta[(size_t)bh * tq + q0 + i] : 0.0f;
+      }
+      __syncthreads();
+      float st[NS][4], dpt[NS][4];  // S^T and dP^T: the warp's 16 keys x BQ queries
+      #pragma unroll
+      for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+      #pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        uint32_t ka[4], va[4];
+        ldmatrix_x4(ka, &ks[w * 16 + l % 8 + (l / 8) % 2 * 8][kk * 16 + l / 16 * 8]);
+        ldmatrix_x4(va, &vs[w * 16 + l % 8 + (l / 8) % 2 * 8][kk * 16 + l / 16 * 8]);
+        #pragma unroll
+        for (int n = 0; n < NS; ++n) {
+          uint32_t qb[2], db[2];  // queries n*8.. (n) x d kk*16.. (k), from the rows of Q and dO
+          ldmatrix_x2(qb, &qs[n * 8 + l % 8][kk * 16 + (l / 8) % 2 * 8]);
+          ldmatrix_x2(db, &dos[n * 8 + l % 8][kk * 16 + (l / 8) % 2 * 8]);
+          mma_16816<T>(st[n], ka, qb);
+          mma_16816<T>(dpt[n], va, db);
+        }
+      }
+      #pragma unroll
+      for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const unsigned kj = key[e / 2], qc = n * 8 + 2 * t + (e & 1), qi = q0 + qc;
+          const bool ok = qi < tq && kj < tk && lse_s[qc] != -INFINITY &&
+                          (!causal || (long)kj <= attn_qpos(qi, tq, tk));
+          const float p = ok ? expf(st[n][e] * scale - lse_s[qc]) : 0.0f;
+          st[n][e] = p;
+          dpt[n][e] = p * (dpt[n][e] - delta_s[qc]);  // dS^T
+        }
+      #pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) {
+        const uint32_t pa[4] = {pack2<T>(st[2 * kt][0], st[2 * kt][1]), pack2<T>(st[2 * kt][2], st[2 * kt][3]),
+                                pack2<T>(st[2 * kt + 1][0], st[2 * kt + 1][1]),
+                                pack2<T>(st[2 * kt + 1][2], st[2 * kt + 1][3])};
+        const uint32_t sa[4] = {pack2<T>(dpt[2 * kt][0], dpt[2 * kt][1]), pack2<T>(dpt[2 * kt][2], dpt[2 * kt][3]),
+                                pack2<T>(dpt[2 * kt + 1][0], dpt[2 * kt + 1][1]),
+                                pack2<T>(dpt[2 * kt + 1][2], dpt[2 * kt + 1][3])};
+        #pragma unroll
+        for (int n = 0; n < NO; n += 2) {
+          uint32_t b[4];  // queries kt*16.. (k) x d n*8.., (n+1)*8.. (n), transposed from the rows
+          ldmatrix_x4_trans(b, &dos[kt * 16 + l % 8 + (l / 8) % 2 * 8][n * 8 + l / 16 * 8]);
+          mma_16816<T>(dva[n], pa, b);
+          mma_16816<T>(dva[n + 1], pa, b + 2);
+          ldmatrix_x4_trans(b, &qs[kt * 16 + l % 8 + (l / 8) % 2 * 8][n * 8 + l / 16 * 8]);
+          mma_16816<T>(dka[n], sa, b);
+          mma_16816<T>(dka[n + 1], sa, b + 2);
+        }
+      }
+      #pragma unroll
+      for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) dst[w * 16 + g + (e >= 2 ? 8 : 0)][n * 8 + 2 * t + (e & 1)] = store_as<T>(dpt[n][e]);
+      __syncthreads();
+      float dqa[4][4];
+      #pragma unroll
+      for (int n = 0; n < 4; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.0f;
+      #pragma unroll
+      for (int kt = 0; kt < BK / 16; ++kt) {
+        uint32_t a[4];  // dS rows mt*16.. (m) x keys kt*16.. (k), transposed from dS^T's rows
+        ldmatrix_x4_trans(a, &dst[kt * 16 + l % 8 + l / 16 * 8][mt * 16 + (l / 8) % 2 * 8]);
+        #pragma unroll
+        for (int n = 0; n < 4; n += 2) {
+          uint32_t b[4];  // K keys kt*16.. (k) x d (n0+n)*8.. (n), transposed from K's rows
+          ldmatrix_x4_trans(b, &ks[kt * 16 + l % 8 + (l / 8) % 2 * 8][(n0 + n) * 8 + l / 16 * 8]);
+          mma_16816<T>(dqa[n], a, b);
+          mma_16816<T>(dqa[n + 1], a, b + 2);
+        }
+      }
+      #pragma unroll
+      for (int n = 0; n < 4; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const unsigned qi = q0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+          if (qi < tq && dqa[n][e] != 0.0f)
+            atomicAdd(&dqh[(size_t)qi * D + (n0 + n) * 8 + 2 * t + (e & 1)], scale * dqa[n][e]);
+        }
+    }
+  }
+  #pragma unroll
+  for (int n = 0; n < NO; ++n)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned kj = key[e / 2];
+      if (kj < tk) {
+        const size_t at = kvoff + (size_t)kj * D + n * 8 + 2 * t + (e & 1);
+        dk[at] = store_as<T>(scale * dka[n][e]);
+        dv[at] = store_as<T>(dva[n][e]);
+      }
+    }
+}
+
+// The layouts of the `ops::attention` custom ops: the forward's output packs O and lse as f32 rows of D + 1;
+// the backward's input rows [q | O | lse | dO | unused] (3D + 2 f32) are split into the kernels' buffers.
+template <class T>
+__device__ void attn_pack_fwd_impl(const T* __restrict__ o, const float* __restrict__ lse, float* __restrict__ packed,
+                                   unsigned rows, unsigned d) {
+  const unsigned long long n = (unsigned long long)rows * (d + 1);
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned long long r = i / (d + 1), c = i % (d + 1);
+    packed[i] = c < d ? load_f32(o[r * d + c]) : lse[r];
+  }
+}
+
+template <class T>
+__device__ void attn_unpack_bwd_impl(const float* __restrict__ packed, T* __restrict__ q, T* __restrict__ o,
+                                     T* __restrict__ dout, float* __restrict__ lse, unsigned rows, unsigned d) {
+  const unsigned long long w = 3ull * d + 2, n = (unsigned long long)rows * w;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned long long r = i / w, c = i % w;
+    const float x = packed[i];
+    if (c < d) q[r * d + c] = store_as<T>(x);
+    else if (c < 2ull * d) o[r * d + c - d] = store_as<T>(x);
+    else if (c == 2ull * d) lse[r] = x;
+    else if (c < 3ull * d + 1) dout[r * d + c - 2ull * d - 1] = store_as<T>(x);
+  }
+}
+
 #define ATTN_FWD_PARAMS(T)                                                                                 \
   (const T* q, const T* k, const T* v, T* o, float* lse, unsigned nb, unsigned h, unsigned hkv, unsigned tq, \
    unsigned tk, float scale, int causal)
@@ -274,6 +596,10 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
 #define ATTN_DELTA_ARGS (o, dout, delta, rows, d)
 #define ATTN_CONV_PARAMS(T) (const float* acc, T* dq, unsigned long long n)
 #define ATTN_CONV_ARGS (acc, dq, n)
+#define ATTN_PACK_PARAMS(T) (const T* o, const float* lse, float* packed, unsigned rows, unsigned d)
+#define ATTN_PACK_ARGS (o, lse, packed, rows, d)
+#define ATTN_UNPACK_PARAMS(T) (const float* packed, T* q, T* o, T* dout, float* lse, unsigned rows, unsigned d)
+#define ATTN_UNPACK_ARGS (packed, q, o, dout, lse, rows, d)
 
 #define ATTN_KERNELS_D(sfx, T, D)                                                                       \
   extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_##sfx##_d##D ATTN_FWD_PARAMS(T) {      \
@@ -293,7 +619,26 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
   extern "C" __global__ void attn_bwd_delta_##sfx ATTN_DELTA_PARAMS(T) { attn_bwd_delta_impl<T> ATTN_DELTA_ARGS; } \
   EMU_ENTRY(attn_bwd_delta_##sfx, ATTN_DELTA_PARAMS(T), ATTN_DELTA_ARGS)                                    \
   extern "C" __global__ void attn_dq_convert_##sfx ATTN_CONV_PARAMS(T) { attn_dq_convert_impl<T> ATTN_CONV_ARGS; } \
-  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)
+  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)                                    \
+  extern "C" __global__ void attn_pack_fwd_##sfx ATTN_PACK_PARAMS(T) { attn_pack_fwd_impl<T> ATTN_PACK_ARGS; }   \
+  EMU_ENTRY(attn_pack_fwd_##sfx, ATTN_PACK_PARAMS(T), ATTN_PACK_ARGS)                                       \
+  extern "C" __global__ void attn_unpack_bwd_##sfx ATTN_UNPACK_PARAMS(T) { attn_unpack_bwd_impl<T> ATTN_UNPACK_ARGS; } \
+  EMU_ENTRY(attn_unpack_bwd_##sfx, ATTN_UNPACK_PARAMS(T), ATTN_UNPACK_ARGS)
+
+#define ATTN_TC_KERNELS_D(sfx, T, D)                                                                     \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_tc_##sfx##_d##D ATTN_FWD_PARAMS(T) {   \
+    attn_fwd_tc_impl<T, D> ATTN_FWD_ARGS;                                                               \
+  }                                                                                                     \
+  EMU_ENTRY(attn_fwd_tc_##sfx##_d##D, ATTN_FWD_PARAMS(T), ATTN_FWD_ARGS)                                \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT, 1) attn_bwd_tc_##sfx##_d##D ATTN_BWD_PARAMS(T) {\
+    attn_bwd_tc_impl<T, D> ATTN_BWD_ARGS;                                                               \
+  }                                                                                                     \
+  EMU_ENTRY(attn_bwd_tc_##sfx##_d##D, ATTN_BWD_PARAMS(T), ATTN_BWD_ARGS)
 
 ATTN_KERNELS(f32, float)
 ATTN_KERNELS(bf16, bf16)
+ATTN_KERNELS(f16, __half)
+ATTN_TC_KERNELS_D(bf16, bf16, 64)
+ATTN_TC_KERNELS_D(bf16, bf16, 128)
+ATTN_TC_KERNELS_D(f16, __half, 64)
+ATTN_TC_KERNELS_D(f16, __half, 128)

@@ -6,7 +6,10 @@
 // dynamic shared memory is one per-launch buffer; warp shuffles/votes go through a per-warp exchange
 // (each lane writes its value, a warp barrier, each lane reads its source lane, a second barrier);
 // atomics are compare-and-swap loops on the bit pattern; bf16/f16 are 16-bit structs with
-// round-to-nearest-even conversions (NaN kept quiet).
+// round-to-nearest-even conversions (NaN kept quiet); the tensor-core instructions of kernels/mma.cuh
+// (mma_16816, ldmatrix_x{2,4}[_trans], copy16) are twins that reproduce the PTX ISA's per-lane fragment
+// layouts: each lane publishes its registers (or row address) to the warp, one barrier, then computes
+// its own output lanes from the table (products and sums in f32, k in order).
 // Reference: CUDA C++ Programming Guide (thread hierarchy, warp shuffle and vote functions, atomics).
 // The non-obvious decision: one global mutex serialises launches, because `static` __shared__ storage
 // is one per kernel function, not one per launch; blocks then never overlap, and a barrier between
@@ -86,6 +89,7 @@ struct Warp {
   unsigned size;
   Barrier bar;
   uint64_t slot[32] = {};
+  uint32_t frag[2][32][8] = {};  // the tensor-core twins' exchange, double-buffered (one barrier per call)
 };
 
 // Per-thread view of where it is in the launch.
@@ -96,6 +100,7 @@ struct Ctx {
   Barrier* block_bar = nullptr;
   Warp* warp = nullptr;
   unsigned char* dyn_smem = nullptr;
+  unsigned frag_parity = 0;  // which half of Warp::frag this lane's next gather uses
 };
 inline thread_local Ctx ctx;
 
@@ -128,6 +133,7 @@ void launch(dim3 grid, dim3 block, size_t smem, F body) {
       ctx.block_bar = &bar;
       ctx.warp = warps[t / 32];
       ctx.dyn_smem = dyn.data();
+      ctx.frag_parity = 0;
       for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
           for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -151,6 +157,22 @@ T exchange(T v, int src_lane) {
   if (src_lane >= 0 && static_cast<unsigned>(src_lane) < w.size) std::memcpy(&r, &w.slot[src_lane], sizeof(T));
   w.bar.wait();
   return r;
+}
+
+// Every lane publishes `n` (<= 8) words; returns the warp's table [lane][word] once all lanes have.
+// Double-buffered: a lane can only overwrite this buffer after the next gather's barrier, which every
+// lane reaches only after it has finished reading this one — so one barrier per call suffices.
+inline const uint32_t (*gather(const uint32_t* mine, int n))[8] {
+  Warp& w = *ctx.warp;
+  if (w.size != 32) {
+    std::fprintf(stderr, "emu: mma/ldmatrix need a full warp of 32 lanes (this one has %u)\n", w.size);
+    std::abort();
+  }
+  uint32_t(*buf)[8] = w.frag[ctx.frag_parity];
+  ctx.frag_parity ^= 1u;
+  for (int i = 0; i < n; ++i) buf[ctx.lane][i] = mine[i];
+  w.bar.wait();
+  return buf;
 }
 
 template <class T>
@@ -282,3 +304,70 @@ inline __half __float2half(float f) {
   }
 #define EMU_UNPAREN(...) __VA_ARGS__
 #define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::ctx.dyn_smem)
+
+// ---- Twins of kernels/mma.cuh (the tensor-core instructions), with the PTX ISA's per-lane layouts ----
+// g = lane / 4, t = lane % 4. The element (row, col) of a fragment lives in lane 4 (row % 8) + (col % 8) / 2,
+// register (A) (row >= 8) + 2 (col >= 8), (B, k x n) (k >= 8) at lane 4 n + (k % 8) / 2; half = col % 2
+// (A) or k % 2 (B), the low 16 bits holding the even index. See kernels/mma.cuh for the layouts.
+inline uint16_t bits16(__nv_bfloat16 v) { return v.x; }
+inline uint16_t bits16(__half v) { return v.x; }
+namespace emu {
+inline float b16_to_f32(uint16_t b, const __nv_bfloat16*) { return __bfloat162float(__nv_bfloat16{b}); }
+inline float b16_to_f32(uint16_t b, const __half*) { return __half2float(__half{b}); }
+inline uint16_t half_of(uint32_t r, int hi) { return static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu); }
+
+// The lane's row address, published as two words; returns the table of all lanes' addresses.
+inline const uint32_t (*gather_addr(const void* row))[8] {
+  uint64_t a = reinterpret_cast<uint64_t>(row);
+  uint32_t w[2] = {static_cast<uint32_t>(a), static_cast<uint32_t>(a >> 32)};
+  return gather(w, 2);
+}
+inline const uint16_t* addr_of(const uint32_t (*tab)[8], unsigned lane) {
+  return reinterpret_cast<const uint16_t*>(static_cast<uint64_t>(tab[lane][0]) | static_cast<uint64_t>(tab[lane][1]) << 32);
+}
+// ldmatrix of `nmat` 8x8 b16 matrices; matrix i's rows come from lanes 8i..8i+7.
+inline void ldmatrix(uint32_t* r, const void* row, int nmat, bool trans) {
+  const uint32_t(*tab)[8] = gather_addr(row);
+  const unsigned l = ctx.lane, g = l / 4, t = l % 4;
+  for (int i = 0; i < nmat; ++i) {
+    uint16_t lo, hi;
+    if (!trans) {
+      const uint16_t* p = addr_of(tab, 8 * i + g);
+      lo = p[2 * t];
+      hi = p[2 * t + 1];
+    } else {
+      lo = addr_of(tab, 8 * i + 2 * t)[g];
+      hi = addr_of(tab, 8 * i + 2 * t + 1)[g];
+    }
+    r[i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+  }
+}
+}  // namespace emu
+
+inline void ldmatrix_x4(uint32_t* r, const void* row) { emu::ldmatrix(r, row, 4, false); }
+inline void ldmatrix_x4_trans(uint32_t* r, const void* row) { emu::ldmatrix(r, row, 4, true); }
+inline void ldmatrix_x2(uint32_t* r, const void* row) { emu::ldmatrix(r, row, 2, false); }
+inline void ldmatrix_x2_trans(uint32_t* r, const void* row) { emu::ldmatrix(r, row, 2, true); }
+
+// D (16x8 f32) += A (16x16) B (16x8), inputs of type T (bf16 or f16): products and sums in f32, k in order.
+template <class T>
+inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const uint32_t(*tab)[8] = emu::gather(mine, 6);
+  const unsigned l = emu::ctx.lane, g = l / 4, t = l % 4;
+  const T* tag = nullptr;
+  for (int e = 0; e < 4; ++e) {
+    const unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    float acc = 0.0f;
+    for (unsigned k = 0; k < 16; ++k) {
+      const uint32_t ar = tab[4 * (row % 8) + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+      const uint32_t br = tab[4 * col + (k % 8) / 2][4 + (k >= 8 ? 1 : 0)];
+      acc = std::fma(emu::b16_to_f32(emu::half_of(ar, k % 2), tag), emu::b16_to_f32(emu::half_of(br, k % 2), tag), acc);
+    }
+    d[e] += acc;
+  }
+}
+
+// 16 bytes from `src` to `dst`.
+inline void copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+#define __align__(n) __attribute__((aligned(n)))

@@ -8,12 +8,15 @@
 #                                # wheels, e.g. torch cu130): runs from the repository root with
 #                                # gpu-bundle/ beside it and writes benches/results/gpu_<gpu>_<yyyymm>.md
 #
-# `run` does, each step under its own timeout so the whole stays under 8 minutes:
+# `run` does, each step under its own timeout (the whole takes up to about 15 minutes with the attention
+# benchmark):
 #   1. finds libcudart/libcublas/libcurand (site-packages/nvidia/cu13/lib) and libnccl (nvidia/nccl/lib)
 #      in python3's environment and puts them on LD_LIBRARY_PATH (the binary links them; cuda-build.md §2);
 #   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16, fwd/bwd; exit 1 on FAIL), then its
 #      small cases once more under compute-sanitizer memcheck and racecheck when the machine has it;
 #   3. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable);
+#   3b. `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
+#      PyTorch SDPA per backend beside it; `attention_steps` below);
 #   4. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
 #      curves compared step by step: they must agree to 1e-4 relative (`train_parity`);
 #   5. the results file with every command's output and exit code. The script's exit code is 1 when any
@@ -40,7 +43,7 @@ build() {
   echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
   strip -o "$BUNDLE/harpe" "$bin"
-  cp scripts/bench_kernels_torch.py "$BUNDLE/"
+  cp scripts/bench_kernels_torch.py scripts/bench_attention_torch.py "$BUNDLE/"
   git rev-parse HEAD >"$BUNDLE/COMMIT" 2>/dev/null || echo unknown >"$BUNDLE/COMMIT"
   local size
   size=$(du -sb "$BUNDLE" | cut -f1)
@@ -101,6 +104,12 @@ train_parity() {
   step "tiny config on the CPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cpu"' --out "$dir/cpu"
   step "tiny config: GPU vs CPU losses (1e-4 relative)" 30 "$PY" -c "$PARITY_PY" "$dir/cpu/metrics.jsonl" "$dir/cuda/metrics.jsonl" "$steps" 1e-4
 }
+
+# Issue 11 (flash attention): the attention benchmark, one step of its own (selftest's attention rows run in
+# the selftest step). Budget: 18 rows of about 3 x 2 s each plus PyTorch's 54 (the 128K rows dominate).
+attention_steps() { # BIN
+  step "bench attention" 420 "$1" bench attention --attn-seconds 1
+}
 step() { # NAME TIMEOUT CMD... : run, record output and exit code in the report
   local name="$1" limit="$2"
   shift 2
@@ -132,14 +141,19 @@ run() {
   slug="$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia//; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
   local out="benches/results/gpu_${slug}_$(date +%Y%m).md"
   local seed=$(( $(date +%s) % 100000 ))
-  step "selftest" 120 "$bin" selftest --target cuda --seed "$seed" --rounds 3
+  # 300 s: the attention rows' T = 4096 + 37 case checks against the CPU reference and the naive bf16 bound
+  step "selftest" 300 "$bin" selftest --target cuda --seed "$seed" --rounds 3
   if command -v compute-sanitizer >/dev/null; then
+    # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers
+    export HARPE_SELFTEST_SMALL=1
     step "selftest under compute-sanitizer memcheck" 100 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin" selftest --target cuda --seed "$seed" --rounds 1
     step "selftest under compute-sanitizer racecheck" 100 compute-sanitizer --tool racecheck --error-exitcode 1 "$bin" selftest --target cuda --seed "$seed" --rounds 1
+    unset HARPE_SELFTEST_SMALL
   else
     REPORT+=$'\n'"## compute-sanitizer"$'\n\n'"not installed on this machine: memcheck/racecheck skipped."$'\n'
   fi
   step "bench" 180 "$bin" bench
+  attention_steps "$bin"
   train_parity "$bin"
   {
     echo "# harpe on $gpu (driver $driver, compute capability $cap), $(date -u +%Y-%m-%d)"

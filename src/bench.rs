@@ -14,6 +14,8 @@
 use anyhow::{bail, Result};
 use serde::Serialize;
 
+pub mod attention;
+
 /// One timed kernel.
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
@@ -67,6 +69,13 @@ pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
 /// Time the kernels on the GPU.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
+    /// what to time: `kernels` (the row kernels, the default) or `attention` (flash attention fwd/bwd at
+    /// T = 8K, 32K, 128K against PyTorch SDPA; `bench::attention`)
+    #[arg(value_parser = ["kernels", "attention"])]
+    pub what: Option<String>,
+    /// seconds of timed calls per attention row (at least one call after one warm-up)
+    #[arg(long, default_value_t = 2.0)]
+    pub attn_seconds: f64,
     /// timed repetitions per kernel (after 3 warm-up runs)
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
@@ -85,6 +94,9 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     if !cfg!(feature = "cuda") {
         bail!("harpe bench times the CUDA kernels, and this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs); on CPU, `harpe selftest` checks the kernels' source through the host emulation");
+    }
+    if args.what.as_deref() == Some("attention") {
+        return attention::run(&args);
     }
     #[cfg(feature = "cuda")]
     {
@@ -106,7 +118,7 @@ pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
     if !ok.status.success() {
         return None;
     }
-    let script = locate_script()?;
+    let script = locate_named("bench_kernels_torch.py")?;
     let out = std::process::Command::new("python3")
         .arg(script)
         .args(["--tokens", &tokens.to_string(), "--iters", &iters.to_string()])
@@ -119,13 +131,13 @@ pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
     serde_json::from_slice(&out.stdout).ok()
 }
 
-/// scripts/bench_kernels_torch.py beside the binary's checkout or in the gpu-check bundle.
-fn locate_script() -> Option<std::path::PathBuf> {
+/// scripts/<name> beside the binary's checkout or in the gpu-check bundle.
+fn locate_named(name: &str) -> Option<std::path::PathBuf> {
     let exe = std::env::current_exe().ok()?;
-    let mut cands = vec![std::path::PathBuf::from("scripts/bench_kernels_torch.py")];
+    let mut cands = vec![std::path::PathBuf::from("scripts").join(name)];
     if let Some(dir) = exe.parent() {
-        cands.push(dir.join("bench_kernels_torch.py"));
-        cands.push(dir.join("../../scripts/bench_kernels_torch.py"));
+        cands.push(dir.join(name));
+        cands.push(dir.join("../../scripts").join(name));
     }
     cands.into_iter().find(|p| p.exists())
 }

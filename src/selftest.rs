@@ -11,6 +11,8 @@
 //! bf16), which is also computed here. Sizes are drawn per run (seeded) and are never multiples of 32.
 //! Not done here: the CPU-vs-GPU training run (it needs the device-resident training state, a later
 //! issue), timing (`harpe bench`).
+pub mod attention;
+
 use crate::kernels_emu::{self as emu, Dims};
 use crate::loss::IGNORE_INDEX;
 use crate::model::rope::{RopeParity, RopeScheme};
@@ -49,6 +51,18 @@ impl Target {
 pub enum Dt {
     F32,
     Bf16,
+    /// only the attention kernels are instantiated for f16 (`selftest::attention`)
+    F16,
+}
+
+impl Dt {
+    fn name(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::Bf16 => "bf16",
+            Dt::F16 => "f16",
+        }
+    }
 }
 
 /// One comparison: a kernel output against its reference.
@@ -91,6 +105,7 @@ fn check(kernel: &str, case: String, dt: Dt, got: &[f32], exact: &[f32], naive: 
     let max_err = max_abs_diff(got, exact);
     let (bound, rule) = match (dt, naive) {
         (Dt::Bf16, Some(nv)) => (2.0 * max_abs_diff(nv, exact).max(1e-30), "<= 2x naive bf16"),
+        (Dt::F16, Some(nv)) => (2.0 * max_abs_diff(nv, exact).max(1e-30), "<= 2x naive f16"),
         _ => (tol * max_abs(exact).max(1.0), "f32 tolerance"),
     };
     Check { kernel: kernel.into(), case, dtype: dt, max_err, bound, rule, pass: max_err <= bound }
@@ -105,6 +120,7 @@ fn as_dt(v: Vec<f32>, dt: Dt) -> Vec<f32> {
     match dt {
         Dt::F32 => v,
         Dt::Bf16 => v.into_iter().map(r16).collect(),
+        Dt::F16 => v.into_iter().map(|x| half::f16::from_f32(x).to_f32()).collect(),
     }
 }
 
@@ -134,6 +150,7 @@ macro_rules! by_dtype {
                 type $t = bf16;
                 $body
             }
+            Dt::F16 => bail!("selftest: only the attention kernels are instantiated for f16"),
         }
     };
 }
@@ -155,6 +172,7 @@ pub fn run_all(target: &Target, seed: u64) -> Result<Vec<Check>> {
         out.extend(cross_entropy_checks(target, dt, &mut r)?);
         out.extend(adamw_checks(target, dt, &mut r)?);
     }
+    out.extend(attention::checks(target, &mut r)?);
     Ok(out)
 }
 
@@ -487,13 +505,14 @@ mod cuda_run {
     //! and the optimizer's flat-buffer launchers.
     use super::{adamw_scalars, AdamWHyper, AdamwOut, Dt};
     use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWStep, ComputeOut};
-    use anyhow::{anyhow, Result};
+    use anyhow::{anyhow, bail, Result};
     use candle_core::{DType, Device, Tensor, Var};
 
     fn dtype(dt: Dt) -> DType {
         match dt {
             Dt::F32 => DType::F32,
             Dt::Bf16 => DType::BF16,
+            Dt::F16 => DType::F16,
         }
     }
     fn up(v: &[f32], shape: &[usize], dt: Dt, dev: &Device) -> Result<Tensor> {
@@ -589,12 +608,13 @@ mod cuda_run {
             let out = match dt {
                 Dt::F32 => ComputeOut::F32(&mut of),
                 Dt::Bf16 => ComputeOut::Bf16(&mut ob),
+                Dt::F16 => bail!("adamw: no f16 compute weights"),
             };
             adamw_step(cd, &mut master, &mut m, &mut v, &gd, out, segments, step)?;
         }
         let out = match dt {
-            Dt::F32 => cd.clone_dtoh(&of)?,
             Dt::Bf16 => cd.clone_dtoh(&ob)?.into_iter().map(|x| x.to_f32()).collect(),
+            _ => cd.clone_dtoh(&of)?,
         };
         Ok((sumsq, cd.clone_dtoh(&master)?, out))
     }
@@ -605,10 +625,7 @@ pub fn print_table(target: &Target, checks: &[Check]) -> bool {
     println!("harpe selftest — target: {}", target.name());
     println!("{:<24} {:<5} {:<30} {:>11} {:>11}  {:<18} result", "kernel", "dtype", "case", "max err", "bound", "rule");
     for c in checks {
-        let dt = match c.dtype {
-            Dt::F32 => "f32",
-            Dt::Bf16 => "bf16",
-        };
+        let dt = c.dtype.name();
         println!(
             "{:<24} {:<5} {:<30} {:>11.3e} {:>11.3e}  {:<18} {}",
             c.kernel,

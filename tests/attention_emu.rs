@@ -1,20 +1,18 @@
 //! kernels/attention.cu (flash attention forward and backward) compiled for the host against
 //! kernels/emu.h, against the CPU reference `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` on
-//! small ragged shapes: T in {1, 17, 70} (never a multiple of the 16/32-row tiles), GQA ratios 1/2/4,
-//! Tq < Tk (decode, chunked prefill), every instantiated head dim, causal and full, f32 and bf16.
-//! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16 — the STYLE.md rule: the exact result is the f32
-//! reference on the same bf16-rounded inputs, and the kernel's error is at most 2x that of a naive bf16
-//! implementation (every intermediate rounded to bf16, `naive_bf16` below).
-use half::bf16;
-use harpe::kernels_emu::attention::{self as ka, AttnFloat};
-use harpe::kernels_emu::EmuFloat;
+//! small ragged shapes. FMA tiles: T in {1, 17, 70} (never a multiple of the 16/32-row tiles), GQA ratios
+//! 1/2/4, Tq < Tk (decode, chunked prefill), every instantiated head dim, causal and full, f32, bf16, f16.
+//! Tensor-core tiles (the emulated mma.sync/ldmatrix of kernels/emu.h, first checked alone through
+//! kernels/mma_probe.cu): T in {1, 17, 100, 130}, GQA 1/2/4, D 64 and 128, causal and full, Tq < Tk,
+//! bf16 and f16, forward and backward.
+//! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16/f16 — the STYLE.md rule: the exact result is the f32
+//! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
+//! implementation in that type (every intermediate rounded, `naive16` below).
+use half::{bf16, f16};
+use harpe::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
 use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, AttnDims};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn r16(v: f32) -> f32 {
-    bf16::from_f32(v).to_f32()
-}
 
 fn uniform(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| r.random::<f32>() * 2.0 - 1.0).collect()
@@ -35,17 +33,18 @@ fn max_abs(a: &[f32]) -> f64 {
     a.iter().map(|x| x.abs() as f64).fold(0.0, f64::max)
 }
 
-fn to_t<T: EmuFloat>(v: &[f32]) -> Vec<T> {
+fn to_t<T: AttnFloat>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-fn of_t<T: EmuFloat>(v: &[T]) -> Vec<f32> {
+fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// Dense attention with every intermediate rounded to bf16: forward (O, lse) and backward (dQ, dK, dV).
+/// Dense attention with every intermediate rounded to T (bf16 or f16): forward (O, lse) and backward
+/// (dQ, dK, dV).
 #[allow(clippy::type_complexity)]
-fn naive_bf16(
+fn naive16<T: AttnFloat>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -55,6 +54,7 @@ fn naive_bf16(
     causal: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let r16 = |x: f32| T::from_f32(x).to_f32();
     let rep = h / hkv;
     let (mut o, mut lse) = (vec![0f32; q.len()], vec![0f32; b * h * tq]);
     let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
@@ -97,30 +97,48 @@ fn naive_bf16(
     (o, lse, dq, dk, dv)
 }
 
-/// Forward and backward of the emulated kernel against the CPU reference; panics naming the case.
+/// Forward and backward of the emulated FMA kernel against the CPU reference; `bf` says T is 16-bit.
 fn check_case<T: AttnFloat>(dims: AttnDims, causal: bool, bf: bool, seed: u64) {
+    assert_eq!(bf, std::mem::size_of::<T>() == 2);
+    check_kernel::<T>(AttnKernel::Fma, dims, causal, seed);
+}
+
+/// Forward and backward of one emulated kernel against the CPU reference; panics naming the case.
+fn check_kernel<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: bool, seed: u64) {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let bf = std::mem::size_of::<T>() == 2;
     let mut r = ChaCha8Rng::seed_from_u64(seed);
-    let round = |x: Vec<f32>| if bf { x.into_iter().map(r16).collect() } else { x };
+    let round = |x: Vec<f32>| -> Vec<f32> { x.into_iter().map(|v| T::from_f32(v).to_f32()).collect() };
     let q = round(uniform(&mut r, b * h * tq * d));
     let k = round(uniform(&mut r, b * hkv * tk * d));
     let v = round(uniform(&mut r, b * hkv * tk * d));
     let dout = round(uniform(&mut r, b * h * tq * d));
     let scale = 1.0 / (d as f32).sqrt();
-    let case = format!("{dims:?} causal={causal} bf16={bf}");
+    let case = format!("{kernel:?} {dims:?} causal={causal} {}", std::any::type_name::<T>());
 
     let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal);
-    let (o_t, lse) = ka::attention_fwd::<T>(&to_t(&q), &to_t(&k), &to_t(&v), dims, scale, causal).unwrap();
+    let (o_t, lse) = ka::attention_fwd_with::<T>(kernel, &to_t(&q), &to_t(&k), &to_t(&v), dims, scale, causal).unwrap();
     let o = of_t(&o_t);
     let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal);
-    let (dq, dk, dv) =
-        ka::attention_bwd::<T>(&to_t(&q), &to_t(&k), &to_t(&v), &o_t, &lse, &to_t(&dout), dims, scale, causal).unwrap();
+    let (dq, dk, dv) = ka::attention_bwd_with::<T>(
+        kernel,
+        &to_t(&q),
+        &to_t(&k),
+        &to_t(&v),
+        &o_t,
+        &lse,
+        &to_t(&dout),
+        dims,
+        scale,
+        causal,
+    )
+    .unwrap();
     let (dq, dk, dv) = (of_t(&dq), of_t(&dk), of_t(&dv));
 
     // lse is f32 in both dtypes: the f32 tolerance applies
     let e = max_err(&lse, &lse_ref);
     assert!(e <= 1e-5 * max_abs(&lse_ref).max(1.0), "{case}: lse err {e:e}");
-    let naive = if bf { Some(naive_bf16(&q, &k, &v, &dout, dims, scale, causal)) } else { None };
+    let naive = if bf { Some(naive16::<T>(&q, &k, &v, &dout, dims, scale, causal)) } else { None };
     type Out<'a> = (&'a str, &'a [f32], &'a [f32], Option<&'a [f32]>);
     let outs: [Out; 4] = [
         ("O", &o, &o_ref, naive.as_ref().map(|n| &n.0[..])),
@@ -222,4 +240,134 @@ fn bad_shapes_are_refused_before_any_launch() {
     let dims = dm(1, 2, 1, 4, 4, 16);
     let e = ka::attention_fwd::<f32>(&[0.0; 10], &[0.0; 64], &[0.0; 64], dims, 1.0, true).unwrap_err().to_string();
     assert!(e.contains("`q`"), "{e}");
+}
+
+#[test]
+fn fma_tiles_take_f16() {
+    for (n, dims) in [dm(1, 4, 2, 17, 17, 16), dm(1, 2, 1, 5, 37, 64)].into_iter().enumerate() {
+        check_case::<f16>(dims, true, true, 500 + n as u64);
+    }
+}
+
+/// A (16x16) B (16x16) through the emulated ldmatrix/mma fragments equals the plain product, four ways.
+fn probe_case<T: AttnFloat>(seed: u64) {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let a: Vec<T> = to_t(&uniform(&mut r, 256));
+    let b: Vec<T> = to_t(&uniform(&mut r, 256));
+    let bt: Vec<T> = (0..256).map(|i| b[(i % 16) * 16 + i / 16]).collect();
+    let out = ka::mma_probe(&a, &b, &bt).unwrap();
+    let mut want = vec![0f64; 256];
+    for i in 0..16 {
+        for j in 0..16 {
+            want[i * 16 + j] = (0..16).map(|k| a[i * 16 + k].to_f32() as f64 * b[k * 16 + j].to_f32() as f64).sum();
+        }
+    }
+    for way in 0..4 {
+        for (e, w) in want.iter().enumerate() {
+            let got = out[way * 256 + e] as f64;
+            assert!(
+                (got - w).abs() <= 1e-5,
+                "{} way {way} element ({}, {}): {got} vs {w}",
+                std::any::type_name::<T>(),
+                e / 16,
+                e % 16
+            );
+        }
+    }
+    // an input that is not symmetric in any layout: a permuted A must permute the rows of the product
+    assert!(want.iter().any(|w| w.abs() > 0.1));
+}
+
+#[test]
+fn emulated_mma_and_ldmatrix_reproduce_the_ptx_fragment_layouts() {
+    probe_case::<bf16>(1);
+    probe_case::<f16>(2);
+    assert!(ka::mma_probe::<f32>(&[0.0; 256], &[0.0; 256], &[0.0; 256]).is_err());
+}
+
+/// Ragged training shapes (T in {1, 17, 100, 130}, GQA 1/2/4) and Tq < Tk, D = 64 and 128.
+const TC_SHAPES: [(AttnDims, bool); 8] = [
+    (dm(1, 2, 2, 1, 1, 64), true),
+    (dm(1, 2, 1, 17, 17, 64), true),
+    (dm(1, 4, 1, 100, 100, 64), true),
+    (dm(2, 2, 1, 130, 130, 64), true),
+    (dm(1, 4, 2, 130, 130, 128), true),
+    (dm(1, 2, 2, 17, 17, 128), false),
+    (dm(1, 4, 1, 1, 130, 128), true),
+    (dm(1, 4, 2, 37, 100, 64), false),
+];
+
+#[test]
+fn tensor_core_tiles_match_the_cpu_reference_bf16() {
+    for (n, &(dims, causal)) in TC_SHAPES.iter().enumerate() {
+        check_kernel::<bf16>(AttnKernel::TensorCore, dims, causal, 600 + n as u64);
+    }
+}
+
+#[test]
+fn tensor_core_tiles_match_the_cpu_reference_f16() {
+    for (n, &(dims, causal)) in TC_SHAPES.iter().enumerate() {
+        check_kernel::<f16>(AttnKernel::TensorCore, dims, causal, 700 + n as u64);
+    }
+}
+
+#[test]
+fn tensor_core_decode_chunks() {
+    // chunked prefill: Tq < Tk with Tk - Tq not a multiple of any tile, GQA 4
+    check_kernel::<bf16>(AttnKernel::TensorCore, dm(1, 4, 1, 17, 100, 128), true, 800);
+    check_kernel::<f16>(AttnKernel::TensorCore, dm(1, 4, 1, 70, 130, 64), true, 801);
+}
+
+#[test]
+fn tensor_core_tiles_refuse_what_they_do_not_take() {
+    let dims = dm(1, 2, 1, 4, 4, 32);
+    let q = vec![bf16::ZERO; 2 * 4 * 32];
+    let kv = vec![bf16::ZERO; 4 * 32];
+    let e = ka::attention_fwd_with(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true).unwrap_err().to_string();
+    assert!(e.contains("D = 32") && e.contains("hint:"), "{e}");
+    let dims = dm(1, 2, 1, 4, 4, 64);
+    let q = vec![0f32; 2 * 4 * 64];
+    let kv = vec![0f32; 4 * 64];
+    let e = ka::attention_fwd_with(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true).unwrap_err().to_string();
+    assert!(e.contains("4-byte") && e.contains("hint:"), "{e}");
+    assert_eq!(AttnKernel::best(2, 128), AttnKernel::TensorCore);
+    assert_eq!(AttnKernel::best(4, 128), AttnKernel::Fma);
+    assert_eq!(AttnKernel::best(2, 16), AttnKernel::Fma);
+}
+
+#[test]
+fn pack_and_unpack_kernels_follow_the_op_layouts() {
+    // the layouts `ops::attention`'s custom ops use: O|lse rows of D + 1, [q | O | lse | dO | .] rows of 3D + 2
+    let (rows, d) = (5usize, 64usize);
+    let mut r = ChaCha8Rng::seed_from_u64(9);
+    let o: Vec<bf16> = to_t(&uniform(&mut r, rows * d));
+    let lse = uniform(&mut r, rows);
+    let packed = ka::pack_fwd(&o, &lse, d).unwrap();
+    for i in 0..rows {
+        assert_eq!(&packed[i * (d + 1)..i * (d + 1) + d], &of_t(&o[i * d..(i + 1) * d])[..], "row {i}");
+        assert_eq!(packed[i * (d + 1) + d], lse[i]);
+    }
+    let w = 3 * d + 2;
+    let big: Vec<f32> = to_t::<f16>(&uniform(&mut r, rows * w)).iter().map(|x| x.to_f32()).collect();
+    let (q, o2, dout, lse2) = ka::unpack_bwd::<f16>(&big, d).unwrap();
+    for i in 0..rows {
+        let row = &big[i * w..(i + 1) * w];
+        assert_eq!(of_t(&q[i * d..(i + 1) * d]), &row[..d]);
+        assert_eq!(of_t(&o2[i * d..(i + 1) * d]), &row[d..2 * d]);
+        assert_eq!(lse2[i], row[2 * d]);
+        assert_eq!(of_t(&dout[i * d..(i + 1) * d]), &row[2 * d + 1..3 * d + 1]);
+    }
+}
+
+#[test]
+fn selftest_attention_rows_pass_on_the_emulator() {
+    use harpe::selftest::{attention, Target};
+    for seed in [1u64, 2] {
+        let checks = attention::checks(&Target::Emulated, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
+        // 2 probe rows + 4 (dtype, kernel) pairs x 2 shapes x 4 outputs
+        assert_eq!(checks.len(), 2 + 4 * 2 * 4, "seed {seed}");
+        for c in &checks {
+            assert!(c.pass, "seed {seed}: {} {} {:?}: {:e} > {:e}", c.kernel, c.case, c.dtype, c.max_err, c.bound);
+        }
+    }
 }

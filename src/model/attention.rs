@@ -7,7 +7,8 @@
 //! plus one `Custom` arm holding a trait object, because comms/ (which `model/` must not import)
 //! provides the Ulysses all-to-all wrapper and it is chosen at run time. Every arm computes the same
 //! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
-//! Not done here: the CUDA kernel (helper arm added by the GPU issue), the sequence-parallel wrapper.
+//! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
+use crate::kernels_emu::attention::HEAD_DIMS;
 use crate::ops::attention::{attention, attention_blocked, attention_reference};
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
@@ -29,18 +30,24 @@ pub enum AttentionImpl {
     Cpu,
     /// `ops::attention_reference`: the same op running its scalar reference loops (tests, debugging).
     CpuReference,
-    /// `ops::attention_blocked`: query blocks against all keys from plain candle ops (any device).
+    /// `ops::attention` on a CUDA device: the flash kernels of kernels/attention.cu (tensor cores for
+    /// bf16/f16 at D = 64, 128), forward and backward. The same op as `Cpu`; on a CPU tensor it runs the
+    /// CPU loops; a head dim the kernels do not take runs `attention_blocked`.
+    Flash,
+    /// `ops::attention_blocked`: query blocks against all keys from plain candle ops (any device; the GPU
+    /// reference the flash kernels are checked against).
     Blocked { block: usize },
     /// Provided by the caller (sequence-parallel wrapper, experiments).
     Custom(Arc<dyn AttentionFn>),
 }
 
 impl AttentionImpl {
-    /// The implementation a device runs by default: the GEMM-block op on CPU; on CUDA the blocked
-    /// reference until the CUDA kernel lands.
+    /// The implementation a device runs by default: the GEMM-block op on CPU, the flash kernels on CUDA,
+    /// the blocked reference elsewhere (Metal).
     pub fn for_device(dev: &Device) -> AttentionImpl {
         match dev {
             Device::Cpu => AttentionImpl::Cpu,
+            Device::Cuda(_) => AttentionImpl::Flash,
             _ => AttentionImpl::Blocked { block: DEFAULT_BLOCK },
         }
     }
@@ -49,6 +56,11 @@ impl AttentionImpl {
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
         match self {
             AttentionImpl::Cpu => attention(q, k, v, scale, causal),
+            // the kernels take head dims 16, 32, 64, 128; other models run the blocked reference
+            AttentionImpl::Flash if !HEAD_DIMS.contains(&q.dim(3)?) => {
+                attention_blocked(q, k, v, scale, causal, DEFAULT_BLOCK)
+            }
+            AttentionImpl::Flash => attention(q, k, v, scale, causal),
             AttentionImpl::CpuReference => attention_reference(q, k, v, scale, causal),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),

@@ -14,7 +14,9 @@
 //! `attention_blocked` (query blocks against all keys, plain candle ops) and `attention_slow` (full
 //! (Tq x Tk) scores) are the references; `model::attention::AttentionImpl` chooses among them.
 //! The op runs either the scalar loops below (`CpuKernel::Reference`, `attention_reference`) or the
-//! same algorithm on GEMM blocks (`CpuKernel::Gemm`, `ops::attention_gemm`, what `attention` runs).
+//! same algorithm on GEMM blocks (`CpuKernel::Gemm`, `ops::attention_gemm`, what `attention` runs); on a
+//! CUDA device its `cuda_fwd`s launch kernels/attention.cu (`ops::attention_cuda`) with the same packed
+//! layouts, in the inputs' dtype (bf16/f16: the tensor-core tiles).
 //! Not done here: dropout, sliding windows, document masks (later issues).
 use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
 use crate::ops::rotary::f32_slice;
@@ -236,7 +238,20 @@ impl CustomOp3 for AttentionFwd {
         Ok((CpuStorage::F32(packed), Shape::from_dims(&[b, h, tq, d + 1])))
     }
 
-    // cuda_fwd: the CUDA kernel (kernels/attention.cu) plugs in here with the same packed output.
+    /// The flash kernels of kernels/attention.cu (tensor-core tiles for aligned bf16/f16 at D = 64, 128;
+    /// FMA tiles otherwise) with the same packed O|lse f32 output as `cpu_fwd`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::ops::attention_cuda::fwd_packed(s1, l1, s2, l2, s3, l3, self.scale, self.causal)
+    }
 
     fn bwd(
         &self,
@@ -247,8 +262,9 @@ impl CustomOp3 for AttentionFwd {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = q.dim(3)?;
-        // (B, H, Tq, 3D + 2): q | O | lse | dO | d(lse) (zero: lse is not an output of `attention`)
-        let packed = Tensor::cat(&[&q.detach(), &res.detach(), &grad.detach()], 3)?;
+        // (B, H, Tq, 3D + 2) f32: q | O | lse | dO | d(lse) (zero: lse is not an output of `attention`);
+        // q is 16-bit on CUDA (exact in f32), res and grad are f32 already
+        let packed = Tensor::cat(&[&q.detach().to_dtype(DType::F32)?, &res.detach(), &grad.detach()], 3)?;
         let flat = packed.apply_op3(
             &k.detach(),
             &v.detach(),
@@ -260,8 +276,8 @@ impl CustomOp3 for AttentionFwd {
     }
 }
 
-/// The backward op: inputs `packed` (B, H, Tq, 3D + 2) = [q | O | lse | dO | unused], k, v;
-/// output dQ, dK, dV flattened one after the other (len q + len k + len v), f32.
+/// The backward op: inputs `packed` (B, H, Tq, 3D + 2) f32 = [q | O | lse | dO | unused], k, v;
+/// output dQ, dK, dV flattened one after the other (len q + len k + len v) in k's dtype (f32 on CPU).
 struct AttentionBwd {
     scale: f32,
     causal: bool,
@@ -316,11 +332,24 @@ impl CustomOp3 for AttentionBwd {
         Ok((CpuStorage::F32(dq), Shape::from_dims(&[n])))
     }
 
-    // cuda_fwd: the CUDA backward kernel plugs in here with the same packed layout.
+    /// The flash backward of kernels/attention.cu (delta pre-kernel, backward, dQ convert) on the same
+    /// packed layout as `cpu_fwd`; the gradients come out in k's dtype.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::ops::attention_cuda::bwd_packed(s1, l1, (s2, l2), (s3, l3), self.d, self.scale, self.causal)
+    }
 }
 
 /// Causal (or full) attention softmax(q k^T * scale) v with GQA; differentiable in q, k, v.
-/// On CPU it runs the GEMM-block kernel (`CpuKernel::Gemm`).
+/// On CPU it runs the GEMM-block kernel (`CpuKernel::Gemm`); on CUDA the flash kernels (kernels/attention.cu).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
     attention_with(q, k, v, scale, causal, CpuKernel::Gemm)
 }
@@ -330,7 +359,7 @@ pub fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causa
     attention_with(q, k, v, scale, causal, CpuKernel::Reference)
 }
 
-/// `attention` with the CPU loops chosen explicitly.
+/// `attention` with the CPU loops chosen explicitly (on CUDA the kernel is chosen by dtype and head dim).
 pub fn attention_with(
     q: &Tensor,
     k: &Tensor,
@@ -341,7 +370,12 @@ pub fn attention_with(
 ) -> Result<Tensor> {
     let dtype = q.dtype();
     let d = q.dim(3)?;
-    let f = |t: &Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
+    // the CPU loops are f32; the CUDA kernels take f32, bf16 and f16 as they are
+    let run_as = match (q.device().is_cuda(), dtype) {
+        (true, DType::BF16 | DType::F16) => dtype,
+        _ => DType::F32,
+    };
+    let f = |t: &Tensor| -> Result<Tensor> { t.to_dtype(run_as)?.contiguous() };
     let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal, kernel })?; // (B, H, Tq, D + 1)
     packed.narrow(3, 0, d)?.to_dtype(dtype)
 }

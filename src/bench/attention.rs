@@ -1,0 +1,214 @@
+//! `harpe bench attention`: the flash-attention kernels (kernels/attention.cu, the tiles `ops::attention`
+//! runs on CUDA) forward, backward and forward+backward at T = 8K, 32K, 128K (batch 1, 32 query heads, 8
+//! and 32 kv heads, head dim 128, causal, bf16): time, TFLOP/s, percent of the GPU's dense bf16 peak, and
+//! PyTorch's `scaled_dot_product_attention` with each backend it offers (flash, cuDNN, efficient) timed in
+//! the same run by scripts/bench_attention_torch.py, with the ratio to the best backend (> 1: harpe faster).
+//!
+//! Reference: FlashAttention-2's benchmark conventions: forward FLOPs 4 B H T^2 D, halved for causal;
+//! backward 2.5x the forward (five matmuls against two), forward+backward 3.5x.
+//! The non-obvious decision: the rows time the launchers directly (`ops::attention_cuda::{fwd, bwd}`, the
+//! tensor-core tiles for bf16), not the autograd op, so the numbers are the kernels' and compare to SDPA's
+//! kernels; the op adds one pack/unpack pass over O and dO. Repetitions adapt to the problem (at least one
+//! timed call after one warm-up, about `--attn-seconds` per row).
+//! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the benchmark is bf16, D = 128).
+use super::BenchArgs;
+use anyhow::Result;
+use serde::Serialize;
+
+/// One timed attention pass.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttnRow {
+    pub pass: String,
+    pub t: usize,
+    pub hkv: usize,
+    pub ms: f64,
+    pub tflops: f64,
+    /// percent of the dense bf16 peak, when the GPU is known
+    pub pct_peak: Option<f64>,
+    /// PyTorch SDPA per backend (ms), when measured; None where the backend refused the shape
+    pub torch_ms: Vec<(String, Option<f64>)>,
+}
+
+/// Causal FLOPs of one pass ("fwd", "bwd", "fwd+bwd") at (1, 32, T, 128).
+pub fn flops(pass: &str, h: usize, t: usize, d: usize) -> f64 {
+    let fwd = 4.0 * h as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;
+    match pass {
+        "fwd" => fwd,
+        "bwd" => 2.5 * fwd,
+        _ => 3.5 * fwd,
+    }
+}
+
+/// Dense bf16 tensor-core peak (TFLOP/s) of a compute capability: A100 312, H100/H200 SXM 989.
+pub fn peak_tflops(cc: (i32, i32)) -> Option<f64> {
+    match cc {
+        (8, 0) => Some(312.0),
+        (9, 0) => Some(989.0),
+        _ => None,
+    }
+}
+
+/// Print the rows as a table.
+pub fn print_rows(device: &str, rows: &[AttnRow]) {
+    println!("harpe bench attention — {device}; B 1, H 32, D 128, causal, bf16 (tensor-core tiles)");
+    println!(
+        "{:<8} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7}",
+        "pass", "T", "Hkv", "ms", "TFLOP/s", "%peak", "torch SDPA ms (flash / cudnn / efficient)", "x best"
+    );
+    for r in rows {
+        let pct = r.pct_peak.map(|p| format!("{p:.0}%")).unwrap_or_else(|| "-".into());
+        let torch: Vec<String> = r
+            .torch_ms
+            .iter()
+            .map(|(b, v)| format!("{b} {}", v.map(|x| format!("{x:.2}")).unwrap_or("-".into())))
+            .collect();
+        let best = r.torch_ms.iter().filter_map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
+        let x = if best.is_finite() { format!("{:.2}", best / r.ms) } else { "-".into() };
+        println!(
+            "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7}",
+            r.pass,
+            r.t,
+            r.hkv,
+            r.ms,
+            r.tflops,
+            pct,
+            if torch.is_empty() { "-".into() } else { torch.join(" / ") },
+            x
+        );
+    }
+}
+
+/// PyTorch SDPA times from scripts/bench_attention_torch.py: {"<pass> T<t> hkv<hkv>": {backend: ms|null}}.
+pub fn torch_sdpa(tokens: &[usize], seconds: f64) -> Option<serde_json::Value> {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import torch; assert torch.cuda.is_available()"])
+        .output()
+        .ok()?;
+    if !ok.status.success() {
+        return None;
+    }
+    let script = super::locate_named("bench_attention_torch.py")?;
+    let t: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--tokens", &t.join(","), "--seconds", &seconds.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("warning: the torch SDPA comparison failed: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+/// `harpe bench attention`.
+pub fn run(args: &BenchArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        gpu::run(args)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = args;
+        anyhow::bail!("harpe bench attention times the CUDA kernels, and this harpe was built without CUDA\nhint: build with --features cuda")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::{flops, peak_tflops, print_rows, torch_sdpa, AttnRow, BenchArgs};
+    use crate::ops::attention_cuda::{bwd, fwd};
+    use anyhow::{bail, Result};
+    use candle_core::{DType, Device, Storage, Tensor};
+    use std::time::Instant;
+
+    /// Mean ms of `f`: one warm-up, then as many calls as fit in about `seconds` (at least one).
+    fn time(dev: &Device, seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        f()?;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        let once = t0.elapsed().as_secs_f64();
+        let n = ((seconds / once.max(1e-6)) as usize).clamp(1, 50);
+        let t0 = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        dev.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3 / n as f64)
+    }
+
+    pub fn run(args: &BenchArgs) -> Result<()> {
+        let dev = crate::selftest::open_cuda()?;
+        let cd = dev.as_cuda_device()?.clone();
+        let ctx = cd.cuda_stream().context().clone();
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device 0".into());
+        let peak = ctx.compute_capability().ok().and_then(peak_tflops);
+        let (h, d) = (32usize, 128usize);
+        let tokens = [8192usize, 32768, 131072];
+        let seconds = args.attn_seconds;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut rows = Vec::new();
+        for &t in &tokens {
+            for hkv in [8usize, 32] {
+                let mk = |heads: usize| -> Result<Tensor> {
+                    Ok(Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev)?.to_dtype(DType::BF16)?)
+                };
+                let (q, k, v, dout) = (mk(h)?, mk(hkv)?, mk(hkv)?, mk(h)?);
+                let (sq, lq) = q.storage_and_layout();
+                let (sk, lk) = k.storage_and_layout();
+                let (sv, lv) = v.storage_and_layout();
+                let (sd, ld) = dout.storage_and_layout();
+                let (Storage::Cuda(cq), Storage::Cuda(ck), Storage::Cuda(cv), Storage::Cuda(cdo)) =
+                    (&*sq, &*sk, &*sv, &*sd)
+                else {
+                    bail!("bench attention: tensors are not on the CUDA device");
+                };
+                let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None)?;
+                let lo = candle_core::Layout::contiguous((1, h, t, d));
+                let f_ms = time(&dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None).map(|_| ())?))?;
+                let b_ms = time(&dev, seconds, || {
+                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None).map(|_| ())?)
+                })?;
+                let fb_ms = time(&dev, seconds, || {
+                    let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None)?;
+                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None)
+                        .map(|_| ())?)
+                })?;
+                eprintln!("bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms");
+                for (pass, ms) in [("fwd", f_ms), ("bwd", b_ms), ("fwd+bwd", fb_ms)] {
+                    let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
+                    rows.push(AttnRow {
+                        pass: pass.into(),
+                        t,
+                        hkv,
+                        ms,
+                        tflops,
+                        pct_peak: peak.map(|p| 100.0 * tflops / p),
+                        torch_ms: Vec::new(),
+                    });
+                }
+            }
+        }
+        if !args.no_torch {
+            if let Some(tj) = torch_sdpa(&tokens, seconds) {
+                for r in rows.iter_mut() {
+                    let key = format!("{} T{} hkv{}", r.pass, r.t, r.hkv);
+                    if let Some(obj) = tj.get(&key).and_then(|v| v.as_object()) {
+                        r.torch_ms = ["flash", "cudnn", "efficient"]
+                            .iter()
+                            .map(|b| (b.to_string(), obj.get(*b).and_then(|v| v.as_f64())))
+                            .collect();
+                    }
+                }
+            }
+        }
+        if args.json {
+            println!("{}", serde_json::json!({"device": name, "peak_bf16_tflops": peak, "rows": rows}));
+        } else {
+            print_rows(&name, &rows);
+        }
+        Ok(())
+    }
+}
