@@ -21,8 +21,8 @@ fn demo_quick_runs_the_comparison_end_to_end() {
     assert!(o.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
     for f in [
         "demo.md",
-        "pretrain/metrics.jsonl",
-        "pretrain/loss.png",
+        "base/model.safetensors",
+        "base/config.json",
         "base-passkey/results.json",
         "sweep.toml",
         "sweep/sweep.json",
@@ -35,6 +35,12 @@ fn demo_quick_runs_the_comparison_end_to_end() {
         assert!(out.join(f).exists(), "missing {f}");
     }
     assert!(stdout.contains("Untreated base model, passkey accuracy: 384:"), "{stdout}");
+    // the shipped base retrieves at its own length (else the comparison says nothing)
+    let base = json(&out.join("base-passkey/results.json"));
+    let at = |len: u64| {
+        base["cells"].as_array().unwrap().iter().find(|c| c["length"] == len).unwrap()["score"].as_f64().unwrap()
+    };
+    assert!(at(384) >= 50.0, "the untreated base scores {} at 384: {base}", at(384));
 
     let ix = json(&out.join("sweep/sweep.json"));
     let runs = ix["runs"].as_array().unwrap();
@@ -79,4 +85,54 @@ fn demo_quick_runs_the_comparison_end_to_end() {
     assert_eq!(lens.into_iter().collect::<Vec<_>>(), [768, 1536]);
     let md = std::fs::read_to_string(out.join("demo.md")).unwrap();
     assert!(md.contains("Paired differences") && md.contains("| harpe | 2 |"), "{md}");
+}
+
+/// `harpe demo --make-base` (what scripts/make_demo_base.sh runs), reduced: the files `harpe demo`
+/// ships come out, loadable, with the provenance of the run that made them.
+#[test]
+fn make_base_quick_writes_a_loadable_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("base");
+    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args([
+            "demo",
+            "--quick",
+            "--make-base",
+            dest.to_str().unwrap(),
+            "--out",
+            tmp.path().join("w").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let cfg = json(&dest.join("config.json"));
+    assert_eq!(cfg["hidden_size"], 128);
+    assert_eq!(cfg["num_attention_heads"], 4);
+    let prov = json(&dest.join("provenance.json"));
+    assert_eq!(prov["recipe"]["steps"], 6);
+    assert_eq!(prov["tokens"], 6 * 8 * 384);
+    assert!(prov["final_train_loss"].as_f64().unwrap().is_finite());
+    assert!(prov["passkey"]["384"].as_f64().is_some(), "{prov}");
+    // the written weights load and score: eval-ppl on a few bytes of text
+    std::fs::write(dest.join("tokenizer.json"), std::fs::read(tmp.path().join("w/tokenizer.json")).unwrap()).unwrap();
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, "The grass is green. The sky is blue. ".repeat(8)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args([
+            "eval-ppl",
+            "--model",
+            dest.to_str().unwrap(),
+            "--input",
+            text.to_str().unwrap(),
+            "--window",
+            "128",
+            "--stride",
+            "64",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ppl: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(ppl["ppl"].as_f64().is_some_and(|p| p.is_finite() && p > 1.0), "{ppl}");
 }
