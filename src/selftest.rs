@@ -56,6 +56,18 @@ pub enum Dt {
 }
 
 impl Dt {
+    /// The candle dtype the GPU rows upload in.
+    #[cfg(feature = "cuda")]
+    fn dtype(self) -> candle_core::DType {
+        match self {
+            Dt::F32 => candle_core::DType::F32,
+            Dt::Bf16 => candle_core::DType::BF16,
+            Dt::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+impl Dt {
     fn name(self) -> &'static str {
         match self {
             Dt::F32 => "f32",
@@ -508,17 +520,12 @@ mod cuda_run {
     use anyhow::{anyhow, bail, Result};
     use candle_core::{DType, Device, Tensor, Var};
 
-    fn dtype(dt: Dt) -> DType {
-        match dt {
-            Dt::F32 => DType::F32,
-            Dt::Bf16 => DType::BF16,
-            Dt::F16 => DType::F16,
-        }
+    /// Host values as a tensor of `dt` on `dev` (the GPU rows' inputs; `selftest::attention` too).
+    pub(super) fn up<S: Into<candle_core::Shape>>(v: &[f32], shape: S, dt: Dt, dev: &Device) -> Result<Tensor> {
+        Ok(Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dt.dtype())?.to_device(dev)?)
     }
-    fn up(v: &[f32], shape: &[usize], dt: Dt, dev: &Device) -> Result<Tensor> {
-        Ok(Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dtype(dt))?.to_device(dev)?)
-    }
-    fn down(t: &Tensor) -> Result<Vec<f32>> {
+    /// A device tensor's values as host f32.
+    pub(super) fn down(t: &Tensor) -> Result<Vec<f32>> {
         Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
     }
 

@@ -264,24 +264,12 @@ mod cuda_run {
     use super::{AttnDims, AttnKernel, Dt};
     use crate::ops::attention_cuda;
     use anyhow::{anyhow, bail, Result};
-    use candle_core::{DType, Device, Storage, Tensor, Var};
+    use candle_core::{Device, Storage, Tensor, Var};
 
-    fn dtype(dt: Dt) -> DType {
-        match dt {
-            Dt::F32 => DType::F32,
-            Dt::Bf16 => DType::BF16,
-            Dt::F16 => DType::F16,
-        }
-    }
-    fn up(v: &[f32], shape: (usize, usize, usize, usize), dt: Dt, dev: &Device) -> Result<Tensor> {
-        Ok(Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dtype(dt))?.to_device(dev)?)
-    }
-    fn down(t: &Tensor) -> Result<Vec<f32>> {
-        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
-    }
+    use crate::selftest::cuda_run::{down, up};
 
     pub fn probe(dev: &Device, dt: Dt, a: &[f32], b: &[f32], bt: &[f32]) -> Result<Vec<f32>> {
-        Ok(attention_cuda::mma_probe(dev.as_cuda_device()?, dtype(dt), a, b, bt)?)
+        Ok(attention_cuda::mma_probe(dev.as_cuda_device()?, dt.dtype(), a, b, bt)?)
     }
 
     #[allow(clippy::too_many_arguments)]
