@@ -523,10 +523,7 @@ mod tests {
         assert_eq!(load_state(&last).unwrap(), state(4));
         let mut o2 = AdamW::new(&l, &FlatBuf::from_vec(vec![0.0; 3]), &map, 0, hp).unwrap();
         load_optim(&last, &comm.mesh(), &mut o2).unwrap();
-        assert_eq!(
-            (o2.master().clone(), o2.m().clone(), o2.v().clone(), o2.t()),
-            (o.master().clone(), o.m().clone(), o.v().clone(), 4)
-        );
+        assert_eq!((o2.master(), o2.m(), o2.v(), o2.t()), (o.master(), o.m(), o.v(), 4));
         // a directory without DONE is never picked
         std::fs::create_dir_all(root.join("step_000009")).unwrap();
         assert_eq!(latest_complete(&root).unwrap().unwrap(), last);
@@ -563,11 +560,11 @@ mod tests {
         let dp = Placement::Device(candle_core::Device::Cpu);
         let p0 = FlatBuf::from_vec((0..7).map(|i| i as f32 * 0.25 - 1.0).collect());
         let mut host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
-        let mut dev = AdamW::new(&l, &p0.clone().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let mut dev = AdamW::new(&l, &p0.try_clone().unwrap().placed(&dp).unwrap(), &map, 0, hp).unwrap();
         let g = FlatBuf::from_vec(vec![0.3, -0.1, 0.2, 0.0, 0.5, -0.4, 0.1]);
         for _ in 0..3 {
             host.step(&g, 0.01).unwrap();
-            dev.step(&g.clone().placed(&dp).unwrap(), 0.01).unwrap();
+            dev.step(&g.try_clone().unwrap().placed(&dp).unwrap(), 0.01).unwrap();
         }
         let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
         let comm = Comm::Single;
@@ -576,7 +573,7 @@ mod tests {
         let f = optim_file(&comm.mesh());
         assert_eq!(std::fs::read(ph.join(&f)).unwrap(), std::fs::read(pd.join(&f)).unwrap(), "same bytes");
         // host checkpoint -> device state, device checkpoint -> host state
-        let mut into_dev = AdamW::new(&l, &p0.clone().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let mut into_dev = AdamW::new(&l, &p0.try_clone().unwrap().placed(&dp).unwrap(), &map, 0, hp).unwrap();
         let mut into_host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
         load_optim(&ph, &comm.mesh(), &mut into_dev).unwrap();
         load_optim(&pd, &comm.mesh(), &mut into_host).unwrap();

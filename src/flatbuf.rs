@@ -61,14 +61,14 @@ pub enum FlatBuf {
     Device(Tensor),
 }
 
-impl Clone for FlatBuf {
-    /// A copy of the values (a device buffer is copied on its device, never shared).
-    fn clone(&self) -> FlatBuf {
-        match self {
+impl FlatBuf {
+    /// A copy of the values (a device buffer is copied on its device, never shared); an error when the
+    /// device cannot hold a second copy (out of memory), which `Clone` could not return.
+    pub fn try_clone(&self) -> Result<FlatBuf> {
+        Ok(match self {
             FlatBuf::Host(v) => FlatBuf::Host(v.clone()),
-            // a failed device copy (out of memory) cannot be returned from `clone`: say so loudly
-            FlatBuf::Device(t) => FlatBuf::Device(t.copy().expect("FlatBuf::clone: copying a device buffer failed")),
-        }
+            FlatBuf::Device(t) => FlatBuf::Device(t.copy().context("copying a device buffer (out of device memory?)")?),
+        })
     }
 }
 
@@ -500,7 +500,7 @@ mod tests {
         dz.copy_from(20, &hs, 0..10).unwrap();
         same(&hz, &dz, "copy_from across placements");
         // a clone is independent of the original
-        let mut dc = d.clone();
+        let mut dc = d.try_clone().unwrap();
         dc.fill(1.5).unwrap();
         same(&h, &d, "clone is a copy");
         assert_eq!(dc.to_host().unwrap().as_ref(), vec![1.5f32; n].as_slice());
@@ -512,7 +512,7 @@ mod tests {
         .unwrap();
         h.host_mut().unwrap()[0] = 42.0;
         same(&h, &d, "with_host_mut");
-        let back = d.clone().placed(&Placement::Host).unwrap();
+        let back = d.try_clone().unwrap().placed(&Placement::Host).unwrap();
         same(&h, &back, "placed(Host)");
         same(&h, &h.like(h.host().unwrap().to_vec()).unwrap(), "like (host)");
         assert!(matches!(d.like(vec![1.0]).unwrap(), FlatBuf::Device(_)));

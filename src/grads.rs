@@ -92,7 +92,7 @@ pub fn flatten_params_in(order: &[(String, Tensor)], p: &Placement) -> Result<(P
 }
 
 /// Accumulated gradients of one optimizer step, fp32, flat in `ParamLayout` order.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct GradAccum {
     buf: FlatBuf,
 }

@@ -202,7 +202,8 @@ mod tests {
         c.all_reduce_sum(&mut g).unwrap();
         assert_eq!(g.host().unwrap(), &[1.0, -2.0]);
         // device buffers stay on their device
-        let mut d = g.clone().placed(&crate::flatbuf::Placement::Device(candle_core::Device::Cpu)).unwrap();
+        let mut d =
+            g.try_clone().unwrap().placed(&crate::flatbuf::Placement::Device(candle_core::Device::Cpu)).unwrap();
         c.all_reduce_sum(&mut d).unwrap();
         let l = crate::grads::ParamLayout::new(&[("w".into(), vec![2])]);
         c.all_gather(&mut d, &ShardMap::new(&l, 1, zero::Split::Slices)).unwrap();

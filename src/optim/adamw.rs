@@ -57,7 +57,7 @@ impl AdamWHyper {
 }
 
 /// Optimizer state of one rank: fp32 master weights, first and second moments of its shard.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct AdamW {
     hp: AdamWHyper,
     /// the slice of the flat parameter space owned here (a shard is contiguous, see `ShardMap`)
@@ -283,7 +283,7 @@ mod tests {
             let map = ShardMap::new(&l, world, Split::Slices);
             for rank in 0..world {
                 let host_p = FlatBuf::from_vec(p0.clone());
-                let dev_p = host_p.clone().placed(&dp).unwrap();
+                let dev_p = host_p.try_clone().unwrap().placed(&dp).unwrap();
                 let mut h = AdamW::new(&l, &host_p, &map, rank, hp(0.1)).unwrap();
                 let mut d = AdamW::new(&l, &dev_p, &map, rank, hp(0.1)).unwrap();
                 assert!(matches!(d.master(), FlatBuf::Device(_)) && matches!(d.m(), FlatBuf::Device(_)));
@@ -298,11 +298,23 @@ mod tests {
                 // host state restored into device state and the reverse, then one more equal step
                 let mut d2 = AdamW::new(&l, &dev_p, &map, rank, hp(0.1)).unwrap();
                 let mut h2 = AdamW::new(&l, &host_p, &map, rank, hp(0.1)).unwrap();
-                d2.restore(h.master().clone(), h.m().clone(), h.v().clone(), h.t()).unwrap();
-                h2.restore(d.master().clone(), d.m().clone(), d.v().clone(), d.t()).unwrap();
+                d2.restore(
+                    h.master().try_clone().unwrap(),
+                    h.m().try_clone().unwrap(),
+                    h.v().try_clone().unwrap(),
+                    h.t(),
+                )
+                .unwrap();
+                h2.restore(
+                    d.master().try_clone().unwrap(),
+                    d.m().try_clone().unwrap(),
+                    d.v().try_clone().unwrap(),
+                    d.t(),
+                )
+                .unwrap();
                 assert!(matches!(d2.master(), FlatBuf::Device(_)) && matches!(h2.master(), FlatBuf::Host(_)));
                 let g = FlatBuf::from_vec(vec![0.2; l.total]);
-                d2.step(&g.clone().placed(&dp).unwrap(), 1e-2).unwrap();
+                d2.step(&g.try_clone().unwrap().placed(&dp).unwrap(), 1e-2).unwrap();
                 h2.step(&g, 1e-2).unwrap();
                 assert_eq!(d2.master(), h2.master());
                 d2.reset_moments().unwrap();
