@@ -8,19 +8,21 @@
 #                                # wheels, e.g. torch cu130): runs from the repository root with
 #                                # gpu-bundle/ beside it and writes benches/results/gpu_<gpu>_<yyyymm>.md
 #
-# `run` does, each step under its own timeout (the whole takes up to about 15 minutes with the attention
-# benchmark):
+# `run` does, each step under its own timeout and all within one budget (HARPE_GPU_CHECK_BUDGET, default
+# 450 s; steps that no longer fit are recorded as skipped), in this order:
 #   1. finds libcudart/libcublas/libcurand (site-packages/nvidia/cu13/lib) and libnccl (nvidia/nccl/lib)
 #      in python3's environment and puts them on LD_LIBRARY_PATH (the binary links them; cuda-build.md §2);
-#   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16, fwd/bwd; exit 1 on FAIL), then its
-#      small cases once more under compute-sanitizer memcheck and racecheck when the machine has it;
-#   3. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable);
-#   3b. `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
-#      PyTorch SDPA per backend beside it; `attention_steps` below);
-#   4. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
+#   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16/f16, fwd/bwd; exit 1 on FAIL);
+#   3. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
 #      curves compared step by step: they must agree to 1e-4 relative (`train_parity`);
-#   5. the results file with every command's output and exit code. The script's exit code is 1 when any
-#      step failed, so a caller sees it; the file is written either way.
+#   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
+#      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
+#   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable), then
+#      `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
+#      PyTorch SDPA per backend beside it; `attention_steps` below);
+#   6. selftest's small cases under compute-sanitizer memcheck and racecheck when the machine has it;
+#   7. the results file with every command's output and exit code. The script's exit code is 1 when any
+#      step failed or was skipped, so a caller sees it; the file is written either way.
 # Environment: HARPE_GPU_BUNDLE (default gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for
 # build (default 80: PTX for A100, JIT-compiled on Hopper).
 set -uo pipefail
@@ -105,14 +107,59 @@ train_parity() {
   step "tiny config: GPU vs CPU losses (1e-4 relative)" 30 "$PY" -c "$PARITY_PY" "$dir/cpu/metrics.jsonl" "$dir/cuda/metrics.jsonl" "$steps" 1e-4
 }
 
+# Compares harpe plan's per-GPU total with the measured device peaks: argv = plan JSON, metrics.jsonl.
+PLAN_PY='
+import json, sys
+plan = json.load(open(sys.argv[1]))
+with open(sys.argv[2]) as f:
+    peaks = [json.loads(l).get("device_peak_bytes") for l in f if l.strip() and "loss" in l]
+peaks = [p for p in peaks if p]
+if not peaks:
+    sys.exit("no device_peak_bytes in " + sys.argv[2])
+gib = 1 << 30
+fixed = plan["terms"].get("fixed_overhead", 0)
+measured, planned = max(peaks), plan["total_bytes"]
+print("terms (GiB): " + ", ".join("%s %.2f" % (k, v / gib) for k, v in plan["terms"].items()))
+print("planned %.2f GiB (%.2f without the fixed overhead, which the allocator peak does not see); measured peak %.2f GiB" % (planned / gib, (planned - fixed) / gib, measured / gib))
+ratio = measured / (planned - fixed)
+print("measured / planned-without-overhead = %.3f (goal: within 15%%)" % ratio)
+sys.exit(0 if abs(ratio - 1) <= 0.15 else 1)
+'
+
+# Issue 13: harpe plan vs the measured peak for a Llama-2-7B-shaped layer stack (configs/gpu-plan-check.toml)
+# at 16K and 32K tokens, 3 bf16 steps each on this GPU.
+plan_vs_measured() { # BIN
+  local bin="$1" dir t
+  dir="$(mktemp -d)"
+  for t in 16384 32768; do
+    local sets=(--set "stage.0.seq_len=$t" --set "train.global_batch_tokens=$t")
+    # the plan is host arithmetic (no GPU): its JSON goes to a file, its errors show in the comparison step
+    timeout 30 "$bin" plan --config configs/gpu-plan-check.toml --gpus 1 --gpu h200 --json "${sets[@]}" >"$dir/plan$t.json" 2>&1
+    step "train the 7B-shaped stack at T=$t (3 bf16 steps)" 150 "$bin" train --config configs/gpu-plan-check.toml "${sets[@]}" --out "$dir/run$t"
+    step "plan vs measured at T=$t" 20 "$PY" -c "$PLAN_PY" "$dir/plan$t.json" "$dir/run$t/metrics.jsonl"
+  done
+}
+
 # Issue 11 (flash attention): the attention benchmark, one step of its own (selftest's attention rows run in
 # the selftest step). Budget: 18 rows of about 3 x 2 s each plus PyTorch's 54 (the 128K rows dominate).
 attention_steps() { # BIN
   step "bench attention" 420 "$1" bench attention --attn-seconds 1
 }
+# The whole run shares one time budget (HARPE_GPU_CHECK_BUDGET seconds, default 450: GPU time is lent in
+# minutes, and one rerun must fit): each step's limit is cut to what is left, and a step that would get
+# under 15 s is recorded as skipped (and counts as a failure), never silently dropped.
+DEADLINE=0
 step() { # NAME TIMEOUT CMD... : run, record output and exit code in the report
   local name="$1" limit="$2"
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    FAILED=1
+    echo "== $name: skipped (time budget spent)" >&2
+    REPORT+=$'\n'"## $name"$'\n\n'"skipped: the run's time budget (HARPE_GPU_CHECK_BUDGET=${HARPE_GPU_CHECK_BUDGET:-450} s) was spent"$'\n'
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   local t0=$SECONDS out rc
   out="$(timeout "$limit" "$@" 2>&1)"
   rc=$?
@@ -141,8 +188,15 @@ run() {
   slug="$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia//; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
   local out="benches/results/gpu_${slug}_$(date +%Y%m).md"
   local seed=$(( $(date +%s) % 100000 ))
+  DEADLINE=$((SECONDS + ${HARPE_GPU_CHECK_BUDGET:-450}))
+  # most important first: kernels vs CPU references, GPU training vs CPU, the plan, then speed, then the
+  # sanitizers (slowest per finding)
   # 300 s: the attention rows' T = 4096 + 37 case checks against the CPU reference and the naive bf16 bound
   step "selftest" 300 "$bin" selftest --target cuda --seed "$seed" --rounds 3
+  train_parity "$bin"
+  plan_vs_measured "$bin"
+  step "bench" 180 "$bin" bench
+  attention_steps "$bin"
   if command -v compute-sanitizer >/dev/null; then
     # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers
     export HARPE_SELFTEST_SMALL=1
@@ -152,9 +206,6 @@ run() {
   else
     REPORT+=$'\n'"## compute-sanitizer"$'\n\n'"not installed on this machine: memcheck/racecheck skipped."$'\n'
   fi
-  step "bench" 180 "$bin" bench
-  attention_steps "$bin"
-  train_parity "$bin"
   {
     echo "# harpe on $gpu (driver $driver, compute capability $cap), $(date -u +%Y-%m-%d)"
     echo

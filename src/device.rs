@@ -138,6 +138,70 @@ pub fn device_memory(dev: &Device) -> Result<Option<DeviceMemory>> {
     }
 }
 
+/// Peak device memory of a step: candle/cudarc allocate with `cuMemAllocAsync` from the device's
+/// current memory pool, whose `USED_MEM_HIGH` attribute is the high-water mark of bytes handed out.
+/// `reset_device_peak` zeroes it (at a step's start), `device_peak_bytes` reads it; both are no-ops /
+/// `None` on the CPU (whose peak comes from /proc) and when the context has no stream-ordered pool.
+/// Reference: CUDA driver API, "Stream Ordered Memory Allocator" (cuMemPoolGetAttribute).
+pub fn reset_device_peak(dev: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        if let Some(pool) = cuda_pool(d)? {
+            let mut zero: u64 = 0;
+            // SAFETY: `pool` is the device's current pool; USED_MEM_HIGH takes a cuuint64_t (only 0 may be set).
+            unsafe {
+                cudarc::driver::result::mem_pool::set_attribute(
+                    pool,
+                    cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            }
+            .map_err(|e| anyhow!("cannot reset the device memory pool's peak: {e}"))?;
+        }
+    }
+    let _ = dev;
+    Ok(())
+}
+
+/// The device's peak allocated bytes since `reset_device_peak` (see there); `None` on the CPU.
+pub fn device_peak_bytes(dev: &Device) -> Result<Option<u64>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        let Some(pool) = cuda_pool(d)? else { return Ok(None) };
+        let mut high: u64 = 0;
+        // SAFETY: as in `reset_device_peak`; the attribute is written as one cuuint64_t.
+        unsafe {
+            cudarc::driver::result::mem_pool::get_attribute(
+                pool,
+                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+        }
+        .map_err(|e| anyhow!("cannot read the device memory pool's peak: {e}"))?;
+        return Ok(Some(high));
+    }
+    let _ = dev;
+    Ok(None)
+}
+
+/// The current memory pool of a CUDA device, `None` when its context allocates without one.
+#[cfg(feature = "cuda")]
+fn cuda_pool(d: &candle_core::CudaDevice) -> Result<Option<cudarc::driver::sys::CUmemoryPool>> {
+    let stream = d.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    ctx.bind_to_thread().map_err(|e| anyhow!("cannot bind the CUDA context: {e}"))?;
+    let mut pool = std::mem::MaybeUninit::uninit();
+    // SAFETY: `cu_device` is this context's device; the driver writes one pool handle.
+    unsafe { cudarc::driver::sys::cuDeviceGetMemPool(pool.as_mut_ptr(), ctx.cu_device()) }
+        .result()
+        .map_err(|e| anyhow!("cannot get the CUDA device's memory pool: {e}"))?;
+    // SAFETY: written by the successful call above.
+    Ok(Some(unsafe { pool.assume_init() }))
+}
+
 /// Compute dtype of weights and activations (training keeps master weights and moments in f32;
 /// log-softmax and reductions are f32 everywhere).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

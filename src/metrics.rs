@@ -42,6 +42,10 @@ pub struct StepRecord {
     pub step_peak_bytes: u64,
     /// resident memory when the step started
     pub step_start_bytes: u64,
+    /// peak device memory allocated during the step (CUDA: the memory pool's high-water mark); absent
+    /// on the CPU
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_peak_bytes: Option<u64>,
     /// true when the step was skipped for a NaN/inf loss or gradient
     pub skipped: bool,
     /// token-mean loss per data source, when the data carries source labels
@@ -363,6 +367,7 @@ mod tests {
             mfu: None,
             rss_bytes: 1 << 20,
             step_peak_bytes: 1 << 20,
+            device_peak_bytes: None,
             step_start_bytes: 1 << 19,
             skipped: false,
             per_source: BTreeMap::new(),

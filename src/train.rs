@@ -973,6 +973,7 @@ struct StepOut {
 fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     if r.mesh.rank() == 0 {
         mem::reset_peak(); // process-wide: one reset per step (rank threads share the process)
+        crate::device::reset_device_peak(&r.device)?; // likewise per device
     }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
@@ -1098,6 +1099,7 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         mfu: (r.cfg.log.peak_tflops > 0.0).then(|| tflops / r.cfg.log.peak_tflops),
         rss_bytes: mem::rss_bytes(),
         step_peak_bytes: mem::peak_bytes(),
+        device_peak_bytes: crate::device::device_peak_bytes(&r.device)?,
         step_start_bytes: out.start_bytes,
         skipped: out.skipped,
         per_source: out.per_source.iter().map(|(k, (sum, n))| (k.clone(), sum / n.max(1.0))).collect(),
