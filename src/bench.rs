@@ -111,6 +111,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
 
 /// PyTorch's times for the same shapes, from scripts/bench_kernels_torch.py (None when torch is absent).
 pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
+    torch_script("bench_kernels_torch.py", &["--tokens", &tokens.to_string(), "--iters", &iters.to_string()])
+}
+
+/// The JSON that a PyTorch timing script of scripts/ prints, or None when python3 has no CUDA torch or
+/// the script fails (its stderr is shown as a warning): the torch comparisons are optional rows.
+pub(crate) fn torch_script(name: &str, args: &[&str]) -> Option<serde_json::Value> {
     let ok = std::process::Command::new("python3")
         .args(["-c", "import torch; assert torch.cuda.is_available()"])
         .output()
@@ -118,14 +124,10 @@ pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
     if !ok.status.success() {
         return None;
     }
-    let script = locate_named("bench_kernels_torch.py")?;
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .args(["--tokens", &tokens.to_string(), "--iters", &iters.to_string()])
-        .output()
-        .ok()?;
+    let script = locate_named(name)?;
+    let out = std::process::Command::new("python3").arg(script).args(args).output().ok()?;
     if !out.status.success() {
-        eprintln!("warning: the torch comparison failed: {}", String::from_utf8_lossy(&out.stderr));
+        eprintln!("warning: the torch comparison ({name}) failed: {}", String::from_utf8_lossy(&out.stderr));
         return None;
     }
     serde_json::from_slice(&out.stdout).ok()

@@ -80,25 +80,8 @@ pub fn print_rows(device: &str, rows: &[AttnRow]) {
 
 /// PyTorch SDPA times from scripts/bench_attention_torch.py: {"<pass> T<t> hkv<hkv>": {backend: ms|null}}.
 pub fn torch_sdpa(tokens: &[usize], seconds: f64) -> Option<serde_json::Value> {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import torch; assert torch.cuda.is_available()"])
-        .output()
-        .ok()?;
-    if !ok.status.success() {
-        return None;
-    }
-    let script = super::locate_named("bench_attention_torch.py")?;
     let t: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .args(["--tokens", &t.join(","), "--seconds", &seconds.to_string()])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        eprintln!("warning: the torch SDPA comparison failed: {}", String::from_utf8_lossy(&out.stderr));
-        return None;
-    }
-    serde_json::from_slice(&out.stdout).ok()
+    super::torch_script("bench_attention_torch.py", &["--tokens", &t.join(","), "--seconds", &seconds.to_string()])
 }
 
 /// `harpe bench attention`.
