@@ -285,25 +285,22 @@ pub fn fwd_packed(
     scale: f32,
     causal: bool,
 ) -> Result<(CudaStorage, Shape)> {
-    let dims = dims_of(lq, lk, lv, causal)?;
-    same_dtype(sq, sk, "k")?;
-    same_dtype(sq, sv, "v")?;
-    let AttnDims { b, h, tq, d, .. } = dims;
-    let dtype = sq.dtype();
+    let AttnDims { b, h, tq, d, .. } = dims_of(lq, lk, lv, causal)?;
     let rows = b * h * tq;
     let rows32 = u32_arg(rows, "attention", "rows")?;
     u32_arg(rows * (d + 1), "attention", "packed output")?;
+    // the forward with its checks and kernel choice, then one pack kernel
+    let (o, lse, _) = fwd(sq, lq, sk, lk, sv, lv, scale, causal, None)?;
+    let dtype = sq.dtype();
     by_dtype!(dtype, "q", T => {
-        let kernel = choose(dtype, d, &[lq, lk, lv], None)?;
         let dev = sq.device();
-        let (q, k, v) = (view::<T>(sq, lq, "attention", "q")?, view::<T>(sk, lk, "attention", "k")?, view::<T>(sv, lv, "attention", "v")?);
-        let (o, lse) = fwd_t(dev, kernel, &q, &k, &v, dtype, dims, scale, causal)?;
+        let o = o.as_cuda_slice::<T>()?;
         // SAFETY: written in full by the pack kernel.
         let packed = unsafe { dev.alloc::<f32>(rows * (d + 1))? };
         let func = dev.get_or_load_custom_func(&format!("attn_pack_fwd_{}", suffix(dtype)), MODULE, ATTENTION_PTX)?;
         let d32 = d as u32;
         let mut bld = func.builder();
-        bld.arg(&o).arg(&lse).arg(&packed).arg(&rows32).arg(&d32);
+        bld.arg(o).arg(&lse).arg(&packed).arg(&rows32).arg(&d32);
         // SAFETY: o holds rows*d, lse rows, packed rows*(d+1).
         unsafe { bld.launch(cfg(grid_for(rows * (d + 1), ATTN_THREADS), ATTN_THREADS)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(packed, dev.clone()), Shape::from_dims(&[b, h, tq, d + 1])))
