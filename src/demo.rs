@@ -502,15 +502,6 @@ fn pretrain_base(out: &Path, t0: usize, b: &BaseRecipe) -> Result<PathBuf> {
         .ok_or_else(|| anyhow!("pretraining wrote no checkpoint\nhint: see {}", out.join("pretrain.log").display()))
 }
 
-/// The last training loss logged in a run directory's metrics.jsonl.
-fn last_loss(run: &Path) -> Option<f64> {
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).ok()?;
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v.get("loss").and_then(|x| x.as_f64()))
-        .next_back()
-}
-
 /// `harpe demo --make-base DIR`: pretrain the base and write what `assets/demo-base/` ships.
 fn make_base(args: &DemoArgs, dest: &Path) -> Result<()> {
     let t_start = Instant::now();
@@ -535,7 +526,7 @@ fn make_base(args: &DemoArgs, dest: &Path) -> Result<()> {
         "seq_len": t0,
         "recipe": b,
         "tokens": b.steps * step_tokens(t0) as u64,
-        "final_train_loss": last_loss(&out.join("pretrain")),
+        "final_train_loss": crate::metrics::read_records(&out.join("pretrain").join("metrics.jsonl"))?.last().map(|r| r.loss),
         "train_seconds": train_s.round(),
         "passkey": scores.iter().map(|(l, s)| (l.to_string(), serde_json::json!(s))).collect::<serde_json::Map<_, _>>(),
         "pretrain_toml": std::fs::read_to_string(out.join("pretrain.toml"))?,
