@@ -121,20 +121,27 @@ pub struct DeviceMemory {
     pub total: u64,
 }
 
-/// Free and total memory of a CUDA device (`None` for the CPU, which the plan sizes from /proc).
-pub fn device_memory(dev: &Device) -> Result<Option<DeviceMemory>> {
-    match dev {
-        Device::Cpu => Ok(None),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(d) => {
-            let stream = d.cuda_stream();
-            let ctx = stream.context();
-            let name = ctx.name().map_err(|e| anyhow!("cannot read the CUDA device's name: {e}"))?;
-            let (free, total) =
-                ctx.mem_get_info().map_err(|e| anyhow!("cannot query the memory of CUDA device {name}: {e}"))?;
-            Ok(Some(DeviceMemory { name, free: free as u64, total: total as u64 }))
-        }
-        d => bail!("no memory query for {d:?} in this build\n{NO_CUDA_HINT}"),
+/// Free and total memory of the CUDA device `spec` names (`None` for the CPU, which the plan sizes
+/// from /proc). Asks the driver through the device's primary context: no candle device, stream or
+/// cuBLAS handle is made for the query (the run opens its device later). `what` names the config
+/// field for errors; a CPU build fails here as `DeviceSpec::open` does, with the rebuild hint.
+pub fn device_memory(spec: &DeviceSpec, what: &str) -> Result<Option<DeviceMemory>> {
+    let DeviceSpec::Cuda(n) = *spec else { return Ok(None) };
+    #[cfg(feature = "cuda")]
+    {
+        let ctx = cudarc::driver::CudaContext::new(n).map_err(|e| {
+            anyhow!("{what} = \"{spec}\": cannot open CUDA device {n}: {e}\nhint: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and LD_LIBRARY_PATH (README 'Build for GPUs')")
+        })?;
+        let name = ctx.name().map_err(|e| anyhow!("cannot read the name of CUDA device {n}: {e}"))?;
+        let (free, total) =
+            ctx.mem_get_info().map_err(|e| anyhow!("cannot query the memory of CUDA device {n} ({name}): {e}"))?;
+        Ok(Some(DeviceMemory { name, free: free as u64, total: total as u64 }))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = n;
+        spec.open(what)?; // refuses CUDA with the rebuild hint
+        bail!("{what} = \"{spec}\": no CUDA in this build\n{NO_CUDA_HINT}")
     }
 }
 

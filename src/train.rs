@@ -534,8 +534,9 @@ fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistCo
     let (mut gpu, what) = match cfg.train.device {
         DeviceSpec::Cpu => (Gpu::new(GpuKind::Cpu), "this machine".to_string()),
         DeviceSpec::Cuda(_) => {
-            let dev = cfg.train.device.open(&format!("{origin}: train.device"))?;
-            let Some(m) = crate::device::device_memory(&dev)? else { return Ok(()) };
+            let Some(m) = crate::device::device_memory(&cfg.train.device, &format!("{origin}: train.device"))? else {
+                return Ok(());
+            };
             let mut gpu = Gpu::new(GpuKind::from_device_name(&m.name).unwrap_or(GpuKind::A100));
             gpu.mem_bytes = m.free;
             let what = format!(
