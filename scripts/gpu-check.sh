@@ -14,7 +14,9 @@
 #      in python3's environment and puts them on LD_LIBRARY_PATH (the binary links them; cuda-build.md §2);
 #   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16/f16, fwd/bwd; exit 1 on FAIL);
 #   3. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
-#      curves compared step by step: they must agree to 1e-4 relative (`train_parity`);
+#      curves compared step by step: they must agree to 1e-4 relative (`train_parity`); then the same GPU
+#      run as an NCCL group of one process (`--nproc-per-node 1`, ZeRO-0 and ZeRO-3: the collectives and
+#      the ragged gathers/reduces on device memory), which must equal the single-process GPU run to 1e-6;
 #   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
 #      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
 #   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable), then
@@ -40,7 +42,8 @@ build() {
   env_lines="$(scripts/install-cuda-toolchain.sh "$ROOT/target/cuda-toolchain")" || die "toolchain install failed"
   eval "$env_lines"
   local t0=$SECONDS
-  CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}" nice -n 5 cargo build --release --features cuda --bin harpe
+  # nccl = cuda + the NCCL backend (the binary then needs libnccl.so.2, which the cu13 wheels ship)
+  CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}" nice -n 5 cargo build --release --features nccl --bin harpe
   local bin="${CARGO_TARGET_DIR:-$ROOT/target}/release/harpe"
   echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
@@ -105,6 +108,15 @@ train_parity() {
   step "tiny config on the GPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' --out "$dir/cuda"
   step "tiny config on the CPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cpu"' --out "$dir/cpu"
   step "tiny config: GPU vs CPU losses (1e-4 relative)" 30 "$PY" -c "$PARITY_PY" "$dir/cpu/metrics.jsonl" "$dir/cuda/metrics.jsonl" "$steps" 1e-4
+  # issue 12: NCCL with world size 1 equals Single (ZeRO-0: all-reduce; ZeRO-3: per-layer all-gather-v and
+  # reduce-scatter-v, the grouped broadcasts/reduces, on device buffers)
+  local z
+  for z in 0 3; do
+    step "tiny config over NCCL, 1 process, ZeRO-$z" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' \
+      --set 'dist.backend="nccl"' --set "dist.zero_stage=$z" --nproc-per-node 1 --out "$dir/nccl$z"
+    step "tiny config: NCCL ZeRO-$z vs single-process GPU losses (1e-6 relative)" 30 "$PY" -c "$PARITY_PY" \
+      "$dir/cuda/metrics.jsonl" "$dir/nccl$z/metrics.jsonl" "$steps" 1e-6
+  done
 }
 
 # Compares harpe plan's per-GPU total with the measured device peaks: argv = plan JSON, metrics.jsonl.

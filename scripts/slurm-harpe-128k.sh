@@ -8,7 +8,7 @@
 # How the ranks find each other: harpe reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, takes the
 # first host of SLURM_JOB_NODELIST as rank 0's address and 20000 + SLURM_JOB_ID % 10000 as its port
 # (export MASTER_ADDR / MASTER_PORT to override), and refuses ranks whose binary or resolved config
-# differ before any work starts. Needs a harpe built with `--features nccl` (scripts/cuda-env.sh).
+# differ before any work starts. Needs a harpe built with `--features nccl` (README "Build for GPUs", scripts/install-cuda-toolchain.sh).
 #SBATCH --job-name=harpe-128k
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -212,6 +212,16 @@ impl FlatBuf {
         }
     }
 
+    /// The values of `range` as a 1-D f32 tensor where they live (a CPU tensor for a host buffer; a
+    /// copy in any case, so the buffer's in-place updates do not show through).
+    pub fn range_tensor(&self, range: Range<usize>) -> Result<Tensor> {
+        self.check_range(&range, "range_tensor")?;
+        match self {
+            FlatBuf::Host(v) => Ok(Tensor::from_slice(&v[range.clone()], range.len(), &Device::Cpu)?),
+            FlatBuf::Device(t) => Ok(t.narrow(0, range.start, range.len())?.copy()?),
+        }
+    }
+
     /// Run `f` on the values as a host slice: borrowed for a host buffer; for a device one the values
     /// are copied to the host and back (the `Local` collectives on device buffers; NCCL needs no copy).
     pub fn with_host_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> Result<R>) -> Result<R> {

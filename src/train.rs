@@ -517,8 +517,85 @@ pub fn run(args: TrainArgs) -> Result<()> {
             })?;
             Ok(())
         }
-        BackendKind::Single | BackendKind::Nccl => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?, None),
+        BackendKind::Single => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?, None),
+        BackendKind::Nccl => run_nccl_rank(&args, &cfg, &origin, &dist),
     }
+}
+
+/// One process of an NCCL group (started by `--nproc-per-node`, torchrun or srun; alone it is a group
+/// of one): join the group, run the loop, and tell the group how it ended — a normal end, or this
+/// rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
+#[cfg(feature = "nccl")]
+fn run_nccl_rank(
+    args: &TrainArgs,
+    cfg: &RunConfig,
+    origin: &str,
+    dist: &crate::comms::launch::DistConfig,
+) -> Result<()> {
+    use crate::comms::launch::{free_port, LaunchEnv, LaunchSource};
+    use crate::comms::nccl::NcclComm;
+    let placed = dist.place(origin, LaunchEnv::from_env()?)?;
+    let env = match placed.launch {
+        Some(env) => env,
+        None => LaunchEnv {
+            source: LaunchSource::Torchrun,
+            rank: 0,
+            world_size: 1,
+            local_rank: match cfg.train.device {
+                crate::device::DeviceSpec::Cuda(n) => n,
+                crate::device::DeviceSpec::Cpu => 0,
+            },
+            local_world_size: Some(1),
+            master_addr: "127.0.0.1".into(),
+            master_port: free_port("127.0.0.1")?,
+            run_token: "single".into(),
+        },
+    };
+    let resolved = RunConfig::load(&args.config, &args.set)?.toml;
+    let comm = Arc::new(
+        NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1))
+            .with_context(|| format!("{origin}: joining the NCCL group as rank {} of {}", env.rank, env.world_size))?,
+    );
+    let sp = (cfg.dist.sp_degree > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));
+    let res =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(args, Comm::Nccl(Arc::clone(&comm)), sp)));
+    match res {
+        Ok(Ok(())) => {
+            comm.finish();
+            Ok(())
+        }
+        Ok(Err(e)) => match comm.failure() {
+            // another rank failed first: its failure is the cause of this error
+            Some(f) if f.rank != comm.rank() => Err(e.context(format!(
+                "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
+                f.rank
+            ))),
+            _ => {
+                comm.report_failure("in the training loop", &format!("{e:#}"));
+                Err(e)
+            }
+        },
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".into());
+            comm.report_failure("in the training loop", &format!("panicked: {msg}"));
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl_rank(
+    _args: &TrainArgs,
+    _cfg: &RunConfig,
+    origin: &str,
+    dist: &crate::comms::launch::DistConfig,
+) -> Result<()> {
+    dist.place(origin, None)?; // refuses: this build has no NCCL
+    bail!("{origin}: dist.backend = \"nccl\" needs a build with --features nccl")
 }
 
 /// `harpe plan` before any work: refuse (unless `--force`) a CPU run whose peak memory per rank, as the
@@ -575,7 +652,7 @@ fn spawn_nccl_workers(origin: &str, n: usize, backend: BackendKind) -> Result<()
     }
     if !cfg!(feature = "nccl") {
         bail!(
-            "--nproc-per-node {n} starts one process per GPU over NCCL, but this harpe was built without NCCL\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; for GPUs build with --features nccl (scripts/cuda-env.sh)"
+            "--nproc-per-node {n} starts one process per GPU over NCCL, but this harpe was built without NCCL\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; for GPUs build with --features nccl (README \"Build for GPUs\")"
         );
     }
     if backend != BackendKind::Nccl {
@@ -614,6 +691,7 @@ fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<()> {
             if r.state.step >= r.limit {
                 break 'stages;
             }
+            r.comm.progress(&format!("in step {}", r.state.step + 1));
             let out = train_step(&mut r, &mut stage)?;
             log_step(&mut r, &stage, &out)?;
             r.check_bad_streak()?;
@@ -689,7 +767,7 @@ impl Run {
         let hash = results_hash(&resolved.toml)?;
         let mesh = comm.mesh();
         let lead = mesh.rank() == 0;
-        let device = cfg.train.device.open(&format!("{origin}: train.device"))?;
+        let device = comm.open_device(&cfg.train.device, &format!("{origin}: train.device"))?;
         let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
         // one writer per run directory, held until the run ends (issue 16): rank 0 prepares it first

@@ -261,7 +261,7 @@ fn a_backend_this_build_lacks_is_refused_with_a_hint() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path(), TINY);
     // nccl is not in this build; local without a world size has no ranks to start
-    for (b, want) in [("nccl", "not implemented"), ("local", "dist.world_size is not set")] {
+    for (b, want) in [("nccl", "built without NCCL"), ("local", "dist.world_size is not set")] {
         let out = d.path().join(b);
         let set = vec![format!("dist.backend=\"{b}\"")];
         let e = format!("{:#}", run(TrainArgs { set, ..args(&cfg, &out) }).unwrap_err());

@@ -373,7 +373,7 @@ impl DistConfig {
                 if !cfg!(feature = "nccl") {
                     bail!(
                         "{origin}: dist.backend = \"nccl\", but this harpe was built without NCCL\nhint: build with \
-                         --features nccl (see scripts/cuda-env.sh), or use dist.backend = \"local\" on CPU"
+                         --features nccl (README \"Build for GPUs\"), or use dist.backend = \"local\" on CPU"
                     );
                 }
                 match &launch {
@@ -791,6 +791,47 @@ pub struct DistCheckArgs {
     /// make this rank exit with an error before the rendezvous (to see the failure report)
     #[arg(long, value_name = "RANK")]
     pub fail_rank: Option<usize>,
+    /// after the rendezvous, stay in the group this long, watched as a training run is (a failure of
+    /// any rank stops every rank, naming it)
+    #[arg(long, value_name = "S", default_value_t = 0.0)]
+    pub work_s: f64,
+    /// make this rank report a failure half a second into --work-s (the others must stop naming it)
+    #[arg(long, value_name = "RANK")]
+    pub fail_after_rank: Option<usize>,
+    /// make this rank kill itself (SIGKILL, no goodbye) half a second into --work-s
+    #[arg(long, value_name = "RANK")]
+    pub kill_rank: Option<usize>,
+}
+
+/// `--work-s`: keep the group under the failure watch (`comms::watch`) for that long, as a training run
+/// does; the test hooks make one rank fail or vanish half a second in.
+fn watched_work(rv: crate::comms::rendezvous::Rendezvous, a: &DistCheckArgs, rank: usize) -> Result<()> {
+    use crate::comms::watch::Watch;
+    let watch = Watch::start(rv, Box::new(|_| {}))?;
+    let t0 = Instant::now();
+    let mut step = 0u64;
+    while t0.elapsed().as_secs_f64() < a.work_s {
+        step += 1;
+        watch.progress(&format!("in step {step}"));
+        if let Some(f) = watch.wait_failure(Duration::from_millis(100)) {
+            bail!("rank {rank}: stopping: {f}\nhint: the rank named failed first; its own log says more");
+        }
+        if t0.elapsed() >= Duration::from_millis(500) {
+            if a.fail_after_rank == Some(rank) {
+                watch.report(&format!("in step {step}"), "failing on purpose (--fail-after-rank)");
+                bail!("rank {rank}: failing on purpose in step {step} (--fail-after-rank)");
+            }
+            if a.kill_rank == Some(rank) {
+                #[cfg(unix)]
+                // SAFETY: raise(2) on this process.
+                unsafe {
+                    libc::raise(libc::SIGKILL);
+                }
+            }
+        }
+    }
+    watch.finish();
+    Ok(())
 }
 
 /// Run `harpe dist-check`.
@@ -821,6 +862,14 @@ pub fn run_check(a: DistCheckArgs) -> Result<()> {
     let mut rv = rendezvous(&spec, || (0..128).map(|_| rand::random::<u8>()).collect())?;
     rv.barrier("dist-check")?;
     let digest = hex::encode(&Sha256::digest(rv.payload())[..8]);
+    if a.work_s > 0.0 {
+        watched_work(rv, &a, env.rank)?;
+        println!(
+            "dist-check: rank {}/{} stayed {:.1}s in the group; no rank failed",
+            env.rank, env.world_size, a.work_s
+        );
+        return Ok(());
+    }
     println!(
         "dist-check: rank {}/{} (local rank {}, {:?}) joined {}:{}; payload {} bytes, sha256 {digest}",
         env.rank,

@@ -17,17 +17,27 @@
 //! means "replicated" (ZeRO-0: every rank owns the whole flat space), so `all_gather` is then a no-op.
 //! `sequence` holds the Ulysses all-to-all for `dist.sp_degree` > 1 (its own `SpGroup` per sequence-
 //! parallel group; the mesh of `Local(c, P)` is (N/P) x P).
-//! What this file does not do yet: the `Nccl` backend; a config asking for it is refused by
-//! `Comm::from_config` with a hint. A new backend is one more variant.
+//! `Nccl` (`--features nccl`) wraps one process's `nccl::NcclComm` (one rank per GPU; its device is
+//! the run's device, `open_device`); its collectives work on device buffers in place, and a host
+//! buffer handed to it travels through the device. The ZeRO exchanges use the tensor variants
+//! (`all_gather_v_tensor`, `reduce_scatter_v_sum_tensor`), which keep device data on the device under
+//! `Single` and `Nccl` and go through the host under `Local`.
+//! What this file does not do: start the NCCL group (`NcclComm::join`, called by `harpe train`);
+//! `Comm::from_config` builds only `Single`. A new backend is one more variant.
 pub mod launch;
 pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod rendezvous;
 pub mod sequence;
+pub mod watch;
 pub mod zero;
 
 use crate::config::{Backend, DistSection};
+use crate::device::DeviceSpec;
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
 use local::{LocalComm, ReduceOp};
 use std::sync::Arc;
 use zero::ShardMap;
@@ -70,6 +80,10 @@ pub enum Comm {
     /// One of N ranks running as threads of this process, and the sequence-parallel degree P: ranks
     /// r*P..(r+1)*P share sequences (data-parallel rank r), so the mesh is (N/P) x P.
     Local(Arc<LocalComm>, usize),
+    /// One rank of a multi-process NCCL group (one GPU per rank); the sequence-parallel degree is the
+    /// communicator's.
+    #[cfg(feature = "nccl")]
+    Nccl(Arc<nccl::NcclComm>),
 }
 
 impl Comm {
@@ -81,7 +95,7 @@ impl Comm {
                 "{origin}: dist.backend = \"local\" starts its ranks as threads inside `harpe train`; a lone communicator cannot be built for it\nhint: run `harpe train --set dist.backend=local --set dist.world_size=N`, or use comms::local::spawn_local in tests"
             ),
             b @ Backend::Nccl => bail!(
-                "{origin}: dist.backend = \"{}\" is not implemented in this build of harpe\nhint: use dist.backend = \"single\" (one process, one device); multi-rank training arrives with the Local and NCCL backends",
+                "{origin}: dist.backend = \"{}\" joins a group of processes inside `harpe train` (rendezvous, one GPU per rank); a lone communicator cannot be built for it\nhint: run `harpe train --nproc-per-node N --set dist.backend=nccl` (a build with --features nccl), or torchrun / srun",
                 b.name()
             ),
         }
@@ -94,6 +108,37 @@ impl Comm {
             Comm::Local(c, sp) => {
                 let sp = (*sp).max(1);
                 Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
+            }
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let sp = c.sp_degree();
+                Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
+            }
+        }
+    }
+
+    /// The training device of this rank: the configured one, except under NCCL, where each process
+    /// trains on its own GPU (`cuda:LOCAL_RANK`, opened by the communicator).
+    pub fn open_device(&self, spec: &DeviceSpec, what: &str) -> Result<Device> {
+        match self {
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                if !matches!(spec, DeviceSpec::Cuda(_)) {
+                    bail!("{what} = \"{spec}\" with dist.backend = \"nccl\"\nhint: NCCL ranks train on GPUs: set train.device = \"cuda\" (each rank uses cuda:LOCAL_RANK)");
+                }
+                Ok(c.device().clone())
+            }
+            _ => Ok(spec.open(what)?),
+        }
+    }
+
+    /// Tell the group what this rank is doing now (NCCL: named if this process dies; else nothing).
+    pub fn progress(&self, doing: &str) {
+        match self {
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => c.progress(doing),
+            _ => {
+                let _ = doing;
             }
         }
     }
@@ -108,6 +153,16 @@ impl Comm {
             // threads exchange host slices: a device buffer is copied through the host for now (the
             // NCCL backend will reduce device memory in place)
             Comm::Local(c, _) => buf.with_host_mut(|v| c.all_reduce(v, ReduceOp::Sum, "grads")),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => match buf {
+                FlatBuf::Device(t) => c.all_reduce_sum_inplace(t, "grads"),
+                FlatBuf::Host(v) => {
+                    let t = Tensor::from_slice(v, v.len(), c.device())?;
+                    c.all_reduce_sum_inplace(&t, "grads")?;
+                    v.copy_from_slice(&t.to_vec1::<f32>()?);
+                    Ok(())
+                }
+            },
         }
     }
 
@@ -119,6 +174,8 @@ impl Comm {
                 Ok(())
             }
             Comm::Local(c, _) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => c.all_reduce_sum_f64(vals),
         }
     }
 
@@ -140,6 +197,19 @@ impl Comm {
                 // through the host for a device buffer, as all_reduce_sum
                 buf.with_host_mut(|v| c.all_gather_v_inplace(v, &counts, "weights"))
             }
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+                match buf {
+                    FlatBuf::Device(t) => c.all_gather_v_inplace(t, &counts, "weights"),
+                    FlatBuf::Host(v) => {
+                        let t = Tensor::from_slice(v, v.len(), c.device())?;
+                        c.all_gather_v_inplace(&t, &counts, "weights")?;
+                        v.copy_from_slice(&t.to_vec1::<f32>()?);
+                        Ok(())
+                    }
+                }
+            }
         }
     }
 
@@ -148,6 +218,8 @@ impl Comm {
         match self {
             Comm::Single => Ok(()),
             Comm::Local(c, _) => c.barrier("barrier"),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => c.barrier("barrier"),
         }
     }
 
@@ -163,6 +235,57 @@ impl Comm {
                 Ok(())
             }
             Comm::Local(c, _) => c.all_gather_v(input, output, counts, label),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let t = c.all_gather_v(&Tensor::from_slice(input, input.len(), c.device())?, counts, label)?;
+                output.copy_from_slice(&t.to_vec1::<f32>()?);
+                Ok(())
+            }
+        }
+    }
+
+    /// `all_gather_v` on a 1-D f32 tensor: the gathered values on the input's device. `Single` and
+    /// `Nccl` keep device data on the device; `Local` goes through the host.
+    pub fn all_gather_v_tensor(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        match self {
+            Comm::Single => {
+                if counts.iter().sum::<usize>() != input.elem_count() {
+                    bail!("internal: all_gather \"{label}\" of {} values with counts {counts:?}", input.elem_count());
+                }
+                Ok(input.copy()?)
+            }
+            Comm::Local(c, _) => {
+                let mut out = vec![0f32; counts.iter().sum()];
+                c.all_gather_v(&input.to_vec1::<f32>()?, &mut out, counts, label)?;
+                let n = out.len();
+                Ok(Tensor::from_vec(out, n, input.device())?)
+            }
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => c.all_gather_v(&input.contiguous()?, counts, label),
+        }
+    }
+
+    /// `reduce_scatter_v_sum` on a 1-D f32 tensor: this rank's summed slice on the input's device.
+    pub fn reduce_scatter_v_sum_tensor(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        match self {
+            Comm::Single => {
+                if counts.iter().sum::<usize>() != input.elem_count() {
+                    bail!(
+                        "internal: reduce_scatter \"{label}\" of {} values with counts {counts:?}",
+                        input.elem_count()
+                    );
+                }
+                Ok(input.copy()?)
+            }
+            Comm::Local(c, _) => {
+                let me = c.rank();
+                let mut out = vec![0f32; *counts.get(me).unwrap_or(&0)];
+                c.reduce_scatter_v(&input.to_vec1::<f32>()?, &mut out, counts, ReduceOp::Sum, label)?;
+                let n = out.len();
+                Ok(Tensor::from_vec(out, n, input.device())?)
+            }
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => c.reduce_scatter_v_sum(&input.contiguous()?, counts, label),
         }
     }
 
@@ -178,6 +301,12 @@ impl Comm {
                 Ok(())
             }
             Comm::Local(c, _) => c.reduce_scatter_v(input, output, counts, ReduceOp::Sum, label),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let t = c.reduce_scatter_v_sum(&Tensor::from_slice(input, input.len(), c.device())?, counts, label)?;
+                output.copy_from_slice(&t.to_vec1::<f32>()?);
+                Ok(())
+            }
         }
     }
 
@@ -212,12 +341,49 @@ mod tests {
     }
 
     #[test]
-    fn unimplemented_backends_are_refused_with_a_hint() {
+    fn group_backends_are_not_built_alone_and_say_how_to_start_them() {
         for b in [Backend::Local, Backend::Nccl] {
             let d = DistSection { backend: b, ..Default::default() };
             let e = Comm::from_config(&d, "run.toml").unwrap_err().to_string();
             assert!(e.contains("run.toml: dist.backend") && e.contains(b.name()) && e.contains("hint:"), "{e}");
         }
+    }
+
+    #[test]
+    fn tensor_collectives_equal_the_slice_ones() {
+        use std::time::Duration;
+        let counts = [3usize, 0, 2];
+        let out = local::spawn_local(3, Duration::from_secs(20), |lc| {
+            let c = Comm::Local(lc, 1);
+            let r = c.mesh().rank();
+            let mine: Vec<f32> = (0..counts[r]).map(|i| (10 * r + i) as f32).collect();
+            let t = Tensor::from_slice(&mine, mine.len(), &Device::Cpu)?;
+            let g = c.all_gather_v_tensor(&t, &counts, "w")?.to_vec1::<f32>()?;
+            let mut g2 = vec![0f32; 5];
+            c.all_gather_v(&mine, &mut g2, &counts, "w")?;
+            let full: Vec<f32> = (0..5).map(|i| (i + r) as f32 * 0.5).collect();
+            let ft = Tensor::from_slice(&full, 5, &Device::Cpu)?;
+            let s = c.reduce_scatter_v_sum_tensor(&ft, &counts, "g")?.to_vec1::<f32>()?;
+            let mut s2 = vec![0f32; counts[r]];
+            c.reduce_scatter_v_sum(&full, &mut s2, &counts, "g")?;
+            Ok((r, g, g2, s, s2))
+        })
+        .unwrap();
+        for (r, g, g2, s, s2) in out {
+            assert_eq!(g, vec![0.0, 1.0, 2.0, 20.0, 21.0]);
+            assert_eq!((&g, &s), (&g2, &s2), "rank {r}");
+            // slice r of sum over ranks of (i + rank) / 2 = 1.5 i + 1.5
+            let want: Vec<f32> = [0usize, 3, 3][r..]
+                .iter()
+                .take(1)
+                .flat_map(|&o| (o..o + counts[r]).map(|i| 1.5 * i as f32 + 1.5))
+                .collect();
+            assert_eq!(s, want, "rank {r}");
+        }
+        // one rank: a copy, and a mismatch is an error
+        let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        assert_eq!(Comm::Single.all_gather_v_tensor(&t, &[2], "w").unwrap().to_vec1::<f32>().unwrap(), [1.0, 2.0]);
+        assert!(Comm::Single.reduce_scatter_v_sum_tensor(&t, &[3], "g").is_err());
     }
 
     #[test]

@@ -79,7 +79,7 @@ pub struct Rendezvous {
     barriers: u64,
 }
 
-fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
+pub(crate) fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(5 + body.len());
     v.push(kind);
     v.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -87,7 +87,7 @@ fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     v
 }
 
-fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
+pub(crate) fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
     let mut head = [0u8; 5];
     s.read_exact(&mut head)?;
     let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
@@ -99,7 +99,7 @@ fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
     Ok((head[0], body))
 }
 
-fn put_str(v: &mut Vec<u8>, s: &str) {
+pub(crate) fn put_str(v: &mut Vec<u8>, s: &str) {
     v.extend_from_slice(&(s.len() as u32).to_le_bytes());
     v.extend_from_slice(s.as_bytes());
 }
@@ -389,6 +389,12 @@ impl Rendezvous {
     /// The bytes rank 0 shared (the same on every rank).
     pub fn payload(&self) -> &[u8] {
         &self.payload
+    }
+
+    /// The open connections (rank 0: rank r's at index r - 1; others: the one to rank 0), handed to the
+    /// failure watch (`comms::watch`), which owns them from then on.
+    pub(crate) fn into_links(self) -> Vec<TcpStream> {
+        self.links
     }
 
     /// Wait until every rank reached this barrier (or fail within the timeout naming who did not).

@@ -16,8 +16,8 @@
 //!   HARPE's per-head bases travel with their heads.
 //! - Every rank runs the same graph, so forward and backward meet the collectives in the same order.
 //!
-//! What this file does not do: padding (T must divide by P; refused before any work), ring
-//! attention, the NCCL all-to-all (one more `SpGroup` variant).
+//! Under NCCL the exchange is `NcclComm::sp_all_to_all` on the group's own communicator (`cuda_fwd`).
+//! What this file does not do: padding (T must divide by P; refused before any work), ring attention.
 use crate::comms::local::LocalComm;
 use crate::model::attention::{AttentionFn, AttentionImpl};
 use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape, Tensor};
@@ -28,6 +28,9 @@ use std::sync::Arc;
 pub enum SpGroup {
     /// ranks as threads of this process
     Local(Arc<LocalComm>),
+    /// processes of an NCCL group (the communicator's sequence-parallel split)
+    #[cfg(feature = "nccl")]
+    Nccl(Arc<crate::comms::nccl::NcclComm>),
 }
 
 impl SpGroup {
@@ -35,6 +38,8 @@ impl SpGroup {
     pub fn size(&self) -> usize {
         match self {
             SpGroup::Local(c) => c.world_size(),
+            #[cfg(feature = "nccl")]
+            SpGroup::Nccl(c) => c.sp_degree(),
         }
     }
 
@@ -42,6 +47,8 @@ impl SpGroup {
     pub fn rank(&self) -> usize {
         match self {
             SpGroup::Local(c) => c.rank(),
+            #[cfg(feature = "nccl")]
+            SpGroup::Nccl(c) => c.rank() % c.sp_degree(),
         }
     }
 
@@ -49,6 +56,8 @@ impl SpGroup {
     pub fn abort(&self, reason: &str) {
         match self {
             SpGroup::Local(c) => c.abort(reason),
+            #[cfg(feature = "nccl")]
+            SpGroup::Nccl(c) => c.report_failure("outside a collective", reason),
         }
     }
 }
@@ -70,7 +79,14 @@ impl CustomOp1 for AllToAll {
         let (lo, hi) = l
             .contiguous_offsets()
             .ok_or_else(|| Error::Msg(format!("all_to_all \"{}\": the input is not contiguous", self.label)))?;
-        let SpGroup::Local(c) = &self.group;
+        #[allow(irrefutable_let_patterns)]
+        let SpGroup::Local(c) = &self.group
+        else {
+            return Err(Error::Msg(format!(
+                "all_to_all \"{}\": an NCCL group exchanges CUDA tensors only",
+                self.label
+            )));
+        };
         let err = |e: anyhow::Error| Error::Msg(format!("{e:#}"));
         let out = match s {
             CpuStorage::F32(v) => {
@@ -86,6 +102,24 @@ impl CustomOp1 for AllToAll {
             _ => return Err(Error::Msg(format!("all_to_all \"{}\": only f32 and bf16 are supported", self.label))),
         };
         Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        match &self.group {
+            #[cfg(feature = "nccl")]
+            SpGroup::Nccl(c) => {
+                let out = c.sp_all_to_all_storage(s, l, self.label).map_err(|e| Error::Msg(format!("{e:#}")))?;
+                Ok((out, l.shape().clone()))
+            }
+            _ => {
+                let _ = s;
+                Err(Error::Msg(format!(
+                    "all_to_all \"{}\": ranks as threads (`Local`) exchange host memory; run sequence parallelism on GPUs with dist.backend = \"nccl\"",
+                    self.label
+                )))
+            }
+        }
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

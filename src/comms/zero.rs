@@ -210,15 +210,17 @@ impl ZeroShards<'_> {
         let me = self.comm.mesh().rank();
         let own = self.map.flat_range(me).start;
         let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        // the exchange is on host slices (`Local`): a device master shard's part is copied out for now
-        let mine = if parts[me].is_empty() {
-            vec![]
-        } else {
-            self.master.range_to_host(parts[me].start - own..parts[me].end - own)?
+        // the exchange stays where the master shard lives (device memory under NCCL; `Local` goes
+        // through the host)
+        let mine = match parts[me].is_empty() {
+            true => Tensor::zeros(0, DType::F32, &self.master.device())?,
+            false => self.master.range_tensor(parts[me].start - own..parts[me].end - own)?,
         };
-        let mut full = vec![0f32; flat.len()];
-        self.comm.all_gather_v(&mine, &mut full, &counts, label)?;
-        let full = FlatBuf::from_vec(full);
+        let full = self.comm.all_gather_v_tensor(&mine, &counts, label)?;
+        let full = match full.device() {
+            Device::Cpu => FlatBuf::from_vec(full.to_vec1::<f32>()?),
+            _ => FlatBuf::Device(full),
+        };
         self.layout.params[params]
             .iter()
             .map(|p| {
@@ -232,26 +234,23 @@ impl ZeroShards<'_> {
     /// at most `bucket` elements; add this rank's part into its gradient shard.
     pub fn scatter_grads(&mut self, params: Range<usize>, vars: &[Var], store: &GradStore, label: &str) -> Result<()> {
         let flat = self.flat_of(&params);
-        let mut full = FlatBuf::zeros(flat.len(), &Device::Cpu)?;
+        // the layer's full gradients where the shard lives (device memory under NCCL)
+        let mut full = FlatBuf::zeros_in(flat.len(), &self.grads.placement())?;
         for (p, v) in self.layout.params[params].iter().zip(vars) {
             if let Some(g) = store.get(v.as_tensor()) {
                 full.add_tensor(p.range.start - flat.start..p.range.end - flat.start, g)?;
             }
         }
-        let full = full.host()?;
         let me = self.comm.mesh().rank();
         let own = self.map.flat_range(me).start;
         for lo in (flat.start..flat.end).step_by(self.bucket.max(1)) {
             let round = lo..(lo + self.bucket.max(1)).min(flat.end);
             let parts = self.parts(&round);
             let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-            let mut mine = vec![0f32; counts[me]];
-            let input = &full[round.start - flat.start..round.end - flat.start];
-            self.comm.reduce_scatter_v_sum(input, &mut mine, &counts, label)?;
+            let input = full.range_tensor(round.start - flat.start..round.end - flat.start)?;
+            let mine = self.comm.reduce_scatter_v_sum_tensor(&input, &counts, label)?;
             if !parts[me].is_empty() {
-                let n = mine.len();
-                let part = Tensor::from_vec(mine, n, &Device::Cpu)?;
-                self.grads.add_tensor(parts[me].start - own..parts[me].end - own, &part)?;
+                self.grads.add_tensor(parts[me].start - own..parts[me].end - own, &mine)?;
             }
         }
         Ok(())

@@ -1,0 +1,705 @@
+//! `Nccl`: one rank per process and GPU, collectives on device memory through NCCL (cudarc's raw
+//! bindings), on a stream of their own, watched so that no rank ever hangs on a lost peer.
+//!
+//! Reference: DESIGN.md §6; the NCCL user guide (ncclAllReduce / ncclBroadcast / ncclReduce /
+//! ncclSend+ncclRecv in a group, "Fault tolerance": ncclCommGetAsyncError + ncclCommAbort from another
+//! thread); torch's ProcessGroupNCCL (a watchdog thread per communicator, a timeout per collective).
+//! Start-up (`NcclComm::join`): the TCP rendezvous checks token / binary / config hash and hands every
+//! rank rank 0's `ncclUniqueId`; its connections stay open as the failure watch (`comms::watch`); the
+//! process opens `cuda:LOCAL_RANK`, then `ncclCommInitRank`; a sequence-parallel run splits a second
+//! communicator per group of P consecutive ranks (`ncclCommSplit`, color = data-parallel rank).
+//! The non-obvious decisions:
+//! - Collectives run on their own stream: it first waits for an event recorded on candle's compute
+//!   stream (the producers are done), and the compute stream then waits for the collective's event, so
+//!   the host never blocks on a gradient or weight exchange; only `all_reduce_sum_f64` (the per-step
+//!   scalars) and `barrier` wait on the host, polling, so a timeout can fire there too.
+//! - Ragged collectives (ZeRO's ownership slices differ in size) are NCCL groups: an all-gather-v is
+//!   one `ncclBroadcast` per root into its offset, a reduce-scatter-v one `ncclReduce` per root, an
+//!   all-to-all one send + one recv per peer — no padding to the largest slice.
+//! - Flat-buffer collectives work in place on the `FlatBuf::Device` tensor (never shared, see
+//!   flatbuf.rs), like the fused AdamW kernel: no second copy of 7B gradients.
+//! - Failure: every enqueued collective is a pending (event, label, start) on the watchdog's list; the
+//!   watchdog thread (every 20 ms) drops the completed ones, and when the oldest is older than
+//!   `dist.timeout_s` or NCCL reports an asynchronous error it records the failure, tells the group
+//!   through the watch, and aborts the communicators, which makes waiting kernels return. A failure of
+//!   another rank (from the watch) aborts them too. Every later collective returns the first failure as
+//!   its error; and if the training loop has not stopped `dist.timeout_s` after an abort, the process
+//!   prints the failure and exits (status 1): the guarantee "every rank stops within the timeout"
+//!   does not depend on what the loop was blocked in.
+//!
+//! What it does not do: overlap one layer's exchange with the next layer's compute (the compute stream
+//! waits for each collective; prefetching ZeRO-3's next layer is the next step), reduce in bf16, or
+//! run anywhere but on CUDA devices (one GPU per rank: NCCL refuses two ranks on one GPU; the thread
+//! backend `Local` shares one). Compiled with `--features nccl` only; not run in CI (no GPU there).
+use crate::comms::launch::LaunchEnv;
+use crate::comms::local::GroupFailure;
+use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
+use crate::comms::watch::Watch;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Storage, Tensor};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtr};
+use cudarc::nccl::{result as nr, sys as ns};
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Bytes of an `ncclUniqueId`.
+const ID_BYTES: usize = 128;
+
+/// One NCCL communicator handle, abortable from any thread, at most once.
+struct Raw {
+    comm: ns::ncclComm_t,
+    aborted: AtomicBool,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread; this crate serializes enqueues per communicator
+// (one training thread per rank) and the only cross-thread call is ncclCommAbort (documented as safe to
+// call from another thread to unblock a hang) and ncclCommGetAsyncError (thread-safe query).
+unsafe impl Send for Raw {}
+unsafe impl Sync for Raw {}
+
+impl Raw {
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: the handle came from ncclCommInitRank/Split and is aborted only here, once.
+            let _ = unsafe { ns::ncclCommAbort(self.comm) };
+        }
+    }
+
+    /// The communicator's asynchronous error, if NCCL reported one.
+    fn async_error(&self) -> Option<ns::ncclResult_t> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut r = ns::ncclResult_t::ncclSuccess;
+        // SAFETY: a live handle and a valid out pointer.
+        let q = unsafe { ns::ncclCommGetAsyncError(self.comm, &mut r) };
+        match (q, r) {
+            (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress) => None,
+            (ns::ncclResult_t::ncclSuccess, e) | (e, _) => Some(e),
+        }
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        if !self.aborted.load(Ordering::SeqCst) {
+            // SAFETY: not aborted, so the handle is live; nothing uses it after the drop.
+            let _ = unsafe { ns::ncclCommDestroy(self.comm) };
+        }
+    }
+}
+
+/// An enqueued collective not yet seen complete.
+struct Pending {
+    done: Arc<CudaEvent>,
+    what: String,
+    since: Instant,
+}
+
+/// The group's failure state, shared by the training thread, the watchdog and the watch's readers.
+struct Guard {
+    rank: usize,
+    timeout: Duration,
+    failure: Mutex<Option<GroupFailure>>,
+    comms: Mutex<Vec<Arc<Raw>>>,
+    watch: OnceLock<Watch>,
+    exit_armed: AtomicBool,
+}
+
+impl Guard {
+    /// Record the first failure (ours: tell the group), abort every communicator, and arm the exit.
+    fn fail(&self, f: GroupFailure) {
+        {
+            let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            if g.is_some() {
+                return;
+            }
+            *g = Some(f.clone());
+        }
+        if f.rank == self.rank {
+            if let Some(w) = self.watch.get() {
+                w.report(&f.doing, &f.reason);
+            }
+        }
+        for c in self.comms.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            c.abort();
+        }
+        if !self.exit_armed.swap(true, Ordering::SeqCst) {
+            let (rank, grace) = (self.rank, self.timeout);
+            let _ = std::thread::Builder::new().name("harpe-nccl-exit".into()).spawn(move || {
+                std::thread::sleep(grace);
+                eprintln!(
+                    "harpe: rank {rank}: {f}\nharpe: rank {rank}: the training loop did not stop within {:.0}s after \
+                     the NCCL communicators were aborted; exiting (status 1)",
+                    grace.as_secs_f64()
+                );
+                std::process::exit(1);
+            });
+        }
+    }
+
+    /// The first failure as an error, if there is one.
+    fn check(&self) -> Result<()> {
+        match &*self.failure.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(f) => Err(failure_error(f)),
+        }
+    }
+}
+
+fn failure_error(f: &GroupFailure) -> anyhow::Error {
+    anyhow!(
+        "{f}\nhint: the rank named failed first; the others stopped because of it (its own log says more); the \
+         last complete checkpoint is intact: resume with --resume"
+    )
+}
+
+fn nccl_err(e: ns::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any result code.
+    let s = unsafe { std::ffi::CStr::from_ptr(ns::ncclGetErrorString(e)) };
+    format!("{e:?} ({})", s.to_string_lossy())
+}
+
+fn check_nccl(r: std::result::Result<nr::NcclStatus, nr::NcclError>, what: &str) -> Result<()> {
+    r.map(|_| ()).map_err(|e| anyhow!("{what}: NCCL error {}", nccl_err(e.0)))
+}
+
+/// The NCCL element type of a tensor dtype.
+fn nccl_type(dt: DType, what: &str) -> Result<ns::ncclDataType_t> {
+    Ok(match dt {
+        DType::F32 => ns::ncclDataType_t::ncclFloat32,
+        DType::F64 => ns::ncclDataType_t::ncclFloat64,
+        DType::BF16 => ns::ncclDataType_t::ncclBfloat16,
+        DType::F16 => ns::ncclDataType_t::ncclFloat16,
+        d => bail!("{what}: NCCL collectives take f32, f64, bf16 or f16 tensors, not {d:?}"),
+    })
+}
+
+/// Exclusive prefix sums of `counts` (the offsets of the ragged slices).
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let o = *at;
+            *at += c;
+            Some(o)
+        })
+        .collect()
+}
+
+/// One rank's NCCL communicator(s), device and collective stream.
+pub struct NcclComm {
+    rank: usize,
+    world: usize,
+    /// the sequence-parallel degree (ranks r*P..(r+1)*P share sequences)
+    sp: usize,
+    device: Device,
+    dev: CudaDevice,
+    stream: Arc<CudaStream>,
+    world_comm: Arc<Raw>,
+    /// the communicator of this rank's sequence-parallel group (P > 1)
+    sp_comm: Option<Arc<Raw>>,
+    guard: Arc<Guard>,
+    pending: Arc<Mutex<VecDeque<Pending>>>,
+    seq: AtomicU64,
+    stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclComm(rank {} of {}, sp {})", self.rank, self.world, self.sp)
+    }
+}
+
+impl NcclComm {
+    /// Join the group this process was launched into (`env`): rendezvous (token, binary, config hash
+    /// of `resolved_config`), failure watch, `cuda:LOCAL_RANK`, `ncclCommInitRank`, and for `sp` > 1
+    /// the split per sequence-parallel group. `timeout` bounds the rendezvous and every collective.
+    pub fn join(env: &LaunchEnv, resolved_config: &str, timeout: Duration, sp: usize) -> Result<NcclComm> {
+        let (rank, world) = (env.rank, env.world_size);
+        let sp = sp.max(1);
+        if !world.is_multiple_of(sp) {
+            bail!("dist.sp_degree = {sp} does not divide the world size {world}\nhint: choose a divisor of {world}");
+        }
+        let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
+        let mut id_err = None;
+        let rv = rendezvous(&spec, || match nr::get_uniqueid() {
+            Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
+            Err(e) => {
+                id_err = Some(nccl_err(e.0));
+                vec![]
+            }
+        })?;
+        if let Some(e) = id_err {
+            bail!("rank 0 could not create the NCCL unique id: {e}\nhint: is libnccl.so.2 on LD_LIBRARY_PATH?");
+        }
+        if rv.payload().len() != ID_BYTES {
+            bail!(
+                "rank {rank}: the rendezvous delivered {} bytes instead of an NCCL id (rank 0 could not create it; its log says why)",
+                rv.payload().len()
+            );
+        }
+        let mut id = ns::ncclUniqueId { internal: [0; ID_BYTES] };
+        for (d, s) in id.internal.iter_mut().zip(rv.payload()) {
+            *d = *s as std::ffi::c_char;
+        }
+        let guard = Arc::new(Guard {
+            rank,
+            timeout,
+            failure: Mutex::new(None),
+            comms: Mutex::new(vec![]),
+            watch: OnceLock::new(),
+            exit_armed: AtomicBool::new(false),
+        });
+        let g = Arc::clone(&guard);
+        let watch = Watch::start(rv, Box::new(move |f| g.fail(f.clone())))?;
+        let _ = guard.watch.set(watch);
+
+        let device = Device::new_cuda(env.local_rank).with_context(|| {
+            format!(
+                "rank {rank}: opening cuda:{} (LOCAL_RANK)\nhint: NCCL needs one GPU per rank on each node; check \
+                 CUDA_VISIBLE_DEVICES and --nproc-per-node",
+                env.local_rank
+            )
+        })?;
+        let dev = device.as_cuda_device()?.clone();
+        let stream = dev.cuda_stream().context().new_stream().context("creating the collective stream")?;
+        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
+        let r = unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) };
+        if r != ns::ncclResult_t::ncclSuccess {
+            let e = anyhow!(
+                "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
+                nccl_err(r)
+            );
+            guard.fail(GroupFailure { rank, doing: "in ncclCommInitRank".into(), reason: format!("{e:#}") });
+            return Err(e);
+        }
+        let world_comm = Arc::new(Raw { comm, aborted: AtomicBool::new(false) });
+        guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&world_comm));
+        let sp_comm = if sp > 1 {
+            let mut sub: ns::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
+            // inherits the parent's.
+            let r = unsafe {
+                ns::ncclCommSplit(
+                    world_comm.comm,
+                    (rank / sp) as i32,
+                    (rank % sp) as i32,
+                    &mut sub,
+                    std::ptr::null_mut(),
+                )
+            };
+            if r != ns::ncclResult_t::ncclSuccess {
+                bail!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
+            }
+            let raw = Arc::new(Raw { comm: sub, aborted: AtomicBool::new(false) });
+            guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
+            Some(raw)
+        } else {
+            None
+        };
+        let c = NcclComm {
+            rank,
+            world,
+            sp,
+            device,
+            dev,
+            stream,
+            world_comm,
+            sp_comm,
+            guard,
+            pending: Arc::new(Mutex::new(VecDeque::new())),
+            seq: AtomicU64::new(0),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        c.start_watchdog()?;
+        Ok(c)
+    }
+
+    /// The watchdog thread (see the file header).
+    fn start_watchdog(&self) -> Result<()> {
+        let (pending, guard, stop) = (Arc::clone(&self.pending), Arc::clone(&self.guard), Arc::clone(&self.stop));
+        let comms: Vec<Arc<Raw>> = self.guard.comms.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let ctx = Arc::clone(self.stream.context());
+        let (rank, timeout) = (self.rank, self.guard.timeout);
+        std::thread::Builder::new().name("harpe-nccl-watchdog".into()).spawn(move || {
+            let _ = ctx.bind_to_thread();
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(20));
+                let mut q = pending.lock().unwrap_or_else(|p| p.into_inner());
+                while q.front().is_some_and(|p| p.done.try_is_complete().unwrap_or(false)) {
+                    q.pop_front();
+                }
+                let doing = q.front().map(|p| format!("in {}", p.what)).unwrap_or_else(|| "between collectives".into());
+                let late = q.front().filter(|p| p.since.elapsed() > timeout).map(|p| p.since.elapsed());
+                drop(q);
+                if let Some(e) = comms.iter().find_map(|c| c.async_error()) {
+                    guard.fail(GroupFailure { rank, doing, reason: format!("NCCL reported {}", nccl_err(e)) });
+                } else if let Some(t) = late {
+                    let reason = format!(
+                        "not complete after {:.0}s (dist.timeout_s = {:.0}): a peer never joined it (stuck or gone)",
+                        t.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    );
+                    guard.fail(GroupFailure { rank, doing, reason });
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The sequence-parallel degree the communicators were built for.
+    pub fn sp_degree(&self) -> usize {
+        self.sp
+    }
+
+    /// The training device of this rank (`cuda:LOCAL_RANK`): the one every tensor of the run must use.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// This rank leaves normally (the peers do not take its closing connection as a failure).
+    pub fn finish(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(w) = self.guard.watch.get() {
+            w.finish();
+        }
+    }
+
+    /// This rank failed outside a collective: tell the group (the others stop naming this rank).
+    pub fn report_failure(&self, doing: &str, reason: &str) {
+        self.guard.fail(GroupFailure { rank: self.rank, doing: doing.into(), reason: reason.into() });
+    }
+
+    /// The first failure seen in the group (another rank's, or this rank's watchdog), if any.
+    pub fn failure(&self) -> Option<GroupFailure> {
+        self.guard.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Tell rank 0 what this rank is doing (named if this process dies).
+    pub fn progress(&self, doing: &str) {
+        if let Some(w) = self.guard.watch.get() {
+            w.progress(doing);
+        }
+    }
+
+    /// Device address of element `at` of a contiguous tensor on this rank's device.
+    fn ptr(&self, t: &Tensor, at: usize, what: &str) -> Result<u64> {
+        let (st, l) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*st else { bail!("{what}: the tensor is not on a CUDA device") };
+        if cs.device().id() != self.dev.id() {
+            bail!("{what}: the tensor is on another CUDA device than this rank's");
+        }
+        let Some((lo, _)) = l.contiguous_offsets() else { bail!("{what}: the tensor must be contiguous") };
+        let elem = t.dtype().size_in_bytes() as u64;
+        let base = match t.dtype() {
+            DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
+            DType::F64 => cs.as_cuda_slice::<f64>()?.device_ptr(&self.stream).0,
+            DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&self.stream).0,
+            DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&self.stream).0,
+            d => bail!("{what}: NCCL collectives take f32, f64, bf16 or f16 tensors, not {d:?}"),
+        };
+        Ok(base + (lo + at) as u64 * elem)
+    }
+
+    /// Enqueue the NCCL calls of `f` as one group on the collective stream, ordered after the compute
+    /// stream's work so far and before its work from now on; returns the completion event.
+    fn enqueue(
+        &self,
+        what: &str,
+        f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
+    ) -> Result<Arc<CudaEvent>> {
+        self.guard.check()?;
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+        let what = format!("collective #{seq} {what}");
+        let compute = self.dev.cuda_stream();
+        self.stream.wait(&compute.record_event(None)?)?;
+        check_nccl(nr::group_start(), &what)?;
+        let r = f(self.stream.cu_stream() as ns::cudaStream_t);
+        let end = nr::group_end();
+        if let Err(e) = r {
+            let reason = format!("NCCL error {}", nccl_err(e));
+            self.guard.fail(GroupFailure { rank: self.rank, doing: format!("in {what}"), reason });
+            self.guard.check()?;
+        }
+        if let Err(e) = end {
+            let reason = format!("ncclGroupEnd: {}", nccl_err(e.0));
+            self.guard.fail(GroupFailure { rank: self.rank, doing: format!("in {what}"), reason });
+            self.guard.check()?;
+        }
+        let done = Arc::new(self.stream.record_event(None)?);
+        compute.wait(&done)?;
+        let p = Pending { done: Arc::clone(&done), what, since: Instant::now() };
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(p);
+        Ok(done)
+    }
+
+    /// Wait on the host for `done`, failing with the group's failure or at the timeout.
+    fn wait(&self, done: &CudaEvent, what: &str) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            self.guard.check()?;
+            if done.try_is_complete().with_context(|| format!("waiting for {what}"))? {
+                return Ok(());
+            }
+            if t0.elapsed() > self.guard.timeout {
+                let reason = format!("{what} not complete after {:.0}s", self.guard.timeout.as_secs_f64());
+                self.guard.fail(GroupFailure { rank: self.rank, doing: format!("waiting for {what}"), reason });
+                self.guard.check()?;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    fn raw(&self, sp_group: bool) -> Result<ns::ncclComm_t> {
+        let c = if sp_group {
+            self.sp_comm.as_ref().ok_or_else(|| anyhow!("internal: no sequence-parallel communicator"))?
+        } else {
+            &self.world_comm
+        };
+        if c.aborted.load(Ordering::SeqCst) {
+            self.guard.check()?;
+            bail!("rank {}: the NCCL communicator was aborted", self.rank);
+        }
+        Ok(c.comm)
+    }
+
+    /// In-place sum over all ranks of a contiguous device tensor (a `FlatBuf::Device` buffer: never
+    /// shared, so the in-place write is seen by nobody else).
+    pub fn all_reduce_sum_inplace(&self, t: &Tensor, label: &str) -> Result<()> {
+        let what = format!("all_reduce \"{label}\"");
+        let (p, n, ty) = (self.ptr(t, 0, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
+        let comm = self.raw(false)?;
+        self.enqueue(&what, |s| {
+            // SAFETY: `p` addresses `n` elements of type `ty` on this rank's device (checked by `ptr`).
+            let r = unsafe {
+                ns::ncclAllReduce(p as *const c_void, p as *mut c_void, n, ty, ns::ncclRedOp_t::ncclSum, comm, s)
+            };
+            ok(r)
+        })?;
+        Ok(())
+    }
+
+    /// Sum a few f64 scalars over all ranks (through a small device buffer; waits on the host).
+    pub fn all_reduce_sum_f64(&self, vals: &mut [f64]) -> Result<()> {
+        if vals.is_empty() {
+            return Ok(());
+        }
+        let t = Tensor::from_slice(vals, vals.len(), &self.device)?;
+        let what = "all_reduce \"scalars\"";
+        let (p, n) = (self.ptr(&t, 0, what)?, vals.len());
+        let comm = self.raw(false)?;
+        let done = self.enqueue(what, |s| {
+            // SAFETY: `p` addresses `n` f64 of `t`, alive until the copy back below.
+            ok(unsafe {
+                ns::ncclAllReduce(
+                    p as *const c_void,
+                    p as *mut c_void,
+                    n,
+                    ns::ncclDataType_t::ncclFloat64,
+                    ns::ncclRedOp_t::ncclSum,
+                    comm,
+                    s,
+                )
+            })
+        })?;
+        self.wait(&done, what)?;
+        vals.copy_from_slice(&t.to_vec1::<f64>()?);
+        Ok(())
+    }
+
+    /// Wait until every rank has arrived (a one-value all-reduce, waited for on the host).
+    pub fn barrier(&self, label: &str) -> Result<()> {
+        let mut one = [0.0f64];
+        self.all_reduce_sum_f64(&mut one).with_context(|| format!("barrier \"{label}\""))
+    }
+
+    /// In place: on entry rank r's slice `offsets[r]..+counts[r]` of `t` is valid, on exit all of it.
+    pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
+        let what = format!("all_gather \"{label}\"");
+        self.check_counts(counts, t.elem_count(), &what)?;
+        let (base, ty) = (self.ptr(t, 0, &what)?, nccl_type(t.dtype(), &what)?);
+        let es = t.dtype().size_in_bytes() as u64;
+        let offs = offsets(counts);
+        let comm = self.raw(false)?;
+        self.enqueue(&what, |s| {
+            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
+                let p = base + o as u64 * es;
+                // SAFETY: the slice lies inside `t` (check_counts); in-place broadcast from its owner.
+                ok(unsafe { ns::ncclBroadcast(p as *const c_void, p as *mut c_void, c, ty, root as i32, comm, s) })?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// All-gather-v into a new tensor: this rank contributes `input` (`counts[rank]` elements).
+    pub fn all_gather_v(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        let what = format!("all_gather \"{label}\"");
+        let total: usize = counts.iter().sum();
+        if counts.len() != self.world || input.elem_count() != counts[self.rank] {
+            bail!("internal: {what} of {} values with counts {counts:?} at rank {}", input.elem_count(), self.rank);
+        }
+        let out = Tensor::zeros(total, input.dtype(), &self.device)?;
+        let (ip, op, ty) = (self.ptr(input, 0, &what)?, self.ptr(&out, 0, &what)?, nccl_type(input.dtype(), &what)?);
+        let es = input.dtype().size_in_bytes() as u64;
+        let offs = offsets(counts);
+        let (me, comm) = (self.rank, self.raw(false)?);
+        self.enqueue(&what, |s| {
+            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
+                let send = if root == me { ip } else { op + o as u64 * es };
+                // SAFETY: `out` holds `total` elements; the root's send buffer holds `c`.
+                ok(unsafe {
+                    ns::ncclBroadcast(
+                        send as *const c_void,
+                        (op + o as u64 * es) as *mut c_void,
+                        c,
+                        ty,
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })?;
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Reduce-scatter-v (sum): `input` is the concatenation of slices of `counts`; this rank gets slice
+    /// `rank` summed over ranks as a new tensor.
+    pub fn reduce_scatter_v_sum(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        let what = format!("reduce_scatter \"{label}\"");
+        self.check_counts(counts, input.elem_count(), &what)?;
+        let out = Tensor::zeros(counts[self.rank], input.dtype(), &self.device)?;
+        let (ip, ty) = (self.ptr(input, 0, &what)?, nccl_type(input.dtype(), &what)?);
+        let op = if counts[self.rank] > 0 { self.ptr(&out, 0, &what)? } else { ip };
+        let es = input.dtype().size_in_bytes() as u64;
+        let offs = offsets(counts);
+        let (me, comm) = (self.rank, self.raw(false)?);
+        self.enqueue(&what, |s| {
+            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
+                let recv = if root == me { op } else { ip + o as u64 * es }; // ignored off the root
+                                                                             // SAFETY: the slice lies inside `input`; the root's `out` holds `c` elements.
+                ok(unsafe {
+                    ns::ncclReduce(
+                        (ip + o as u64 * es) as *const c_void,
+                        recv as *mut c_void,
+                        c,
+                        ty,
+                        ns::ncclRedOp_t::ncclSum,
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })?;
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Equal-chunk all-to-all inside this rank's sequence-parallel group, on the storage of a custom
+    /// op (`sequence::AllToAll`): P chunks of the contiguous input, chunk j to group rank j; chunk i of
+    /// the new storage came from group rank i.
+    pub fn sp_all_to_all_storage(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+        label: &str,
+    ) -> Result<candle_core::CudaStorage> {
+        use candle_core::CudaStorage;
+        let what = format!("all_to_all \"{label}\"");
+        let p = self.sp;
+        let Some((lo, hi)) = l.contiguous_offsets() else { bail!("{what}: the input must be contiguous") };
+        let n = hi - lo;
+        if !n.is_multiple_of(p) {
+            bail!("internal: {what} of {n} values over {p} ranks");
+        }
+        if s.device().id() != self.dev.id() {
+            bail!("{what}: the tensor is on another CUDA device than this rank's");
+        }
+        let chunk = n / p;
+        let ty = nccl_type(s.dtype(), &what)?;
+        let es = s.dtype().size_in_bytes() as u64;
+        let (ip, out, op) = match s.dtype() {
+            DType::F32 => {
+                let o = self.dev.alloc_zeros::<f32>(n)?;
+                let op = o.device_ptr(&self.stream).0;
+                (
+                    s.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
+                    CudaStorage::wrap_cuda_slice(o, self.dev.clone()),
+                    op,
+                )
+            }
+            DType::BF16 => {
+                let o = self.dev.alloc_zeros::<half::bf16>(n)?;
+                let op = o.device_ptr(&self.stream).0;
+                let ip = s.as_cuda_slice::<half::bf16>()?.device_ptr(&self.stream).0;
+                (ip, CudaStorage::wrap_cuda_slice(o, self.dev.clone()), op)
+            }
+            d => bail!("{what}: sequence parallelism exchanges f32 or bf16, not {d:?}"),
+        };
+        let ip = ip + lo as u64 * es;
+        let bytes = chunk as u64 * es;
+        let comm = self.raw(true)?;
+        self.enqueue(&what, |st| {
+            for peer in 0..p {
+                let at = peer as u64 * bytes;
+                // SAFETY: chunk `peer` of the input and of the new buffer each hold `chunk` elements.
+                ok(unsafe { ns::ncclSend((ip + at) as *const c_void, chunk, ty, peer as i32, comm, st) })?;
+                ok(unsafe { ns::ncclRecv((op + at) as *mut c_void, chunk, ty, peer as i32, comm, st) })?;
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn check_counts(&self, counts: &[usize], n: usize, what: &str) -> Result<()> {
+        if counts.len() != self.world || counts.iter().sum::<usize>() != n {
+            bail!("internal: {what} over {n} values with counts {counts:?} for {} ranks", self.world);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.stream.synchronize();
+    }
+}
+
+fn ok(r: ns::ncclResult_t) -> std::result::Result<(), ns::ncclResult_t> {
+    match r {
+        ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => Ok(()),
+        e => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::offsets;
+
+    #[test]
+    fn ragged_offsets_are_exclusive_prefix_sums() {
+        assert_eq!(offsets(&[3, 0, 5, 1]), vec![0, 3, 3, 8]);
+        assert!(offsets(&[]).is_empty());
+    }
+}
