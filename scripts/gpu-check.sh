@@ -16,7 +16,8 @@
 #   3. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
 #      curves compared step by step: they must agree to 1e-4 relative (`train_parity`); then the same GPU
 #      run as an NCCL group of one process (`--nproc-per-node 1`, ZeRO-0 and ZeRO-3: the collectives and
-#      the ragged gathers/reduces on device memory), which must equal the single-process GPU run to 1e-6;
+#      the ragged gathers/reduces on device memory), which must equal the single-process GPU run to 1e-6,
+#      and as 2 `Local` rank threads sharing the GPU (ZeRO-3; Ulysses SP 2), equal to one rank to 1e-5;
 #   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
 #      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
 #   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable), then
@@ -116,6 +117,16 @@ train_parity() {
       --set 'dist.backend="nccl"' --set "dist.zero_stage=$z" --nproc-per-node 1 --out "$dir/nccl$z"
     step "tiny config: NCCL ZeRO-$z vs single-process GPU losses (1e-6 relative)" 30 "$PY" -c "$PARITY_PY" \
       "$dir/cuda/metrics.jsonl" "$dir/nccl$z/metrics.jsonl" "$steps" 1e-6
+  done
+  # Local: 2 rank threads sharing this GPU (ZeRO-3; and Ulysses SP 2) equal one rank (exchanges via the host)
+  local name sets
+  for name in zero3 sp2; do
+    sets=(--set 'dist.zero_stage=3')
+    [ "$name" = sp2 ] && sets=(--set 'dist.sp_degree=2' --set 'dist.zero_stage=1')
+    step "tiny config, 2 Local ranks on one GPU ($name)" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' \
+      --set 'dist.backend="local"' --set 'dist.world_size=2' "${sets[@]}" --out "$dir/local_$name"
+    step "tiny config: 2 Local ranks ($name) vs 1 rank on the GPU (1e-5 relative)" 30 "$PY" -c "$PARITY_PY" \
+      "$dir/cuda/metrics.jsonl" "$dir/local_$name/metrics.jsonl" "$steps" 1e-5
   done
 }
 

@@ -433,19 +433,20 @@ fn nproc_per_node_inside_an_already_launched_rank_is_refused() {
     assert!(stderr.contains("already rank 0 of a launched run") && stderr.contains("hint:"), "{stderr}");
 }
 
-/// Three processes in one group under the failure watch (`dist-check --work-s`), started by hand so
+/// `world` processes in one group under the failure watch (`dist-check --work-s S`), started by hand so
 /// that no launcher stops them: `extra` makes one rank fail or vanish; returns each rank's (success,
-/// stderr) and how long the slowest took.
-fn watched_group(extra: &[&str]) -> (Vec<(bool, String)>, Duration) {
+/// stdout, stderr) and how long the slowest took.
+fn watched_group(world: usize, work_s: &str, extra: &[&str]) -> (Vec<(bool, String, String)>, Duration) {
     let port = free_port("127.0.0.1").unwrap().to_string();
+    let w = world.to_string();
     let t0 = Instant::now();
-    let procs: Vec<_> = (0..3)
+    let procs: Vec<_> = (0..world)
         .map(|r| {
             let r = r.to_string();
             harpe()
-                .args(["dist-check", "--timeout-s", "30", "--work-s", "30"])
+                .args(["dist-check", "--timeout-s", "30", "--work-s", work_s])
                 .args(extra)
-                .envs([("RANK", r.as_str()), ("WORLD_SIZE", "3"), ("LOCAL_RANK", r.as_str())])
+                .envs([("RANK", r.as_str()), ("WORLD_SIZE", w.as_str()), ("LOCAL_RANK", r.as_str())])
                 .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str()), ("HARPE_RUN_TOKEN", "w")])
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
@@ -457,7 +458,8 @@ fn watched_group(extra: &[&str]) -> (Vec<(bool, String)>, Duration) {
         .into_iter()
         .map(|p| {
             let o = p.wait_with_output().unwrap();
-            (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            (o.status.success(), text(&o.stdout), text(&o.stderr))
         })
         .collect();
     (out, t0.elapsed())
@@ -466,46 +468,30 @@ fn watched_group(extra: &[&str]) -> (Vec<(bool, String)>, Duration) {
 #[test]
 fn a_rank_that_fails_or_is_killed_mid_run_stops_every_other_rank_naming_it() {
     // an error: rank 2 reports it; ranks 0 and 1 stop within seconds (the run would last 30 s)
-    let (out, took) = watched_group(&["--fail-after-rank", "2"]);
+    let (out, took) = watched_group(3, "30", &["--fail-after-rank", "2"]);
     assert!(took < Duration::from_secs(20), "took {took:?}");
-    assert!(!out[2].0 && out[2].1.contains("failing on purpose"), "{}", out[2].1);
-    for (ok, err) in &out[..2] {
+    assert!(!out[2].0 && out[2].2.contains("failing on purpose"), "{}", out[2].2);
+    for (ok, _, err) in &out[..2] {
         assert!(!ok && err.contains("rank 2 failed in step") && err.contains("failing on purpose"), "{err}");
     }
     // SIGKILL: rank 1 says nothing; its closed connection names it, with its last step
-    let (out, took) = watched_group(&["--kill-rank", "1"]);
+    let (out, took) = watched_group(3, "30", &["--kill-rank", "1"]);
     assert!(took < Duration::from_secs(20), "took {took:?}");
     for r in [0, 2] {
-        let (ok, err) = &out[r];
+        let (ok, _, err) = &out[r];
         assert!(!ok && err.contains("rank 1 failed while in step") && err.contains("its process is gone"), "{err}");
     }
     // rank 0 killed: the others learn that rank 0 is gone
-    let (out, _) = watched_group(&["--kill-rank", "0"]);
-    for (ok, err) in &out[1..] {
+    let (out, _) = watched_group(3, "30", &["--kill-rank", "0"]);
+    for (ok, _, err) in &out[1..] {
         assert!(!ok && err.contains("rank 0 failed") && err.contains("its process is gone"), "{err}");
     }
 }
 
 #[test]
 fn a_watched_group_that_ends_normally_reports_no_failure() {
-    let port = free_port("127.0.0.1").unwrap().to_string();
-    let procs: Vec<_> = (0..2)
-        .map(|r| {
-            let r = r.to_string();
-            harpe()
-                .args(["dist-check", "--timeout-s", "30", "--work-s", "1"])
-                .envs([("RANK", r.as_str()), ("WORLD_SIZE", "2"), ("LOCAL_RANK", r.as_str())])
-                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str()), ("HARPE_RUN_TOKEN", "w")])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for p in procs {
-        let o = p.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&o.stdout);
-        assert!(o.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
-        assert!(stdout.contains("no rank failed"), "{stdout}");
+    let (out, _) = watched_group(2, "1", &[]);
+    for (ok, stdout, stderr) in out {
+        assert!(ok && stdout.contains("no rank failed"), "{stdout}\n{stderr}");
     }
 }

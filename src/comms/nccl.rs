@@ -484,6 +484,9 @@ impl NcclComm {
     /// shared, so the in-place write is seen by nobody else).
     pub fn all_reduce_sum_inplace(&self, t: &Tensor, label: &str) -> Result<()> {
         let what = format!("all_reduce \"{label}\"");
+        if t.elem_count() == 0 {
+            return Ok(());
+        }
         let (p, n, ty) = (self.ptr(t, 0, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
         let comm = self.raw(false)?;
         self.enqueue(&what, |s| {
@@ -534,6 +537,9 @@ impl NcclComm {
     pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
         let what = format!("all_gather \"{label}\"");
         self.check_counts(counts, t.elem_count(), &what)?;
+        if t.elem_count() == 0 {
+            return Ok(());
+        }
         let (base, ty) = (self.ptr(t, 0, &what)?, nccl_type(t.dtype(), &what)?);
         let es = t.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
@@ -557,7 +563,11 @@ impl NcclComm {
             bail!("internal: {what} of {} values with counts {counts:?} at rank {}", input.elem_count(), self.rank);
         }
         let out = Tensor::zeros(total, input.dtype(), &self.device)?;
-        let (ip, op, ty) = (self.ptr(input, 0, &what)?, self.ptr(&out, 0, &what)?, nccl_type(input.dtype(), &what)?);
+        if total == 0 {
+            return Ok(out);
+        }
+        let ip = if counts[self.rank] > 0 { self.ptr(input, 0, &what)? } else { 0 };
+        let (op, ty) = (self.ptr(&out, 0, &what)?, nccl_type(input.dtype(), &what)?);
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
@@ -588,6 +598,9 @@ impl NcclComm {
         let what = format!("reduce_scatter \"{label}\"");
         self.check_counts(counts, input.elem_count(), &what)?;
         let out = Tensor::zeros(counts[self.rank], input.dtype(), &self.device)?;
+        if input.elem_count() == 0 {
+            return Ok(out);
+        }
         let (ip, ty) = (self.ptr(input, 0, &what)?, nccl_type(input.dtype(), &what)?);
         let op = if counts[self.rank] > 0 { self.ptr(&out, 0, &what)? } else { ip };
         let es = input.dtype().size_in_bytes() as u64;
@@ -595,8 +608,9 @@ impl NcclComm {
         let (me, comm) = (self.rank, self.raw(false)?);
         self.enqueue(&what, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                let recv = if root == me { op } else { ip + o as u64 * es }; // ignored off the root
-                                                                             // SAFETY: the slice lies inside `input`; the root's `out` holds `c` elements.
+                // off the root the receive buffer is ignored
+                let recv = if root == me { op } else { ip + o as u64 * es };
+                // SAFETY: the slice lies inside `input`; the root's `out` holds `c` elements.
                 ok(unsafe {
                     ns::ncclReduce(
                         (ip + o as u64 * es) as *const c_void,

@@ -16,7 +16,8 @@
 //!   HARPE's per-head bases travel with their heads.
 //! - Every rank runs the same graph, so forward and backward meet the collectives in the same order.
 //!
-//! Under NCCL the exchange is `NcclComm::sp_all_to_all` on the group's own communicator (`cuda_fwd`).
+//! Under NCCL the exchange is `NcclComm::sp_all_to_all_storage` on the group's own communicator
+//! (`cuda_fwd`); `Local` ranks sharing one GPU exchange CUDA tensors through the host.
 //! What this file does not do: padding (T must divide by P; refused before any work), ring attention.
 use crate::comms::local::LocalComm;
 use crate::model::attention::{AttentionFn, AttentionImpl};
@@ -112,12 +113,11 @@ impl CustomOp1 for AllToAll {
                 let out = c.sp_all_to_all_storage(s, l, self.label).map_err(|e| Error::Msg(format!("{e:#}")))?;
                 Ok((out, l.shape().clone()))
             }
+            // ranks as threads sharing one GPU: through the host (correct, slow; tests and small runs)
             _ => {
-                let _ = s;
-                Err(Error::Msg(format!(
-                    "all_to_all \"{}\": ranks as threads (`Local`) exchange host memory; run sequence parallelism on GPUs with dist.backend = \"nccl\"",
-                    self.label
-                )))
+                use candle_core::backend::{BackendDevice, BackendStorage};
+                let (out, shape) = self.cpu_fwd(&s.to_cpu_storage()?, l)?;
+                Ok((s.device().storage_from_cpu_storage(&out)?, shape))
             }
         }
     }
