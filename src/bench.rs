@@ -15,6 +15,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 pub mod attention;
+pub mod comms;
 
 /// One timed kernel.
 #[derive(Clone, Debug, Serialize)]
