@@ -379,7 +379,8 @@ pub fn trainable_model(
 
 /// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
 /// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
-/// GPU straight to the device, host memory far below the model size); a random init is made on the CPU.
+/// GPU straight to the device, host memory far below the model size); a random init is drawn piece by piece
+/// straight into it (`init_flat`: the same values for a seed on every device).
 fn initial_model(cfg: &RunConfig, origin: &str, p: &Placement) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
     if let Some(dir) = &cfg.model.path {
         let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
