@@ -6,7 +6,13 @@
 //! shard the index names) with an error naming file and tensor; saving writes each file atomically
 //! (temporary name, fsync, rename) and the index last, streaming every tensor from its device in
 //! `STREAM_CHUNK_BYTES` pieces (`write_safetensors`: the crate's header, then the data piece by piece;
-//! the bytes equal `safetensors::serialize`'s, which would hold the whole file in memory). Not done here: optimizer state (`checkpoint`).
+//! the bytes equal `safetensors::serialize`'s, which would hold the whole file in memory). Random
+//! initialization draws one ChaCha8 stream per seed on the host, in parallel pieces (the stream is
+//! seekable), and `init_flat` places each piece straight into the training state: the same bits on
+//! every device and thread count, never the whole model in host memory. It is deliberately not
+//! `Tensor::randn` on the GPU: curand's values differ from the CPU's, and the CPU-vs-GPU loss checks
+//! (gpu-check.sh `train_parity`, selftest) start both runs from one seed's weights.
+//! Not done here: optimizer state (`checkpoint`).
 use crate::flatbuf::{FlatBuf, Placement};
 use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
@@ -519,6 +525,9 @@ fn init_pieces(
     for (name, shape) in param_shapes(cfg) {
         let n: usize = shape.iter().product();
         let norm = name.ends_with("norm.weight");
+        if n == 0 {
+            f(&name, &shape, 0, vec![])?; // an empty parameter is still one (empty) piece
+        }
         for b in (0..n).step_by(batch) {
             let starts: Vec<usize> = (b..(b + batch).min(n)).step_by(INIT_PIECE).collect();
             let pieces: Vec<Vec<f32>> = starts
