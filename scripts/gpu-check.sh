@@ -20,7 +20,9 @@
 #      and as 2 `Local` rank threads sharing the GPU (ZeRO-3; Ulysses SP 2), equal to one rank to 1e-5;
 #   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
 #      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
-#   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable), then
+#   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable),
+#      `harpe bench model` (a Llama-2-7B decoder layer fwd+bwd at T = 4096 and a 2-layer 7B-shaped bf16
+#      training step with AdamW: TFLOP/s, tokens/s), then
 #      `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
 #      PyTorch SDPA per backend beside it; `attention_steps` below);
 #   6. selftest's small cases under compute-sanitizer memcheck and racecheck when the machine has it;
@@ -219,6 +221,7 @@ run() {
   train_parity "$bin"
   plan_vs_measured "$bin"
   step "bench" 180 "$bin" bench
+  step "bench model" 120 "$bin" bench model
   attention_steps "$bin"
   if command -v compute-sanitizer >/dev/null; then
     # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers

@@ -8,14 +8,16 @@
 //! written once), so a kernel that re-reads (rms_norm backward recomputes rstd, cross-entropy reads the
 //! logits twice) shows that as a lower percentage instead of hiding it.
 //! Shapes are Llama-2-7B's: C = 4096, H = 32 heads of D = 128, V = 32000, at T = 4096 tokens.
-//! Does not (yet): the decoder-layer and full 7B-step timings of issue 10 — they need attention on the
-//! GPU and the device-resident training state, which are other issues' work; `--json` carries the
-//! kernel rows only.
+//! `harpe bench model` adds the model-level rows on `--device` (CPU too): one decoder layer
+//! forward+backward and one full training step with AdamW (`bench::model`), same table and JSON rows,
+//! with TFLOP/s.
+use crate::device::DeviceSpec;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
 pub mod attention;
 pub mod comms;
+pub mod model;
 
 /// One timed kernel.
 #[derive(Clone, Debug, Serialize)]
@@ -30,6 +32,8 @@ pub struct Row {
     pub pct_of_copy: f64,
     /// PyTorch's time for the same work, when measured
     pub torch_ms: Option<f64>,
+    /// matmul TFLOP/s, for the compute-bound model rows (`bench::model`)
+    pub tflops: Option<f64>,
 }
 
 impl Row {
@@ -44,6 +48,7 @@ impl Row {
             gb_per_s,
             pct_of_copy: 100.0 * gb_per_s / copy_gbps,
             torch_ms: None,
+            tflops: None,
         }
     }
 }
@@ -51,8 +56,10 @@ impl Row {
 /// Print rows as a table (torch columns when measured).
 pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
     println!("harpe bench — {device}; device copy bandwidth {copy_gbps:.0} GB/s (the 100% line)");
+    let flops = rows.iter().any(|r| r.tflops.is_some());
+    let tf_head = if flops { format!(" {:>9}", "TFLOP/s") } else { String::new() };
     println!(
-        "{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}",
+        "{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}{tf_head}",
         "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch"
     );
     for r in rows {
@@ -60,8 +67,13 @@ pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
             Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
             None => ("-".into(), "-".into()),
         };
+        let tf = match (flops, r.tflops) {
+            (false, _) => String::new(),
+            (true, Some(f)) => format!(" {f:>9.4}"),
+            (true, None) => format!(" {:>9}", "-"),
+        };
         println!(
-            "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}",
+            "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}{tf}",
             r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x
         );
     }
@@ -70,10 +82,26 @@ pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
 /// Time the kernels on the GPU.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// what to time: `kernels` (the row kernels, the default) or `attention` (flash attention fwd/bwd at
-    /// T = 8K, 32K, 128K against PyTorch SDPA; `bench::attention`)
-    #[arg(value_parser = ["kernels", "attention"])]
+    /// what to time: `kernels` (the row kernels, the default), `attention` (flash attention fwd/bwd at
+    /// T = 8K, 32K, 128K against PyTorch SDPA; `bench::attention`) or `model` (a decoder layer
+    /// fwd+bwd and a full training step on --device, CPU too; `bench::model`)
+    #[arg(value_parser = ["kernels", "attention", "model"])]
     pub what: Option<String>,
+    /// device of the `model` rows: cpu, cuda or cuda:N [default: cuda in a CUDA build, else cpu]
+    #[arg(long)]
+    pub device: Option<DeviceSpec>,
+    /// hidden size C of the `model` rows [default: 4096 on CUDA, 64 on the CPU]
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// attention heads of the `model` rows (head dim C / heads) [default: 32 on CUDA, 4 on the CPU]
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// tokens T of the `model` rows [default: 4096 on CUDA, 128 on the CPU]
+    #[arg(long)]
+    pub model_tokens: Option<usize>,
+    /// decoder layers of the `model` training-step row
+    #[arg(long, default_value_t = 2)]
+    pub step_layers: usize,
     /// seconds of timed calls per attention row (at least one call after one warm-up)
     #[arg(long, default_value_t = 2.0)]
     pub attn_seconds: f64,
@@ -93,6 +121,9 @@ pub struct BenchArgs {
 
 /// `harpe bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.what.as_deref() == Some("model") {
+        return run_model(&args);
+    }
     if !cfg!(feature = "cuda") {
         bail!("harpe bench times the CUDA kernels, and this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs); on CPU, `harpe selftest` checks the kernels' source through the host emulation");
     }
@@ -108,6 +139,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let _ = args;
         Ok(())
     }
+}
+
+/// `harpe bench model`: the decoder-layer and training-step rows on `--device`.
+fn run_model(args: &BenchArgs) -> Result<()> {
+    let spec = args.device.unwrap_or(if cfg!(feature = "cuda") { DeviceSpec::Cuda(0) } else { DeviceSpec::Cpu });
+    let dev = spec.open("--device")?;
+    let copy_gbps = model::copy_bandwidth(&dev, args.iters.max(1))?;
+    let rows = model::rows(args, &dev, copy_gbps)?;
+    let name = format!("{spec}");
+    if args.json {
+        println!("{}", serde_json::json!({"device": name, "copy_gb_per_s": copy_gbps, "rows": rows}));
+    } else {
+        print_table(&name, copy_gbps, &rows);
+    }
+    Ok(())
 }
 
 /// PyTorch's times for the same shapes, from scripts/bench_kernels_torch.py (None when torch is absent).

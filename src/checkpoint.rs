@@ -15,13 +15,15 @@
 //! bit-identical. The shard file format is unchanged from format 1. Resume re-shards: every rank reads
 //! the shards of whatever world size wrote the checkpoint and takes its own flat range (a slice
 //! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly (it reads every shard file
-//! on every rank, which is simple and fine for the sizes harpe resumes on one node).
+//! on every rank, which is simple and fine for the sizes harpe resumes on one node). A shard is streamed
+//! to its file in 32 MiB pieces copied from the (device) buffers one at a time
+//! (`model::weights::write_safetensors`), so a save never holds a whole shard in host memory.
 //! What this file does not do: decide when to save (train.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
 use crate::comms::{Comm, Mesh};
 use crate::flatbuf::FlatBuf;
 use crate::model::rope::RopeScheme;
-use crate::model::weights::TensorBytes;
+use crate::model::weights::{write_safetensors, StreamSrc, STREAM_CHUNK_BYTES};
 use crate::optim::adamw::AdamW;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -99,22 +101,30 @@ fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))
 }
 
-/// Serialize this rank's optimizer state (master, m, v and the step count / range in the metadata).
-fn optim_bytes(o: &AdamW) -> Result<Vec<u8>> {
-    let (master, m, v) = (o.master().to_host()?, o.m().to_host()?, o.v().to_host()?);
-    optim_bytes_of(&master, &m, &v, o.t(), o.range())
+/// Write this rank's optimizer state (master, m, v and the step count / range in the metadata) as
+/// `path`, streamed from its buffers in pieces of `chunk_bytes` (`write_safetensors`); returns the
+/// largest piece held on the host.
+pub fn write_optim_shard(path: &Path, o: &AdamW, chunk_bytes: usize) -> Result<usize> {
+    write_optim_file(path, o.master(), o.m(), o.v(), o.t(), o.range(), chunk_bytes)
 }
 
-/// The optimizer shard file's bytes for `range` of the flat space.
-fn optim_bytes_of(master: &[f32], m: &[f32], v: &[f32], t: u64, range: std::ops::Range<usize>) -> Result<Vec<u8>> {
-    let views =
-        [("master", TensorBytes::from_f32(master)), ("m", TensorBytes::from_f32(m)), ("v", TensorBytes::from_f32(v))];
+/// The optimizer shard file for `range` of the flat space (format 1: f32 `master`, `m`, `v`).
+fn write_optim_file(
+    path: &Path,
+    master: &FlatBuf,
+    m: &FlatBuf,
+    v: &FlatBuf,
+    t: u64,
+    range: std::ops::Range<usize>,
+    chunk_bytes: usize,
+) -> Result<usize> {
+    let srcs = [("master", master), ("m", m), ("v", v)].map(|(k, b)| (k.to_string(), StreamSrc::Flat(b)));
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
     let info = serde_json::json!({"format": FORMAT, "t": t, "range_start": range.start, "range_end": range.end});
     let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
-    safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.to_string(), v)), Some(meta))
-        .map_err(|e| anyhow!("cannot serialize the optimizer state: {e}"))
+    write_safetensors(path, &srcs, Some(meta), chunk_bytes)
+        .with_context(|| format!("cannot write the optimizer state {}", path.display()))
 }
 
 /// Save a checkpoint atomically on every rank (all ranks call it with the same `state`) and prune to
@@ -138,7 +148,7 @@ pub fn save(
     let mut res = agree(comm, made, "creating the checkpoint directory");
     // 2. every rank writes its optimizer shard into it; everyone learns whether all succeeded
     if res.is_ok() {
-        let shard = optim_bytes(optim).and_then(|b| write_file(&tmp.join(optim_file(&mesh)), &b));
+        let shard = write_optim_shard(&tmp.join(optim_file(&mesh)), optim, STREAM_CHUNK_BYTES).map(|_| ());
         res = agree(comm, shard, "writing the optimizer shards");
     }
     // 3. rank 0 writes the model and state, DONE last, and commits by renaming
@@ -469,7 +479,8 @@ pub fn consolidate(a: ConsolidateArgs) -> Result<()> {
         }
     }
     let one = Mesh::single();
-    write_file(&tmp.join(optim_file(&one)), &optim_bytes_of(&master, &m, &v, t, 0..total)?)?;
+    let [master, m, v] = [master, m, v].map(FlatBuf::from_vec);
+    write_optim_file(&tmp.join(optim_file(&one)), &master, &m, &v, t, 0..total, STREAM_CHUNK_BYTES)?;
     std::fs::rename(&tmp, &out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
     println!(
         "consolidated {} optimizer shard(s) ({} parameters, step {t}) and the model into {}",

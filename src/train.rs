@@ -44,14 +44,14 @@ use crate::data::{
 };
 use crate::eval::in_training::{eval_line, TrainEval};
 use crate::flatbuf::{FlatBuf, Placement};
-use crate::grads::{self, flatten_params_in, GradAccum, ParamLayout};
+use crate::grads::{self, GradAccum, ParamLayout};
 use crate::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use crate::metrics::{self, mem, MetricsLog, StepRecord};
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD};
 use crate::model::rope::RopeTables;
-use crate::model::weights::{init_random, load_flat, save_model_dir};
+use crate::model::weights::{init_flat, load_flat, save_model_dir};
 use crate::model::Llama;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
@@ -128,8 +128,8 @@ impl TrainArgs {
 
 /// What one micro-batch's forward/backward produced.
 pub struct MicroOut {
-    /// per-position nll (B*T), 0 at ignored positions
-    pub nll: Vec<f32>,
+    /// per-position nll (B*T) f32 on the model's device, 0 at ignored positions
+    pub nll: Tensor,
 }
 
 /// Forward and backward of one micro-batch with activation checkpointing every `seg` layers; adds
@@ -306,7 +306,7 @@ pub fn forward_backward_with(
     drop(held);
     let mut g =
         store.get(last_in.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached the last layers"))?;
-    let nll = nll.to_vec1::<f32>()?;
+    let nll = nll.detach(); // (B*T), stays on the device (`LossSums`)
     drop(store);
 
     // Backward through the earlier segments, last to first, recomputing each from its saved input.
@@ -379,9 +379,9 @@ pub fn trainable_model(
 
 /// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
 /// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
-/// GPU straight to the device, host memory far below the model size); a random init is made on the CPU.
+/// GPU straight to the device, host memory far below the model size); a random init is drawn piece by piece
+/// straight into it (`init_flat`: the same values for a seed on every device).
 fn initial_model(cfg: &RunConfig, origin: &str, p: &Placement) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
-    let cpu = Device::Cpu;
     if let Some(dir) = &cfg.model.path {
         let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
         mc.validate(&dir.join("config.json").display().to_string())?;
@@ -404,8 +404,7 @@ fn initial_model(cfg: &RunConfig, origin: &str, p: &Placement) -> Result<(LlamaC
     mc.tie_word_embeddings = a.tie_word_embeddings;
     mc.initializer_range = a.initializer_range;
     mc.validate(&format!("{origin} [model.init]"))?;
-    let t = init_random(&mc, cfg.train.seed, DType::F32, &cpu)?;
-    let (layout, flat) = flatten_params_in(&t, p)?;
+    let (layout, flat) = init_flat(&mc, cfg.train.seed, p)?; // straight into the training state's placement
     Ok((mc, layout, flat))
 }
 
@@ -1057,9 +1056,8 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
     s.grads.zero()?;
-    let mut sums = [0f64; 2]; // nll sum, target count
-                              // per source id: (nll sum, count), summed over ranks with the loss below
-    let mut by_source = vec![0f64; if s.sources.len() < 2 { 0 } else { 2 * s.sources.len() }];
+    let mut sums = LossSums::new(s.sources.len(), &r.device)?;
+    let mut targets_seen = 0f64;
     for _ in 0..s.accum {
         let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
         let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
@@ -1093,13 +1091,14 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         let (chunk, scale) = (r.cfg.train.loss_chunk_tokens, 1.0 / s.targets_per_step);
         let out = forward_backward_with(&s.model, &mut params, &s.tables, &ids, &targets, s.seg, chunk, scale)?;
         injected_fault(r.mesh.rank(), r.state.step)?;
-        sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
+        sums.add(&out.nll, &seqs, s.tok_start, s.tok_len)?;
         let last = (s.tok_start + s.tok_len == s.seq_len) as usize; // holds the ignored last position
-        sums[1] += (s.bsz * (s.tok_len - last)) as f64;
-        accumulate_per_source(&seqs, &out.nll, s.tok_start, s.tok_len, &mut by_source)?;
+        targets_seen += (s.bsz * (s.tok_len - last)) as f64;
     }
     let grad_norm = reduce_gradients(r, s)?;
-    let mut reduced: Vec<f64> = sums.iter().chain(&by_source).copied().collect();
+    // nll sum, target count, then (nll sum, count) per source id, summed over ranks
+    let (nll_sum, by_source) = sums.read()?;
+    let mut reduced: Vec<f64> = [nll_sum, targets_seen].iter().chain(&by_source).copied().collect();
     r.comm.all_reduce_sum_f64(&mut reduced)?;
     let loss = reduced[0] / reduced[1];
     let per_source: BTreeMap<String, (f64, f64)> = reduced[2..]
@@ -1355,30 +1354,69 @@ fn resume_point(ckpt_root: &Path, resume: bool) -> Result<Option<PathBuf>> {
     Ok(latest)
 }
 
-/// Add the nll of every predicted token to the source of that token (position p predicts p + 1) as
-/// (nll sum, count) pairs per source id in `acc` (`2 * names.len()` values, empty with < 2 sources);
-/// `nll` holds positions `start..start + len` of each sequence (one rank's part under sequence
-/// parallelism, all of it otherwise).
-fn accumulate_per_source(seqs: &[Sequence], nll: &[f32], start: usize, len: usize, acc: &mut [f64]) -> Result<()> {
-    if acc.is_empty() {
-        return Ok(());
+/// The loss sums of one optimizer step, kept on the nll's device across its micro-batches (f64) and
+/// read back once per step: the nll sum and, with >= 2 sources, the nll sum per source id. Per-source
+/// token counts come from the spans on the host (they do not depend on the nll), so only 1 + sources
+/// scalars cross per step. The per-source sums select each source's positions (`where_cond` on an
+/// (S, B*T) mask built on the device from one u32 source id per position) and sum each row: parallel on
+/// CUDA (candle's `index_add` of a 1-D tensor runs on one GPU thread); on the CPU each row is summed in
+/// position order, so one micro-batch gives exactly the bits of the host loop this replaced, and
+/// several differ from it only in how the f64 partial sums associate (~1e-16 relative).
+pub struct LossSums {
+    /// () f64: nll sum of every position
+    total: Tensor,
+    /// (S) f64: nll sum per source id (None below 2 sources)
+    by_source: Option<Tensor>,
+    /// predicted tokens per source id
+    counts: Vec<f64>,
+}
+
+impl LossSums {
+    /// Zero sums on `device` for a dataset of `n_sources` sources (no per-source sums below 2).
+    pub fn new(n_sources: usize, device: &Device) -> Result<LossSums> {
+        let n = if n_sources < 2 { 0 } else { n_sources };
+        let by_source = if n == 0 { None } else { Some(Tensor::zeros(n, DType::F64, device)?) };
+        Ok(LossSums { total: Tensor::zeros((), DType::F64, device)?, by_source, counts: vec![0.0; n] })
     }
-    let n = acc.len() / 2;
-    for (i, s) in seqs.iter().enumerate() {
-        let t = s.tokens.len();
-        // position p predicts token p + 1; its source is that token's (Sequence::source_of, the one rule)
-        for p in start..(start + len).min(t.saturating_sub(1)) {
-            if let Some(id) = s.source_of(p + 1) {
-                let id = id as usize;
-                if id >= n {
-                    bail!("a sequence names source id {id}, but the dataset lists {n} sources\nhint: the dataset is damaged; check it with harpe inspect-data --verify");
+
+    /// Add one micro-batch: `nll` (B*len) holds positions `start..start + len` of each of `seqs` (one
+    /// rank's part under sequence parallelism, all of it otherwise); position p predicts token p + 1,
+    /// whose source is `Sequence::source_of` (the one rule).
+    pub fn add(&mut self, nll: &Tensor, seqs: &[Sequence], start: usize, len: usize) -> Result<()> {
+        let nll = nll.to_dtype(DType::F64)?; // (B*len), exact
+        self.total = (&self.total + nll.sum_all()?)?;
+        let Some(acc) = &self.by_source else { return Ok(()) };
+        let (n, bt) = (self.counts.len(), nll.elem_count());
+        let mut ids = vec![n as u32; bt]; // (B*len) source id per position, n = none (no target or source)
+        for (i, s) in seqs.iter().enumerate() {
+            let t = s.tokens.len();
+            for p in start..(start + len).min(t.saturating_sub(1)) {
+                if let Some(id) = s.source_of(p + 1) {
+                    if id as usize >= n {
+                        bail!("a sequence names source id {id}, but the dataset lists {n} sources\nhint: the dataset is damaged; check it with harpe inspect-data --verify");
+                    }
+                    ids[i * len + p - start] = id;
+                    self.counts[id as usize] += 1.0;
                 }
-                acc[2 * id] += nll[i * len + p - start] as f64;
-                acc[2 * id + 1] += 1.0;
             }
         }
+        let dev = nll.device();
+        let ids = Tensor::from_vec(ids, (1, bt), dev)?; // (1, B*len)
+        let hit = ids.broadcast_eq(&Tensor::arange(0u32, n as u32, dev)?.reshape((n, 1))?)?; // (S, B*len) u8
+        let zero = Tensor::zeros((n, bt), DType::F64, dev)?;
+        let picked = hit.where_cond(&nll.reshape((1, bt))?.broadcast_as((n, bt))?, &zero)?; // (S, B*len)
+        self.by_source = Some((acc + picked.sum(1)?)?); // (S)
+        Ok(())
     }
-    Ok(())
+
+    /// The nll sum, then (nll sum, count) per source id (empty with < 2 sources): the step's only
+    /// device-to-host copy of the loss.
+    pub fn read(&self) -> Result<(f64, Vec<f64>)> {
+        let total = self.total.to_scalar::<f64>()?;
+        let Some(acc) = &self.by_source else { return Ok((total, vec![])) };
+        let sums = acc.to_vec1::<f64>()?;
+        Ok((total, self.counts.iter().zip(&sums).flat_map(|(&c, &s)| [s, c]).collect()))
+    }
 }
 
 fn progress_bar(enabled: bool, stage: usize, steps: u64, pos: u64) -> Option<indicatif::ProgressBar> {

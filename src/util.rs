@@ -5,15 +5,25 @@ use std::path::Path;
 
 /// Write `bytes` to `path` atomically: temporary file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |f| Ok(f.write_all(bytes)?))
+}
+
+/// Write `path` atomically through `write` (given the temporary file): fsync, then rename; on an
+/// error the temporary file is removed and `path` is left as it was.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    {
+    let res = (|| -> Result<()> {
         let mut f = std::fs::File::create(&tmp).with_context(|| {
             format!("cannot create {}\nhint: check that the directory exists and is writable", tmp.display())
         })?;
-        f.write_all(bytes).with_context(|| format!("writing {} failed\nhint: is the disk full?", tmp.display()))?;
-        f.sync_all().with_context(|| format!("fsync {} failed", tmp.display()))?;
+        write(&mut f).with_context(|| format!("writing {} failed\nhint: is the disk full?", tmp.display()))?;
+        f.sync_all().with_context(|| format!("fsync {} failed", tmp.display()))
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
     Ok(())

@@ -1,27 +1,13 @@
 //! `harpe train` paths no other test touches, through the binary: `--force` over a run directory of
 //! another config, SIGINT (finish the step, checkpoint, exit 0), a bf16 run, and `reset_optimizer`.
+#[macro_use]
+mod common;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-const TINY: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 4
+const TINY: &str = concat!(
+    tiny_model!(),
+    r#"micro_batch_size = 4
 global_batch_tokens = 128
 loss_chunk_tokens = 100
 
@@ -42,7 +28,8 @@ steps = 3
 [[stage]]
 seq_len = 32
 steps = 3
-"#;
+"#
+);
 
 fn harpe(args: &[&str], cfg: &Path, out: &Path) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_harpe"))

@@ -6,31 +6,17 @@
 //! The non-obvious choice: weights are compared per tensor by relative L2 distance (elementwise relative
 //! error is meaningless for weights near 0); the summation order of the gradient differs with N, so
 //! bit-identity is not expected.
+#[macro_use]
+mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Two stages (seq 32 then 64, HARPE bases in the second) so accumulation differs per stage:
 /// 8 micro-batches of 2 x 32 per step, then 4 of 2 x 64.
-const TINY: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 2
+const TINY: &str = concat!(
+    tiny_model!(),
+    r#"micro_batch_size = 2
 global_batch_tokens = 512
 loss_chunk_tokens = 100
 
@@ -53,7 +39,8 @@ steps = 3
 seq_len = 64
 steps = 2
 rope = { scheme = "harpe", head_bases = [10000.0, 80000.0] }
-"#;
+"#
+);
 
 fn harpe(args: &[&str]) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();

@@ -2,31 +2,17 @@
 //! the eval lines of metrics.jsonl have the documented keys and the values the eval commands compute on
 //! the saved checkpoint (an independent path: weights read back from disk); a resumed run neither loses
 //! nor repeats evaluations, also when it resumes from before an evaluation that was already logged.
+#[macro_use]
+mod common;
 use harpe::eval::eval_loss::{self, EvalLossArgs};
 use harpe::eval::ppl::{self, Aggregate, EvalPplArgs, ScoringModel};
 use harpe::metrics::{read_evals, read_records, EvalRecord};
 use harpe::train::{run, TrainArgs};
 use std::path::{Path, PathBuf};
 
-const TINY: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 4
+const TINY: &str = concat!(
+    tiny_model!(),
+    r#"micro_batch_size = 4
 global_batch_tokens = 256
 loss_chunk_tokens = 100
 
@@ -49,7 +35,8 @@ steps = 4
 seq_len = 64
 steps = 3
 rope = { scheme = "harpe", head_bases = [10000.0, 200000.0] }
-"#;
+"#
+);
 
 fn args(cfg: &Path, out: &Path) -> TrainArgs {
     TrainArgs::new(cfg, Some(out))

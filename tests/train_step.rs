@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use harpe::comms::zero::{ShardMap, Split};
 use harpe::config::Checkpointing;
+use harpe::data::{Sequence, SourceSpan};
 use harpe::flatbuf::FlatBuf;
 use harpe::grads::{flatten_params, GradAccum, ParamLayout};
 use harpe::model::config::LlamaConfig;
@@ -11,7 +12,7 @@ use harpe::model::rope::RopeScheme;
 use harpe::model::weights::{init_random, load_tensors};
 use harpe::model::Llama;
 use harpe::optim::adamw::{AdamW, AdamWHyper};
-use harpe::train::{batch_tensors, forward_backward, rope_tables, trainable_model};
+use harpe::train::{batch_tensors, forward_backward, rope_tables, trainable_model, LossSums};
 use std::path::Path;
 
 fn tiny(layers: usize, rope: RopeScheme) -> (LlamaConfig, ParamLayout, FlatBuf) {
@@ -47,7 +48,7 @@ fn step_grads(
         let (ids, tg) = batch_tensors(&refs, &Device::Cpu).unwrap();
         let seg = ck.segment_len(cfg.num_hidden_layers);
         let out = forward_backward(&model, &vars, layout, &tables, &ids, &tg, seg, 7, 1.0 / total, &mut g).unwrap();
-        nll += out.nll.iter().map(|&x| x as f64).sum::<f64>();
+        nll += out.nll.to_vec1::<f32>().unwrap().iter().map(|&x| x as f64).sum::<f64>();
     }
     (g.buf().host().unwrap().to_vec(), nll / total)
 }
@@ -198,4 +199,98 @@ fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
         }
     }
     assert!(worst.0 < 1e-4, "after {} steps: worst relative error {} in {}", lrs.len(), worst.0, worst.1);
+}
+
+/// The host computation `LossSums` replaced: every predicted token's nll added, in position order, to
+/// the total and to its source's (sum, count) (position p predicts p + 1).
+fn host_loss_sums(micro: &[(Vec<f32>, Vec<Sequence>)], start: usize, len: usize, n: usize) -> (f64, Vec<f64>) {
+    let (mut total, mut acc) = (0f64, vec![0f64; if n < 2 { 0 } else { 2 * n }]);
+    for (nll, seqs) in micro {
+        total += nll.iter().map(|&x| x as f64).sum::<f64>();
+        if acc.is_empty() {
+            continue;
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            for p in start..(start + len).min(s.tokens.len() - 1) {
+                if let Some(id) = s.source_of(p + 1) {
+                    acc[2 * id as usize] += nll[i * len + p - start] as f64;
+                    acc[2 * id as usize + 1] += 1.0;
+                }
+            }
+        }
+    }
+    (total, acc)
+}
+
+/// Random sequences of `t` tokens whose spans leave gaps (tokens of no source) and a random nll for
+/// positions start..start + len of each, 0 where the target is ignored (the last position).
+fn random_micro(rng: &mut u64, b: usize, t: usize, start: usize, len: usize, n: u32) -> (Vec<f32>, Vec<Sequence>) {
+    let mut next = move || {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        *rng
+    };
+    let seqs: Vec<Sequence> = (0..b)
+        .map(|_| {
+            let mut sources = vec![];
+            let mut p = 0;
+            while p < t {
+                let end = (p + 1 + (next() % 9) as usize).min(t);
+                if next() % 4 != 0 {
+                    sources.push(SourceSpan { source: (next() % n as u64) as u32, start: p, end });
+                }
+                p = end;
+            }
+            Sequence { tokens: vec![0; t], sources, doc_starts: vec![0], index: 0, epoch: 0 }
+        })
+        .collect();
+    let nll = (0..b * len)
+        .map(|k| if start + k % len == t - 1 { 0.0 } else { (next() % 1_000_000) as f32 * 1.3e-5 })
+        .collect();
+    (nll, seqs)
+}
+
+/// One micro-batch: the bits of the host loop; several: the same sums up to the f64 association of the
+/// micro-batches' partial sums (the total is still exact: the host also summed each micro-batch first).
+#[test]
+fn loss_sums_on_the_device_equal_the_host_sums() {
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut unsourced = 0;
+    // (sources, whole sequence or one sequence-parallel part)
+    for (n, start, len) in [(1usize, 0usize, 37usize), (3, 0, 37), (5, 0, 37), (4, 13, 12), (4, 25, 12)] {
+        for k in [1, 3] {
+            let micro: Vec<_> = (0..k).map(|_| random_micro(&mut rng, 2, 37, start, len, n.max(1) as u32)).collect();
+            let mut sums = LossSums::new(n, &Device::Cpu).unwrap();
+            for (nll, seqs) in &micro {
+                sums.add(&Tensor::new(nll.as_slice(), &Device::Cpu).unwrap(), seqs, start, len).unwrap();
+            }
+            let (total, by_source) = sums.read().unwrap();
+            let (want_total, want) = host_loss_sums(&micro, start, len, n);
+            assert_eq!(total.to_bits(), want_total.to_bits(), "{n} sources: {total} vs {want_total}");
+            assert_eq!(by_source.len(), want.len());
+            for (j, (a, b)) in by_source.iter().zip(&want).enumerate() {
+                if k == 1 {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{n} sources, value {j}: {a} vs {b}");
+                } else {
+                    assert!((a - b).abs() <= 1e-14 * b.abs(), "{n} sources, {k} micro-batches, value {j}: {a} vs {b}");
+                }
+            }
+            if n >= 2 {
+                assert!(want.chunks(2).filter(|c| c[1] > 0.0).count() >= 2, "tokens of several sources");
+                let targets = 2 * k * ((start + len).min(36) - start); // the last position has no target
+                unsourced += targets - want.chunks(2).map(|c| c[1]).sum::<f64>() as usize;
+            }
+        }
+    }
+    assert!(unsourced > 0, "the cases include targets in no source's span");
+}
+
+#[test]
+fn loss_sums_refuse_an_unknown_source_id() {
+    let (nll, mut seqs) = random_micro(&mut 7u64.wrapping_mul(0x2545_f491_4f6c_dd1d), 1, 9, 0, 9, 2);
+    seqs[0].sources = vec![SourceSpan { source: 2, start: 0, end: 9 }];
+    let mut sums = LossSums::new(2, &Device::Cpu).unwrap();
+    let e = sums.add(&Tensor::new(nll.as_slice(), &Device::Cpu).unwrap(), &seqs, 0, 9).unwrap_err();
+    assert!(e.to_string().contains("source id 2"), "{e}");
 }

@@ -4,16 +4,25 @@
 //! Reference: HF `modeling_utils.save_pretrained` / `load_state_dict` layout and index format.
 //! The non-obvious decision: files are memory-mapped and every tensor is checked (dtype, shape, the
 //! shard the index names) with an error naming file and tensor; saving writes each file atomically
-//! (temporary name, fsync, rename) and the index last. Not done here: optimizer state (`checkpoint`).
+//! (temporary name, fsync, rename) and the index last, streaming every tensor from its device in
+//! `STREAM_CHUNK_BYTES` pieces (`write_safetensors`: the crate's header, then the data piece by piece;
+//! the bytes equal `safetensors::serialize`'s, which would hold the whole file in memory). Random
+//! initialization draws one ChaCha8 stream per seed on the host, in parallel pieces (the stream is
+//! seekable), and `init_flat` places each piece straight into the training state: the same bits on
+//! every device and thread count, never the whole model in host memory. It is deliberately not
+//! `Tensor::randn` on the GPU: curand's values differ from the CPU's, and the CPU-vs-GPU loss checks
+//! (gpu-check.sh `train_parity`, selftest) start both runs from one seed's weights.
+//! Not done here: optimizer state (`checkpoint`).
 use crate::flatbuf::{FlatBuf, Placement};
 use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
 use crate::model::llama::{check_params, param_shapes, Llama};
-use crate::util::write_atomic;
+use crate::util::{write_atomic, write_atomic_with};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Default largest shard written by `save_model_dir`: 5 GiB (5 x 2^30 bytes; harpe's byte sizes are
@@ -286,12 +295,9 @@ pub fn save_model_dir(
         } else {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
-        let views =
-            shard.iter().map(|(k, t)| Ok((k.clone(), TensorBytes::from_tensor(t)?))).collect::<Result<Vec<_>>>()?;
+        let srcs: Vec<(String, StreamSrc)> = shard.iter().map(|(k, t)| (k.clone(), StreamSrc::Tensor(t))).collect();
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let bytes = safetensors::tensor::serialize(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta))
-            .map_err(|e| anyhow!("cannot serialize {fname}: {e}"))?;
-        write_atomic(&dir.join(&fname), &bytes)?;
+        write_safetensors(&dir.join(&fname), &srcs, Some(meta), STREAM_CHUNK_BYTES)?;
         for (k, _) in shard {
             weight_map.insert(k.clone(), fname.clone());
         }
@@ -306,7 +312,109 @@ pub fn save_model_dir(
     Ok(())
 }
 
-/// A tensor's little-endian bytes as a safetensors view (also used for optimizer state).
+/// Bytes per piece of a streamed safetensors write (`write_safetensors`): a save holds about this much
+/// host memory per file (the piece's values and their bytes) whatever the tensors' sizes.
+pub const STREAM_CHUNK_BYTES: usize = 32 << 20;
+
+/// Where the values of one tensor of a streamed safetensors file come from.
+pub enum StreamSrc<'a> {
+    /// a float tensor on any device (a model weight)
+    Tensor(&'a Tensor),
+    /// a flat fp32 buffer on the host or a device (optimizer state), saved 1-D
+    Flat(&'a FlatBuf),
+}
+
+impl StreamSrc<'_> {
+    fn dtype(&self) -> DType {
+        match self {
+            StreamSrc::Tensor(t) => t.dtype(),
+            StreamSrc::Flat(_) => DType::F32,
+        }
+    }
+
+    fn shape(&self) -> Vec<usize> {
+        match self {
+            StreamSrc::Tensor(t) => t.dims().to_vec(),
+            StreamSrc::Flat(b) => vec![b.len()],
+        }
+    }
+
+    /// Little-endian bytes of the elements `range` (row-major order), copied from the device.
+    fn bytes(&self, range: std::ops::Range<usize>) -> Result<Vec<u8>> {
+        fn le<T: Copy, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {
+            v.into_iter().flat_map(f).collect()
+        }
+        let t = match self {
+            StreamSrc::Flat(b) => return Ok(le(b.range_to_host(range)?, f32::to_le_bytes)),
+            StreamSrc::Tensor(t) => t.flatten_all()?.narrow(0, range.start, range.len())?,
+        };
+        Ok(match t.dtype() {
+            DType::F32 => le(t.to_vec1::<f32>()?, f32::to_le_bytes),
+            DType::BF16 => le(t.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+            DType::F16 => le(t.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
+            DType::F64 => le(t.to_vec1::<f64>()?, f64::to_le_bytes),
+            other => bail!("cannot save a tensor of dtype {other:?}\nhint: save float weights"),
+        })
+    }
+}
+
+/// Write `tensors` as the safetensors file `path`, atomically (temporary name, fsync, rename), copying
+/// each tensor from its device in pieces of at most `chunk_bytes`; the bytes are exactly those of
+/// `safetensors::serialize` (header from the crate's `Metadata`: tensors sorted by descending dtype,
+/// then name, padded with spaces to 8 bytes). Returns the largest piece held on the host.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, StreamSrc)],
+    meta: Option<HashMap<String, String>>,
+    chunk_bytes: usize,
+) -> Result<usize> {
+    let mut order: Vec<(&String, &StreamSrc, safetensors::Dtype)> =
+        tensors.iter().map(|(k, s)| Ok((k, s, safe_dtype(s.dtype())?))).collect::<Result<_>>()?;
+    order.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(b.0)));
+    let mut infos = Vec::with_capacity(order.len());
+    let mut offset = 0;
+    for &(name, src, dtype) in &order {
+        let shape = src.shape();
+        let n = shape.iter().product::<usize>() * src.dtype().size_in_bytes();
+        infos
+            .push((name.clone(), safetensors::tensor::TensorInfo { dtype, shape, data_offsets: (offset, offset + n) }));
+        offset += n;
+    }
+    let header = safetensors::tensor::Metadata::new(meta, infos)
+        .map_err(|e| anyhow!("cannot describe {}: {e}", path.display()))?;
+    let mut header = serde_json::to_string(&header)?.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut largest = 0;
+    write_atomic_with(path, |f| {
+        let mut f = std::io::BufWriter::new(f);
+        f.write_all(&(header.len() as u64).to_le_bytes())?;
+        f.write_all(&header)?;
+        for &(_, src, _) in &order {
+            let (n, size) = (src.shape().iter().product::<usize>(), src.dtype().size_in_bytes());
+            let step = (chunk_bytes / size).max(1);
+            for start in (0..n).step_by(step) {
+                let piece = src.bytes(start..(start + step).min(n))?;
+                largest = largest.max(piece.len());
+                f.write_all(&piece)?;
+            }
+        }
+        Ok(f.flush()?)
+    })?;
+    Ok(largest)
+}
+
+fn safe_dtype(d: DType) -> Result<safetensors::Dtype> {
+    Ok(match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::F64 => safetensors::Dtype::F64,
+        other => bail!("cannot save a tensor of dtype {other:?}\nhint: save float weights"),
+    })
+}
+
+/// A tensor's little-endian bytes, whole, as a safetensors view: the reference `write_safetensors`
+/// is tested against (`safetensors::serialize`), and test fixtures.
 pub struct TensorBytes {
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
@@ -361,26 +469,92 @@ impl safetensors::View for &TensorBytes {
     }
 }
 
+/// Values per piece of the random initialization: generated in parallel, then placed one piece at a time.
+const INIT_PIECE: usize = 1 << 20;
+
 /// HF-style random initialization: normal(0, initializer_range) for matrices, ones for norms.
-/// Deterministic from `seed` (ChaCha, Box-Muller), independent of thread count.
+/// Deterministic from `seed` (ChaCha, Box-Muller), independent of thread count and device.
 pub fn init_random(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<Vec<(String, Tensor)>> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let std = cfg.initializer_range as f32;
     let mut out = vec![];
+    let mut data = vec![];
+    init_pieces(cfg, seed, |name, shape, start, piece| {
+        data.extend_from_slice(&piece);
+        if start + piece.len() == shape.iter().product::<usize>() {
+            let t = Tensor::from_vec(std::mem::take(&mut data), shape, device)?.to_dtype(dtype)?;
+            out.push((name.to_string(), t));
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// `init_random`'s fp32 values (the same bits for a seed) written straight into a flat buffer with
+/// placement `p`, piece by piece: host memory stays a few pieces per thread whatever the model size.
+pub fn init_flat(cfg: &LlamaConfig, seed: u64, p: &Placement) -> Result<(ParamLayout, FlatBuf)> {
+    let layout = ParamLayout::new(&param_shapes(cfg));
+    let mut flat = FlatBuf::zeros_in(layout.total, p)?;
+    let mut params = layout.params.iter();
+    let mut range = 0..0;
+    init_pieces(cfg, seed, |name, _, start, piece| {
+        if start == 0 {
+            range = params.next().filter(|q| q.name == name).map(|q| q.range.clone()).ok_or_else(|| {
+                anyhow!("internal: the random initialization's parameter {name} is not the layout's next")
+            })?;
+        }
+        let at = range.start + start;
+        let n = piece.len();
+        flat.set_tensor(at..at + n, &Tensor::from_vec(piece, n, &Device::Cpu)?)
+    })?;
+    Ok((layout, flat))
+}
+
+/// The random initialization as pieces: `f(name, shape, first element, values)` for every parameter
+/// in HF order, each in order of its elements. The values are those of one ChaCha8 stream from `seed`
+/// drawn in that order (two words per normal matrix element: u1, u2 of Box-Muller; none for norms).
+/// ChaCha is seekable, so each piece starts its own generator at its word position and the pieces of
+/// a batch are drawn in parallel, with the bits of the one sequential stream.
+fn init_pieces(
+    cfg: &LlamaConfig,
+    seed: u64,
+    mut f: impl FnMut(&str, &[usize], usize, Vec<f32>) -> Result<()>,
+) -> Result<()> {
+    use rayon::prelude::*;
+    let std = cfg.initializer_range as f32;
+    let batch = INIT_PIECE * rayon::current_num_threads();
+    let mut word = 0u128; // stream position (32-bit words) of the next normal parameter
     for (name, shape) in param_shapes(cfg) {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else {
-            (0..n)
-                .map(|_| {
-                    let u1: f32 = rng.random::<f32>().max(1e-12);
-                    let u2: f32 = rng.random::<f32>();
-                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        let norm = name.ends_with("norm.weight");
+        if n == 0 {
+            f(&name, &shape, 0, vec![])?; // an empty parameter is still one (empty) piece
+        }
+        for b in (0..n).step_by(batch) {
+            let starts: Vec<usize> = (b..(b + batch).min(n)).step_by(INIT_PIECE).collect();
+            let pieces: Vec<Vec<f32>> = starts
+                .par_iter()
+                .map(|&s| {
+                    let len = INIT_PIECE.min(n - s);
+                    if norm {
+                        return vec![1.0; len];
+                    }
+                    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+                    rng.set_word_pos(word + 2 * s as u128);
+                    (0..len)
+                        .map(|_| {
+                            let u1: f32 = rng.random::<f32>().max(1e-12);
+                            let u2: f32 = rng.random::<f32>();
+                            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+                        })
+                        .collect()
                 })
-                .collect()
-        };
-        out.push((name, Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?));
+                .collect();
+            for (s, piece) in starts.into_iter().zip(pieces) {
+                f(&name, &shape, s, piece)?;
+            }
+        }
+        if !norm {
+            word += 2 * n as u128;
+        }
     }
-    Ok(out)
+    Ok(())
 }

@@ -1,0 +1,37 @@
+//! `harpe bench model` on the CPU at tiny sizes: it lists the decoder-layer and training-step rows in
+//! the table and in `--json`, each with a positive time and throughput (no thresholds: times vary).
+use std::process::Command;
+
+fn bench(extra: &[&str]) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["bench", "model", "--device", "cpu", "--iters", "1", "--hidden", "32", "--heads", "2"])
+        .args(["--model-tokens", "24"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "harpe bench model failed: {out}\n{err}");
+    out.to_string()
+}
+
+#[test]
+fn bench_model_lists_and_runs_the_layer_and_step_rows() {
+    let j: serde_json::Value = serde_json::from_str(&bench(&["--json"])).unwrap();
+    let rows = j["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["kernel"].as_str().unwrap()).collect();
+    assert_eq!(names, ["decoder layer fwd+bwd", "train step"]);
+    for r in rows {
+        for k in ["ms", "gb_per_s", "tflops"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k} of {r}");
+        }
+    }
+    assert!(rows[0]["shape"].as_str().unwrap().contains("C32 H2"), "{}", rows[0]);
+    assert!(rows[1]["shape"].as_str().unwrap().contains("T24"), "{}", rows[1]);
+    assert!(j["copy_gb_per_s"].as_f64().unwrap() > 0.0);
+    let table = bench(&["--step-layers", "1"]);
+    assert!(table.contains("TFLOP/s"), "{table}");
+    for name in ["decoder layer fwd+bwd", "train step"] {
+        assert!(table.lines().any(|l| l.starts_with(name)), "no {name} row in:\n{table}");
+    }
+    assert!(table.contains("L1 C32"), "{table}");
+}
