@@ -22,7 +22,8 @@
 #      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
 #   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable),
 #      `harpe bench model` (a Llama-2-7B decoder layer fwd+bwd at T = 4096 and a 2-layer 7B-shaped bf16
-#      training step with AdamW: TFLOP/s, tokens/s), then
+#      training step with AdamW: TFLOP/s, tokens/s), `harpe bench comms --nproc-per-node 1` (NCCL
+#      all-reduce / all-gather / reduce-scatter through harpe's Comm), then
 #      `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
 #      PyTorch SDPA per backend beside it; `attention_steps` below);
 #   6. selftest's small cases under compute-sanitizer memcheck and racecheck when the machine has it;
@@ -222,6 +223,9 @@ run() {
   plan_vs_measured "$bin"
   step "bench" 180 "$bin" bench
   step "bench model" 120 "$bin" bench model
+  # issue 12: the collectives over NCCL, one process (what one GPU's NCCL path costs; on an 8-GPU node
+  # `bench comms --nproc-per-node 8` gives the bus bandwidth to compare with NVLink)
+  step "bench comms (NCCL, 1 process)" 60 "$bin" bench comms --nproc-per-node 1 --comm-mib 1,64,512
   attention_steps "$bin"
   if command -v compute-sanitizer >/dev/null; then
     # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers

@@ -84,9 +84,23 @@ pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
 pub struct BenchArgs {
     /// what to time: `kernels` (the row kernels, the default), `attention` (flash attention fwd/bwd at
     /// T = 8K, 32K, 128K against PyTorch SDPA; `bench::attention`) or `model` (a decoder layer
-    /// fwd+bwd and a full training step on --device, CPU too; `bench::model`)
-    #[arg(value_parser = ["kernels", "attention", "model"])]
+    /// fwd+bwd and a full training step on --device, CPU too; `bench::model`) or `comms` (all-reduce,
+    /// all-gather, reduce-scatter time and bus bandwidth: NCCL ranks with --nproc-per-node, else
+    /// --ranks thread ranks on host memory; `bench::comms`)
+    #[arg(value_parser = ["kernels", "attention", "model", "comms"])]
     pub what: Option<String>,
+    /// `comms`: start N processes, one per GPU, over NCCL (a build with --features nccl)
+    #[arg(long, value_name = "N")]
+    pub nproc_per_node: Option<usize>,
+    /// `comms` without a launcher: rank threads (`Local`, host memory)
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// `comms`: buffer sizes in MiB (per rank for all-reduce, gathered for all-gather / reduce-scatter)
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    pub comm_mib: Vec<f64>,
+    /// `comms`: seconds of timed calls per row
+    #[arg(long, default_value_t = 0.5)]
+    pub comm_seconds: f64,
     /// device of the `model` rows: cpu, cuda or cuda:N [default: cuda in a CUDA build, else cpu]
     #[arg(long)]
     pub device: Option<DeviceSpec>,
@@ -123,6 +137,9 @@ pub struct BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.what.as_deref() == Some("model") {
         return run_model(&args);
+    }
+    if args.what.as_deref() == Some("comms") {
+        return comms::run(&args);
     }
     if !cfg!(feature = "cuda") {
         bail!("harpe bench times the CUDA kernels, and this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs); on CPU, `harpe selftest` checks the kernels' source through the host emulation");

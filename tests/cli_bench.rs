@@ -35,3 +35,30 @@ fn bench_model_lists_and_runs_the_layer_and_step_rows() {
     }
     assert!(table.contains("L1 C32"), "{table}");
 }
+
+/// `harpe bench comms` without a launcher: thread ranks on host memory, every collective and size a row
+/// with a positive time and bus bandwidth; bad sizes are refused with a hint.
+#[test]
+fn bench_comms_times_every_collective_over_thread_ranks() {
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_harpe"))
+            .args(["bench", "comms", "--ranks", "3", "--comm-seconds", "0.02"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["--comm-mib", "0.01,0.25", "--json"]);
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{out}\n{err}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let ops: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    assert_eq!(ops, ["all_reduce", "all_gather", "reduce_scatter"].repeat(2));
+    for r in &rows {
+        assert_eq!(r["ranks"], 3);
+        assert!(r["ms"].as_f64().unwrap() > 0.0 && r["busbw"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert_eq!(rows[3]["bytes"], 262_140, "0.25 MiB rounded down to whole f32 per rank");
+    let o = run(&["--comm-mib", "0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--comm-mib 0") && err.contains("hint:"), "{err}");
+}

@@ -12,9 +12,12 @@
 //! host wait comes after every queued collective on the collective stream, so the clock sees them done.
 //! Does not: sweep message sizes finely, or time all-to-all (Ulysses) — its volume per step is small
 //! next to ZeRO's (harpe plan's `sp_comm_s`).
+use crate::bench::BenchArgs;
+use crate::comms::launch::{launch_if_asked, LaunchEnv};
+use crate::comms::local::spawn_local;
 use crate::comms::Comm;
 use crate::flatbuf::{FlatBuf, Placement};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 
@@ -89,6 +92,76 @@ pub fn time_collectives(comm: &Comm, device: &Device, sizes: &[usize], seconds: 
     Ok(rows)
 }
 
+/// `harpe bench comms`: NCCL ranks when launched (`--nproc-per-node`, torchrun, srun), else `--ranks`
+/// rank threads on host memory; rank 0 prints the table (or JSON).
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if let Some(out) = launch_if_asked(args.nproc_per_node)? {
+        if !out.success() {
+            bail!(
+                "bench comms: rank {} failed first ({})\nhint: its own error is printed above",
+                out.first_failure.unwrap_or(0),
+                out.exit_code()
+            );
+        }
+        return Ok(());
+    }
+    let bad = args.comm_mib.iter().find(|m| !(m.is_finite() && **m > 0.0));
+    if let Some(m) = bad {
+        bail!("--comm-mib {m}: sizes must be positive MiB\nhint: e.g. --comm-mib 1,16,256");
+    }
+    if !(args.comm_seconds > 0.0 && args.comm_seconds.is_finite()) {
+        bail!("--comm-seconds {}: must be a positive number of seconds", args.comm_seconds);
+    }
+    let sizes: Vec<usize> = args.comm_mib.iter().map(|m| (m * 1048576.0) as usize).collect();
+    let timeout = std::time::Duration::from_secs(120);
+    let (rows, backend) = match LaunchEnv::from_env()? {
+        Some(env) => (nccl_rows(&env, &sizes, args.comm_seconds, timeout)?, "NCCL"),
+        None => {
+            if args.ranks == 0 {
+                bail!("--ranks 0: at least one rank\nhint: e.g. --ranks 4");
+            }
+            let secs = args.comm_seconds;
+            let sz = &sizes;
+            let out = spawn_local(args.ranks, timeout, move |lc| {
+                time_collectives(&Comm::Local(lc, 1), &Device::Cpu, sz, secs)
+            })?;
+            (out.into_iter().next().unwrap_or_default(), "Local rank threads (host memory)")
+        }
+    };
+    if rows.is_empty() {
+        return Ok(()); // not rank 0
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print_rows(&rows, backend);
+    }
+    Ok(())
+}
+
+/// The rows of one NCCL rank (empty except on rank 0, which prints them).
+#[cfg(feature = "nccl")]
+fn nccl_rows(env: &LaunchEnv, sizes: &[usize], secs: f64, timeout: std::time::Duration) -> Result<Vec<CommRow>> {
+    use crate::comms::nccl::NcclComm;
+    let c = std::sync::Arc::new(NcclComm::join(env, "harpe bench comms", timeout, 1)?);
+    let comm = Comm::Nccl(std::sync::Arc::clone(&c));
+    let rows = time_collectives(&comm, c.device(), sizes, secs);
+    match &rows {
+        Ok(_) => c.finish(),
+        Err(e) => c.report_failure("in bench comms", &format!("{e:#}")),
+    }
+    Ok(if env.rank == 0 { rows? } else { rows.map(|_| vec![])? })
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_rows(env: &LaunchEnv, _: &[usize], _: f64, _: std::time::Duration) -> Result<Vec<CommRow>> {
+    bail!(
+        "bench comms: this process is rank {} of {} (launcher environment), but this harpe was built without NCCL\nhint: build with --features nccl, or run without a launcher for thread ranks (--ranks N)",
+        env.rank,
+        env.world_size
+    )
+}
+
 /// The table `harpe bench comms` prints.
 pub fn print_rows(rows: &[CommRow], backend: &str) {
     println!("# collectives over {backend} (bus bandwidth as nccl-tests defines it)");
@@ -101,7 +174,6 @@ pub fn print_rows(rows: &[CommRow], backend: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comms::local::spawn_local;
     use std::time::Duration;
 
     #[test]
