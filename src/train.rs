@@ -217,6 +217,14 @@ impl Params<'_> {
         }
     }
 
+    /// Join the gradient exchanges still running (ZeRO 2-3 over NCCL): the shard is complete after this.
+    fn finish(&mut self) -> Result<()> {
+        match self {
+            Params::Resident { .. } => Ok(()),
+            Params::ShardedGrads { z, .. } | Params::Sharded(z) => z.finish(),
+        }
+    }
+
     /// Take the gradients `store` holds: resident, every parameter's; ZeRO 2-3, those of `held`.
     fn take_grads(&mut self, store: &GradStore, held: &[&Held]) -> Result<()> {
         let z = match self {
@@ -321,6 +329,7 @@ pub fn forward_backward_with(
     }
     let store = (x0 * g.detach())?.sum_all()?.backward()?;
     params.take_grads(&store, &outer.first().into_iter().collect::<Vec<_>>())?;
+    params.finish()?;
     Ok(MicroOut { nll })
 }
 
@@ -1081,6 +1090,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
                 dtype: r.dtype,
                 device: r.device.clone(),
                 bucket: r.bucket,
+                pending: vec![],
             };
             if r.zero_stage == 2 {
                 Params::ShardedGrads { vars: &s.vars, z }

@@ -38,6 +38,9 @@ pub struct CommRow {
     pub busbw: f64,
 }
 
+/// A named collective to time.
+type Timed<'a> = (&'static str, Box<dyn FnMut() -> Result<()> + 'a>);
+
 /// nccl-tests' bus-bandwidth factor of `op` over `n` ranks.
 pub fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n.max(1) as f64;
@@ -60,7 +63,7 @@ pub fn time_collectives(comm: &Comm, device: &Device, sizes: &[usize], seconds: 
         let mut buf = FlatBuf::zeros_in(elems, &Placement::of(device))?;
         let part = Tensor::zeros(elems / n, DType::F32, device)?;
         let full = Tensor::zeros(elems, DType::F32, device)?;
-        let mut ops: [(&'static str, Box<dyn FnMut() -> Result<()> + '_>); 3] = [
+        let mut ops: [Timed<'_>; 3] = [
             ("all_reduce", Box::new(|| comm.all_reduce_sum(&mut buf))),
             ("all_gather", Box::new(|| comm.all_gather_v_tensor(&part, &counts, "bench").map(drop))),
             ("reduce_scatter", Box::new(|| comm.reduce_scatter_v_sum_tensor(&full, &counts, "bench").map(drop))),

@@ -72,6 +72,35 @@ impl Mesh {
     }
 }
 
+/// A collective started by `Comm::reduce_scatter_v_sum_tensor_start`; `wait` gives its result.
+pub struct Started {
+    out: Tensor,
+    /// NCCL: the communicator, the completion event, and the input kept alive until the join
+    #[cfg(feature = "nccl")]
+    nccl: Option<(Arc<nccl::NcclComm>, Arc<cudarc::driver::CudaEvent>, Tensor)>,
+}
+
+impl Started {
+    /// True when the result can be used at once (every backend but NCCL).
+    pub fn is_ready(&self) -> bool {
+        #[cfg(feature = "nccl")]
+        if self.nccl.is_some() {
+            return false;
+        }
+        true
+    }
+
+    /// The result; under NCCL the compute stream first waits for the exchange (no host wait).
+    pub fn wait(self) -> Result<Tensor> {
+        #[cfg(feature = "nccl")]
+        if let Some((c, done, input)) = self.nccl {
+            c.join_compute(&done)?;
+            drop(input); // freed in stream order, after the join
+        }
+        Ok(self.out)
+    }
+}
+
 /// The communicator of this process.
 #[derive(Clone, Debug)]
 pub enum Comm {
@@ -262,6 +291,24 @@ impl Comm {
             }
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_gather_v(&input.contiguous()?, counts, label),
+        }
+    }
+
+    /// `reduce_scatter_v_sum_tensor`, started: under NCCL the exchange runs on while the compute stream
+    /// goes on (its result is joined by `Started::wait`); elsewhere it is complete on return.
+    pub fn reduce_scatter_v_sum_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+        match self {
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let input = input.contiguous()?;
+                let (out, done) = c.reduce_scatter_v_sum_start(&input, counts, label)?;
+                Ok(Started { out, nccl: done.map(|d| (Arc::clone(c), d, input)) })
+            }
+            _ => Ok(Started {
+                out: self.reduce_scatter_v_sum_tensor(input, counts, label)?,
+                #[cfg(feature = "nccl")]
+                nccl: None,
+            }),
         }
     }
 

@@ -27,8 +27,12 @@
 //!   prints the failure and exits (status 1): the guarantee "every rank stops within the timeout"
 //!   does not depend on what the loop was blocked in.
 //!
-//! What it does not do: overlap one layer's exchange with the next layer's compute (the compute stream
-//! waits for each collective; prefetching ZeRO-3's next layer is the next step), reduce in bf16, or
+//! - Overlap: ZeRO 2-3 start each group's gradient reduce-scatter without the compute stream waiting
+//!   (`reduce_scatter_v_sum_start`); the result is joined and added to the shard only when the next
+//!   group's gradients are handed on (or the micro-batch ends), so the exchange of layer l runs while
+//!   the backward of the layers before it does.
+//!
+//! What it does not do: prefetch ZeRO-3's next layer weights (gathers are joined at once), reduce in bf16, or
 //! run anywhere but on CUDA devices (one GPU per rank: NCCL refuses two ranks on one GPU; the thread
 //! backend `Local` shares one). Compiled with `--features nccl` only; not run in CI (no GPU there).
 use crate::comms::launch::LaunchEnv;
@@ -425,6 +429,17 @@ impl NcclComm {
         what: &str,
         f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
     ) -> Result<Arc<CudaEvent>> {
+        self.enqueue_with(what, true, f)
+    }
+
+    /// `enqueue`, where `join = false` leaves the compute stream free to run on: the caller makes it
+    /// wait (`join_compute`) before the first use of the result (the overlapped reduce-scatter of ZeRO).
+    fn enqueue_with(
+        &self,
+        what: &str,
+        join: bool,
+        f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
+    ) -> Result<Arc<CudaEvent>> {
         self.guard.check()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
         let what = format!("collective #{seq} {what}");
@@ -444,7 +459,9 @@ impl NcclComm {
             self.guard.check()?;
         }
         let done = Arc::new(self.stream.record_event(None)?);
-        compute.wait(&done)?;
+        if join {
+            compute.wait(&done)?;
+        }
         let p = Pending { done: Arc::clone(&done), what, since: Instant::now() };
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(p);
         Ok(done)
@@ -592,21 +609,41 @@ impl NcclComm {
         Ok(out)
     }
 
+    /// Make the compute stream wait for a collective started without joining it.
+    pub fn join_compute(&self, done: &CudaEvent) -> Result<()> {
+        Ok(self.dev.cuda_stream().wait(done)?)
+    }
+
     /// Reduce-scatter-v (sum): `input` is the concatenation of slices of `counts`; this rank gets slice
     /// `rank` summed over ranks as a new tensor.
     pub fn reduce_scatter_v_sum(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        let (out, done) = self.reduce_scatter_v_sum_start(input, counts, label)?;
+        if let Some(d) = done {
+            self.join_compute(&d)?;
+        }
+        Ok(out)
+    }
+
+    /// `reduce_scatter_v_sum` without the compute stream waiting for it: the result may be used only
+    /// after `join_compute(done)`, and `input` must stay alive until then (None: nothing was queued).
+    pub fn reduce_scatter_v_sum_start(
+        &self,
+        input: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<(Tensor, Option<Arc<CudaEvent>>)> {
         let what = format!("reduce_scatter \"{label}\"");
         self.check_counts(counts, input.elem_count(), &what)?;
         let out = Tensor::zeros(counts[self.rank], input.dtype(), &self.device)?;
         if input.elem_count() == 0 {
-            return Ok(out);
+            return Ok((out, None));
         }
         let (ip, ty) = (self.ptr(input, 0, &what)?, nccl_type(input.dtype(), &what)?);
         let op = if counts[self.rank] > 0 { self.ptr(&out, 0, &what)? } else { ip };
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        self.enqueue(&what, |s| {
+        let done = self.enqueue_with(&what, false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 // off the root the receive buffer is ignored
                 let recv = if root == me { op } else { ip + o as u64 * es };
@@ -626,7 +663,7 @@ impl NcclComm {
             }
             Ok(())
         })?;
-        Ok(out)
+        Ok((out, Some(done)))
     }
 
     /// Equal-chunk all-to-all inside this rank's sequence-parallel group, on the storage of a custom

@@ -15,7 +15,7 @@
 //! (in `dist.bucket_mb` rounds), so gradients exist only as each rank's shard; ZeRO-3 also keeps no full
 //! weight buffer: each layer is gathered before its forward and again before its recompute.
 //! What this file does not do: the collectives themselves (`Comm`), overlap of the exchange with compute.
-use crate::comms::Comm;
+use crate::comms::{Comm, Started};
 use crate::flatbuf::FlatBuf;
 use crate::grads::ParamLayout;
 use crate::optim::adamw::AdamW;
@@ -184,6 +184,9 @@ pub struct ZeroShards<'a> {
     pub device: Device,
     /// gradient elements per reduce-scatter round (at least 1)
     pub bucket: usize,
+    /// reduce-scatters still running (NCCL) and where their results go in `grads`; joined and added
+    /// when the next group is handed on or by `finish`
+    pub pending: Vec<(Range<usize>, Started)>,
 }
 
 impl ZeroShards<'_> {
@@ -210,16 +213,23 @@ impl ZeroShards<'_> {
         let me = self.comm.mesh().rank();
         let own = self.map.flat_range(me).start;
         let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        // the exchange stays where the master shard lives (device memory under NCCL; `Local` goes
+        // the exchange stays where the master shard lives: host slices for a host shard (CPU runs,
+        // no extra copy), device tensors for a device one (in device memory under NCCL; `Local` goes
         // through the host)
-        let mine = match parts[me].is_empty() {
-            true => Tensor::zeros(0, DType::F32, &self.master.device())?,
-            false => self.master.range_tensor(parts[me].start - own..parts[me].end - own)?,
-        };
-        let full = self.comm.all_gather_v_tensor(&mine, &counts, label)?;
-        let full = match full.device() {
-            Device::Cpu => FlatBuf::from_vec(full.to_vec1::<f32>()?),
-            _ => FlatBuf::Device(full),
+        let full = if let FlatBuf::Host(_) = self.master {
+            let mine = match parts[me].is_empty() {
+                true => vec![],
+                false => self.master.range_to_host(parts[me].start - own..parts[me].end - own)?,
+            };
+            let mut full = vec![0f32; flat.len()];
+            self.comm.all_gather_v(&mine, &mut full, &counts, label)?;
+            FlatBuf::from_vec(full)
+        } else {
+            let mine = match parts[me].is_empty() {
+                true => Tensor::zeros(0, DType::F32, &self.master.device())?,
+                false => self.master.range_tensor(parts[me].start - own..parts[me].end - own)?,
+            };
+            FlatBuf::Device(self.comm.all_gather_v_tensor(&mine, &counts, label)?)
         };
         self.layout.params[params]
             .iter()
@@ -233,6 +243,8 @@ impl ZeroShards<'_> {
     /// Sum the gradients `store` holds for `vars` (the parameters `params`) over ranks, in rounds of
     /// at most `bucket` elements; add this rank's part into its gradient shard.
     pub fn scatter_grads(&mut self, params: Range<usize>, vars: &[Var], store: &GradStore, label: &str) -> Result<()> {
+        // the previous group's exchange ran while this group's backward did; add its result now
+        self.finish()?;
         let flat = self.flat_of(&params);
         // the layer's full gradients where the shard lives (device memory under NCCL)
         let mut full = FlatBuf::zeros_in(flat.len(), &self.grads.placement())?;
@@ -247,10 +259,37 @@ impl ZeroShards<'_> {
             let round = lo..(lo + self.bucket.max(1)).min(flat.end);
             let parts = self.parts(&round);
             let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-            let input = full.range_tensor(round.start - flat.start..round.end - flat.start)?;
-            let mine = self.comm.reduce_scatter_v_sum_tensor(&input, &counts, label)?;
-            if !parts[me].is_empty() {
-                self.grads.add_tensor(parts[me].start - own..parts[me].end - own, &mine)?;
+            let (into, local) =
+                (parts[me].start - own..parts[me].end - own, round.start - flat.start..round.end - flat.start);
+            if let FlatBuf::Host(v) = &full {
+                // host gradients (CPU runs): host slices, no extra copy
+                let mut mine = vec![0f32; counts[me]];
+                self.comm.reduce_scatter_v_sum(&v[local], &mut mine, &counts, label)?;
+                if !into.is_empty() {
+                    let n = mine.len();
+                    self.grads.add_tensor(into, &Tensor::from_vec(mine, n, &Device::Cpu)?)?;
+                }
+                continue;
+            }
+            let started = self.comm.reduce_scatter_v_sum_tensor_start(&full.range_tensor(local)?, &counts, label)?;
+            if started.is_ready() {
+                if !into.is_empty() {
+                    self.grads.add_tensor(into, &started.wait()?)?;
+                }
+            } else {
+                self.pending.push((into, started));
+            }
+        }
+        Ok(())
+    }
+
+    /// Join the reduce-scatters still running and add their results into the gradient shard (in the
+    /// order they were started: the same sums as joining each at once).
+    pub fn finish(&mut self) -> Result<()> {
+        for (into, started) in std::mem::take(&mut self.pending) {
+            let mine = started.wait()?;
+            if !into.is_empty() {
+                self.grads.add_tensor(into, &mine)?;
             }
         }
         Ok(())
