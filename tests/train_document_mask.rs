@@ -97,8 +97,10 @@ fn document_mask_trains_and_equals_one_rank_under_zero3_and_ulysses() {
     let plain = train(&cfg, &d.path().join("plain"), &[]);
     let saved = std::fs::read_to_string(d.path().join("plain").join("config.toml")).unwrap();
     assert!(!saved.contains("document_mask"), "the default is left out of the resolved config:\n{saved}");
-    // the same first batch: the mask is what differs (built-in sequences pack several documents)
-    assert!((plain[0] - masked[0]).abs() > 1e-6, "the mask changed nothing: {plain:?} vs {masked:?}");
+    // the same batches: the mask is what differs (built-in sequences pack several documents; at the random
+    // init attention barely moves the loss, so the trained steps show it)
+    let diff = plain.iter().zip(&masked).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(diff > 1e-4, "the mask changed nothing: {plain:?} vs {masked:?}");
 
     for (name, sets) in [
         ("2 ranks ZeRO-3", ["dist.world_size=2", "dist.sp_degree=1", "dist.zero_stage=3"]),

@@ -1,7 +1,8 @@
 //! Host twins of kernels/attention.cu (flash attention forward, delta pre-kernel, backward, dQ convert; the
 //! FMA tiles and the tensor-core tiles) and of kernels/mma_probe.cu: the kernels' own source compiled
 //! against kernels/emu.h, behind safe wrappers with the shapes of `ops::attention` (q (B, H, Tq, D), k/v
-//! (B, Hkv, Tk, D), lse (B, H, Tq)).
+//! (B, Hkv, Tk, D), lse (B, H, Tq)); `attention_{fwd,bwd}_doc` pass a document mask (per key, the start of
+//! its document: `ops::attention::DocStarts::host`), the others a null pointer.
 //!
 //! Reference: kernels/attention.cu (header: algorithm, tiles, what a block owns), kernels/mma.cuh (the
 //! fragment layouts the emulated mma/ldmatrix reproduce); the CPU reference
