@@ -1036,8 +1036,17 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
             }
         };
         let (chunk, scale) = (r.cfg.train.loss_chunk_tokens, 1.0 / s.targets_per_step);
-        let out =
-            forward_backward_with(&s.model, &mut params, &s.tables, &ids, &targets, docs.as_ref(), s.seg, chunk, scale)?;
+        let out = forward_backward_with(
+            &s.model,
+            &mut params,
+            &s.tables,
+            &ids,
+            &targets,
+            docs.as_ref(),
+            s.seg,
+            chunk,
+            scale,
+        )?;
         injected_fault(r.mesh.rank(), r.state.step)?;
         sums[0] += out.nll.iter().map(|&x| x as f64).sum::<f64>();
         let last = (s.tok_start + s.tok_len == s.seq_len) as usize; // holds the ignored last position

@@ -10,9 +10,7 @@ use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_config;
 use harpe::model::weights::init_random;
 use harpe::model::Llama;
-use harpe::ops::attention::{
-    attention_blocked_doc, attention_doc, attention_reference, attention_slow_doc, DocStarts,
-};
+use harpe::ops::attention::{attention_blocked_doc, attention_doc, attention_reference, attention_slow_doc, DocStarts};
 use std::sync::Arc;
 
 fn make(shape: (usize, usize, usize, usize), seed: f32) -> Tensor {
@@ -39,8 +37,11 @@ fn fwd_bwd(f: Attn, q: &Tensor, k: &Tensor, v: &Tensor, w: &Tensor) -> [Tensor; 
     [o.clone(), grad(&qv), grad(&kv), grad(&vv)]
 }
 
-/// (B, H, Hkv, T, D) and each sequence's document starts: lengths 1, 17, uneven, a batch with two packings.
-fn cases() -> Vec<((usize, usize, usize, usize, usize), Vec<Vec<usize>>)> {
+/// (B, H, Hkv, T, D).
+type Shape5 = (usize, usize, usize, usize, usize);
+
+/// Shapes and each sequence's document starts: lengths 1, 17, uneven, a batch with two packings.
+fn cases() -> Vec<(Shape5, Vec<Vec<usize>>)> {
     vec![
         ((1, 2, 2, 1, 8), vec![vec![0]]),
         ((1, 4, 2, 40, 8), vec![vec![0, 1, 18, 23]]),
@@ -54,8 +55,12 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
     for (n, ((b, h, hkv, t, d), starts)) in cases().into_iter().enumerate() {
         let st: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
         let docs = DocStarts::from_starts(&st, t, &Device::Cpu).unwrap();
-        let (q, k, v, w) =
-            (make((b, h, t, d), n as f32), make((b, hkv, t, d), 1.1), make((b, hkv, t, d), 2.3), make((b, h, t, d), 3.7));
+        let (q, k, v, w) = (
+            make((b, h, t, d), n as f32),
+            make((b, hkv, t, d), 1.1),
+            make((b, hkv, t, d), 2.3),
+            make((b, h, t, d), 3.7),
+        );
         let scale = 1.0 / (d as f32).sqrt();
         let refs = fwd_bwd(&|q, k, v| attention_slow_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
         let got = fwd_bwd(&|q, k, v| attention_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
@@ -78,7 +83,8 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
 fn one_document_equals_causal_attention_bit_for_bit() {
     let (b, h, hkv, t, d) = (2, 4, 2, 37, 16);
     let docs = DocStarts::from_starts(&[&[], &[0]], t, &Device::Cpu).unwrap();
-    let (q, k, v, w) = (make((b, h, t, d), 0.3), make((b, hkv, t, d), 1.2), make((b, hkv, t, d), 2.1), make((b, h, t, d), 0.9));
+    let (q, k, v, w) =
+        (make((b, h, t, d), 0.3), make((b, hkv, t, d), 1.2), make((b, hkv, t, d), 2.1), make((b, h, t, d), 0.9));
     let plain = fwd_bwd(&|q, k, v| attention_reference(q, k, v, 0.25, true), &q, &k, &v, &w);
     let masked = fwd_bwd(&|q, k, v| attention_doc(q, k, v, 0.25, &docs), &q, &k, &v, &w);
     for i in 0..4 {
@@ -116,7 +122,9 @@ impl AttentionFn for NoMask {
 fn an_attention_without_document_masks_is_refused_with_a_hint() {
     let imp = AttentionImpl::Custom(Arc::new(NoMask));
     assert!(!imp.supports_document_mask());
-    for builtin in [AttentionImpl::Cpu, AttentionImpl::CpuReference, AttentionImpl::Flash, AttentionImpl::Blocked { block: 4 }] {
+    for builtin in
+        [AttentionImpl::Cpu, AttentionImpl::CpuReference, AttentionImpl::Flash, AttentionImpl::Blocked { block: 4 }]
+    {
         assert!(builtin.supports_document_mask(), "{builtin:?}");
     }
     let q = make((1, 2, 6, 8), 0.0);

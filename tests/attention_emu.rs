@@ -47,7 +47,7 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
 
 /// Dense attention with every intermediate rounded to T (bf16 or f16): forward (O, lse) and backward
 /// (dQ, dK, dV).
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn naive16<T: AttnFloat>(
     q: &[f32],
     k: &[f32],
@@ -135,7 +135,8 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
     }
     .unwrap();
     let o = of_t(&o_t);
-    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let (dq_ref, dk_ref, dv_ref) =
+        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
     let (dq, dk, dv) = match docs {
         Some(ds) => ka::attention_bwd_doc::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, ds),
         None => ka::attention_bwd_with::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, causal),

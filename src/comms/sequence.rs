@@ -227,7 +227,8 @@ mod tests {
         let scale = 1.0 / (d as f32).sqrt();
         let (qv, kv, vv) =
             (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
-        let o_ref = AttentionImpl::CpuReference.attend_doc(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, &docs);
+        let o_ref =
+            AttentionImpl::CpuReference.attend_doc(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, &docs);
         let o_ref = o_ref.unwrap();
         let store = (&o_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();

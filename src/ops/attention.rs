@@ -555,7 +555,14 @@ pub fn attention_blocked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal:
 }
 
 /// `attention_blocked` with a document mask (`attention_doc`'s function, from plain candle ops).
-pub fn attention_blocked_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts, block: usize) -> Result<Tensor> {
+pub fn attention_blocked_doc(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    docs: &DocStarts,
+    block: usize,
+) -> Result<Tensor> {
     blocked_masked(q, k, v, scale, true, block, Some(docs))
 }
 
@@ -589,7 +596,8 @@ fn blocked_masked(
             }
             None => None,
         };
-        outs.push(slow_masked(&q_blk, &kk, &vv, scale, causal, mask.as_ref())?); // (B, H, len, D)
+        outs.push(slow_masked(&q_blk, &kk, &vv, scale, causal, mask.as_ref())?);
+        // (B, H, len, D)
     }
     Tensor::cat(&outs, 2)
 }

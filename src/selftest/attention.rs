@@ -225,12 +225,10 @@ fn naive16(
                     let l = e.iter().fold(0.0, |a, x| rd(a + x));
                     let p: Vec<f32> = e.iter().map(|x| rd(x / l)).collect();
                     let lo = lo(i);
-                    let oi: Vec<f32> = (0..d)
-                        .map(|c| (0..p.len()).fold(0.0, |a, j| rd(a + rd(p[j] * vj(lo + j)[c]))))
-                        .collect();
+                    let oi: Vec<f32> =
+                        (0..d).map(|c| (0..p.len()).fold(0.0, |a, j| rd(a + rd(p[j] * vj(lo + j)[c])))).collect();
                     let delta = dot(&doi, &oi);
-                    let ds: Vec<f32> =
-                        (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(lo + j)) - delta))).collect();
+                    let ds: Vec<f32> = (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(lo + j)) - delta))).collect();
                     let mut dqi = vec![0f32; d];
                     for (j, &dsj) in ds.iter().enumerate() {
                         for (a, kc) in dqi.iter_mut().zip(kj(lo + j)) {
