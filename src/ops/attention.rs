@@ -76,7 +76,7 @@ impl DocStarts {
             let mut st: Vec<usize> = st.to_vec();
             st.sort_unstable();
             if let Some(&bad) = st.iter().find(|&&s| s >= t) {
-                candle_core::bail!("document starts: sequence {bi} has a start at {bad}, past its {t} tokens");
+                candle_core::bail!("document starts: sequence {bi} has a start at {bad}, past its {t} tokens\nhint: starts are positions inside each sequence");
             }
             let (mut cur, mut n) = (0u32, 0);
             for j in 0..t {
@@ -93,14 +93,17 @@ impl DocStarts {
     /// From the per-token starts themselves ((B*T) values, row-major), checked.
     pub fn from_per_token(host: Vec<u32>, b: usize, t: usize, device: &Device) -> Result<DocStarts> {
         if host.len() != b * t || b == 0 || t == 0 {
-            candle_core::bail!("document starts: {} values for B {b} x T {t}", host.len());
+            candle_core::bail!(
+                "document starts: {} values for B {b} x T {t}\nhint: one start per token of every sequence",
+                host.len()
+            );
         }
         for (bi, row) in host.chunks(t).enumerate() {
             for (j, &s) in row.iter().enumerate() {
                 let prev = if j == 0 { 0 } else { row[j - 1] };
                 if s as usize != j && (j == 0 || s != prev) {
                     candle_core::bail!(
-                        "document starts: sequence {bi}, token {j} starts at {s}, but a token's document starts at itself or where the previous token's did ({prev})"
+                        "document starts: sequence {bi}, token {j} starts at {s}, but a token's document starts at itself or where the previous token's did ({prev})\nhint: build them with DocStarts::from_starts"
                     );
                 }
             }
@@ -127,7 +130,9 @@ impl DocStarts {
     /// An error unless these starts fit attention with batch `b` over `tk` keys (causal only).
     fn check(&self, b: usize, tk: usize, causal: bool) -> Result<()> {
         if !causal {
-            candle_core::bail!("attention: a document mask needs causal attention");
+            candle_core::bail!(
+                "attention: a document mask needs causal attention\nhint: call attention_doc (always causal)"
+            );
         }
         if (self.b, self.t) != (b, tk) {
             candle_core::bail!(

@@ -243,10 +243,25 @@ fn bwd_t<T: DeviceRepr>(
     Ok(())
 }
 
-/// Forward: (O with q's shape and dtype, lse (B*H*Tq) f32, the kernel that ran); `want` None chooses;
-/// `docs` the document starts ((B, Tk) u32) of a document mask.
+/// Forward: (O with q's shape and dtype, lse (B*H*Tq) f32, the kernel that ran); `want` None chooses.
 #[allow(clippy::too_many_arguments)]
 pub fn fwd(
+    sq: &CudaStorage,
+    lq: &Layout,
+    sk: &CudaStorage,
+    lk: &Layout,
+    sv: &CudaStorage,
+    lv: &Layout,
+    scale: f32,
+    causal: bool,
+    want: Option<AttnKernel>,
+) -> Result<(CudaStorage, CudaSlice<f32>, AttnKernel)> {
+    fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, want, None)
+}
+
+/// `fwd` with an optional document mask: `docs` the document starts ((B, Tk) u32, `DocStarts::tensor`).
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_docs(
     sq: &CudaStorage,
     lq: &Layout,
     sk: &CudaStorage,
@@ -274,6 +289,22 @@ pub fn fwd(
 /// Backward: (dQ, dK, dV) with the shapes and dtype of q, k, v, from the forward's O and lse and dO.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    lse: &CudaSlice<f32>,
+    dout: (&CudaStorage, &Layout),
+    scale: f32,
+    causal: bool,
+    want: Option<AttnKernel>,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    bwd_docs(q, k, v, o, lse, dout, scale, causal, want, None)
+}
+
+/// `bwd` with an optional document mask (`fwd_docs`'s `docs`).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_docs(
     (sq, lq): (&CudaStorage, &Layout),
     (sk, lk): (&CudaStorage, &Layout),
     (sv, lv): (&CudaStorage, &Layout),
@@ -345,7 +376,7 @@ pub fn fwd_packed(
     let rows32 = u32_arg(rows, "attention", "rows")?;
     u32_arg(rows * (d + 1), "attention", "packed output")?;
     // the forward with its checks and kernel choice, then one pack kernel
-    let (o, lse, _) = fwd(sq, lq, sk, lk, sv, lv, scale, causal, None, docs)?;
+    let (o, lse, _) = fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, None, docs)?;
     let dtype = sq.dtype();
     by_dtype!(dtype, "q", T => {
         let dev = sq.device();

@@ -350,9 +350,9 @@ mod cuda_run {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
                 let dtens = docs.as_ref().map(|ds| ds.tensor());
-                let (o, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                let (o, lse, _) = attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
                 let lo = candle_core::Layout::contiguous(qs);
-                let (dq, dk, dv) = attention_cuda::bwd(
+                let (dq, dk, dv) = attention_cuda::bwd_docs(
                     (cq, lq),
                     (ck, lk),
                     (cv, lv),
