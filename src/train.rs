@@ -344,6 +344,16 @@ pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> 
     (0..n).map(|l| c.rope.tables(c.head_dim, l, start, len, total, model.parity, model.device())).collect()
 }
 
+/// An error naming `train.document_mask` when it is on and `attention` cannot apply a document mask.
+pub fn check_document_mask(origin: &str, on: bool, attention: &AttentionImpl) -> Result<()> {
+    if on && !attention.supports_document_mask() {
+        bail!(
+            "{origin}: train.document_mask = true, but the attention {attention:?} cannot apply a document mask\nhint: set train.document_mask = false"
+        );
+    }
+    Ok(())
+}
+
 /// The document starts of a batch's sequences (`Sequence::doc_starts`; a sequence that opens inside a
 /// document has that piece as its first document).
 pub fn doc_starts(seqs: &[Sequence], device: &Device) -> Result<DocStarts> {
@@ -880,12 +890,7 @@ impl Stage {
             })),
             None => AttentionImpl::for_device(&r.device),
         };
-        if cfg.train.document_mask && !attention.supports_document_mask() {
-            bail!(
-                "{}: train.document_mask = true, but the attention {attention:?} cannot apply a document mask\nhint: set train.document_mask = false",
-                r.origin
-            );
-        }
+        check_document_mask(&r.origin, cfg.train.document_mask, &attention)?;
         let model = model.with_attention(attention);
         // this rank's tokens (all of them without sequence parallelism) at their global positions
         let (tok_start, tok_len) = (r.mesh.sp_rank * seq_len / r.mesh.sp_size, seq_len / r.mesh.sp_size);

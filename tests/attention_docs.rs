@@ -131,6 +131,26 @@ fn an_attention_without_document_masks_is_refused_with_a_hint() {
     let docs = DocStarts::from_starts(&[&[3]], 6, &Device::Cpu).unwrap();
     let e = imp.attend_doc(&q, &q, &q, 1.0, &docs).unwrap_err().to_string();
     assert!(e.contains("train.document_mask") && e.contains("hint:"), "{e}");
+    // the trainer refuses it before the first step, naming the key; with the key off it runs
+    let e = harpe::train::check_document_mask("run.toml", true, &imp).unwrap_err().to_string();
+    assert!(e.contains("run.toml") && e.contains("train.document_mask = true") && e.contains("hint:"), "{e}");
+    harpe::train::check_document_mask("run.toml", false, &imp).unwrap();
+    harpe::train::check_document_mask("run.toml", true, &AttentionImpl::Cpu).unwrap();
+}
+
+/// A batch's document starts come from the loader's `Sequence::doc_starts`; a sequence that opens inside
+/// a document (no start at 0) has that piece as its first document.
+#[test]
+fn batch_document_starts_come_from_the_loaded_sequences() {
+    let seq = |starts: Vec<usize>| harpe::data::Sequence {
+        tokens: vec![1; 8],
+        sources: vec![],
+        doc_starts: starts,
+        index: 0,
+        epoch: 0,
+    };
+    let ds = harpe::train::doc_starts(&[seq(vec![0, 3]), seq(vec![5])], &Device::Cpu).unwrap();
+    assert_eq!(ds.host(), &[0, 0, 0, 3, 3, 3, 3, 3, 0, 0, 0, 0, 0, 5, 5, 5]);
 }
 
 /// A packed sequence [doc A (9 tokens) | doc B (14 tokens)] under the document mask: B's tokens get the
