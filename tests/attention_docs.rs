@@ -1,6 +1,6 @@
 //! Document masks of packed sequences (`ops::attention::{attention_doc, DocStarts}`, `train.document_mask`):
-//! the CPU reference loops forward and backward (dQ, dK, dV through the op's own backward) against the
-//! dense-mask slow op (segment ids compared element by element) and the blocked reference; one document
+//! the CPU op (GEMM blocks and reference loops) forward and backward (dQ, dK, dV through the op's own
+//! backward) against the dense-mask slow op (segment ids compared element by element) and the blocked reference; one document
 //! equals plain causal attention bit for bit; `DocStarts` refuses malformed starts; the model seam refuses an
 //! attention that cannot mask; and a packed sequence of two documents gives the second document's tokens
 //! the logits of that document alone at the same (packed) positions.
@@ -10,7 +10,10 @@ use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_config;
 use harpe::model::weights::init_random;
 use harpe::model::Llama;
-use harpe::ops::attention::{attention_blocked_doc, attention_doc, attention_reference, attention_slow_doc, DocStarts};
+use harpe::ops::attention::{
+    attention, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference, attention_slow_doc,
+    CpuKernel, DocStarts,
+};
 use std::sync::Arc;
 
 fn make(shape: (usize, usize, usize, usize), seed: f32) -> Tensor {
@@ -47,6 +50,8 @@ fn cases() -> Vec<(Shape5, Vec<Vec<usize>>)> {
         ((1, 4, 2, 40, 8), vec![vec![0, 1, 18, 23]]),
         ((2, 4, 1, 33, 16), vec![vec![5, 22], vec![0, 17, 32]]),
         ((1, 2, 1, 20, 8), vec![vec![7]]),
+        // GEMM blocks of 64 queries x 64 keys: documents crossing both, a query block past whole key blocks
+        ((1, 2, 1, 200, 8), vec![vec![1, 70, 150, 199]]),
     ]
 }
 
@@ -64,9 +69,12 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
         let scale = 1.0 / (d as f32).sqrt();
         let refs = fwd_bwd(&|q, k, v| attention_slow_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
         let got = fwd_bwd(&|q, k, v| attention_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
+        let loops = fwd_bwd(&|q, k, v| attention_doc_with(q, k, v, scale, &docs, CpuKernel::Reference), &q, &k, &v, &w);
         let blk = fwd_bwd(&|q, k, v| attention_blocked_doc(q, k, v, scale, &docs, 7), &q, &k, &v, &w);
         for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
             let e = max_diff(&got[i], &refs[i]);
+            assert!(e < 2e-5, "case {n}: {name} of the GEMM blocks differs from slow by {e}");
+            let e = max_diff(&loops[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the reference loops differs from slow by {e}");
             let e = max_diff(&blk[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the blocked reference differs from slow by {e}");
@@ -86,9 +94,12 @@ fn one_document_equals_causal_attention_bit_for_bit() {
     let (q, k, v, w) =
         (make((b, h, t, d), 0.3), make((b, hkv, t, d), 1.2), make((b, hkv, t, d), 2.1), make((b, h, t, d), 0.9));
     let plain = fwd_bwd(&|q, k, v| attention_reference(q, k, v, 0.25, true), &q, &k, &v, &w);
-    let masked = fwd_bwd(&|q, k, v| attention_doc(q, k, v, 0.25, &docs), &q, &k, &v, &w);
+    let masked = fwd_bwd(&|q, k, v| attention_doc_with(q, k, v, 0.25, &docs, CpuKernel::Reference), &q, &k, &v, &w);
+    let plain_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true), &q, &k, &v, &w);
+    let masked_gemm = fwd_bwd(&|q, k, v| attention_doc(q, k, v, 0.25, &docs), &q, &k, &v, &w);
     for i in 0..4 {
-        assert_eq!(max_diff(&plain[i], &masked[i]), 0.0, "output {i}");
+        assert_eq!(max_diff(&plain[i], &masked[i]), 0.0, "reference loops: output {i}");
+        assert_eq!(max_diff(&plain_gemm[i], &masked_gemm[i]), 0.0, "GEMM blocks: output {i}");
     }
 }
 
@@ -167,7 +178,7 @@ fn second_document_of_a_packed_sequence_sees_only_itself() {
     let packed = Tensor::from_vec(ids.clone(), (1, la + lb), &Device::Cpu).unwrap();
     let alone = Tensor::from_vec(ids[la..].to_vec(), (1, lb), &Device::Cpu).unwrap();
     let docs = DocStarts::from_starts(&[&[0, la]], la + lb, &Device::Cpu).unwrap();
-    for imp in [AttentionImpl::Cpu, AttentionImpl::Blocked { block: 5 }] {
+    for imp in [AttentionImpl::Cpu, AttentionImpl::CpuReference, AttentionImpl::Blocked { block: 5 }] {
         let m = m.clone().with_attention(imp.clone());
         let masked = m.logits(&m.forward_hidden_doc(&packed, 0, &docs).unwrap()).unwrap(); // (1, T, V)
         let b_alone = m.logits(&m.forward_hidden(&alone, la).unwrap()).unwrap(); // (1, lb, V)

@@ -13,7 +13,8 @@
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
 use crate::kernels_emu::attention::HEAD_DIMS;
 use crate::ops::attention::{
-    attention, attention_blocked, attention_blocked_doc, attention_doc, attention_reference, DocStarts,
+    attention, attention_blocked, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference,
+    CpuKernel, DocStarts,
 };
 use candle_core::{bail, Device, Result, Tensor};
 use std::sync::Arc;
@@ -86,8 +87,8 @@ impl AttentionImpl {
     /// (B, Tk) per key: its document's start); q (B, H, Tq, D), k, v (B, Hkv, Tk, D) -> (B, H, Tq, D).
     pub fn attend_doc(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
         match self {
-            // the CPU op runs its reference loops under a document mask (the GEMM blocks are causal-only)
-            AttentionImpl::Cpu | AttentionImpl::CpuReference => attention_doc(q, k, v, scale, docs),
+            AttentionImpl::Cpu => attention_doc(q, k, v, scale, docs),
+            AttentionImpl::CpuReference => attention_doc_with(q, k, v, scale, docs, CpuKernel::Reference),
             AttentionImpl::Flash if !HEAD_DIMS.contains(&q.dim(3)?) => {
                 attention_blocked_doc(q, k, v, scale, docs, DEFAULT_BLOCK)
             }

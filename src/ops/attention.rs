@@ -24,8 +24,8 @@
 //! causal upper one, and a tile whose keys all lie before its first row's document start is skipped
 //! without a search; (2) our batches are fixed (B, T), not one flat ragged sequence, so a per-sequence
 //! tensor keeps the op's (B, H, T, D) layouts; (3) under Ulysses every rank holds the same tensor for the
-//! whole (global) sequence. On CPU the masked op runs the reference loops (the GEMM blocks take causal only).
-//! Not done here: dropout, sliding windows, document masks in the GEMM blocks.
+//! whole (global) sequence. The GEMM blocks (`ops::attention_gemm`) take the same mask.
+//! Not done here: dropout, sliding windows.
 use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
@@ -52,6 +52,18 @@ impl AttnDims {
             (self.tk - self.tq + i + 1).min(self.tk)
         } else {
             self.tk
+        }
+    }
+
+    /// First key query row `i` of sequence `bi` may see under the document mask `docs` (B*Tk, per key its
+    /// document's start): the start of its own document; 0 without a mask (a mask is only defined with
+    /// causal attention and ignored without it).
+    #[inline]
+    pub(crate) fn first_key(&self, causal: bool, docs: Option<&[u32]>, bi: usize, i: usize) -> usize {
+        let hi = self.limit(causal, i);
+        match docs {
+            Some(ds) if causal && hi > 0 => ds[bi * self.tk + hi - 1] as usize,
+            _ => 0,
         }
     }
 }
@@ -145,16 +157,10 @@ impl DocStarts {
     }
 }
 
-/// Keys query row `i` of sequence `bi` may see: `lo..hi` (causal limit, and its document's start; a
-/// document mask is only defined with causal attention and ignored without it).
+/// Keys query row `i` of sequence `bi` may see: `lo..hi` (causal limit, and its document's start).
 #[inline]
 fn key_range(dims: &AttnDims, causal: bool, docs: Option<&[u32]>, bi: usize, i: usize) -> (usize, usize) {
-    let hi = dims.limit(causal, i);
-    let lo = match docs {
-        Some(ds) if causal && hi > 0 => ds[bi * dims.tk + hi - 1] as usize,
-        _ => 0,
-    };
-    (lo, hi)
+    (dims.first_key(causal, docs, bi, i), dims.limit(causal, i))
 }
 
 #[inline]
@@ -375,10 +381,9 @@ impl CustomOp3 for AttentionFwd {
         let v = f32_slice(s3, l3, "attention", "v")?;
         let AttnDims { b, h, tq, d, .. } = dims;
         let docs = self.docs.as_ref().map(|ds| ds.host());
-        let packed = match (self.kernel, docs) {
-            (CpuKernel::Gemm, None) => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal),
-            // the GEMM blocks take causal masks only: document masks run the reference loops
-            _ => {
+        let packed = match self.kernel {
+            CpuKernel::Gemm => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal, docs),
+            CpuKernel::Reference => {
                 let (o, lse) = attention_fwd_cpu_doc(q, k, v, dims, self.scale, self.causal, docs);
                 pack_o_lse(&o, &lse, d)
             }
@@ -463,8 +468,8 @@ impl CustomOp3 for AttentionBwd {
             ds.check(dims.b, dims.tk, self.causal)?;
         }
         let docs = self.docs.as_ref().map(|ds| ds.host());
-        if self.kernel == CpuKernel::Gemm && docs.is_none() {
-            let grads = attention_bwd_gemm(packed, k, v, dims, self.scale, self.causal);
+        if self.kernel == CpuKernel::Gemm {
+            let grads = attention_bwd_gemm(packed, k, v, dims, self.scale, self.causal, docs);
             let n = grads.len();
             return Ok((CpuStorage::F32(grads), Shape::from_dims(&[n])));
         }
@@ -527,9 +532,21 @@ pub fn attention_with(
 }
 
 /// Per-document causal attention of packed sequences (`DocStarts`: query i sees keys j <= i of its own
-/// document); differentiable in q, k, v. On CPU the reference loops, on CUDA the flash kernels.
+/// document); differentiable in q, k, v. On CPU the GEMM blocks, on CUDA the flash kernels.
 pub fn attention_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
-    attention_op(q, k, v, scale, true, CpuKernel::Reference, Some(docs))
+    attention_op(q, k, v, scale, true, CpuKernel::Gemm, Some(docs))
+}
+
+/// `attention_doc` with the CPU loops chosen explicitly.
+pub fn attention_doc_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    docs: &DocStarts,
+    kernel: CpuKernel,
+) -> Result<Tensor> {
+    attention_op(q, k, v, scale, true, kernel, Some(docs))
 }
 
 fn attention_op(
