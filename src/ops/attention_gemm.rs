@@ -20,7 +20,7 @@
 //! which also serves decode and prefill, splits over query blocks.
 //! Document masks (`docs`, per key the start of its document: `ops::attention::DocStarts`): row i sees
 //! keys docs[p_i]..=p_i, so a block's key loop starts at its first row's document start (earlier key
-//! blocks are skipped) and each row's scores outside its range are zero probabilities.
+//! blocks are skipped) and each row's scores outside its range are zero probabilities (tests/attention_docs.rs).
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
 //! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention::AttnDims;
