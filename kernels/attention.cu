@@ -29,9 +29,15 @@
 // sees it. Grids are 1-D (block index decoded into tile, head, batch) so the same entry macro serves the
 // emulator. `attn_pack_fwd_*`/`attn_unpack_bwd_*` convert between these buffers and the op layouts of
 // `ops::attention` (O|lse rows of D + 1 f32; [q | O | lse | dO | .] rows of 3D + 2 f32).
+// Document masks (packed sequences; `docs` non-null, causal only): docs (B, Tk) u32 holds, per key
+// position, where its document starts, so query row i at position p sees keys docs[p] ..= p — one range,
+// a lower bound beside the causal upper one (`ops::attention::DocStarts` says why this and not cu_seqlens).
+// Starts are non-decreasing in p, so the forward begins at the key tile holding its first row's start (key
+// tiles entirely before it are never loaded: the speed point of varlen), and the backward stops at the
+// first query tile whose first row's document starts past the key tile's last key.
 // Does not: wgmma/TMA (Hopper), cp.async double buffering, deterministic dQ (atomics: summation order
-// varies run to run on a GPU), dropout, sliding windows, document masks (varlen), head dims other than
-// 16, 32, 64, 128 (tensor cores: 64, 128).
+// varies run to run on a GPU), dropout, sliding windows, head dims other than 16, 32, 64, 128 (tensor
+// cores: 64, 128).
 #include "common.cuh"
 
 #define ATTN_NT 128
@@ -45,16 +51,24 @@ struct AttnTile {
 // Absolute key position of query row i.
 __device__ __forceinline__ long attn_qpos(unsigned i, unsigned tq, unsigned tk) { return (long)tk - (long)tq + (long)i; }
 
+// First key query row i of sequence bi may see under the document mask (0 without one, or for a padded row).
+__device__ __forceinline__ unsigned attn_lo(const unsigned* docs, unsigned bi, unsigned i, unsigned tq, unsigned tk) {
+  const long p = attn_qpos(i, tq, tk);
+  return docs && i < tq && p >= 0 ? docs[(size_t)bi * tk + p] : 0u;
+}
+
 template <class T, int D>
 __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                              T* __restrict__ o, float* __restrict__ lse, unsigned nb, unsigned h, unsigned hkv,
-                              unsigned tq, unsigned tk, float scale, int causal) {
+                              T* __restrict__ o, float* __restrict__ lse, const unsigned* __restrict__ docs,
+                              unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale,
+                              int causal) {
   constexpr int BQ = AttnTile<D>::BQ, BK = AttnTile<D>::BK, PER = BQ * D / ATTN_NT;
   __shared__ float qs[BQ][D];
   __shared__ float ks[BK][D];
   __shared__ float vs[BK][D];
   __shared__ float ss[BQ][BK];
   __shared__ float row_m[BQ], row_l[BQ], row_corr[BQ];
+  __shared__ unsigned row_lo[BQ];
   const unsigned tid = threadIdx.x;
   const unsigned ntiles = (tq + BQ - 1) / BQ;
   const unsigned qt = blockIdx.x % ntiles, bh = blockIdx.x / ntiles, bi = bh / h, hi = bh % h;
@@ -71,6 +85,7 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
   if (tid < BQ) {
     row_m[tid] = -INFINITY;
     row_l[tid] = 0.0f;
+    row_lo[tid] = attn_lo(docs, bi, q0 + tid, tq, tk);
   }
   float acc[PER];
   #pragma unroll
@@ -80,9 +95,11 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
   long kend = causal ? attn_qpos(last, tq, tk) + 1 : (long)tk;
   if (kend > (long)tk) kend = tk;
   if (kend < 0) kend = 0;
+  // document mask: key tiles before the first row's document start are skipped
+  const unsigned kstart = attn_lo(docs, bi, q0, tq, tk) / BK * BK;
   __syncthreads();
 
-  for (unsigned k0 = 0; k0 < (unsigned)kend; k0 += BK) {
+  for (unsigned k0 = kstart; k0 < (unsigned)kend; k0 += BK) {
     for (unsigned e = tid; e < BK * D; e += ATTN_NT) {
       const unsigned r = e / D, c = e % D;
       const bool in = k0 + r < tk;
@@ -93,7 +110,7 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     for (unsigned e = tid; e < BQ * BK; e += ATTN_NT) {
       const unsigned r = e / BK, j = e % BK;
       const unsigned kj = k0 + j;
-      const bool ok = q0 + r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(q0 + r, tq, tk));
+      const bool ok = q0 + r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(q0 + r, tq, tk)) && kj >= row_lo[r];
       float s = 0.0f;
       for (int c = 0; c < D; ++c) s += qs[r][c] * ks[j][c];
       ss[r][j] = ok ? s * scale : -INFINITY;
@@ -161,9 +178,9 @@ __device__ void attn_bwd_delta_impl(const T* __restrict__ o, const T* __restrict
 template <class T, int D>
 __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ dout, const float* __restrict__ lse,
-                              const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
-                              T* __restrict__ dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk,
-                              float scale, int causal) {
+                              const float* __restrict__ delta, const unsigned* __restrict__ docs,
+                              float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv, unsigned nb,
+                              unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal) {
   constexpr int BQ = AttnTile<D>::BQ, BK = AttnTile<D>::BK, PER = BK * D / ATTN_NT;
   __shared__ float ks[BK][D];
   __shared__ float vs[BK][D];
@@ -172,6 +189,7 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
   __shared__ float ps[BQ][BK];
   __shared__ float dss[BQ][BK];
   __shared__ float lse_s[BQ], delta_s[BQ];
+  __shared__ unsigned lo_s[BQ];
   const unsigned tid = threadIdx.x;
   const unsigned ntiles = (tk + BK - 1) / BK;
   const unsigned kt = blockIdx.x % ntiles, bg = blockIdx.x / ntiles, bi = bg / hkv, g = bg % hkv;
@@ -201,6 +219,8 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     const T* doh = dout + (size_t)bh * tq * D;
     float* dqh = dq_acc + (size_t)bh * tq * D;
     for (unsigned q0 = qstart; q0 < tq; q0 += BQ) {
+      // document mask: this and every later query tile start their documents past this key tile
+      if (attn_lo(docs, bi, q0, tq, tk) >= k0 + BK) break;
       for (unsigned e = tid; e < BQ * D; e += ATTN_NT) {
         const unsigned i = e / D, c = e % D;
         const bool in = q0 + i < tq;
@@ -211,12 +231,13 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
         const bool in = q0 + tid < tq;
         lse_s[tid] = in ? lse[(size_t)bh * tq + q0 + tid] : -INFINITY;
         delta_s[tid] = in ? delta[(size_t)bh * tq + q0 + tid] : 0.0f;
+        lo_s[tid] = attn_lo(docs, bi, q0 + tid, tq, tk);
       }
       __syncthreads();
       for (unsigned e = tid; e < BQ * BK; e += ATTN_NT) {
         const unsigned i = e / BK, j = e % BK, kj = k0 + j;
         const bool ok = q0 + i < tq && kj < tk && lse_s[i] != -INFINITY &&
-                        (!causal || (long)kj <= attn_qpos(q0 + i, tq, tk));
+                        (!causal || (long)kj <= attn_qpos(q0 + i, tq, tk)) && kj >= lo_s[i];
         float s = 0.0f, dp = 0.0f;
         for (int c = 0; c < D; ++c) {
           s += qs[i][c] * ks[j][c];
@@ -304,8 +325,9 @@ __device__ __forceinline__ void attn_tile_load(T (*dst)[DP], const T* src, unsig
 
 template <class T, int D>
 __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                 T* __restrict__ o, float* __restrict__ lse, unsigned nb, unsigned h, unsigned hkv,
-                                 unsigned tq, unsigned tk, float scale, int causal) {
+                                 T* __restrict__ o, float* __restrict__ lse, const unsigned* __restrict__ docs,
+                                 unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale,
+                                 int causal) {
   using P = AttnTc<D>;
   constexpr int BQ = P::BQ, BK = P::BK, DP = P::DP, KD = D / 16, NS = BK / 8, NO = D / 8;
   __shared__ __align__(16) T qs[BQ][DP];
@@ -324,6 +346,7 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   for (int kk = 0; kk < KD; ++kk) ldmatrix_x4(qf[kk], &qs[w * 16 + l % 8 + (l / 8) % 2 * 8][kk * 16 + l / 16 * 8]);
   // this lane's two rows: g and g + 8 of the warp's 16
   const unsigned row[2] = {q0 + w * 16 + g, q0 + w * 16 + g + 8};
+  const unsigned lo[2] = {attn_lo(docs, bi, row[0], tq, tk), attn_lo(docs, bi, row[1], tq, tk)};
   float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};
   float acc[NO][4];
   #pragma unroll
@@ -332,8 +355,9 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   long kend = causal ? attn_qpos(last, tq, tk) + 1 : (long)tk;
   if (kend > (long)tk) kend = tk;
   if (kend < 0) kend = 0;
+  const unsigned kstart = attn_lo(docs, bi, q0, tq, tk) / BK * BK;  // document mask: earlier tiles skipped
 
-  for (unsigned k0 = 0; k0 < (unsigned)kend; k0 += BK) {
+  for (unsigned k0 = kstart; k0 < (unsigned)kend; k0 += BK) {
     attn_tile_load<T, D, DP>(ks, kh, k0, BK, tk);
     attn_tile_load<T, D, DP>(vs, vh, k0, BK, tk);
     __syncthreads();
@@ -355,7 +379,7 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const unsigned r = row[e / 2], kj = k0 + n * 8 + 2 * t + (e & 1);
-        const bool ok = r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(r, tq, tk));
+        const bool ok = r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(r, tq, tk)) && kj >= lo[e / 2];
         s[n][e] = ok ? s[n][e] * scale : -INFINITY;
         mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
       }
@@ -417,9 +441,9 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
 template <class T, int D>
 __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const T* __restrict__ dout, const float* __restrict__ lse,
-                                 const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
-                                 T* __restrict__ dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq,
-                                 unsigned tk, float scale, int causal) {
+                                 const float* __restrict__ delta, const unsigned* __restrict__ docs,
+                                 float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv, unsigned nb,
+                                 unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal) {
   using P = AttnTc<D>;
   constexpr int BK = P::BKB, BQ = P::BQB, DP = P::DP, KD = D / 16, NS = BQ / 8, NO = D / 8;
   constexpr int WPM = D / 32;  // warps per 16-row m tile of dQ (each owns 4 of its D/8 column tiles)
@@ -430,6 +454,7 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   __shared__ __align__(16) T dos[BQ][DP];
   __shared__ __align__(16) T dst[BK][BQ + 8];  // dS^T (keys x queries)
   __shared__ float lse_s[BQ], delta_s[BQ];
+  __shared__ unsigned lo_s[BQ];
   const unsigned l = threadIdx.x % 32, w = threadIdx.x / 32, g = l / 4, t = l % 4;
   const unsigned ntiles = (tk + BK - 1) / BK;
   const unsigned kt0 = blockIdx.x % ntiles, bg = blockIdx.x / ntiles, bi = bg / hkv, gi = bg % hkv;
@@ -455,6 +480,8 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
     const unsigned bh = bi * h + gi * rep + r;
     float* dqh = dq_acc + (size_t)bh * tq * D;
     for (unsigned q0 = qstart; q0 < tq; q0 += BQ) {
+      // document mask: this and every later query tile start their documents past this key tile
+      if (attn_lo(docs, bi, q0, tq, tk) >= k0 + BK) break;
       __syncthreads();  // the previous tile's readers of qs/dos/dst are done (and ks/vs are loaded)
       attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq);
       attn_tile_load<T, D, DP>(dos, dout + (size_t)bh * tq * D, q0, BQ, tq);
@@ -462,6 +489,7 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
         const bool in = q0 + i < tq;
         lse_s[i] = in ? lse[(size_t)bh * tq + q0 + i] : -INFINITY;
         delta_s[i] = in ? delta[(size_t)bh * tq + q0 + i] : 0.0f;
+        lo_s[i] = attn_lo(docs, bi, q0 + i, tq, tk);
       }
       __syncthreads();
       float st[NS][4], dpt[NS][4];  // S^T and dP^T: the warp's 16 keys x BQ queries
@@ -489,7 +517,7 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
         for (int e = 0; e < 4; ++e) {
           const unsigned kj = key[e / 2], qc = n * 8 + 2 * t + (e & 1), qi = q0 + qc;
           const bool ok = qi < tq && kj < tk && lse_s[qc] != -INFINITY &&
-                          (!causal || (long)kj <= attn_qpos(qi, tq, tk));
+                          (!causal || (long)kj <= attn_qpos(qi, tq, tk)) && kj >= lo_s[qc];
           const float p = ok ? expf(st[n][e] * scale - lse_s[qc]) : 0.0f;
           st[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - delta_s[qc]);  // dS^T
@@ -585,13 +613,14 @@ __device__ void attn_unpack_bwd_impl(const float* __restrict__ packed, T* __rest
 }
 
 #define ATTN_FWD_PARAMS(T)                                                                                 \
-  (const T* q, const T* k, const T* v, T* o, float* lse, unsigned nb, unsigned h, unsigned hkv, unsigned tq, \
-   unsigned tk, float scale, int causal)
-#define ATTN_FWD_ARGS (q, k, v, o, lse, nb, h, hkv, tq, tk, scale, causal)
+  (const T* q, const T* k, const T* v, T* o, float* lse, const unsigned* docs, unsigned nb, unsigned h,      \
+   unsigned hkv, unsigned tq, unsigned tk, float scale, int causal)
+#define ATTN_FWD_ARGS (q, k, v, o, lse, docs, nb, h, hkv, tq, tk, scale, causal)
 #define ATTN_BWD_PARAMS(T)                                                                                   \
-  (const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, float* dq_acc,   \
-   T* dk, T* dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal)
-#define ATTN_BWD_ARGS (q, k, v, dout, lse, delta, dq_acc, dk, dv, nb, h, hkv, tq, tk, scale, causal)
+  (const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,                  \
+   const unsigned* docs, float* dq_acc, T* dk, T* dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq,     \
+   unsigned tk, float scale, int causal)
+#define ATTN_BWD_ARGS (q, k, v, dout, lse, delta, docs, dq_acc, dk, dv, nb, h, hkv, tq, tk, scale, causal)
 #define ATTN_DELTA_PARAMS(T) (const T* o, const T* dout, float* delta, unsigned rows, unsigned d)
 #define ATTN_DELTA_ARGS (o, dout, delta, rows, d)
 #define ATTN_CONV_PARAMS(T) (const float* acc, T* dq, unsigned long long n)

@@ -165,6 +165,10 @@ pub struct TrainSection {
     /// stop after this many consecutive skipped (NaN/inf) steps
     #[serde(default = "d_bad_steps")]
     pub max_bad_steps: u32,
+    /// per-document causal attention inside packed sequences (documents from the dataset's segment table);
+    /// left out of the resolved config at its default, so configs hashed before this key keep their hash
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub document_mask: bool,
 }
 
 impl Default for TrainSection {
@@ -178,6 +182,7 @@ impl Default for TrainSection {
             activation_checkpointing: Checkpointing::default(),
             loss_chunk_tokens: d_loss_chunk(),
             max_bad_steps: d_bad_steps(),
+            document_mask: false,
         }
     }
 }
@@ -484,6 +489,10 @@ impl TasksShots {
             TasksShots::PerTask(s) => s.clone(),
         }
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_true(b: &bool) -> bool {

@@ -28,9 +28,13 @@
 //!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
 //!   gradient sum over all ranks is the one-rank gradient.
 //! - A sequence of T tokens trains T-1 targets (token t+1 from tokens <= t); the last position is ignored.
+//! - `train.document_mask` (default off: Fu et al. train without it): each micro-batch's document starts
+//!   (`Sequence::doc_starts`, from the dataset's segment table) become a `DocStarts` of the WHOLE sequences,
+//!   passed to every layer's attention in the forward and in every recompute (ZeRO-3 included); under
+//!   Ulysses each rank builds the same global one. RoPE positions stay the packed ones.
 //!
-//! What this file does not do: the NCCL backend (comms/ refuses it for now), document masks inside
-//! packed sequences (Fu et al. train without them); the evaluation rules (eval/in_training.rs calls them).
+//! What this file does not do: the NCCL backend (comms/ refuses it for now); the evaluation rules
+//! (eval/in_training.rs calls them).
 use crate::checkpoint::{self, TrainState};
 use crate::comms::launch::{launch_if_asked, rank_batching, BackendKind};
 use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
@@ -53,6 +57,7 @@ use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS
 use crate::model::rope::RopeTables;
 use crate::model::weights::{init_flat, load_flat, save_model_dir};
 use crate::model::Llama;
+use crate::ops::attention::DocStarts;
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
 use crate::tensorboard::{self, TbWriter};
@@ -150,7 +155,7 @@ pub fn forward_backward(
     grads: &mut GradAccum,
 ) -> Result<MicroOut> {
     let mut params = Params::Resident { vars, layout, grads };
-    forward_backward_with(model, &mut params, tables, ids, targets, seg, loss_chunk, scale)
+    forward_backward_with(model, &mut params, tables, ids, targets, None, seg, loss_chunk, scale)
 }
 
 /// Where `forward_backward_with` takes the parameters from and puts their gradients.
@@ -265,6 +270,7 @@ fn layer_param_indices(layout: &ParamLayout, l: usize) -> Result<Range<usize>> {
 /// of `seg` layers (the last one keeps its graph), the backward recomputes each earlier segment from
 /// its input. Under ZeRO-3 a layer is gathered for the forward and again for the recompute, and every
 /// backward hands its gradients on at once; the collectives run in the same order on every rank.
+/// `docs`: the document mask of every layer (forward and recompute), for the whole sequences.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward_with(
     model: &Llama,
@@ -272,6 +278,7 @@ pub fn forward_backward_with(
     tables: &[RopeTables],
     ids: &Tensor,
     targets: &Tensor,
+    docs: Option<&DocStarts>,
     seg: usize,
     loss_chunk: usize,
     scale: f64,
@@ -286,7 +293,7 @@ pub fn forward_backward_with(
         let mut x = x.clone();
         for l in lo..hi {
             let (w, h) = params.layer(model, l)?;
-            x = model.layer_forward_with(l, &w, &x, table(l), None)?; // (B, T, C)
+            x = model.layer_forward_with(l, &w, &x, table(l), None, docs)?; // (B, T, C)
             held.extend(h);
         }
         Ok(x)
@@ -344,6 +351,24 @@ pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> 
     let c = &model.cfg;
     let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
     (0..n).map(|l| c.rope.tables(c.head_dim, l, start, len, total, model.parity, model.device())).collect()
+}
+
+/// An error naming `train.document_mask` when it is on and `attention` cannot apply a document mask.
+pub fn check_document_mask(origin: &str, on: bool, attention: &AttentionImpl) -> Result<()> {
+    if on && !attention.supports_document_mask() {
+        bail!(
+            "{origin}: train.document_mask = true, but the attention {attention:?} cannot apply a document mask\nhint: set train.document_mask = false"
+        );
+    }
+    Ok(())
+}
+
+/// The document starts of a batch's sequences (`Sequence::doc_starts`; a sequence that opens inside a
+/// document has that piece as its first document).
+pub fn doc_starts(seqs: &[Sequence], device: &Device) -> Result<DocStarts> {
+    let t = seqs.first().map(|s| s.tokens.len()).unwrap_or(0);
+    let starts: Vec<&[usize]> = seqs.iter().map(|s| s.doc_starts.as_slice()).collect();
+    Ok(DocStarts::from_starts(&starts, t, device)?)
 }
 
 /// Input ids (B, T) and shifted targets (B*T, last position of each sequence ignored) of sequences.
@@ -951,6 +976,7 @@ impl Stage {
             })),
             None => AttentionImpl::for_device(&r.device),
         };
+        check_document_mask(&r.origin, cfg.train.document_mask, &attention)?;
         let model = model.with_attention(attention);
         // this rank's tokens (all of them without sequence parallelism) at their global positions
         let (tok_start, tok_len) = (r.mesh.sp_rank * seq_len / r.mesh.sp_size, seq_len / r.mesh.sp_size);
@@ -1071,6 +1097,8 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
         let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
         let (ids, targets) = batch_tensors(&toks, &r.device)?;
+        // the document mask is over the whole (global) sequences, also under sequence parallelism
+        let docs = if r.cfg.train.document_mask { Some(doc_starts(&seqs, &r.device)?) } else { None };
         // sequence parallelism: this rank's tokens and their targets (the last rank's last one is ignored)
         let (ids, targets) = if s.tok_len == s.seq_len {
             (ids, targets)
@@ -1099,7 +1127,17 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
             }
         };
         let (chunk, scale) = (r.cfg.train.loss_chunk_tokens, 1.0 / s.targets_per_step);
-        let out = forward_backward_with(&s.model, &mut params, &s.tables, &ids, &targets, s.seg, chunk, scale)?;
+        let out = forward_backward_with(
+            &s.model,
+            &mut params,
+            &s.tables,
+            &ids,
+            &targets,
+            docs.as_ref(),
+            s.seg,
+            chunk,
+            scale,
+        )?;
         injected_fault(r.mesh.rank(), r.state.step)?;
         sums.add(&out.nll, &seqs, s.tok_start, s.tok_len)?;
         let last = (s.tok_start + s.tok_len == s.seq_len) as usize; // holds the ignored last position

@@ -5,12 +5,16 @@
 //! Tensor-core tiles (the emulated mma.sync/ldmatrix of kernels/emu.h, first checked alone through
 //! kernels/mma_probe.cu): T in {1, 17, 100, 130}, GQA 1/2/4, D 64 and 128, causal and full, Tq < Tk,
 //! bf16 and f16, forward and backward.
+//! Document masks (packed sequences): documents of lengths 1, 17 and uneven ones, documents crossing tile
+//! boundaries, query tiles that skip whole key tiles, GQA; FMA and tensor-core tiles against the CPU
+//! reference under the same mask (itself checked against the dense-mask slow op in tests/attention_docs.rs);
+//! one document per sequence gives the causal kernels' output bit for bit.
 //! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16/f16 — the STYLE.md rule: the exact result is the f32
 //! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
 //! implementation in that type (every intermediate rounded, `naive16` below).
 use half::{bf16, f16};
 use harpe::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
-use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, AttnDims};
+use harpe::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -43,7 +47,7 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
 
 /// Dense attention with every intermediate rounded to T (bf16 or f16): forward (O, lse) and backward
 /// (dQ, dK, dV).
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn naive16<T: AttnFloat>(
     q: &[f32],
     k: &[f32],
@@ -52,6 +56,7 @@ fn naive16<T: AttnFloat>(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: Option<&[u32]>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let r16 = |x: f32| T::from_f32(x).to_f32();
@@ -65,10 +70,11 @@ fn naive16<T: AttnFloat>(
             let kvh = bi * hkv + hi / rep;
             for i in 0..tq {
                 let lim = if causal { tk - tq + i + 1 } else { tk };
+                let lo = docs.map_or(0, |ds| ds[bi * tk + tk - tq + i] as usize);
                 let qi = &q[(bh * tq + i) * d..(bh * tq + i + 1) * d];
                 let kj = |j: usize| &k[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
                 let vj = |j: usize| &v[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
-                let s: Vec<f32> = (0..lim).map(|j| r16(dot16(qi, kj(j)) * scale)).collect();
+                let s: Vec<f32> = (lo..lim).map(|j| r16(dot16(qi, kj(j)) * scale)).collect();
                 let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = s.iter().map(|x| r16((x - m).exp())).collect();
                 let l = e.iter().fold(0.0, |a, x| r16(a + x));
@@ -76,12 +82,12 @@ fn naive16<T: AttnFloat>(
                 lse[bh * tq + i] = r16(m + l.ln());
                 let oi = &mut o[(bh * tq + i) * d..(bh * tq + i + 1) * d];
                 for (c, oc) in oi.iter_mut().enumerate() {
-                    *oc = (0..lim).fold(0.0, |a, j| r16(a + r16(p[j] * vj(j)[c])));
+                    *oc = (lo..lim).fold(0.0, |a, j| r16(a + r16(p[j - lo] * vj(j)[c])));
                 }
                 let oi = oi.to_vec();
                 let doi = &dout[(bh * tq + i) * d..(bh * tq + i + 1) * d];
                 let delta = dot16(doi, &oi);
-                for (j, &pj) in p.iter().enumerate() {
+                for (j, &pj) in (lo..lim).zip(&p) {
                     let ds = r16(pj * r16(dot16(doi, vj(j)) - delta));
                     for c in 0..d {
                         let kk = (kvh * tk + j) * d + c;
@@ -105,6 +111,11 @@ fn check_case<T: AttnFloat>(dims: AttnDims, causal: bool, bf: bool, seed: u64) {
 
 /// Forward and backward of one emulated kernel against the CPU reference; panics naming the case.
 fn check_kernel<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: bool, seed: u64) {
+    check_kernel_docs::<T>(kernel, dims, causal, None, seed);
+}
+
+/// `check_kernel` under an optional document mask (`docs`: per key, its document's start).
+fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: bool, docs: Option<&[u32]>, seed: u64) {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let bf = std::mem::size_of::<T>() == 2;
     let mut r = ChaCha8Rng::seed_from_u64(seed);
@@ -114,31 +125,29 @@ fn check_kernel<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: bool, 
     let v = round(uniform(&mut r, b * hkv * tk * d));
     let dout = round(uniform(&mut r, b * h * tq * d));
     let scale = 1.0 / (d as f32).sqrt();
-    let case = format!("{kernel:?} {dims:?} causal={causal} {}", std::any::type_name::<T>());
+    let case = format!("{kernel:?} {dims:?} causal={causal} docs={} {}", docs.is_some(), std::any::type_name::<T>());
 
-    let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal);
-    let (o_t, lse) = ka::attention_fwd_with::<T>(kernel, &to_t(&q), &to_t(&k), &to_t(&v), dims, scale, causal).unwrap();
+    let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
+    let (qt, kt, vt, dt) = (to_t::<T>(&q), to_t::<T>(&k), to_t::<T>(&v), to_t::<T>(&dout));
+    let (o_t, lse) = match docs {
+        Some(ds) => ka::attention_fwd_doc::<T>(kernel, &qt, &kt, &vt, dims, scale, ds),
+        None => ka::attention_fwd_with::<T>(kernel, &qt, &kt, &vt, dims, scale, causal),
+    }
+    .unwrap();
     let o = of_t(&o_t);
-    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal);
-    let (dq, dk, dv) = ka::attention_bwd_with::<T>(
-        kernel,
-        &to_t(&q),
-        &to_t(&k),
-        &to_t(&v),
-        &o_t,
-        &lse,
-        &to_t(&dout),
-        dims,
-        scale,
-        causal,
-    )
+    let (dq_ref, dk_ref, dv_ref) =
+        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let (dq, dk, dv) = match docs {
+        Some(ds) => ka::attention_bwd_doc::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, ds),
+        None => ka::attention_bwd_with::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, causal),
+    }
     .unwrap();
     let (dq, dk, dv) = (of_t(&dq), of_t(&dk), of_t(&dv));
 
     // lse is f32 in both dtypes: the f32 tolerance applies
     let e = max_err(&lse, &lse_ref);
     assert!(e <= 1e-5 * max_abs(&lse_ref).max(1.0), "{case}: lse err {e:e}");
-    let naive = if bf { Some(naive16::<T>(&q, &k, &v, &dout, dims, scale, causal)) } else { None };
+    let naive = if bf { Some(naive16::<T>(&q, &k, &v, &dout, dims, scale, causal, docs)) } else { None };
     type Out<'a> = (&'a str, &'a [f32], &'a [f32], Option<&'a [f32]>);
     let outs: [Out; 4] = [
         ("O", &o, &o_ref, naive.as_ref().map(|n| &n.0[..])),
@@ -364,10 +373,86 @@ fn selftest_attention_rows_pass_on_the_emulator() {
     use harpe::selftest::{attention, Target};
     for seed in [1u64, 2] {
         let checks = attention::checks(&Target::Emulated, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
-        // 2 probe rows + 4 (dtype, kernel) pairs x 2 shapes x 4 outputs
-        assert_eq!(checks.len(), 2 + 4 * 2 * 4, "seed {seed}");
+        // 2 probe rows + 4 (dtype, kernel) pairs x 3 shapes (one with a document mask) x 4 outputs
+        assert_eq!(checks.len(), 2 + 4 * 3 * 4, "seed {seed}");
+        assert!(checks.iter().any(|c| c.case.contains("docs")), "seed {seed}: no document-mask row");
         for c in &checks {
             assert!(c.pass, "seed {seed}: {} {} {:?}: {:e} > {:e}", c.kernel, c.case, c.dtype, c.max_err, c.bound);
         }
     }
+}
+
+/// Per-key document starts of `b` sequences of `t` tokens, sequence i with the starts `starts[i % len]`.
+fn docs_of(b: usize, t: usize, starts: &[&[usize]]) -> Vec<u32> {
+    let per: Vec<&[usize]> = (0..b).map(|i| starts[i % starts.len()]).collect();
+    DocStarts::from_starts(&per, t, &candle_core::Device::Cpu).unwrap().host().to_vec()
+}
+
+/// FMA tiles (32 rows at D = 16): documents of lengths 1, 17, 22 and 30 (18..40 crosses the tile boundary
+/// at 32; the tile 64.. starts at key tile 32, skipping tile 0; the backward's key tile 0 stops before
+/// query tile 64); a one-token sequence; GQA 4 and 2 with two different packings in one batch.
+#[test]
+fn document_masks_fma_tiles_match_the_reference() {
+    let cases: [(AttnDims, &[&[usize]]); 4] = [
+        (dm(1, 4, 1, 70, 70, 16), &[&[0, 1, 18, 40]]),
+        (dm(2, 4, 2, 70, 70, 16), &[&[0, 1, 18, 40], &[17, 69]]),
+        (dm(1, 2, 2, 1, 1, 16), &[&[0]]),
+        (dm(1, 2, 1, 45, 45, 32), &[&[3, 20, 21, 22]]),
+    ];
+    for (n, (dims, starts)) in cases.into_iter().enumerate() {
+        let docs = docs_of(dims.b, dims.tk, starts);
+        check_kernel_docs::<f32>(AttnKernel::Fma, dims, true, Some(&docs), 900 + n as u64);
+        check_kernel_docs::<bf16>(AttnKernel::Fma, dims, true, Some(&docs), 910 + n as u64);
+    }
+    // D = 128 (16-row tiles): many tile boundaries inside one document
+    let dims = dm(1, 2, 1, 37, 37, 128);
+    check_kernel_docs::<f16>(AttnKernel::Fma, dims, true, Some(&docs_of(1, 37, &[&[0, 17, 18]])), 920);
+}
+
+/// Tensor-core tiles (forward 64 query rows, backward 64 keys): a query tile whose first row's document
+/// starts at 65 skips key tile 0, a document of length 1 at the end, documents crossing 64, GQA 4, D 64/128.
+#[test]
+fn document_masks_tensor_core_tiles_match_the_reference() {
+    let cases: [(AttnDims, &[&[usize]]); 4] = [
+        (dm(1, 4, 1, 130, 130, 64), &[&[65, 129]]),
+        (dm(2, 2, 1, 100, 100, 64), &[&[37, 38, 99], &[1, 18, 60]]),
+        (dm(1, 4, 2, 130, 130, 128), &[&[17, 34, 100]]),
+        (dm(1, 2, 2, 17, 17, 128), &[&[0]]),
+    ];
+    for (n, (dims, starts)) in cases.into_iter().enumerate() {
+        let docs = docs_of(dims.b, dims.tk, starts);
+        check_kernel_docs::<bf16>(AttnKernel::TensorCore, dims, true, Some(&docs), 930 + n as u64);
+        check_kernel_docs::<f16>(AttnKernel::TensorCore, dims, true, Some(&docs), 940 + n as u64);
+    }
+}
+
+/// One document per sequence is plain causal attention: the masked kernels give the causal kernels'
+/// O, lse, dQ, dK, dV bit for bit (same tiles, same order; the extra bound is never active).
+#[test]
+fn one_document_equals_causal_bit_for_bit() {
+    fn go<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, seed: u64) {
+        let AttnDims { b, h, hkv, tq, tk, d } = dims;
+        let mut r = ChaCha8Rng::seed_from_u64(seed);
+        let q: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
+        let k: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
+        let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
+        let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
+        let docs = vec![0u32; b * tk];
+        let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, 0.3, true).unwrap();
+        let (od, lsed) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, 0.3, &docs).unwrap();
+        assert!(o == od && lse == lsed, "{kernel:?} {dims:?}: forward differs");
+        let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true).unwrap();
+        let gd = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, &docs).unwrap();
+        assert!(g == gd, "{kernel:?} {dims:?}: backward differs");
+    }
+    go::<f32>(AttnKernel::Fma, dm(2, 4, 2, 70, 70, 16), 950);
+    go::<bf16>(AttnKernel::TensorCore, dm(1, 4, 1, 130, 130, 64), 951);
+}
+
+#[test]
+fn document_masks_refuse_bad_input() {
+    let dims = dm(1, 2, 1, 4, 4, 16);
+    let (q, kv) = (vec![0f32; 2 * 4 * 16], vec![0f32; 4 * 16]);
+    let e = ka::attention_fwd_doc(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, &[0; 3]).unwrap_err().to_string();
+    assert!(e.contains("`docs`"), "{e}");
 }

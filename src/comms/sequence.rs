@@ -21,6 +21,7 @@
 //! What this file does not do: padding (T must divide by P; refused before any work), ring attention.
 use crate::comms::local::LocalComm;
 use crate::model::attention::{AttentionFn, AttentionImpl};
+use crate::ops::attention::DocStarts;
 use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
 
@@ -161,16 +162,38 @@ pub struct Ulysses {
     pub inner: AttentionImpl,
 }
 
-impl AttentionFn for Ulysses {
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+impl Ulysses {
+    /// Exchange, `att` over all T tokens of this rank's heads, exchange back.
+    fn around(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        att: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         if q.dtype() != k.dtype() || q.dtype() != v.dtype() || !matches!(q.dtype(), DType::F32 | DType::BF16) {
             return Err(Error::Msg("sequence parallelism: q, k, v must share the dtype f32 or bf16".into()));
         }
         let q = heads_to_seq(&self.group, q, "ulysses q")?;
         let k = heads_to_seq(&self.group, k, "ulysses k")?;
         let v = heads_to_seq(&self.group, v, "ulysses v")?;
-        let o = self.inner.attend(&q, &k, &v, scale, causal)?; // (B, H/P, T, D)
+        let o = att(&q, &k, &v)?; // (B, H/P, T, D)
         seq_to_heads(&self.group, &o, "ulysses o")
+    }
+}
+
+impl AttentionFn for Ulysses {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+        self.around(q, k, v, |q, k, v| self.inner.attend(q, k, v, scale, causal))
+    }
+
+    /// After the exchange a rank holds all T tokens, so `docs` is the GLOBAL sequences' document starts.
+    fn attend_doc(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
+        self.around(q, k, v, |q, k, v| self.inner.attend_doc(q, k, v, scale, docs))
+    }
+
+    fn supports_document_mask(&self) -> bool {
+        self.inner.supports_document_mask()
     }
 }
 
@@ -224,6 +247,48 @@ mod tests {
                 let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(err < 1e-5, "P = {p}: {name} differs by {err}");
             }
+        }
+    }
+
+    #[test]
+    fn ulysses_document_mask_uses_the_global_sequence() {
+        // documents [0, 5) [5, 6) [6, 12) of sequence 0 and [0, 9) [9, 12) of sequence 1: the second
+        // document of each crosses the ranks' T/P = 6 boundary, so local starts would be wrong
+        let (b, h, hkv, t, d) = (2, 4, 2, 12, 8);
+        let docs = DocStarts::from_starts(&[&[0, 5, 6], &[9]], t, &Device::Cpu).unwrap();
+        let (q, k, v) = (make(b, h, t, d, 0.2), make(b, hkv, t, d, 0.9), make(b, hkv, t, d, 1.7));
+        let w = make(b, h, t, d, 2.5);
+        let scale = 1.0 / (d as f32).sqrt();
+        let (qv, kv, vv) =
+            (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+        let o_ref =
+            AttentionImpl::CpuReference.attend_doc(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, &docs);
+        let o_ref = o_ref.unwrap();
+        let store = (&o_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();
+        let refs: Vec<Vec<f32>> = [o_ref.clone(), g(&qv), g(&kv), g(&vv)]
+            .iter()
+            .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        let p = 2;
+        let tl = t / p;
+        let parts = spawn_local(p, Duration::from_secs(20), |c| {
+            let r = c.rank();
+            let att = Ulysses { group: SpGroup::Local(c), inner: AttentionImpl::Cpu };
+            assert!(att.supports_document_mask());
+            let mine = |x: &Tensor| Var::from_tensor(&x.narrow(2, r * tl, tl).unwrap()).unwrap();
+            let (ql, kl, vl) = (mine(&q), mine(&k), mine(&v));
+            let o = att.attend_doc(ql.as_tensor(), kl.as_tensor(), vl.as_tensor(), scale, &docs)?;
+            let gs = (&o * w.narrow(2, r * tl, tl)?)?.sum_all()?.backward()?;
+            let grad = |x: &Var| gs.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
+            Ok([o, grad(&ql)?, grad(&kl)?, grad(&vl)?])
+        })
+        .unwrap();
+        for (i, name) in ["o", "dq", "dk", "dv"].iter().enumerate() {
+            let got: Vec<Tensor> = parts.iter().map(|pr| pr[i].clone()).collect();
+            let got = Tensor::cat(&got, 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-5, "{name} differs by {err}");
         }
     }
 

@@ -1,7 +1,8 @@
 //! Host twins of kernels/attention.cu (flash attention forward, delta pre-kernel, backward, dQ convert; the
 //! FMA tiles and the tensor-core tiles) and of kernels/mma_probe.cu: the kernels' own source compiled
 //! against kernels/emu.h, behind safe wrappers with the shapes of `ops::attention` (q (B, H, Tq, D), k/v
-//! (B, Hkv, Tk, D), lse (B, H, Tq)).
+//! (B, Hkv, Tk, D), lse (B, H, Tq)); `attention_{fwd,bwd}_doc` pass a document mask (per key, the start of
+//! its document: `ops::attention::DocStarts::host`), the others a null pointer.
 //!
 //! Reference: kernels/attention.cu (header: algorithm, tiles, what a block owns), kernels/mma.cuh (the
 //! fragment layouts the emulated mma/ldmatrix reproduce); the CPU reference
@@ -95,6 +96,7 @@ type FwdFn<T> = unsafe extern "C" fn(
     *const T,
     *mut T,
     *mut f32,
+    *const u32,
     u32,
     u32,
     u32,
@@ -113,6 +115,7 @@ type BwdFn<T> = unsafe extern "C" fn(
     *const T,
     *const f32,
     *const f32,
+    *const u32,
     *mut f32,
     *mut T,
     *mut T,
@@ -143,6 +146,7 @@ mod ffi {
                 v: *const $t,
                 o: *mut $t,
                 lse: *mut f32,
+                docs: *const u32,
                 nb: u32,
                 h: u32,
                 hkv: u32,
@@ -161,6 +165,7 @@ mod ffi {
                 dout: *const $t,
                 lse: *const f32,
                 delta: *const f32,
+                docs: *const u32,
                 dq_acc: *mut f32,
                 dk: *mut $t,
                 dv: *mut $t,
@@ -432,7 +437,47 @@ pub fn attention_fwd_with<T: AttnFloat>(
     scale: f32,
     causal: bool,
 ) -> Result<(Vec<T>, Vec<f32>)> {
+    fwd_impl(kernel, q, k, v, dims, scale, causal, None)
+}
+
+/// `attention_fwd_with` under a document mask (causal): `docs` (B*Tk) per key position, the start of its
+/// document (`ops::attention::DocStarts::host`).
+pub fn attention_fwd_doc<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    docs: &[u32],
+) -> Result<(Vec<T>, Vec<f32>)> {
+    fwd_impl(kernel, q, k, v, dims, scale, true, Some(docs))
+}
+
+/// The shape rule of a document mask: one start per key of every sequence.
+pub fn check_docs(dims: AttnDims, causal: bool, docs: Option<&[u32]>) -> Result<()> {
+    if let Some(ds) = docs {
+        if !causal {
+            bail!("attention kernel: a document mask needs causal attention\nhint: pass causal = true");
+        }
+        check_len("docs", ds.len(), dims.b * dims.tk)?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fwd_impl<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Result<(Vec<T>, Vec<f32>)> {
     check_dims(dims, causal)?;
+    check_docs(dims, causal, docs)?;
     kernel.check(std::mem::size_of::<T>(), dims.d)?;
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     check_len("q", q.len(), b * h * tq * d)?;
@@ -453,6 +498,7 @@ pub fn attention_fwd_with<T: AttnFloat>(
             v.as_ptr(),
             o.as_mut_ptr(),
             lse.as_mut_ptr(),
+            docs.map_or(std::ptr::null(), |ds| ds.as_ptr()),
             b as u32,
             h as u32,
             hkv as u32,
@@ -496,7 +542,42 @@ pub fn attention_bwd_with<T: AttnFloat>(
     scale: f32,
     causal: bool,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    bwd_impl(kernel, q, k, v, o, lse, dout, dims, scale, causal, None)
+}
+
+/// `attention_bwd_with` under a document mask (`attention_fwd_doc`'s `docs`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_doc<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[f32],
+    dout: &[T],
+    dims: AttnDims,
+    scale: f32,
+    docs: &[u32],
+) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    bwd_impl(kernel, q, k, v, o, lse, dout, dims, scale, true, Some(docs))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd_impl<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[f32],
+    dout: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
     check_dims(dims, causal)?;
+    check_docs(dims, causal, docs)?;
     kernel.check(std::mem::size_of::<T>(), dims.d)?;
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     check_len("q", q.len(), b * h * tq * d)?;
@@ -536,6 +617,7 @@ pub fn attention_bwd_with<T: AttnFloat>(
             dout.as_ptr(),
             lse.as_ptr(),
             delta.as_ptr(),
+            docs.map_or(std::ptr::null(), |ds| ds.as_ptr()),
             dq_acc.as_mut_ptr(),
             dk.as_mut_ptr(),
             dv.as_mut_ptr(),

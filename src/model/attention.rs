@@ -6,11 +6,17 @@
 //! outside); DESIGN.md §6. The non-obvious decision: a closed enum for what `model/`+`ops/` provide,
 //! plus one `Custom` arm holding a trait object, because comms/ (which `model/` must not import)
 //! provides the Ulysses all-to-all wrapper and it is chosen at run time. Every arm computes the same
-//! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D).
+//! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D);
+//! `attend_doc` the same under a per-document causal mask of packed sequences (`ops::attention::DocStarts`,
+//! `train.document_mask`). Every built-in arm does document masks; a `Custom` one says whether it can
+//! (`AttentionFn::supports_document_mask`, default no), so the trainer refuses before the first step.
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
 use crate::kernels_emu::attention::HEAD_DIMS;
-use crate::ops::attention::{attention, attention_blocked, attention_reference};
-use candle_core::{Device, Result, Tensor};
+use crate::ops::attention::{
+    attention, attention_blocked, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference,
+    CpuKernel, DocStarts,
+};
+use candle_core::{bail, Device, Result, Tensor};
 use std::sync::Arc;
 
 /// Query rows per block of the blocked reference by default.
@@ -20,6 +26,16 @@ pub const DEFAULT_BLOCK: usize = 256;
 pub trait AttentionFn: Send + Sync + std::fmt::Debug {
     /// Same contract as `AttentionImpl::attend`.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor>;
+
+    /// Same contract as `AttentionImpl::attend_doc`; the default refuses (no document masks).
+    fn attend_doc(&self, _q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _docs: &DocStarts) -> Result<Tensor> {
+        bail!("attention {self:?} cannot apply a document mask\nhint: set train.document_mask = false, or implement AttentionFn::attend_doc")
+    }
+
+    /// Whether `attend_doc` works (checked by the trainer before the first step).
+    fn supports_document_mask(&self) -> bool {
+        false
+    }
 }
 
 /// Which attention `layer_forward` runs.
@@ -64,6 +80,29 @@ impl AttentionImpl {
             AttentionImpl::CpuReference => attention_reference(q, k, v, scale, causal),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
+        }
+    }
+
+    /// Causal attention under a document mask (query i sees keys j <= i of its own document, `docs`
+    /// (B, Tk) per key: its document's start); q (B, H, Tq, D), k, v (B, Hkv, Tk, D) -> (B, H, Tq, D).
+    pub fn attend_doc(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
+        match self {
+            AttentionImpl::Cpu => attention_doc(q, k, v, scale, docs),
+            AttentionImpl::CpuReference => attention_doc_with(q, k, v, scale, docs, CpuKernel::Reference),
+            AttentionImpl::Flash if !HEAD_DIMS.contains(&q.dim(3)?) => {
+                attention_blocked_doc(q, k, v, scale, docs, DEFAULT_BLOCK)
+            }
+            AttentionImpl::Flash => attention_doc(q, k, v, scale, docs),
+            AttentionImpl::Blocked { block } => attention_blocked_doc(q, k, v, scale, docs, *block),
+            AttentionImpl::Custom(f) => f.attend_doc(q, k, v, scale, docs),
+        }
+    }
+
+    /// Whether `attend_doc` works: every built-in arm, a `Custom` one when it says so.
+    pub fn supports_document_mask(&self) -> bool {
+        match self {
+            AttentionImpl::Custom(f) => f.supports_document_mask(),
+            _ => true,
         }
     }
 }

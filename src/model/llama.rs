@@ -8,10 +8,14 @@
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
-//! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Not done here: loss (see `loss`), sampling.
+//! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Packed sequences
+//! may carry document boundaries (`DocStarts`, `train.document_mask`): every layer's attention is then
+//! causal within each document; positions stay the packed ones (RoPE is not reset per document).
+//! Not done here: loss (see `loss`), sampling.
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::{RopeParity, RopeTables};
+use crate::ops::attention::DocStarts;
 use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -334,14 +338,19 @@ impl Llama {
         tables: &RopeTables,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let w = self.layers.get(layer).ok_or_else(|| {
+        self.layer_forward_with(layer, self.layer(layer)?, x, tables, cache, None)
+    }
+
+    /// The model's own weights of decoder layer `layer` (an error on a ZeRO-3 skeleton).
+    fn layer(&self, layer: usize) -> Result<&LayerWeights> {
+        self.layers.get(layer).ok_or_else(|| {
             anyhow!("internal: this model holds no weights of layer {layer} (a ZeRO-3 skeleton passes them in)")
-        })?;
-        self.layer_forward_with(layer, w, x, tables, cache)
+        })
     }
 
     /// `layer_forward` with the layer's parameters `w` passed in (ZeRO-3 gathers them per layer and
-    /// frees them after; the model then holds no layer weights of its own).
+    /// frees them after; the model then holds no layer weights of its own), and optionally a document
+    /// mask `docs` ((B, T) of the whole sequences: under sequence parallelism the global ones).
     pub fn layer_forward_with(
         &self,
         layer: usize,
@@ -349,6 +358,7 @@ impl Llama {
         x: &Tensor,
         tables: &RopeTables,
         cache: Option<&mut KvCache>,
+        docs: Option<&DocStarts>,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (b, t, _c) = x.dims3()?;
@@ -367,7 +377,11 @@ impl Llama {
             }
             cache.kv[layer] = Some((k.clone(), v.clone()));
         }
-        let o = self.attention.attend(&q, &k, &v, 1.0 / (d as f32).sqrt(), true)?; // (B, H, T, D)
+        let scale = 1.0 / (d as f32).sqrt();
+        let o = match docs {
+            Some(ds) => self.attention.attend_doc(&q, &k, &v, scale, ds)?, // (B, H, T, D)
+            None => self.attention.attend(&q, &k, &v, scale, true)?,
+        };
         let o = o.transpose(1, 2)?.reshape((b, t, h * d))?;
         let x = (x + linear(&o, &w.o_proj)?)?;
         let hs = rms_norm(&x, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
@@ -377,18 +391,30 @@ impl Llama {
 
     /// Final hidden states (after the last RMSNorm): ids (B, T) at positions start.. -> (B, T, C).
     pub fn forward_hidden(&self, ids: &Tensor, start: usize) -> Result<Tensor> {
-        self.forward_impl(ids, start, None)
+        self.forward_impl(ids, start, None, None)
+    }
+
+    /// `forward_hidden` of packed sequences under a document mask (positions stay start.., not reset
+    /// per document).
+    pub fn forward_hidden_doc(&self, ids: &Tensor, start: usize, docs: &DocStarts) -> Result<Tensor> {
+        self.forward_impl(ids, start, None, Some(docs))
     }
 
     /// Like `forward_hidden`, reading and extending a KV cache (positions continue at `cache.pos`).
     pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let start = cache.pos;
-        let out = self.forward_impl(ids, start, Some(cache))?;
+        let out = self.forward_impl(ids, start, Some(cache), None)?;
         cache.pos += ids.dim(1)?;
         Ok(out)
     }
 
-    fn forward_impl(&self, ids: &Tensor, start: usize, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+    fn forward_impl(
+        &self,
+        ids: &Tensor,
+        start: usize,
+        mut cache: Option<&mut KvCache>,
+        docs: Option<&DocStarts>,
+    ) -> Result<Tensor> {
         let t = ids.dim(1)?;
         let mut x = self.embed(ids)?;
         let shared = if self.cfg.rope.per_layer() { None } else { Some(self.rope_tables(0, start, t)?) };
@@ -397,7 +423,7 @@ impl Llama {
                 Some(tab) => tab.clone(),
                 None => self.rope_tables(l, start, t)?,
             };
-            x = self.layer_forward(l, &x, &tables, cache.as_deref_mut())?;
+            x = self.layer_forward_with(l, self.layer(l)?, &x, &tables, cache.as_deref_mut(), docs)?;
         }
         Ok(rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?)
     }

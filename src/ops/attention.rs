@@ -17,11 +17,20 @@
 //! same algorithm on GEMM blocks (`CpuKernel::Gemm`, `ops::attention_gemm`, what `attention` runs); on a
 //! CUDA device its `cuda_fwd`s launch kernels/attention.cu (`ops::attention_cuda`) with the same packed
 //! layouts, in the inputs' dtype (bf16/f16: the tensor-core tiles).
-//! Not done here: dropout, sliding windows, document masks (later issues).
+//! Document masks (packed sequences, `attention_doc`): query i sees key j only if j <= i and both lie in
+//! one document. Documents are given as `DocStarts`, per token the position its document starts at, a
+//! (B, Tk) u32 tensor — not cu_seqlens offsets, because (1) the allowed keys of row i are then one range
+//! `doc_start[i] ..= i`, so every loop below (and every kernel tile loop) just gets a lower bound beside the
+//! causal upper one, and a tile whose keys all lie before its first row's document start is skipped
+//! without a search; (2) our batches are fixed (B, T), not one flat ragged sequence, so a per-sequence
+//! tensor keeps the op's (B, H, T, D) layouts; (3) under Ulysses every rank holds the same tensor for the
+//! whole (global) sequence. The GEMM blocks (`ops::attention_gemm`) take the same mask.
+//! Not done here: dropout, sliding windows.
 use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
 use crate::ops::rotary::f32_slice;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 const BLOCK_K: usize = 64;
 
@@ -45,6 +54,113 @@ impl AttnDims {
             self.tk
         }
     }
+
+    /// First key query row `i` of sequence `bi` may see under the document mask `docs` (B*Tk, per key its
+    /// document's start): the start of its own document; 0 without a mask (a mask is only defined with
+    /// causal attention and ignored without it).
+    #[inline]
+    pub(crate) fn first_key(&self, causal: bool, docs: Option<&[u32]>, bi: usize, i: usize) -> usize {
+        let hi = self.limit(causal, i);
+        match docs {
+            Some(ds) if causal && hi > 0 => ds[bi * self.tk + hi - 1] as usize,
+            _ => 0,
+        }
+    }
+}
+
+/// Document boundaries of packed sequences: for sequence b and token j, the position where j's document
+/// starts (`<= j`; equal to the previous token's start or to j itself). (B, T) u32 on the compute device,
+/// with its host copy (the CPU loops read that one).
+#[derive(Clone, Debug)]
+pub struct DocStarts {
+    b: usize,
+    t: usize,
+    host: Arc<Vec<u32>>,
+    tensor: Tensor, // (B, T) u32
+}
+
+impl DocStarts {
+    /// From each sequence's document start positions (cu_seqlens-style offsets within the sequence, sorted
+    /// or not; 0 is implied: a sequence that opens mid-document has its first piece as a document).
+    pub fn from_starts(starts: &[&[usize]], t: usize, device: &Device) -> Result<DocStarts> {
+        let mut host = Vec::with_capacity(starts.len() * t);
+        for (bi, st) in starts.iter().enumerate() {
+            let mut st: Vec<usize> = st.to_vec();
+            st.sort_unstable();
+            if let Some(&bad) = st.iter().find(|&&s| s >= t) {
+                candle_core::bail!("document starts: sequence {bi} has a start at {bad}, past its {t} tokens\nhint: starts are positions inside each sequence");
+            }
+            let (mut cur, mut n) = (0u32, 0);
+            for j in 0..t {
+                while n < st.len() && st[n] <= j {
+                    cur = st[n] as u32;
+                    n += 1;
+                }
+                host.push(cur);
+            }
+        }
+        Self::from_per_token(host, starts.len(), t, device)
+    }
+
+    /// From the per-token starts themselves ((B*T) values, row-major), checked.
+    pub fn from_per_token(host: Vec<u32>, b: usize, t: usize, device: &Device) -> Result<DocStarts> {
+        if host.len() != b * t || b == 0 || t == 0 {
+            candle_core::bail!(
+                "document starts: {} values for B {b} x T {t}\nhint: one start per token of every sequence",
+                host.len()
+            );
+        }
+        for (bi, row) in host.chunks(t).enumerate() {
+            for (j, &s) in row.iter().enumerate() {
+                let prev = if j == 0 { 0 } else { row[j - 1] };
+                if s as usize != j && (j == 0 || s != prev) {
+                    candle_core::bail!(
+                        "document starts: sequence {bi}, token {j} starts at {s}, but a token's document starts at itself or where the previous token's did ({prev})\nhint: build them with DocStarts::from_starts"
+                    );
+                }
+            }
+        }
+        let tensor = Tensor::from_slice(&host, (b, t), device)?;
+        Ok(DocStarts { b, t, host: Arc::new(host), tensor })
+    }
+
+    /// (B, T).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.b, self.t)
+    }
+
+    /// The per-token starts, (B*T) row-major.
+    pub fn host(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// The per-token starts on the compute device, (B, T) u32.
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// An error unless these starts fit attention with batch `b` over `tk` keys (causal only).
+    fn check(&self, b: usize, tk: usize, causal: bool) -> Result<()> {
+        if !causal {
+            candle_core::bail!(
+                "attention: a document mask needs causal attention\nhint: call attention_doc (always causal)"
+            );
+        }
+        if (self.b, self.t) != (b, tk) {
+            candle_core::bail!(
+                "attention: document starts are for (B {}, T {}) but k has B {b}, Tk {tk}\nhint: build DocStarts from the whole (global) sequences of the batch",
+                self.b,
+                self.t
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Keys query row `i` of sequence `bi` may see: `lo..hi` (causal limit, and its document's start).
+#[inline]
+fn key_range(dims: &AttnDims, causal: bool, docs: Option<&[u32]>, bi: usize, i: usize) -> (usize, usize) {
+    (dims.first_key(causal, docs, bi, i), dims.limit(causal, i))
 }
 
 #[inline]
@@ -61,6 +177,20 @@ pub fn attention_fwd_cpu(
     scale: f32,
     causal: bool,
 ) -> (Vec<f32>, Vec<f32>) {
+    attention_fwd_cpu_doc(q, k, v, dims, scale, causal, None)
+}
+
+/// `attention_fwd_cpu` with an optional document mask: `docs` (B*Tk) per key position, the start of its
+/// document (`DocStarts::host`); query row i (at key position p) sees keys docs[p]..=p.
+pub fn attention_fwd_cpu_doc(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> (Vec<f32>, Vec<f32>) {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let rep = h / hkv;
     let mut out = vec![0f32; b * h * tq * d];
@@ -75,9 +205,9 @@ pub fn attention_fwd_cpu(
         for i in 0..tq {
             let qi = &qh[i * d..(i + 1) * d];
             let acc = &mut o[i * d..(i + 1) * d];
-            let lim = dims.limit(causal, i);
+            let (lo, lim) = key_range(&dims, causal, docs, bi, i);
             let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-            for kb in (0..lim).step_by(BLOCK_K) {
+            for kb in (lo..lim).step_by(BLOCK_K) {
                 let ke = (kb + BLOCK_K).min(lim);
                 let mut bm = f32::NEG_INFINITY;
                 for j in kb..ke {
@@ -122,6 +252,23 @@ pub fn attention_bwd_cpu(
     scale: f32,
     causal: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    attention_bwd_cpu_doc(q, k, v, o, lse, dout, dims, scale, causal, None)
+}
+
+/// `attention_bwd_cpu` with an optional document mask (`attention_fwd_cpu_doc`'s `docs`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_cpu_doc(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnDims { h, hkv, tq, tk, d, .. } = dims;
     let rep = h / hkv;
     let mut dq = vec![0f32; q.len()];
@@ -146,7 +293,8 @@ pub fn attention_bwd_cpu(
                         continue;
                     }
                     let dqi = &mut dq_h[i * d..(i + 1) * d];
-                    for j in 0..dims.limit(causal, i) {
+                    let (lo, hi) = key_range(&dims, causal, docs, bi, i);
+                    for j in lo..hi {
                         let kj = &kh[j * d..(j + 1) * d];
                         let vj = &vh[j * d..(j + 1) * d];
                         let p = (dot(qi, kj) * scale - li).exp();
@@ -171,6 +319,7 @@ struct AttentionFwd {
     scale: f32,
     causal: bool,
     kernel: CpuKernel,
+    docs: Option<DocStarts>,
 }
 
 /// Which CPU loops the attention op (forward and backward) runs.
@@ -224,16 +373,20 @@ impl CustomOp3 for AttentionFwd {
         if self.causal && dims.tk < dims.tq {
             candle_core::bail!("attention: causal attention needs Tk >= Tq, got Tq {} Tk {}", dims.tq, dims.tk);
         }
+        if let Some(ds) = &self.docs {
+            ds.check(dims.b, dims.tk, self.causal)?;
+        }
         let q = f32_slice(s1, l1, "attention", "q")?;
         let k = f32_slice(s2, l2, "attention", "k")?;
         let v = f32_slice(s3, l3, "attention", "v")?;
         let AttnDims { b, h, tq, d, .. } = dims;
+        let docs = self.docs.as_ref().map(|ds| ds.host());
         let packed = match self.kernel {
+            CpuKernel::Gemm => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal, docs),
             CpuKernel::Reference => {
-                let (o, lse) = attention_fwd_cpu(q, k, v, dims, self.scale, self.causal);
+                let (o, lse) = attention_fwd_cpu_doc(q, k, v, dims, self.scale, self.causal, docs);
                 pack_o_lse(&o, &lse, d)
             }
-            CpuKernel::Gemm => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal),
         };
         Ok((CpuStorage::F32(packed), Shape::from_dims(&[b, h, tq, d + 1])))
     }
@@ -250,7 +403,8 @@ impl CustomOp3 for AttentionFwd {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::ops::attention_cuda::fwd_packed(s1, l1, s2, l2, s3, l3, self.scale, self.causal)
+        let docs = self.docs.as_ref().map(|ds| ds.tensor());
+        crate::ops::attention_cuda::fwd_packed(s1, l1, s2, l2, s3, l3, self.scale, self.causal, docs)
     }
 
     fn bwd(
@@ -268,7 +422,7 @@ impl CustomOp3 for AttentionFwd {
         let flat = packed.apply_op3(
             &k.detach(),
             &v.detach(),
-            AttentionBwd { scale: self.scale, causal: self.causal, d, kernel: self.kernel },
+            AttentionBwd { scale: self.scale, causal: self.causal, d, kernel: self.kernel, docs: self.docs.clone() },
         )?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let part = |at: usize, t: &Tensor| flat.narrow(0, at, t.elem_count())?.reshape(t.shape());
@@ -283,6 +437,7 @@ struct AttentionBwd {
     causal: bool,
     d: usize,
     kernel: CpuKernel,
+    docs: Option<DocStarts>,
 }
 
 impl CustomOp3 for AttentionBwd {
@@ -309,8 +464,12 @@ impl CustomOp3 for AttentionBwd {
         let packed = f32_slice(s1, l1, "attention backward", "packed")?;
         let k = f32_slice(s2, l2, "attention backward", "k")?;
         let v = f32_slice(s3, l3, "attention backward", "v")?;
+        if let Some(ds) = &self.docs {
+            ds.check(dims.b, dims.tk, self.causal)?;
+        }
+        let docs = self.docs.as_ref().map(|ds| ds.host());
         if self.kernel == CpuKernel::Gemm {
-            let grads = attention_bwd_gemm(packed, k, v, dims, self.scale, self.causal);
+            let grads = attention_bwd_gemm(packed, k, v, dims, self.scale, self.causal, docs);
             let n = grads.len();
             return Ok((CpuStorage::F32(grads), Shape::from_dims(&[n])));
         }
@@ -324,7 +483,7 @@ impl CustomOp3 for AttentionBwd {
             lse.push(row[2 * d]);
             dout.extend_from_slice(&row[2 * d + 1..3 * d + 1]);
         }
-        let (mut dq, dk, dv) = attention_bwd_cpu(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal);
+        let (mut dq, dk, dv) = attention_bwd_cpu_doc(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal, docs);
         dq.reserve(dk.len() + dv.len());
         dq.extend(dk);
         dq.extend(dv);
@@ -344,7 +503,8 @@ impl CustomOp3 for AttentionBwd {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::ops::attention_cuda::bwd_packed(s1, l1, (s2, l2), (s3, l3), self.d, self.scale, self.causal)
+        let docs = self.docs.as_ref().map(|ds| ds.tensor());
+        crate::ops::attention_cuda::bwd_packed(s1, l1, (s2, l2), (s3, l3), self.d, self.scale, self.causal, docs)
     }
 }
 
@@ -368,6 +528,36 @@ pub fn attention_with(
     causal: bool,
     kernel: CpuKernel,
 ) -> Result<Tensor> {
+    attention_op(q, k, v, scale, causal, kernel, None)
+}
+
+/// Per-document causal attention of packed sequences (`DocStarts`: query i sees keys j <= i of its own
+/// document); differentiable in q, k, v. On CPU the GEMM blocks, on CUDA the flash kernels.
+pub fn attention_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
+    attention_op(q, k, v, scale, true, CpuKernel::Gemm, Some(docs))
+}
+
+/// `attention_doc` with the CPU loops chosen explicitly.
+pub fn attention_doc_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    docs: &DocStarts,
+    kernel: CpuKernel,
+) -> Result<Tensor> {
+    attention_op(q, k, v, scale, true, kernel, Some(docs))
+}
+
+fn attention_op(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    kernel: CpuKernel,
+    docs: Option<&DocStarts>,
+) -> Result<Tensor> {
     let dtype = q.dtype();
     let d = q.dim(3)?;
     // the CPU loops are f32; the CUDA kernels take f32, bf16 and f16 as they are
@@ -376,14 +566,38 @@ pub fn attention_with(
         _ => DType::F32,
     };
     let f = |t: &Tensor| -> Result<Tensor> { t.to_dtype(run_as)?.contiguous() };
-    let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal, kernel })?; // (B, H, Tq, D + 1)
+    let packed = f(q)?.apply_op3(&f(k)?, &f(v)?, AttentionFwd { scale, causal, kernel, docs: docs.cloned() })?; // (B, H, Tq, D + 1)
     packed.narrow(3, 0, d)?.to_dtype(dtype)
 }
 
 /// Query blocks of `block` rows against all keys, from plain candle ops (autograd gives the
 /// backward): O(block x Tk) scores at a time in the forward. The twin of a GPU kernel's tiling.
 pub fn attention_blocked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool, block: usize) -> Result<Tensor> {
-    let (_b, _h, tq, _d) = q.dims4()?;
+    blocked_masked(q, k, v, scale, causal, block, None)
+}
+
+/// `attention_blocked` with a document mask (`attention_doc`'s function, from plain candle ops).
+pub fn attention_blocked_doc(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    docs: &DocStarts,
+    block: usize,
+) -> Result<Tensor> {
+    blocked_masked(q, k, v, scale, true, block, Some(docs))
+}
+
+fn blocked_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    block: usize,
+    docs: Option<&DocStarts>,
+) -> Result<Tensor> {
+    let (b, _h, tq, _d) = q.dims4()?;
     let (_, _, tk, _) = k.dims4()?;
     if causal && tk < tq {
         candle_core::bail!("attention: causal attention needs Tk >= Tq, got Tq {tq} Tk {tk}");
@@ -397,13 +611,53 @@ pub fn attention_blocked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal:
         let q_blk = q.narrow(2, start, len)?; // (B, H, len, D)
         let keys = if causal { tk - tq + start + len } else { tk };
         let (kk, vv) = (k.narrow(2, 0, keys)?, v.narrow(2, 0, keys)?); // (B, Hkv, keys, D)
-        outs.push(attention_slow(&q_blk, &kk, &vv, scale, causal)?); // (B, H, len, D)
+        let mask = match docs {
+            Some(ds) => {
+                ds.check(b, tk, causal)?;
+                Some(dense_mask(ds, tk - tq + start, len, keys, q.device())?)
+            }
+            None => None,
+        };
+        outs.push(slow_masked(&q_blk, &kk, &vv, scale, causal, mask.as_ref())?);
+        // (B, H, len, D)
     }
     Tensor::cat(&outs, 2)
 }
 
 /// The same attention from plain candle ops (materializes (Tq x Tk): tests and tiny shapes only).
 pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    slow_masked(q, k, v, scale, causal, None)
+}
+
+/// `attention_slow` with a document mask: the dense (B, 1, Tq, Tk) mask of "same document and j <= i",
+/// built from the per-token starts (tests and tiny shapes only).
+pub fn attention_slow_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
+    let (b, _h, tq, _d) = q.dims4()?;
+    let tk = k.dim(2)?;
+    docs.check(b, tk, true)?;
+    if tk < tq {
+        candle_core::bail!("attention: causal attention needs Tk >= Tq, got Tq {tq} Tk {tk}");
+    }
+    let mask = dense_mask(docs, tk - tq, tq, tk, q.device())?;
+    slow_masked(q, k, v, scale, true, Some(&mask))
+}
+
+/// Additive mask (B, 1, rows, keys) for query rows at key positions p0..p0 + rows against keys 0..keys:
+/// 0 where key j is in row p's document (docs[j] == docs[p]) and j <= p, -inf elsewhere.
+fn dense_mask(docs: &DocStarts, p0: usize, rows: usize, keys: usize, dev: &Device) -> Result<Tensor> {
+    let (b, t) = docs.dims();
+    let ds = docs.host();
+    let mut m = Vec::with_capacity(b * rows * keys);
+    for bi in 0..b {
+        let row = &ds[bi * t..(bi + 1) * t];
+        for p in p0..p0 + rows {
+            m.extend((0..keys).map(|j| if j <= p && row[j] == row[p] { 0f32 } else { f32::NEG_INFINITY }));
+        }
+    }
+    Tensor::from_vec(m, (b, 1, rows, keys), dev)
+}
+
+fn slow_masked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool, mask: Option<&Tensor>) -> Result<Tensor> {
     let (b, h, tq, d) = q.dims4()?;
     let (_, hkv, tk, _) = k.dims4()?;
     let rep = h / hkv;
@@ -417,6 +671,9 @@ pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bo
             (0..tq).flat_map(|i| (0..tk).map(move |j| if j <= off + i { 0.0 } else { f32::NEG_INFINITY })).collect();
         let mask = Tensor::from_vec(mask, (tq, tk), q.device())?.to_dtype(s.dtype())?;
         s = s.broadcast_add(&mask)?;
+    }
+    if let Some(mask) = mask {
+        s = s.broadcast_add(&mask.to_dtype(s.dtype())?)?;
     }
     let m = s.max_keepdim(3)?;
     let e = s.broadcast_sub(&m)?.exp()?;

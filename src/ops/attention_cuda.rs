@@ -9,13 +9,17 @@
 //! targets; every check runs before anything is allocated or launched. The tensor-core tiles load 16
 //! bytes at a time, so a 16-bit input whose storage offset is not 16-byte aligned runs the FMA tiles
 //! (or, when the tensor-core tiles were asked for by name, is an error).
+//! Document masks: the per-token starts (`ops::attention::DocStarts`, (B, Tk) u32 on the device) go to the
+//! kernels as one pointer, null without a mask (`DocsArg`).
 //! Does not: wgmma/TMA (Hopper-only) tiles, or keep O in the input dtype across the op boundary (the
 //! packed O|lse is f32, as on CPU; `ops::attention` converts O back).
 use crate::kernels_emu::attention::{check_dims, AttnKernel, ATTN_THREADS};
 use crate::ops::attention::AttnDims;
 use crate::ops::cuda::{cfg, contiguous, grid_for, same_device, u32_arg, view};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
@@ -96,6 +100,45 @@ pub fn dims_of(lq: &Layout, lk: &Layout, lv: &Layout, causal: bool) -> Result<At
     Ok(dims)
 }
 
+/// The document-mask argument of a kernel: the per-token starts (B*Tk u32), or a null pointer.
+pub type DocsArg<'a> = Option<CudaView<'a, u32>>;
+
+/// Push `docs` (or a null device pointer) as the next kernel argument.
+fn push_docs<'a>(bld: &mut LaunchArgs<'a>, docs: &'a DocsArg<'_>, null: &'a u64) {
+    match docs {
+        Some(d) => bld.arg(d),
+        None => bld.arg(null),
+    };
+}
+
+/// Run `f` with a device view of the document starts `docs` ((B, Tk) u32 on q's device), checked
+/// against `dims`; None passes None.
+fn with_docs<R>(
+    docs: Option<&candle_core::Tensor>,
+    dims: AttnDims,
+    causal: bool,
+    f: impl FnOnce(DocsArg<'_>) -> Result<R>,
+) -> Result<R> {
+    let Some(t) = docs else { return f(None) };
+    if !causal {
+        bail!("attention (cuda): a document mask needs causal attention\nhint: pass causal = true");
+    }
+    if t.dtype() != DType::U32 || t.dims() != [dims.b, dims.tk] {
+        bail!(
+            "attention (cuda): document starts are {:?} {:?}, expected (B {}, Tk {}) u32",
+            t.dtype(),
+            t.dims(),
+            dims.b,
+            dims.tk
+        );
+    }
+    let (st, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*st else {
+        bail!("attention (cuda): the document starts are not on the CUDA device\nhint: build DocStarts on the model's device")
+    };
+    f(Some(view::<u32>(cs, l, "attention", "docs")?))
+}
+
 fn same_dtype(a: &CudaStorage, b: &CudaStorage, what: &str) -> Result<()> {
     if a.dtype() != b.dtype() {
         bail!(
@@ -119,6 +162,7 @@ fn fwd_t<T: DeviceRepr>(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: &DocsArg<'_>,
 ) -> Result<(CudaSlice<T>, CudaSlice<f32>)> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let func =
@@ -129,7 +173,9 @@ fn fwd_t<T: DeviceRepr>(
     // SAFETY: both written in full by the kernel (every valid row of every head, and its lse).
     let (o, lse) = unsafe { (dev.alloc::<T>(b * h * tq * d)?, dev.alloc::<f32>(b * h * tq)?) };
     let mut bld = func.builder();
+    let null = 0u64;
     bld.arg(q).arg(k).arg(v).arg(&o).arg(&lse);
+    push_docs(&mut bld, docs, &null);
     bld.arg(&b32).arg(&h32).arg(&hkv32).arg(&tq32).arg(&tk32).arg(&scale).arg(&causal32);
     // SAFETY: shapes checked by dims_of; the grid is the kernel's (q tile, head, batch) decode.
     unsafe { bld.launch(cfg(grid, ATTN_THREADS)) }.w()?;
@@ -150,6 +196,7 @@ struct BwdBufs<'a, 'b, T> {
 }
 
 /// delta pre-kernel, backward, dQ convert into the given outputs.
+#[allow(clippy::too_many_arguments)]
 fn bwd_t<T: DeviceRepr>(
     dev: &CudaDevice,
     kernel: AttnKernel,
@@ -158,6 +205,7 @@ fn bwd_t<T: DeviceRepr>(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: &DocsArg<'_>,
 ) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let sfx = suffix(dtype);
@@ -180,7 +228,10 @@ fn bwd_t<T: DeviceRepr>(
     // SAFETY: o, dout hold rows*d; delta rows.
     unsafe { bld.launch(cfg(grid_delta, ATTN_THREADS)) }.w()?;
     let mut bld = f_bwd.builder();
-    bld.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v).arg(&bufs.dout).arg(&bufs.lse).arg(&delta).arg(&dq_acc);
+    let null = 0u64;
+    bld.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v).arg(&bufs.dout).arg(&bufs.lse).arg(&delta);
+    push_docs(&mut bld, docs, &null);
+    bld.arg(&dq_acc);
     bld.arg(&mut bufs.dk).arg(&mut bufs.dv);
     bld.arg(&b32).arg(&h32).arg(&hkv32).arg(&tq32).arg(&tk32).arg(&scale).arg(&causal32);
     // SAFETY: shapes checked by dims_of; the grid is the kernel's (key tile, kv head, batch) decode.
@@ -205,6 +256,23 @@ pub fn fwd(
     causal: bool,
     want: Option<AttnKernel>,
 ) -> Result<(CudaStorage, CudaSlice<f32>, AttnKernel)> {
+    fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, want, None)
+}
+
+/// `fwd` with an optional document mask: `docs` the document starts ((B, Tk) u32, `DocStarts::tensor`).
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_docs(
+    sq: &CudaStorage,
+    lq: &Layout,
+    sk: &CudaStorage,
+    lk: &Layout,
+    sv: &CudaStorage,
+    lv: &Layout,
+    scale: f32,
+    causal: bool,
+    want: Option<AttnKernel>,
+    docs: Option<&candle_core::Tensor>,
+) -> Result<(CudaStorage, CudaSlice<f32>, AttnKernel)> {
     let dims = dims_of(lq, lk, lv, causal)?;
     same_dtype(sq, sk, "k")?;
     same_dtype(sq, sv, "v")?;
@@ -213,7 +281,7 @@ pub fn fwd(
         let kernel = choose(dtype, dims.d, &[lq, lk, lv], want)?;
         let dev = sq.device();
         let (q, k, v) = (view::<T>(sq, lq, "attention", "q")?, view::<T>(sk, lk, "attention", "k")?, view::<T>(sv, lv, "attention", "v")?);
-        let (o, lse) = fwd_t(dev, kernel, &q, &k, &v, dtype, dims, scale, causal)?;
+        let (o, lse) = with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, &q, &k, &v, dtype, dims, scale, causal, &dv))?;
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse, kernel))
     })
 }
@@ -221,6 +289,22 @@ pub fn fwd(
 /// Backward: (dQ, dK, dV) with the shapes and dtype of q, k, v, from the forward's O and lse and dO.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    lse: &CudaSlice<f32>,
+    dout: (&CudaStorage, &Layout),
+    scale: f32,
+    causal: bool,
+    want: Option<AttnKernel>,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    bwd_docs(q, k, v, o, lse, dout, scale, causal, want, None)
+}
+
+/// `bwd` with an optional document mask (`fwd_docs`'s `docs`).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_docs(
     (sq, lq): (&CudaStorage, &Layout),
     (sk, lk): (&CudaStorage, &Layout),
     (sv, lv): (&CudaStorage, &Layout),
@@ -230,6 +314,7 @@ pub fn bwd(
     scale: f32,
     causal: bool,
     want: Option<AttnKernel>,
+    docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dims = dims_of(lq, lk, lv, causal)?;
     for (s, l, what) in [(so, lo, "O"), (sd, ld, "dO")] {
@@ -263,7 +348,7 @@ pub fn bwd(
                 dk: dk.slice_mut(..),
                 dv: dv.slice_mut(..),
             };
-            bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal)?;
+            with_docs(docs, dims, causal, |dv| bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal, &dv))?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(dq, dev.clone()),
@@ -284,13 +369,14 @@ pub fn fwd_packed(
     lv: &Layout,
     scale: f32,
     causal: bool,
+    docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
     let AttnDims { b, h, tq, d, .. } = dims_of(lq, lk, lv, causal)?;
     let rows = b * h * tq;
     let rows32 = u32_arg(rows, "attention", "rows")?;
     u32_arg(rows * (d + 1), "attention", "packed output")?;
     // the forward with its checks and kernel choice, then one pack kernel
-    let (o, lse, _) = fwd(sq, lq, sk, lk, sv, lv, scale, causal, None)?;
+    let (o, lse, _) = fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, None, docs)?;
     let dtype = sq.dtype();
     by_dtype!(dtype, "q", T => {
         let dev = sq.device();
@@ -309,6 +395,7 @@ pub fn fwd_packed(
 
 /// `AttentionBwd::cuda_fwd`: packed (B, H, Tq, 3D + 2) f32 = [q | O | lse | dO | .], k, v of dtype T ->
 /// dQ, dK, dV flattened one after the other (len q + len k + len v) in T.
+#[allow(clippy::too_many_arguments)]
 pub fn bwd_packed(
     sp: &CudaStorage,
     lp: &Layout,
@@ -317,6 +404,7 @@ pub fn bwd_packed(
     d: usize,
     scale: f32,
     causal: bool,
+    docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
     let (b, h, tq, w) = lp.shape().dims4()?;
     if w != 3 * d + 2 || sp.dtype() != DType::F32 {
@@ -364,7 +452,7 @@ pub fn bwd_packed(
                 dk,
                 dv,
             };
-            bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal)?;
+            with_docs(docs, dims, causal, |dv| bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal, &dv))?;
         }
         Ok((CudaStorage::wrap_cuda_slice(flat, dev.clone()), Shape::from_dims(&[nq + 2 * nkv])))
     })

@@ -18,8 +18,11 @@
 //! (B = 1, few kv heads) each head's keys are cut into ranges that own their rows of dK, dV and add
 //! their part of dQ into a private buffer, summed after (O(T D) more memory per range). The forward,
 //! which also serves decode and prefill, splits over query blocks.
+//! Document masks (`docs`, per key the start of its document: `ops::attention::DocStarts`): row i sees
+//! keys docs[p_i]..=p_i, so a block's key loop starts at its first row's document start (earlier key
+//! blocks are skipped) and each row's scores outside its range are zero probabilities (tests/attention_docs.rs).
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
-//! compute (inputs arrive as f32), dropout, masks other than causal.
+//! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention::AttnDims;
 use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
 use gemm::{gemm, Parallelism};
@@ -91,7 +94,16 @@ fn transposed(ptr: *const f32, rs: usize) -> Mat {
 }
 
 /// Forward: returns the op's packed output, rows of D + 1 = [O | lse] for (B, H, Tq).
-pub fn attention_fwd_gemm(q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+/// `docs`: an optional document mask (B*Tk, per key the start of its document; causal only).
+pub fn attention_fwd_gemm(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Vec<f32> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
     assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
@@ -107,7 +119,8 @@ pub fn attention_fwd_gemm(q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale
         let (kh, vh) = (&k[kv.clone()], &v[kv]);
         out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
             let i0 = qb * BQ;
-            fwd_block(&qh[i0 * d..], kh, vh, out_b, i0, dims, scale, causal);
+            let lo = |i: usize| dims.first_key(causal, docs, bi, i);
+            fwd_block(&qh[i0 * d..], kh, vh, out_b, i0, dims, scale, causal, &lo);
         });
     });
     out
@@ -124,6 +137,7 @@ fn fwd_block(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    lo: &dyn Fn(usize) -> usize,
 ) {
     let d = dims.d;
     let nr = out_b.len() / (d + 1);
@@ -131,7 +145,8 @@ fn fwd_block(
     let mut acc = vec![0f32; nr * d];
     let mut s = vec![0f32; nr * BK];
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
-    for kb in (0..lim_last).step_by(BK) {
+    // keys before the first row's document start are seen by no row of the block
+    for kb in (lo(i0)..lim_last).step_by(BK) {
         let n = BK.min(lim_last - kb);
         // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d, s holds nr x n; no aliasing.
         unsafe {
@@ -139,14 +154,16 @@ fn fwd_block(
         };
         for r in 0..nr {
             let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
+            let first = lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
             let sr = &mut s[r * n..(r + 1) * n];
-            let mnew = m[r].max(vmax(&sr[..valid]));
+            let mnew = m[r].max(vmax(&sr[first..valid]));
             if mnew == f32::NEG_INFINITY {
                 sr.fill(0.0);
                 continue;
             }
             let corr = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - mnew).exp() };
-            let sum = exp_sub_sum(&mut sr[..valid], mnew);
+            let sum = exp_sub_sum(&mut sr[first..valid], mnew);
+            sr[..first].fill(0.0);
             sr[valid..].fill(0.0);
             l[r] = l[r] * corr + sum;
             m[r] = mnew;
@@ -170,7 +187,16 @@ fn fwd_block(
 
 /// Backward: `packed` rows of 3D + 2 = [q | O | lse | dO | unused] for (B, H, Tq); returns
 /// dQ, dK, dV flattened one after the other (the `AttentionBwd` op's output).
-pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32, causal: bool) -> Vec<f32> {
+/// `docs`: as in `attention_fwd_gemm`.
+pub fn attention_bwd_gemm(
+    packed: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Vec<f32> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let (rep, w) = (h / hkv, 3 * d + 2);
     // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
@@ -196,6 +222,7 @@ pub fn attention_bwd_gemm(packed: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 dims,
                 scale,
                 causal,
+                docs,
             };
             if keys >= tk {
                 head.run(0, dq_g, dk_g, dv_g);
@@ -243,9 +270,15 @@ struct BwdHead<'a> {
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: Option<&'a [u32]>,
 }
 
 impl BwdHead<'_> {
+    /// First key query row i may see (its document's start; 0 without a mask).
+    fn lo(&self, i: usize) -> usize {
+        self.dims.first_key(self.causal, self.docs, self.bg / self.dims.hkv, i)
+    }
+
     /// Adds into dQ of the head's query heads (`dq_g`) the part from keys k0.. (`dk_p`, `dv_p`: those
     /// keys' rows, which this call owns; k0 is a multiple of BK).
     fn run(&self, k0: usize, dq_g: &mut [f32], dk_p: &mut [f32], dv_p: &mut [f32]) {
@@ -259,7 +292,7 @@ impl BwdHead<'_> {
             let dq_h = &mut dq_g[r * tq * d..(r + 1) * tq * d];
             for i0 in (0..tq).step_by(BQ) {
                 let nr = BQ.min(tq - i0);
-                if self.dims.limit(self.causal, i0 + nr - 1) <= k0 {
+                if self.dims.limit(self.causal, i0 + nr - 1) <= k0 || self.lo(i0) >= k1 {
                     continue; // the block sees none of these keys
                 }
                 self.block(&ph[i0 * w..(i0 + nr) * w], i0, k0..k1, &mut dq_h[i0 * d..(i0 + nr) * d], dk_p, dv_p);
@@ -287,7 +320,7 @@ impl BwdHead<'_> {
             p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
         let lim_last = self.dims.limit(self.causal, i0 + nr - 1).min(keys.end);
         let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
-        for kb in (keys.start..lim_last).step_by(BK) {
+        for kb in (keys.start.max(self.lo(i0))..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
             let (kj, vj) = (self.k[kb * d..].as_ptr(), self.v[kb * d..].as_ptr());
@@ -296,12 +329,14 @@ impl BwdHead<'_> {
             unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
             for r in 0..nr {
                 let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
+                let first = self.lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
                 let sr = &mut s[r * n..(r + 1) * n];
                 if lse[r] == f32::NEG_INFINITY {
                     sr.fill(0.0);
                     continue;
                 }
-                exp_sub_sum(&mut sr[..valid], lse[r]);
+                exp_sub_sum(&mut sr[first..valid], lse[r]);
+                sr[..first].fill(0.0);
                 sr[valid..].fill(0.0);
             }
             unsafe { mm(n, d, nr, dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };

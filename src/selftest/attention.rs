@@ -4,7 +4,8 @@
 //!
 //! Reference: flash-attention's tests (a bf16 bound of 2x the error of a naive implementation in the
 //! same type, here `naive16`, every intermediate rounded) and the issue's shapes: ragged T, GQA 1/4/8,
-//! D 64 and 128, Tq < Tk, and on a GPU T = 4096 + 37.
+//! D 64 and 128, Tq < Tk, a document mask (packed sequences, random document starts), and on a GPU
+//! T = 4096 + 37.
 //! The non-obvious decision: on CUDA the tensor-core rows go through `ops::attention` with autograd (what
 //! the model calls: the op's cuda_fwd, its packed O|lse layout and the backward op), the FMA rows
 //! through the launchers with the FMA tiles asked for by name; on the emulated target both through
@@ -14,7 +15,7 @@
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
 use super::{as_dt, check, ragged, uniform, Check, Dt, Target};
 use crate::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
-use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, AttnDims};
+use crate::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
 use anyhow::Result;
 use half::{bf16, f16};
 use rand::Rng;
@@ -42,17 +43,25 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
         let t = ragged(r, 1, if big { 1000 } else { 80 });
         let causal = r.random_bool(0.75);
         let dims = AttnDims { b: if big { r.random_range(1..3) } else { 1 }, h: hkv * rep, hkv, tq: t, tk: t, d };
-        out.extend(case(target, dt, kernel, dims, causal, r)?);
+        out.extend(case(target, dt, kernel, dims, causal, None, r)?);
         // Tq < Tk: a decode step or a prefill chunk against a longer cache
         let tq = if r.random_bool(0.5) { 1 } else { ragged(r, 2, t.max(3)) };
-        let dims = AttnDims { tq, tk: t + ragged(r, 1, if big { 100 } else { 40 }), ..dims };
-        out.extend(case(target, dt, kernel, dims, true, r)?);
+        let dims_c = AttnDims { tq, tk: t + ragged(r, 1, if big { 100 } else { 40 }), ..dims };
+        out.extend(case(target, dt, kernel, dims_c, true, None, r)?);
+        // a document mask: packed sequences with 1-4 random document starts each
+        let t = ragged(r, 2, if big { 1000 } else { 80 });
+        let dims = AttnDims { tq: t, tk: t, ..dims };
+        let starts: Vec<Vec<usize>> =
+            (0..dims.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
+        let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
+        let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
+        out.extend(case(target, dt, kernel, dims, true, Some(docs.host()), r)?);
     }
     if big && std::env::var_os("HARPE_SELFTEST_SMALL").is_none() {
         // the long ragged case of the issue on the tensor-core tiles (skipped under compute-sanitizer)
         // (two kv heads: the CPU reference's backward runs one task per kv head)
         let dims = AttnDims { b: 1, h: 2, hkv: 2, tq: 4096 + 37, tk: 4096 + 37, d: 128 };
-        out.extend(case(target, Dt::Bf16, AttnKernel::TensorCore, dims, true, r)?);
+        out.extend(case(target, Dt::Bf16, AttnKernel::TensorCore, dims, true, None, r)?);
     }
     Ok(out)
 }
@@ -95,13 +104,15 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// One shape: O, dQ, dK, dV of the kernel against the CPU reference.
+/// One shape: O, dQ, dK, dV of the kernel against the CPU reference; `docs` a document mask (per key, the
+/// start of its document).
 fn case(
     target: &Target,
     dt: Dt,
     kernel: AttnKernel,
     dims: AttnDims,
     causal: bool,
+    docs: Option<&[u32]>,
     r: &mut ChaCha8Rng,
 ) -> Result<Vec<Check>> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
@@ -112,20 +123,26 @@ fn case(
     let scale = 1.0 / (d as f32).sqrt();
     let got = match target {
         Target::Emulated => match dt {
-            Dt::F32 => emu_run::<f32>(kernel, &q, &k, &v, &dout, dims, scale, causal)?,
-            Dt::Bf16 => emu_run::<bf16>(kernel, &q, &k, &v, &dout, dims, scale, causal)?,
-            Dt::F16 => emu_run::<f16>(kernel, &q, &k, &v, &dout, dims, scale, causal)?,
+            Dt::F32 => emu_run::<f32>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
+            Dt::Bf16 => emu_run::<bf16>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
+            Dt::F16 => emu_run::<f16>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
         },
-        Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, &q, &k, &v, &dout, dims, scale, causal)?,
+        Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
     };
-    let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal);
-    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal);
-    let naive = (dt != Dt::F32).then(|| naive16(round_fn(dt), &q, &k, &v, &dout, dims, scale, causal));
+    let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
+    let (dq_ref, dk_ref, dv_ref) =
+        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let naive = (dt != Dt::F32).then(|| naive16(round_fn(dt), &q, &k, &v, &dout, dims, scale, causal, docs));
     let name = match kernel {
         AttnKernel::Fma => "attention fma",
         AttnKernel::TensorCore => "attention tc",
     };
-    let label = format!("B{b} H{h}/{hkv} T{tq}/{tk} D{d}{}", if causal { " causal" } else { "" });
+    let ndocs = docs.map(|ds| ds.iter().enumerate().filter(|&(j, &s)| s as usize == j % tk).count());
+    let label = format!(
+        "B{b} H{h}/{hkv} T{tq}/{tk} D{d}{}{}",
+        if causal { " causal" } else { "" },
+        ndocs.map(|n| format!(" {n} docs")).unwrap_or_default()
+    );
     let parts = [("O", &got[0], &o_ref), ("dQ", &got[1], &dq_ref), ("dK", &got[2], &dk_ref), ("dV", &got[3], &dv_ref)];
     Ok(parts
         .into_iter()
@@ -147,10 +164,21 @@ fn emu_run<T: AttnFloat>(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: Option<&[u32]>,
 ) -> Result<[Vec<f32>; 4]> {
     let (q, k, v, dout) = (to_t::<T>(q), to_t::<T>(k), to_t::<T>(v), to_t::<T>(dout));
-    let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, scale, causal)?;
-    let (dq, dk, dv) = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal)?;
+    let (o, (dq, dk, dv)) = match docs {
+        Some(ds) => {
+            let (o, lse) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, scale, ds)?;
+            let g = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, ds)?;
+            (o, g)
+        }
+        None => {
+            let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, scale, causal)?;
+            let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal)?;
+            (o, g)
+        }
+    };
     Ok([of_t(&o), of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
@@ -170,6 +198,7 @@ fn naive16(
     dims: AttnDims,
     scale: f32,
     causal: bool,
+    docs: Option<&[u32]>,
 ) -> [Vec<f32>; 4] {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let rep = h / hkv;
@@ -178,6 +207,8 @@ fn naive16(
     let (mut dk, mut dv) = (vec![0f32; k.len()], vec![0f32; v.len()]);
     let lim = |i: usize| if causal { tk - tq + i + 1 } else { tk };
     for bi in 0..b {
+        // first key of row i: its document's start (0 without a mask); p_i and dS_i are over lo(i)..lim(i)
+        let lo = |i: usize| docs.map_or(0, |ds| ds[bi * tk + tk - tq + i] as usize);
         for hi in 0..h {
             let (bh, kvh) = (bi * h + hi, bi * hkv + hi / rep);
             let row = |x: &[f32], i: usize| x[(bh * tq + i) * d..(bh * tq + i + 1) * d].to_vec();
@@ -188,18 +219,19 @@ fn naive16(
                 .into_par_iter()
                 .map(|i| {
                     let (qi, doi) = (row(q, i), row(dout, i));
-                    let s: Vec<f32> = (0..lim(i)).map(|j| rd(dot(&qi, kj(j)) * scale)).collect();
+                    let s: Vec<f32> = (lo(i)..lim(i)).map(|j| rd(dot(&qi, kj(j)) * scale)).collect();
                     let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                     let e: Vec<f32> = s.iter().map(|x| rd((x - m).exp())).collect();
                     let l = e.iter().fold(0.0, |a, x| rd(a + x));
                     let p: Vec<f32> = e.iter().map(|x| rd(x / l)).collect();
+                    let lo = lo(i);
                     let oi: Vec<f32> =
-                        (0..d).map(|c| (0..p.len()).fold(0.0, |a, j| rd(a + rd(p[j] * vj(j)[c])))).collect();
+                        (0..d).map(|c| (0..p.len()).fold(0.0, |a, j| rd(a + rd(p[j] * vj(lo + j)[c])))).collect();
                     let delta = dot(&doi, &oi);
-                    let ds: Vec<f32> = (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(j)) - delta))).collect();
+                    let ds: Vec<f32> = (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(lo + j)) - delta))).collect();
                     let mut dqi = vec![0f32; d];
                     for (j, &dsj) in ds.iter().enumerate() {
-                        for (a, kc) in dqi.iter_mut().zip(kj(j)) {
+                        for (a, kc) in dqi.iter_mut().zip(kj(lo + j)) {
                             *a = rd(*a + rd(scale * rd(dsj * kc)));
                         }
                     }
@@ -214,13 +246,14 @@ fn naive16(
             dk[kv_rows.clone()].par_chunks_mut(d).zip(dv[kv_rows].par_chunks_mut(d)).enumerate().for_each(
                 |(j, (dkj, dvj))| {
                     for (i, (_, _, p, ds)) in rows.iter().enumerate() {
-                        if j >= p.len() {
+                        let lo = lo(i);
+                        if j < lo || j >= lo + p.len() {
                             continue;
                         }
                         let (qi, doi) = (&q[(bh * tq + i) * d..], &dout[(bh * tq + i) * d..]);
                         for c in 0..d {
-                            dvj[c] = rd(dvj[c] + rd(p[j] * doi[c]));
-                            dkj[c] = rd(dkj[c] + rd(scale * rd(ds[j] * qi[c])));
+                            dvj[c] = rd(dvj[c] + rd(p[j - lo] * doi[c]));
+                            dkj[c] = rd(dkj[c] + rd(scale * rd(ds[j - lo] * qi[c])));
                         }
                     }
                 },
@@ -253,6 +286,7 @@ mod cuda_run {
         _: AttnDims,
         _: f32,
         _: bool,
+        _: Option<&[u32]>,
     ) -> Result<[Vec<f32>; 4]> {
         bail!(MSG)
     }
@@ -262,6 +296,7 @@ mod cuda_run {
 mod cuda_run {
     //! The tensor-core rows through `ops::attention` with autograd; the FMA rows through the launchers.
     use super::{AttnDims, AttnKernel, Dt};
+    use crate::ops::attention::DocStarts;
     use crate::ops::attention_cuda;
     use anyhow::{anyhow, bail, Result};
     use candle_core::{Device, Storage, Tensor, Var};
@@ -284,15 +319,20 @@ mod cuda_run {
         dims: AttnDims,
         scale: f32,
         causal: bool,
+        docs: Option<&[u32]>,
     ) -> Result<[Vec<f32>; 4]> {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let (qs, ks) = ((b, h, tq, d), (b, hkv, tk, d));
         let (qt, kt, vt, dt_) = (up(q, qs, dt, dev)?, up(k, ks, dt, dev)?, up(v, ks, dt, dev)?, up(dout, qs, dt, dev)?);
+        let docs = docs.map(|ds| DocStarts::from_per_token(ds.to_vec(), b, tk, dev)).transpose()?;
         match kernel {
             AttnKernel::TensorCore => {
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
-                let o =
-                    crate::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, causal)?;
+                let (qa, ka, va) = (qv.as_tensor(), kv.as_tensor(), vv.as_tensor());
+                let o = match &docs {
+                    Some(ds) => crate::ops::attention::attention_doc(qa, ka, va, scale, ds)?,
+                    None => crate::ops::attention::attention(qa, ka, va, scale, causal)?,
+                };
                 let g = (&o * &dt_)?.sum_all()?.backward()?;
                 let grad = |x: &Var, n: &str| {
                     g.get(x.as_tensor()).cloned().ok_or_else(|| anyhow!("attention: no gradient reached {n}"))
@@ -309,9 +349,10 @@ mod cuda_run {
                 else {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
-                let (o, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel))?;
+                let dtens = docs.as_ref().map(|ds| ds.tensor());
+                let (o, lse, _) = attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
                 let lo = candle_core::Layout::contiguous(qs);
-                let (dq, dk, dv) = attention_cuda::bwd(
+                let (dq, dk, dv) = attention_cuda::bwd_docs(
                     (cq, lq),
                     (ck, lk),
                     (cv, lv),
@@ -321,6 +362,7 @@ mod cuda_run {
                     scale,
                     causal,
                     Some(kernel),
+                    dtens,
                 )?;
                 let back = |s: candle_core::CudaStorage, shape: (usize, usize, usize, usize)| -> Result<Vec<f32>> {
                     let t = Tensor::from_storage(Storage::Cuda(s), shape, candle_core::op::BackpropOp::none(), false);
