@@ -136,7 +136,7 @@ fn layer_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<R
     let tables = model.rope_tables(0, 0, sh.tokens)?;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, sh.tokens, sh.hidden), dev)?.to_dtype(sh.dtype)?)?;
     let s = time(dev, iters, || {
-        let y = model.layer_forward_with(0, &w, x.as_tensor(), &tables, None)?; // (1, T, C)
+        let y = model.layer_forward_with(0, &w, x.as_tensor(), &tables, None, None)?; // (1, T, C)
         let g = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
         g.get(x.as_tensor()).ok_or_else(|| anyhow!("no gradient reached the layer's input"))?;
         Ok(())
