@@ -3,28 +3,14 @@
 //! differ from the unmasked run's; 2 ranks under ZeRO-3 (layers gathered for forward and recompute) and
 //! Ulysses SP 2 (each rank holds half of every sequence; the mask must be the whole sequence's) give the
 //! one-rank masked losses; the resolved config records the key; a bad value names the key.
+#[macro_use]
+mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const TINY: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 2
+const TINY: &str = concat!(
+    tiny_model!(),
+    r#"micro_batch_size = 2
 global_batch_tokens = 512
 loss_chunk_tokens = 100
 activation_checkpointing = "every-layer"
@@ -42,7 +28,8 @@ plot = false
 [[stage]]
 seq_len = 64
 steps = 4
-"#;
+"#
+);
 
 fn harpe(cfg: &Path, out: &Path, extra: &[&str]) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_harpe"))

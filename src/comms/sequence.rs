@@ -211,6 +211,47 @@ mod tests {
         Tensor::from_vec(v, (b, h, t, d), &Device::Cpu).unwrap()
     }
 
+    type Whole<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+    type Attend<'a> = &'a (dyn Fn(&dyn AttentionFn, &Tensor, &Tensor, &Tensor) -> Result<Tensor> + Sync);
+
+    /// `whole` on whole sequences, then `attend` over P rank threads each holding T/P tokens (Ulysses
+    /// around `inner`): o, dq, dk, dv (loss = sum(o * w)) must agree to 1e-5.
+    fn ulysses_equals_one_rank(
+        (q, k, v, w): (&Tensor, &Tensor, &Tensor, &Tensor),
+        p: usize,
+        whole: Whole<'_>,
+        inner: AttentionImpl,
+        attend: Attend<'_>,
+    ) {
+        let t = q.dim(2).unwrap();
+        let (qv, kv, vv) = (Var::from_tensor(q).unwrap(), Var::from_tensor(k).unwrap(), Var::from_tensor(v).unwrap());
+        let o_ref = whole(qv.as_tensor(), kv.as_tensor(), vv.as_tensor()).unwrap();
+        let store = (&o_ref * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();
+        let refs: Vec<Vec<f32>> = [o_ref.clone(), g(&qv), g(&kv), g(&vv)]
+            .iter()
+            .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        let tl = t / p;
+        let parts = spawn_local(p, Duration::from_secs(20), |c| {
+            let r = c.rank();
+            let att = Ulysses { group: SpGroup::Local(c), inner: inner.clone() };
+            let mine = |x: &Tensor| Var::from_tensor(&x.narrow(2, r * tl, tl).unwrap()).unwrap();
+            let (ql, kl, vl) = (mine(q), mine(k), mine(v));
+            let o = attend(&att, ql.as_tensor(), kl.as_tensor(), vl.as_tensor())?;
+            let gs = (&o * w.narrow(2, r * tl, tl)?)?.sum_all()?.backward()?;
+            let grad = |x: &Var| gs.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
+            Ok([o, grad(&ql)?, grad(&kl)?, grad(&vl)?])
+        })
+        .unwrap();
+        for (i, name) in ["o", "dq", "dk", "dv"].iter().enumerate() {
+            let got: Vec<Tensor> = parts.iter().map(|pr| pr[i].clone()).collect();
+            let got = Tensor::cat(&got, 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-5, "P = {p}: {name} differs by {err}");
+        }
+    }
+
     #[test]
     fn ulysses_attention_forward_and_backward_equal_one_rank() {
         // GQA 4 q heads over 2 kv heads, T = 12 split over P = 2 ranks; causal
@@ -219,34 +260,9 @@ mod tests {
         let w = make(b, h, t, d, 2.1); // upstream gradient: loss = sum(o * w)
         let scale = 1.0 / (d as f32).sqrt();
         let whole = |q: &Tensor, k: &Tensor, v: &Tensor| AttentionImpl::CpuReference.attend(q, k, v, scale, true);
-        let (qv, kv, vv) =
-            (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
-        let o_ref = whole(qv.as_tensor(), kv.as_tensor(), vv.as_tensor()).unwrap();
-        let store = (&o_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();
-        let refs: Vec<Vec<f32>> = [o_ref.clone(), g(&qv), g(&kv), g(&vv)]
-            .iter()
-            .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
-            .collect();
+        let attend = |a: &dyn AttentionFn, q: &Tensor, k: &Tensor, v: &Tensor| a.attend(q, k, v, scale, true);
         for p in [1usize, 2] {
-            let tl = t / p;
-            let parts = spawn_local(p, Duration::from_secs(20), |c| {
-                let r = c.rank();
-                let att = Ulysses { group: SpGroup::Local(c), inner: AttentionImpl::CpuReference };
-                let mine = |x: &Tensor| Var::from_tensor(&x.narrow(2, r * tl, tl).unwrap()).unwrap();
-                let (ql, kl, vl) = (mine(&q), mine(&k), mine(&v));
-                let o = att.attend(ql.as_tensor(), kl.as_tensor(), vl.as_tensor(), scale, true)?;
-                let gs = (&o * w.narrow(2, r * tl, tl)?)?.sum_all()?.backward()?;
-                let grad = |x: &Var| gs.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
-                Ok([o, grad(&ql)?, grad(&kl)?, grad(&vl)?])
-            })
-            .unwrap();
-            for (i, name) in ["o", "dq", "dk", "dv"].iter().enumerate() {
-                let got: Vec<Tensor> = parts.iter().map(|pr| pr[i].clone()).collect();
-                let got = Tensor::cat(&got, 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(err < 1e-5, "P = {p}: {name} differs by {err}");
-            }
+            ulysses_equals_one_rank((&q, &k, &v, &w), p, &whole, AttentionImpl::CpuReference, &attend);
         }
     }
 
@@ -259,37 +275,12 @@ mod tests {
         let (q, k, v) = (make(b, h, t, d, 0.2), make(b, hkv, t, d, 0.9), make(b, hkv, t, d, 1.7));
         let w = make(b, h, t, d, 2.5);
         let scale = 1.0 / (d as f32).sqrt();
-        let (qv, kv, vv) =
-            (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
-        let o_ref =
-            AttentionImpl::CpuReference.attend_doc(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, &docs);
-        let o_ref = o_ref.unwrap();
-        let store = (&o_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g = |x: &Var| store.get(x.as_tensor()).unwrap().clone();
-        let refs: Vec<Vec<f32>> = [o_ref.clone(), g(&qv), g(&kv), g(&vv)]
-            .iter()
-            .map(|x| x.flatten_all().unwrap().to_vec1().unwrap())
-            .collect();
-        let p = 2;
-        let tl = t / p;
-        let parts = spawn_local(p, Duration::from_secs(20), |c| {
-            let r = c.rank();
-            let att = Ulysses { group: SpGroup::Local(c), inner: AttentionImpl::Cpu };
-            assert!(att.supports_document_mask());
-            let mine = |x: &Tensor| Var::from_tensor(&x.narrow(2, r * tl, tl).unwrap()).unwrap();
-            let (ql, kl, vl) = (mine(&q), mine(&k), mine(&v));
-            let o = att.attend_doc(ql.as_tensor(), kl.as_tensor(), vl.as_tensor(), scale, &docs)?;
-            let gs = (&o * w.narrow(2, r * tl, tl)?)?.sum_all()?.backward()?;
-            let grad = |x: &Var| gs.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
-            Ok([o, grad(&ql)?, grad(&kl)?, grad(&vl)?])
-        })
-        .unwrap();
-        for (i, name) in ["o", "dq", "dk", "dv"].iter().enumerate() {
-            let got: Vec<Tensor> = parts.iter().map(|pr| pr[i].clone()).collect();
-            let got = Tensor::cat(&got, 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let err = got.iter().zip(&refs[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-5, "{name} differs by {err}");
-        }
+        let attend = |a: &dyn AttentionFn, q: &Tensor, k: &Tensor, v: &Tensor| {
+            assert!(a.supports_document_mask());
+            a.attend_doc(q, k, v, scale, &docs)
+        };
+        let whole = |q: &Tensor, k: &Tensor, v: &Tensor| AttentionImpl::CpuReference.attend_doc(q, k, v, scale, &docs);
+        ulysses_equals_one_rank((&q, &k, &v, &w), 2, &whole, AttentionImpl::Cpu, &attend);
     }
 
     #[test]
