@@ -52,7 +52,7 @@ build() {
   echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
   strip -o "$BUNDLE/harpe" "$bin"
-  cp scripts/bench_kernels_torch.py scripts/bench_attention_torch.py "$BUNDLE/"
+  cp scripts/bench_kernels_torch.py scripts/bench_attention_torch.py scripts/bench_model_torch.py "$BUNDLE/"
   git rev-parse HEAD >"$BUNDLE/COMMIT" 2>/dev/null || echo unknown >"$BUNDLE/COMMIT"
   local size
   size=$(du -sb "$BUNDLE" | cut -f1)

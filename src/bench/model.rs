@@ -13,8 +13,9 @@
 //! override them. Bytes (the GB/s and %copy columns) are the weights read twice and their gradients
 //! written once plus the (B, T, C) activations in and out — a floor, since these rows are
 //! compute-bound; the TFLOP/s column is the one to read.
-//! Not done here: the PyTorch `LlamaDecoderLayer` comparison and the largest-T search of issue 10's
-//! 7B step (they need the GPU machine).
+//! On CUDA the same shapes run in PyTorch beside them (scripts/bench_model_torch.py: transformers'
+//! LlamaDecoderLayer math with SDPA, checkpointed layers, fused AdamW on fp32 masters).
+//! Not done here: the largest-T search of issue 10's 7B step (it needs the GPU machine).
 use super::{BenchArgs, Row};
 use crate::comms::zero::{self, ShardMap, Split};
 use crate::comms::Comm;
@@ -105,7 +106,37 @@ pub fn copy_bandwidth(dev: &Device, iters: usize) -> Result<f64> {
 pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> {
     let sh = Shape::of(args, dev);
     let iters = args.iters.max(1);
-    Ok(vec![layer_row(&sh, dev, iters, copy_gbps)?, step_row(&sh, dev, iters, copy_gbps)?])
+    let mut rows = vec![layer_row(&sh, dev, iters, copy_gbps)?, step_row(&sh, dev, iters, copy_gbps)?];
+    // PyTorch at the same shapes (scripts/bench_model_torch.py), on CUDA when torch is importable
+    if !dev.is_cpu() && !args.no_torch {
+        let n = |v: usize| v.to_string();
+        let (hidden, heads, kv, inter) = (n(sh.hidden), n(sh.heads), n(sh.kv_heads), n(sh.inter));
+        let (tokens, vocab, layers, it) = (n(sh.tokens), n(sh.vocab), n(sh.layers), n(iters));
+        let flags = [
+            "--hidden",
+            &hidden,
+            "--heads",
+            &heads,
+            "--kv-heads",
+            &kv,
+            "--inter",
+            &inter,
+            "--tokens",
+            &tokens,
+            "--vocab",
+            &vocab,
+            "--layers",
+            &layers,
+            "--iters",
+            &it,
+        ];
+        if let Some(j) = super::torch_script("bench_model_torch.py", &flags) {
+            for r in &mut rows {
+                r.torch_ms = j.get(&r.kernel).and_then(|v| v.as_f64());
+            }
+        }
+    }
+    Ok(rows)
 }
 
 fn row(kernel: &str, shape: String, s: f64, bytes: usize, flops: f64, copy_gbps: f64) -> Row {
