@@ -72,9 +72,11 @@ impl Mesh {
     }
 }
 
-/// A collective started by `Comm::reduce_scatter_v_sum_tensor_start`; `wait` gives its result.
+/// A collective started by `Comm::reduce_scatter_v_sum_tensor_start`; `wait` gives its result. Dropped
+/// without `wait` (an error unwinding), it still makes the compute stream wait for the exchange, so
+/// its buffers are never freed under a running collective.
 pub struct Started {
-    out: Tensor,
+    out: Option<Tensor>,
     /// NCCL: the communicator, the completion event, and the input kept alive until the join
     #[cfg(feature = "nccl")]
     nccl: Option<(Arc<nccl::NcclComm>, Arc<cudarc::driver::CudaEvent>, Tensor)>,
@@ -90,14 +92,27 @@ impl Started {
         true
     }
 
-    /// The result; under NCCL the compute stream first waits for the exchange (no host wait).
-    pub fn wait(self) -> Result<Tensor> {
+    /// Under NCCL, make the compute stream wait for the exchange (no host wait); then free the input
+    /// (in stream order, after the join).
+    fn join(&mut self) -> Result<()> {
         #[cfg(feature = "nccl")]
-        if let Some((c, done, input)) = self.nccl {
+        if let Some((c, done, input)) = self.nccl.take() {
             c.join_compute(&done)?;
-            drop(input); // freed in stream order, after the join
+            drop(input);
         }
-        Ok(self.out)
+        Ok(())
+    }
+
+    /// The result, usable on the compute stream.
+    pub fn wait(mut self) -> Result<Tensor> {
+        self.join()?;
+        self.out.take().ok_or_else(|| anyhow::anyhow!("internal: a started collective waited twice"))
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        let _ = self.join();
     }
 }
 
@@ -302,10 +317,10 @@ impl Comm {
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
                 let (out, done) = c.reduce_scatter_v_sum_start(&input, counts, label)?;
-                Ok(Started { out, nccl: done.map(|d| (Arc::clone(c), d, input)) })
+                Ok(Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) })
             }
             _ => Ok(Started {
-                out: self.reduce_scatter_v_sum_tensor(input, counts, label)?,
+                out: Some(self.reduce_scatter_v_sum_tensor(input, counts, label)?),
                 #[cfg(feature = "nccl")]
                 nccl: None,
             }),

@@ -58,6 +58,9 @@ const ID_BYTES: usize = 128;
 struct Raw {
     comm: ns::ncclComm_t,
     aborted: AtomicBool,
+    /// held by `abort` and `async_error`, so the watchdog never queries a communicator being freed
+    /// (the training thread's enqueues cannot take it: an abort is what unblocks a hung enqueue)
+    lock: Mutex<()>,
 }
 
 // SAFETY: an ncclComm_t may be used from any thread; this crate serializes enqueues per communicator
@@ -67,7 +70,12 @@ unsafe impl Send for Raw {}
 unsafe impl Sync for Raw {}
 
 impl Raw {
+    fn new(comm: ns::ncclComm_t) -> Raw {
+        Raw { comm, aborted: AtomicBool::new(false), lock: Mutex::new(()) }
+    }
+
     fn abort(&self) {
+        let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         if !self.aborted.swap(true, Ordering::SeqCst) {
             // SAFETY: the handle came from ncclCommInitRank/Split and is aborted only here, once.
             let _ = unsafe { ns::ncclCommAbort(self.comm) };
@@ -76,6 +84,7 @@ impl Raw {
 
     /// The communicator's asynchronous error, if NCCL reported one.
     fn async_error(&self) -> Option<ns::ncclResult_t> {
+        let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         if self.aborted.load(Ordering::SeqCst) {
             return None;
         }
@@ -113,11 +122,28 @@ struct Guard {
     comms: Mutex<Vec<Arc<Raw>>>,
     watch: OnceLock<Watch>,
     exit_armed: AtomicBool,
+    /// a host call into NCCL that may block (init, split, a group's enqueue) and since when: timed by
+    /// the watchdog like a pending collective
+    busy: Mutex<Option<(String, Instant)>>,
+    /// this rank left normally: later failures of others no longer concern it
+    finished: AtomicBool,
 }
 
 impl Guard {
-    /// Record the first failure (ours: tell the group), abort every communicator, and arm the exit.
+    /// Run `f`, a host call into NCCL that may block, under the watchdog's timer.
+    fn timed<R>(&self, what: &str, f: impl FnOnce() -> R) -> R {
+        *self.busy.lock().unwrap_or_else(|p| p.into_inner()) = Some((what.to_string(), Instant::now()));
+        let r = f();
+        *self.busy.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        r
+    }
+
+    /// Record the first failure, abort every communicator, arm the exit, and (ours) tell the group —
+    /// in that order, so a peer whose socket does not drain cannot hold up the abort.
     fn fail(&self, f: GroupFailure) {
+        if self.finished.load(Ordering::SeqCst) {
+            return;
+        }
         {
             let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             if g.is_some() {
@@ -125,14 +151,22 @@ impl Guard {
             }
             *g = Some(f.clone());
         }
+        let comms: Vec<Arc<Raw>> = self.comms.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for c in comms {
+            c.abort();
+        }
+        self.arm_exit(&f);
         if f.rank == self.rank {
             if let Some(w) = self.watch.get() {
                 w.report(&f.doing, &f.reason);
             }
         }
-        for c in self.comms.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            c.abort();
-        }
+    }
+
+    /// After `timeout`, print `f` and end the process without running exit handlers (CUDA / NCCL
+    /// teardown may hang with kernels still stuck): the "stops within the timeout" guarantee.
+    fn arm_exit(&self, f: &GroupFailure) {
+        let f = f.clone();
         if !self.exit_armed.swap(true, Ordering::SeqCst) {
             let (rank, grace) = (self.rank, self.timeout);
             let _ = std::thread::Builder::new().name("harpe-nccl-exit".into()).spawn(move || {
@@ -142,7 +176,8 @@ impl Guard {
                      the NCCL communicators were aborted; exiting (status 1)",
                     grace.as_secs_f64()
                 );
-                std::process::exit(1);
+                // SAFETY: _exit(2) ends the process at once; stderr is unbuffered, so the message is out.
+                unsafe { libc::_exit(1) }
             });
         }
     }
@@ -194,6 +229,48 @@ fn offsets(counts: &[usize]) -> Vec<usize> {
             Some(o)
         })
         .collect()
+}
+
+/// The watchdog thread (see the file header): completed collectives dropped, the oldest pending one
+/// and any blocking host call timed, NCCL's asynchronous errors polled; every 20 ms until `stop`.
+fn start_watchdog(
+    guard: &Arc<Guard>,
+    pending: &Arc<Mutex<VecDeque<Pending>>>,
+    stop: &Arc<AtomicBool>,
+    ctx: Arc<cudarc::driver::CudaContext>,
+) -> Result<()> {
+    let (pending, guard, stop) = (Arc::clone(pending), Arc::clone(guard), Arc::clone(stop));
+    let (rank, timeout) = (guard.rank, guard.timeout);
+    std::thread::Builder::new().name("harpe-nccl-watchdog".into()).spawn(move || {
+        let _ = ctx.bind_to_thread();
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(20));
+            let mut q = pending.lock().unwrap_or_else(|p| p.into_inner());
+            while q.front().is_some_and(|p| p.done.try_is_complete().unwrap_or(false)) {
+                q.pop_front();
+            }
+            let oldest = q.front().map(|p| (format!("in {}", p.what), p.since));
+            drop(q);
+            let busy = guard.busy.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let (doing, since) = match (busy, oldest) {
+                (Some((what, t)), _) => (format!("in {what} (host call)"), Some(t)),
+                (None, Some((what, t))) => (what, Some(t)),
+                (None, None) => ("between collectives".to_string(), None),
+            };
+            let comms: Vec<Arc<Raw>> = guard.comms.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(e) = comms.iter().find_map(|c| c.async_error()) {
+                guard.fail(GroupFailure { rank, doing, reason: format!("NCCL reported {}", nccl_err(e)) });
+            } else if let Some(t) = since.map(|t| t.elapsed()).filter(|t| *t > timeout) {
+                let reason = format!(
+                    "not complete after {:.0}s (dist.timeout_s = {:.0}): a peer never joined it (stuck or gone)",
+                    t.as_secs_f64(),
+                    timeout.as_secs_f64()
+                );
+                guard.fail(GroupFailure { rank, doing, reason });
+            }
+        }
+    })?;
+    Ok(())
 }
 
 /// One rank's NCCL communicator(s), device and collective stream.
@@ -259,38 +336,58 @@ impl NcclComm {
             comms: Mutex::new(vec![]),
             watch: OnceLock::new(),
             exit_armed: AtomicBool::new(false),
+            busy: Mutex::new(None),
+            finished: AtomicBool::new(false),
         });
         let g = Arc::clone(&guard);
         let watch = Watch::start(rv, Box::new(move |f| g.fail(f.clone())))?;
         let _ = guard.watch.set(watch);
+        // every start-up failure from here on is told to the group (the peers then name its reason)
+        let failed = |doing: &str, e: anyhow::Error| -> anyhow::Error {
+            guard.fail(GroupFailure { rank, doing: doing.into(), reason: format!("{e:#}") });
+            e
+        };
 
-        let device = Device::new_cuda(env.local_rank).with_context(|| {
-            format!(
-                "rank {rank}: opening cuda:{} (LOCAL_RANK)\nhint: NCCL needs one GPU per rank on each node; check \
-                 CUDA_VISIBLE_DEVICES and --nproc-per-node",
-                env.local_rank
-            )
-        })?;
-        let dev = device.as_cuda_device()?.clone();
-        let stream = dev.cuda_stream().context().new_stream().context("creating the collective stream")?;
+        let device = Device::new_cuda(env.local_rank)
+            .with_context(|| {
+                format!(
+                    "rank {rank}: opening cuda:{} (LOCAL_RANK)\nhint: NCCL needs one GPU per rank on each node; check \
+                     CUDA_VISIBLE_DEVICES and --nproc-per-node",
+                    env.local_rank
+                )
+            })
+            .map_err(|e| failed("opening its GPU", e))?;
+        let dev = device.as_cuda_device().map_err(|e| failed("opening its GPU", e.into()))?.clone();
+        let stream = dev
+            .cuda_stream()
+            .context()
+            .new_stream()
+            .context("creating the collective stream")
+            .map_err(|e| failed("creating the collective stream", e))?;
+        let pending = Arc::new(Mutex::new(VecDeque::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        // the watchdog runs before ncclCommInitRank, which blocks until every rank joined
+        start_watchdog(&guard, &pending, &stop, Arc::clone(stream.context()))
+            .map_err(|e| failed("starting the watchdog", e))?;
         let mut comm: ns::ncclComm_t = std::ptr::null_mut();
         // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
-        let r = unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) };
+        let r = guard
+            .timed("ncclCommInitRank", || unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) });
         if r != ns::ncclResult_t::ncclSuccess {
             let e = anyhow!(
                 "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
                 nccl_err(r)
             );
-            guard.fail(GroupFailure { rank, doing: "in ncclCommInitRank".into(), reason: format!("{e:#}") });
-            return Err(e);
+            return Err(failed("in ncclCommInitRank", e));
         }
-        let world_comm = Arc::new(Raw { comm, aborted: AtomicBool::new(false) });
+        let world_comm = Arc::new(Raw::new(comm));
         guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&world_comm));
+        guard.check()?; // a failure that arrived during the init found no communicator to abort
         let sp_comm = if sp > 1 {
             let mut sub: ns::ncclComm_t = std::ptr::null_mut();
             // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
             // inherits the parent's.
-            let r = unsafe {
+            let r = guard.timed("ncclCommSplit", || unsafe {
                 ns::ncclCommSplit(
                     world_comm.comm,
                     (rank / sp) as i32,
@@ -298,17 +395,19 @@ impl NcclComm {
                     &mut sub,
                     std::ptr::null_mut(),
                 )
-            };
+            });
             if r != ns::ncclResult_t::ncclSuccess {
-                bail!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
+                let e =
+                    anyhow!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
+                return Err(failed("in ncclCommSplit", e));
             }
-            let raw = Arc::new(Raw { comm: sub, aborted: AtomicBool::new(false) });
+            let raw = Arc::new(Raw::new(sub));
             guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
             Some(raw)
         } else {
             None
         };
-        let c = NcclComm {
+        Ok(NcclComm {
             rank,
             world,
             sp,
@@ -318,44 +417,10 @@ impl NcclComm {
             world_comm,
             sp_comm,
             guard,
-            pending: Arc::new(Mutex::new(VecDeque::new())),
+            pending,
             seq: AtomicU64::new(0),
-            stop: Arc::new(AtomicBool::new(false)),
-        };
-        c.start_watchdog()?;
-        Ok(c)
-    }
-
-    /// The watchdog thread (see the file header).
-    fn start_watchdog(&self) -> Result<()> {
-        let (pending, guard, stop) = (Arc::clone(&self.pending), Arc::clone(&self.guard), Arc::clone(&self.stop));
-        let comms: Vec<Arc<Raw>> = self.guard.comms.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let ctx = Arc::clone(self.stream.context());
-        let (rank, timeout) = (self.rank, self.guard.timeout);
-        std::thread::Builder::new().name("harpe-nccl-watchdog".into()).spawn(move || {
-            let _ = ctx.bind_to_thread();
-            while !stop.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(20));
-                let mut q = pending.lock().unwrap_or_else(|p| p.into_inner());
-                while q.front().is_some_and(|p| p.done.try_is_complete().unwrap_or(false)) {
-                    q.pop_front();
-                }
-                let doing = q.front().map(|p| format!("in {}", p.what)).unwrap_or_else(|| "between collectives".into());
-                let late = q.front().filter(|p| p.since.elapsed() > timeout).map(|p| p.since.elapsed());
-                drop(q);
-                if let Some(e) = comms.iter().find_map(|c| c.async_error()) {
-                    guard.fail(GroupFailure { rank, doing, reason: format!("NCCL reported {}", nccl_err(e)) });
-                } else if let Some(t) = late {
-                    let reason = format!(
-                        "not complete after {:.0}s (dist.timeout_s = {:.0}): a peer never joined it (stuck or gone)",
-                        t.as_secs_f64(),
-                        timeout.as_secs_f64()
-                    );
-                    guard.fail(GroupFailure { rank, doing, reason });
-                }
-            }
-        })?;
-        Ok(())
+            stop,
+        })
     }
 
     /// This rank.
@@ -380,6 +445,7 @@ impl NcclComm {
 
     /// This rank leaves normally (the peers do not take its closing connection as a failure).
     pub fn finish(&self) {
+        self.guard.finished.store(true, Ordering::SeqCst);
         self.stop.store(true, Ordering::SeqCst);
         if let Some(w) = self.guard.watch.get() {
             w.finish();
@@ -446,8 +512,8 @@ impl NcclComm {
         let compute = self.dev.cuda_stream();
         self.stream.wait(&compute.record_event(None)?)?;
         check_nccl(nr::group_start(), &what)?;
-        let r = f(self.stream.cu_stream() as ns::cudaStream_t);
-        let end = nr::group_end();
+        // the group's calls and ncclGroupEnd may block on the host (connection set-up): timed too
+        let (r, end) = self.guard.timed(&what, || (f(self.stream.cu_stream() as ns::cudaStream_t), nr::group_end()));
         if let Err(e) = r {
             let reason = format!("NCCL error {}", nccl_err(e));
             self.guard.fail(GroupFailure { rank: self.rank, doing: format!("in {what}"), reason });

@@ -11,9 +11,11 @@
 //! The non-obvious decisions:
 //! - The heavy traffic goes through NCCL, which cannot say *which* peer is gone: a collective with a dead
 //!   peer just never completes. The star of TCP connections can: rank 0 reads one connection per rank,
-//!   and a connection that closes without `E` means that process died (killed, crashed, host down),
-//!   however it died, because the kernel closes its sockets. Rank 0 forwards every failure to all
-//!   ranks; a rank that loses its connection to rank 0 knows rank 0 is gone.
+//!   and a connection that closes without `E` means that process died (killed, crashed), however it
+//!   died, because the kernel closes its sockets. Rank 0 forwards every failure to all ranks; a rank
+//!   that loses its connection to rank 0 knows rank 0 is gone. A host that vanishes without closing
+//!   anything (power loss, partition) is not seen here (no TCP keepalive): the collective timeout of
+//!   the NCCL watchdog catches it.
 //! - The first failure wins and is kept (later ones are consequences); the `on_failure` hook runs once,
 //!   on a reader thread, for a failure of ANOTHER rank: it aborts this rank's NCCL communicator so a
 //!   collective waiting for the dead peer returns, and the training loop then fails with this message.
@@ -81,8 +83,12 @@ impl Shared {
             *g = Some(f.clone());
             self.cond.notify_all();
         }
-        let msg = encode_failure(&f);
         let own = f.rank == self.rank;
+        // the hook first (it aborts NCCL): a peer whose socket does not drain must not delay it
+        if !own {
+            (self.on_failure)(&f);
+        }
+        let msg = encode_failure(&f);
         if self.rank == 0 || own {
             for (i, l) in self.links.iter().enumerate() {
                 let to = if self.rank == 0 { i + 1 } else { 0 };
@@ -91,9 +97,6 @@ impl Shared {
                     let _ = std::io::Write::write_all(&mut *s, &msg);
                 }
             }
-        }
-        if !own {
-            (self.on_failure)(&f);
         }
     }
 
@@ -142,7 +145,7 @@ impl Shared {
                     };
                     let reason = format!(
                         "its process is gone: the control connection closed without a goodbye ({e}); it was killed \
-                         (SIGKILL, out of memory), crashed, or its host went down"
+                         (SIGKILL, out of memory), crashed, or its host shut down"
                     );
                     self.fail(GroupFailure { rank: peer, doing, reason }, Some(peer));
                     return;
@@ -171,6 +174,8 @@ impl Watch {
         let mut readers = Vec::with_capacity(links.len());
         for s in &links {
             s.set_read_timeout(None)?;
+            // a peer that stops reading (frozen process, full buffers) must not block a report
+            s.set_write_timeout(Some(Duration::from_secs(5)))?;
             readers.push(s.try_clone()?);
         }
         let shared = Arc::new(Shared {
