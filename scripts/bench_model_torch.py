@@ -90,6 +90,7 @@ def main():
     for k, v in [("hidden", 4096), ("heads", 32), ("kv-heads", 32), ("inter", 11008), ("tokens", 4096),
                  ("vocab", 32000), ("layers", 2), ("iters", 5)]:
         ap.add_argument("--" + k, type=int, default=v)
+    ap.add_argument("--layer-only", action="store_true", help="time the decoder layer row only")
     ap.add_argument("--device", default="cuda", help="cuda (what harpe bench model runs), or cpu for a smoke run")
     a = ap.parse_args()
     dev = a.device
@@ -109,6 +110,9 @@ def main():
     out["decoder layer fwd+bwd"] = timed(layer_step, a.iters)
     del layer, x
     torch.cuda.empty_cache()
+    if a.layer_only:
+        print(json.dumps(out))
+        return
 
     embed = torch.nn.Embedding(a.vocab, a.hidden).to(dev, dt)
     layers = torch.nn.ModuleList([Layer(a.hidden, a.heads, a.kv_heads, a.inter) for _ in range(a.layers)]).to(dev, dt)

@@ -9,8 +9,8 @@
 //! 4 T^2 C per layer forward, halved for the causal mask, x3 with the backward).
 //! The non-obvious decision: sizes default by device — tiny on the CPU (C = 64, H = 4, T = 128, so the
 //! rows run in seconds in a debug build and in tests), Llama-2-7B-shaped on CUDA (C = 4096, H = 32,
-//! I = 11008, T = 4096, a 2-layer step with V = 32000); `--hidden/--heads/--tokens/--step-layers`
-//! override them. Bytes (the GB/s and %copy columns) are the weights read twice and their gradients
+//! I = 11008, T = 4096 and, without `--model-tokens`, the layer again at T = 16384; a 2-layer step with
+//! V = 32000); `--hidden/--heads/--model-tokens/--step-layers` override them. Bytes (the GB/s and %copy columns) are the weights read twice and their gradients
 //! written once plus the (B, T, C) activations in and out — a floor, since these rows are
 //! compute-bound; the TFLOP/s column is the one to read.
 //! On CUDA the same shapes run in PyTorch beside them (scripts/bench_model_torch.py: transformers'
@@ -33,6 +33,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
 
 /// The shapes the rows run at (device defaults, overridden by flags).
+#[derive(Clone)]
 struct Shape {
     hidden: usize,
     heads: usize,
@@ -106,34 +107,48 @@ pub fn copy_bandwidth(dev: &Device, iters: usize) -> Result<f64> {
 pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> {
     let sh = Shape::of(args, dev);
     let iters = args.iters.max(1);
-    let mut rows = vec![layer_row(&sh, dev, iters, copy_gbps)?, step_row(&sh, dev, iters, copy_gbps)?];
+    let mut rows = vec![layer_row(&sh, dev, iters, copy_gbps)?];
+    // on CUDA without --model-tokens the layer also at T = 16K (issue 10: 4K and 16K)
+    let long = (!dev.is_cpu() && args.model_tokens.is_none()).then(|| Shape { tokens: 16384, ..sh.clone() });
+    if let Some(l) = &long {
+        rows.push(layer_row(l, dev, iters, copy_gbps)?);
+    }
+    rows.push(step_row(&sh, dev, iters, copy_gbps)?);
     // PyTorch at the same shapes (scripts/bench_model_torch.py), on CUDA when torch is importable
     if !dev.is_cpu() && !args.no_torch {
-        let n = |v: usize| v.to_string();
-        let (hidden, heads, kv, inter) = (n(sh.hidden), n(sh.heads), n(sh.kv_heads), n(sh.inter));
-        let (tokens, vocab, layers, it) = (n(sh.tokens), n(sh.vocab), n(sh.layers), n(iters));
-        let flags = [
-            "--hidden",
-            &hidden,
-            "--heads",
-            &heads,
-            "--kv-heads",
-            &kv,
-            "--inter",
-            &inter,
-            "--tokens",
-            &tokens,
-            "--vocab",
-            &vocab,
-            "--layers",
-            &layers,
-            "--iters",
-            &it,
-        ];
-        if let Some(j) = super::torch_script("bench_model_torch.py", &flags) {
-            for r in &mut rows {
-                r.torch_ms = j.get(&r.kernel).and_then(|v| v.as_f64());
+        let torch = |s: &Shape, layer_only: bool| {
+            let n = |v: usize| v.to_string();
+            let (hidden, heads, kv, inter) = (n(s.hidden), n(s.heads), n(s.kv_heads), n(s.inter));
+            let (tokens, vocab, layers, it) = (n(s.tokens), n(s.vocab), n(s.layers), n(iters));
+            let mut flags = vec![
+                "--hidden",
+                &hidden,
+                "--heads",
+                &heads,
+                "--kv-heads",
+                &kv,
+                "--inter",
+                &inter,
+                "--tokens",
+                &tokens,
+                "--vocab",
+                &vocab,
+                "--layers",
+                &layers,
+                "--iters",
+                &it,
+            ];
+            if layer_only {
+                flags.push("--layer-only");
             }
+            super::torch_script("bench_model_torch.py", &flags)
+        };
+        let ms = |j: &Option<serde_json::Value>, k: &str| j.as_ref().and_then(|j| j.get(k)).and_then(|v| v.as_f64());
+        let short = torch(&sh, false);
+        let long_t = long.as_ref().map(|l| torch(l, true)).unwrap_or(None);
+        for (i, r) in rows.iter_mut().enumerate() {
+            let j = if long.is_some() && i == 1 { &long_t } else { &short };
+            r.torch_ms = ms(j, &r.kernel);
         }
     }
     Ok(rows)
