@@ -70,6 +70,12 @@ impl Mesh {
     pub fn world(&self) -> usize {
         self.dp_size * self.sp_size
     }
+
+    /// The mesh of global rank `rank` of `world`, sequence-parallel groups of `sp` consecutive ranks.
+    fn of(rank: usize, world: usize, sp: usize) -> Mesh {
+        let sp = sp.max(1);
+        Mesh { dp_rank: rank / sp, dp_size: world / sp, sp_rank: rank % sp, sp_size: sp }
+    }
 }
 
 /// A collective started by `Comm::reduce_scatter_v_sum_tensor_start`; `wait` gives its result. Dropped
@@ -116,6 +122,21 @@ impl Drop for Started {
     }
 }
 
+/// Run an in-place NCCL collective `f` on `buf`'s device tensor; a host buffer travels through the
+/// device and back.
+#[cfg(feature = "nccl")]
+fn in_place_on_device(c: &nccl::NcclComm, buf: &mut FlatBuf, f: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+    match buf {
+        FlatBuf::Device(t) => f(t),
+        FlatBuf::Host(v) => {
+            let t = Tensor::from_slice(v, v.len(), c.device())?;
+            f(&t)?;
+            v.copy_from_slice(&t.to_vec1::<f32>()?);
+            Ok(())
+        }
+    }
+}
+
 /// The communicator of this process.
 #[derive(Clone, Debug)]
 pub enum Comm {
@@ -149,15 +170,9 @@ impl Comm {
     pub fn mesh(&self) -> Mesh {
         match self {
             Comm::Single => Mesh::single(),
-            Comm::Local(c, sp) => {
-                let sp = (*sp).max(1);
-                Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
-            }
+            Comm::Local(c, sp) => Mesh::of(c.rank(), c.world_size(), *sp),
             #[cfg(feature = "nccl")]
-            Comm::Nccl(c) => {
-                let sp = c.sp_degree();
-                Mesh { dp_rank: c.rank() / sp, dp_size: c.world_size() / sp, sp_rank: c.rank() % sp, sp_size: sp }
-            }
+            Comm::Nccl(c) => Mesh::of(c.rank(), c.world_size(), c.sp_degree()),
         }
     }
 
@@ -194,19 +209,11 @@ impl Comm {
                 let _ = buf;
                 Ok(())
             }
-            // threads exchange host slices: a device buffer is copied through the host for now (the
-            // NCCL backend will reduce device memory in place)
+            // threads exchange host slices: a device buffer is copied through the host (NCCL reduces
+            // device memory in place)
             Comm::Local(c, _) => buf.with_host_mut(|v| c.all_reduce(v, ReduceOp::Sum, "grads")),
             #[cfg(feature = "nccl")]
-            Comm::Nccl(c) => match buf {
-                FlatBuf::Device(t) => c.all_reduce_sum_inplace(t, "grads"),
-                FlatBuf::Host(v) => {
-                    let t = Tensor::from_slice(v, v.len(), c.device())?;
-                    c.all_reduce_sum_inplace(&t, "grads")?;
-                    v.copy_from_slice(&t.to_vec1::<f32>()?);
-                    Ok(())
-                }
-            },
+            Comm::Nccl(c) => in_place_on_device(c, buf, |t| c.all_reduce_sum_inplace(t, "grads")),
         }
     }
 
@@ -244,15 +251,7 @@ impl Comm {
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
-                match buf {
-                    FlatBuf::Device(t) => c.all_gather_v_inplace(t, &counts, "weights"),
-                    FlatBuf::Host(v) => {
-                        let t = Tensor::from_slice(v, v.len(), c.device())?;
-                        c.all_gather_v_inplace(&t, &counts, "weights")?;
-                        v.copy_from_slice(&t.to_vec1::<f32>()?);
-                        Ok(())
-                    }
-                }
+                in_place_on_device(c, buf, |t| c.all_gather_v_inplace(t, &counts, "weights"))
             }
         }
     }

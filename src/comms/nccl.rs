@@ -469,23 +469,27 @@ impl NcclComm {
         }
     }
 
-    /// Device address of element `at` of a contiguous tensor on this rank's device.
-    fn ptr(&self, t: &Tensor, at: usize, what: &str) -> Result<u64> {
+    /// Device address of the first element of a contiguous tensor on this rank's device.
+    fn ptr(&self, t: &Tensor, what: &str) -> Result<u64> {
         let (st, l) = t.storage_and_layout();
         let Storage::Cuda(cs) = &*st else { bail!("{what}: the tensor is not on a CUDA device") };
+        let Some((lo, _)) = l.contiguous_offsets() else { bail!("{what}: the tensor must be contiguous") };
+        self.storage_ptr(cs, lo, what)
+    }
+
+    /// Device address of element `lo` of a CUDA storage on this rank's device.
+    fn storage_ptr(&self, cs: &candle_core::CudaStorage, lo: usize, what: &str) -> Result<u64> {
         if cs.device().id() != self.dev.id() {
             bail!("{what}: the tensor is on another CUDA device than this rank's");
         }
-        let Some((lo, _)) = l.contiguous_offsets() else { bail!("{what}: the tensor must be contiguous") };
-        let elem = t.dtype().size_in_bytes() as u64;
-        let base = match t.dtype() {
+        let base = match cs.dtype() {
             DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
             DType::F64 => cs.as_cuda_slice::<f64>()?.device_ptr(&self.stream).0,
             DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&self.stream).0,
             DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&self.stream).0,
             d => bail!("{what}: NCCL collectives take f32, f64, bf16 or f16 tensors, not {d:?}"),
         };
-        Ok(base + (lo + at) as u64 * elem)
+        Ok(base + (lo * cs.dtype().size_in_bytes()) as u64)
     }
 
     /// Enqueue the NCCL calls of `f` as one group on the collective stream, ordered after the compute
@@ -570,7 +574,7 @@ impl NcclComm {
         if t.elem_count() == 0 {
             return Ok(());
         }
-        let (p, n, ty) = (self.ptr(t, 0, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
+        let (p, n, ty) = (self.ptr(t, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
         let comm = self.raw(false)?;
         self.enqueue(&what, |s| {
             // SAFETY: `p` addresses `n` elements of type `ty` on this rank's device (checked by `ptr`).
@@ -589,7 +593,7 @@ impl NcclComm {
         }
         let t = Tensor::from_slice(vals, vals.len(), &self.device)?;
         let what = "all_reduce \"scalars\"";
-        let (p, n) = (self.ptr(&t, 0, what)?, vals.len());
+        let (p, n) = (self.ptr(&t, what)?, vals.len());
         let comm = self.raw(false)?;
         let done = self.enqueue(what, |s| {
             // SAFETY: `p` addresses `n` f64 of `t`, alive until the copy back below.
@@ -623,7 +627,7 @@ impl NcclComm {
         if t.elem_count() == 0 {
             return Ok(());
         }
-        let (base, ty) = (self.ptr(t, 0, &what)?, nccl_type(t.dtype(), &what)?);
+        let (base, ty) = (self.ptr(t, &what)?, nccl_type(t.dtype(), &what)?);
         let es = t.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let comm = self.raw(false)?;
@@ -649,8 +653,8 @@ impl NcclComm {
         if total == 0 {
             return Ok(out);
         }
-        let ip = if counts[self.rank] > 0 { self.ptr(input, 0, &what)? } else { 0 };
-        let (op, ty) = (self.ptr(&out, 0, &what)?, nccl_type(input.dtype(), &what)?);
+        let ip = if counts[self.rank] > 0 { self.ptr(input, &what)? } else { 0 };
+        let (op, ty) = (self.ptr(&out, &what)?, nccl_type(input.dtype(), &what)?);
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
@@ -704,8 +708,8 @@ impl NcclComm {
         if input.elem_count() == 0 {
             return Ok((out, None));
         }
-        let (ip, ty) = (self.ptr(input, 0, &what)?, nccl_type(input.dtype(), &what)?);
-        let op = if counts[self.rank] > 0 { self.ptr(&out, 0, &what)? } else { ip };
+        let (ip, ty) = (self.ptr(input, &what)?, nccl_type(input.dtype(), &what)?);
+        let op = if counts[self.rank] > 0 { self.ptr(&out, &what)? } else { ip };
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
@@ -749,31 +753,15 @@ impl NcclComm {
         if !n.is_multiple_of(p) {
             bail!("internal: {what} of {n} values over {p} ranks");
         }
-        if s.device().id() != self.dev.id() {
-            bail!("{what}: the tensor is on another CUDA device than this rank's");
-        }
         let chunk = n / p;
         let ty = nccl_type(s.dtype(), &what)?;
         let es = s.dtype().size_in_bytes() as u64;
-        let (ip, out, op) = match s.dtype() {
-            DType::F32 => {
-                let o = self.dev.alloc_zeros::<f32>(n)?;
-                let op = o.device_ptr(&self.stream).0;
-                (
-                    s.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
-                    CudaStorage::wrap_cuda_slice(o, self.dev.clone()),
-                    op,
-                )
-            }
-            DType::BF16 => {
-                let o = self.dev.alloc_zeros::<half::bf16>(n)?;
-                let op = o.device_ptr(&self.stream).0;
-                let ip = s.as_cuda_slice::<half::bf16>()?.device_ptr(&self.stream).0;
-                (ip, CudaStorage::wrap_cuda_slice(o, self.dev.clone()), op)
-            }
+        let out = match s.dtype() {
+            DType::F32 => CudaStorage::wrap_cuda_slice(self.dev.alloc_zeros::<f32>(n)?, self.dev.clone()),
+            DType::BF16 => CudaStorage::wrap_cuda_slice(self.dev.alloc_zeros::<half::bf16>(n)?, self.dev.clone()),
             d => bail!("{what}: sequence parallelism exchanges f32 or bf16, not {d:?}"),
         };
-        let ip = ip + lo as u64 * es;
+        let (ip, op) = (self.storage_ptr(s, lo, &what)?, self.storage_ptr(&out, 0, &what)?);
         let bytes = chunk as u64 * es;
         let comm = self.raw(true)?;
         self.enqueue(&what, |st| {

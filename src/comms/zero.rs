@@ -272,12 +272,10 @@ impl ZeroShards<'_> {
                 continue;
             }
             let started = self.comm.reduce_scatter_v_sum_tensor_start(&full.range_tensor(local)?, &counts, label)?;
-            if started.is_ready() {
-                if !into.is_empty() {
-                    self.grads.add_tensor(into, &started.wait()?)?;
-                }
-            } else {
-                self.pending.push((into, started));
+            let ready = started.is_ready(); // every backend but NCCL: add it now
+            self.pending.push((into, started));
+            if ready {
+                self.finish()?;
             }
         }
         Ok(())
