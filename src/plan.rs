@@ -471,7 +471,21 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     );
     if z >= 3 && world.gpus > 1 {
         let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
-        add("gathered_layer", unit * wb, "the largest unit ZeRO-3 all-gathers at once (one layer or the head)".into());
+        if cpu {
+            add(
+                "gathered_layer",
+                unit * wb,
+                "the largest unit ZeRO-3 all-gathers at once (one layer or the head)".into(),
+            );
+        } else {
+            // NCCL: the next layer's gather runs during this one's compute (ZeroShards::prefetch)
+            let both = unit + arch.layer_params() as f64;
+            add(
+                "gathered_layer",
+                both * wb,
+                "ZeRO-3: the largest gathered unit (a layer or the head) + the next layer's prefetch".into(),
+            );
+        }
     }
     add("gradients", n * gb / shard(z >= 2), format!("{gb} B/param{}", if z >= 2 { " / world (ZeRO-2+)" } else { "" }));
     add(

@@ -175,8 +175,9 @@ pub enum Params<'a> {
 type Held = (Range<usize>, Vec<Var>);
 
 impl Params<'_> {
-    /// Decoder layer `l`'s weights and, ZeRO 2-3, the group whose gradients go to the shards.
-    fn layer(&self, model: &Llama, l: usize) -> Result<(LayerWeights, Option<Held>)> {
+    /// Decoder layer `l`'s weights and, ZeRO 2-3, the group whose gradients go to the shards. `next`:
+    /// the layer gathered after this one (ZeRO-3 starts its gather now, `ZeroShards::prefetch`).
+    fn layer(&self, model: &Llama, l: usize, next: Option<usize>) -> Result<(LayerWeights, Option<Held>)> {
         match self {
             Params::Resident { .. } => Ok((model.layers[l].clone(), None)),
             Params::ShardedGrads { vars, z } => {
@@ -185,7 +186,10 @@ impl Params<'_> {
             }
             Params::Sharded(z) => {
                 let idx = layer_param_indices(z.layout, l)?;
-                let vars = z.gather(idx.clone(), &format!("layer {l} weights"))?;
+                let next = next.map(|n| Ok::<_, anyhow::Error>((layer_param_indices(z.layout, n)?, n))).transpose()?;
+                let label = next.as_ref().map(|(_, n)| format!("layer {n} weights")).unwrap_or_default();
+                let next = next.map(|(idx, _)| (idx, label.as_str()));
+                let vars = z.gather(idx.clone(), &format!("layer {l} weights"), next)?;
                 let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
                 let arr: [Tensor; 9] = t.try_into().map_err(|_| anyhow!("internal: layer {l} has not 9 parameters"))?;
                 Ok((LayerWeights::from_array(arr), Some((idx, vars))))
@@ -213,7 +217,7 @@ impl Params<'_> {
             Params::Sharded(z) => {
                 let held: Vec<Held> = groups(z.layout)?
                     .into_iter()
-                    .map(|i| Ok((i.clone(), z.gather(i.clone(), &z.layout.params[i.start].name)?)))
+                    .map(|i| Ok((i.clone(), z.gather(i.clone(), &z.layout.params[i.start].name, None)?)))
                     .collect::<Result<_>>()?;
                 let t = |h: &Held| h.1[0].as_tensor().clone();
                 let head = held.get(2).map(t).unwrap_or_else(|| t(&held[0]));
@@ -289,10 +293,17 @@ pub fn forward_backward_with(
     let table = |l: usize| &tables[l.min(tables.len() - 1)];
     let segments: Vec<(usize, usize)> =
         (0..n_layers).step_by(seg.max(1)).map(|s| (s, (s + seg).min(n_layers))).collect();
-    let run_segment = |params: &Params, x: &Tensor, (lo, hi): (usize, usize), held: &mut Vec<Held>| -> Result<Tensor> {
+    // `after`: the layer gathered after the segment's last one (the next segment's first in the
+    // forward; in the backward the first of the segment recomputed next), for ZeRO-3's prefetch
+    let run_segment = |params: &Params,
+                       x: &Tensor,
+                       (lo, hi): (usize, usize),
+                       after: Option<usize>,
+                       held: &mut Vec<Held>|
+     -> Result<Tensor> {
         let mut x = x.clone();
         for l in lo..hi {
-            let (w, h) = params.layer(model, l)?;
+            let (w, h) = params.layer(model, l, if l + 1 < hi { Some(l + 1) } else { after })?;
             x = model.layer_forward_with(l, &w, &x, table(l), None, docs)?; // (B, T, C)
             held.extend(h);
         }
@@ -304,13 +315,18 @@ pub fn forward_backward_with(
     let x0 = model.embed_with(&embed, ids)?; // (B, T, C), graph into embed_tokens
     let mut saved: Vec<Tensor> = Vec::with_capacity(segments.len()); // segment inputs (B, T, C)
     let mut x = x0.detach();
-    for &s in &segments[..segments.len() - 1] {
+    // the first layer of segment i (the one gathered after the previous segment)
+    let first = |i: Option<usize>| i.and_then(|i| segments.get(i)).map(|s| s.0);
+    let n_seg = segments.len();
+    for (i, &s) in segments[..n_seg - 1].iter().enumerate() {
         saved.push(x.clone());
-        x = run_segment(params, &x, s, &mut vec![])?.detach(); // gathered weights freed here
+        x = run_segment(params, &x, s, first(Some(i + 1)), &mut vec![])?.detach();
+        // gathered weights freed here
     }
     let last_in = Var::from_tensor(&x)?;
     let mut held = vec![];
-    let y = run_segment(params, last_in.as_tensor(), segments[segments.len() - 1], &mut held)?; // (B, T, C)
+    // after the last segment comes the recompute of the one before it
+    let y = run_segment(params, last_in.as_tensor(), segments[n_seg - 1], first(n_seg.checked_sub(2)), &mut held)?; // (B, T, C)
     let h = rms_norm(&y, &norm, model.cfg.rms_norm_eps)?.reshape((b * t, c))?; // (B*T, C)
     let nll = chunked_cross_entropy(&h, &head, targets, loss_chunk)?; // (B*T)
     let store = (nll.sum_all()? * scale)?.backward()?;
@@ -325,10 +341,10 @@ pub fn forward_backward_with(
     drop(store);
 
     // Backward through the earlier segments, last to first, recomputing each from its saved input.
-    for (i, &s) in segments[..segments.len() - 1].iter().enumerate().rev() {
+    for (i, &s) in segments[..n_seg - 1].iter().enumerate().rev() {
         let xin = Var::from_tensor(&saved[i])?;
         let mut held = vec![];
-        let y = run_segment(params, xin.as_tensor(), s, &mut held)?; // (B, T, C)
+        let y = run_segment(params, xin.as_tensor(), s, first(i.checked_sub(1)), &mut held)?; // (B, T, C)
         let store = (y * g.detach())?.sum_all()?.backward()?;
         params.take_grads(&store, &held.iter().collect::<Vec<_>>())?;
         g = store.get(xin.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached layer {}", s.0))?;
@@ -1109,17 +1125,16 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         let mut params = if r.zero_stage < 2 {
             Params::Resident { vars: &s.vars, layout: &r.layout, grads: &mut s.grads }
         } else {
-            let z = ZeroShards {
-                comm: &r.comm,
-                map: &r.map,
-                layout: &r.layout,
-                master: r.optim.master(),
-                grads: s.grads.buf_mut(),
-                dtype: r.dtype,
-                device: r.device.clone(),
-                bucket: r.bucket,
-                pending: vec![],
-            };
+            let z = ZeroShards::new(
+                &r.comm,
+                &r.map,
+                &r.layout,
+                r.optim.master(),
+                s.grads.buf_mut(),
+                r.dtype,
+                r.device.clone(),
+                r.bucket,
+            );
             if r.zero_stage == 2 {
                 Params::ShardedGrads { vars: &s.vars, z }
             } else {

@@ -43,10 +43,11 @@ fn design_section_5_state_per_zero_stage() {
     assert!((gb(state(&z1)) - 37.0).abs() < 0.5, "ZeRO-1 {:.2} GB", gb(state(&z1)));
     assert!((gb(state(&z2)) - 25.0).abs() < 0.5, "ZeRO-2 {:.2} GB", gb(state(&z2)));
     assert!((gb(state(&z3)) - 13.5).abs() < 0.1, "ZeRO-3 {:.2} GB", gb(state(&z3)));
-    // plus one gathered layer (~0.4 GB) at ZeRO-3 only
+    // plus one gathered layer (~0.4 GB, DESIGN §5) at ZeRO-3 only, and on GPUs the next layer's
+    // prefetch beside it (NCCL overlaps it with this layer's compute): 2 x 0.4 GB
     let layer = 4 * C * C + 3 * C * I + 2 * C;
-    assert_eq!(z3.term("gathered_layer"), 2 * layer);
-    assert!((gb(z3.term("gathered_layer")) - 0.4).abs() < 0.05);
+    assert_eq!(z3.term("gathered_layer"), 2 * 2 * layer);
+    assert!((gb(z3.term("gathered_layer")) - 0.8).abs() < 0.1);
     assert_eq!(z1.term("gathered_layer"), 0);
     // ZeRO-0 replicates everything: 16 B/param
     assert_eq!(state(&plan(0, 1, &[])), 16 * n);
@@ -61,9 +62,9 @@ fn design_section_5_activations_totals_and_sp() {
     // one layer's recompute working set ~10-15 GB at 128K
     let ws = z3.term("working_set") as f64 / 1e9;
     assert!((10.0..=15.5).contains(&ws), "working set {ws:.2} GB");
-    // plain ZeRO-3 at batch 1 x 128K fits (~60 GB) without offload
+    // plain ZeRO-3 at batch 1 x 128K fits (~60 GB, DESIGN §5; + 0.4 GB of prefetched layer) without offload
     let total = z3.total_bytes as f64 / 1e9;
-    assert!((54.0..=66.0).contains(&total), "ZeRO-3 total {total:.2} GB");
+    assert!((54.0..=66.5).contains(&total), "ZeRO-3 total {total:.2} GB");
     assert!(z3.fits);
     // ZeRO-2 is tight: less than 15% of the 80 GiB left
     let z2 = plan(2, 1, &[]);

@@ -37,7 +37,7 @@ use crate::config::{Backend, DistSection};
 use crate::device::DeviceSpec;
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use local::{LocalComm, ReduceOp};
 use std::sync::Arc;
 use zero::ShardMap;
@@ -78,7 +78,7 @@ impl Mesh {
     }
 }
 
-/// A collective started by `Comm::reduce_scatter_v_sum_tensor_start`; `wait` gives its result. Dropped
+/// A collective started by `Comm::reduce_scatter_v_sum_tensor_start` or `all_gather_v_tensor_start`; `wait` gives its result. Dropped
 /// without `wait` (an error unwinding), it still makes the compute stream wait for the exchange, so
 /// its buffers are never freed under a running collective.
 pub struct Started {
@@ -89,6 +89,15 @@ pub struct Started {
 }
 
 impl Started {
+    /// A collective that completed on the host (every backend but NCCL).
+    fn ready(out: Tensor) -> Started {
+        Started {
+            out: Some(out),
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        }
+    }
+
     /// True when the result can be used at once (every backend but NCCL).
     pub fn is_ready(&self) -> bool {
         #[cfg(feature = "nccl")]
@@ -298,13 +307,39 @@ impl Comm {
                 Ok(input.copy()?)
             }
             Comm::Local(c, _) => {
+                // exchanged as f32 (exact for bf16/f16 values), returned in the input's dtype
                 let mut out = vec![0f32; counts.iter().sum()];
-                c.all_gather_v(&input.to_vec1::<f32>()?, &mut out, counts, label)?;
+                c.all_gather_v(&input.to_dtype(DType::F32)?.to_vec1::<f32>()?, &mut out, counts, label)?;
                 let n = out.len();
-                Ok(Tensor::from_vec(out, n, input.device())?)
+                Ok(Tensor::from_vec(out, n, input.device())?.to_dtype(input.dtype())?)
             }
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_gather_v(&input.contiguous()?, counts, label),
+        }
+    }
+
+    /// `all_gather_v_tensor`, started: under NCCL the exchange runs on while the compute stream goes
+    /// on (the result is joined by `Started::wait`; ZeRO-3's prefetch of the next layer's weights);
+    /// elsewhere it is complete on return.
+    pub fn all_gather_v_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+        match self {
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => {
+                let input = input.contiguous()?;
+                let (out, done) = c.all_gather_v_start(&input, counts, label)?;
+                Ok(Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) })
+            }
+            _ => Ok(Started::ready(self.all_gather_v_tensor(input, counts, label)?)),
+        }
+    }
+
+    /// Whether collectives run beside the compute (NCCL's own stream): only then is starting one
+    /// early (ZeRO-3's weight prefetch) worth the memory it holds.
+    pub fn overlaps(&self) -> bool {
+        match self {
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(_) => true,
+            _ => false,
         }
     }
 
@@ -318,11 +353,7 @@ impl Comm {
                 let (out, done) = c.reduce_scatter_v_sum_start(&input, counts, label)?;
                 Ok(Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) })
             }
-            _ => Ok(Started {
-                out: Some(self.reduce_scatter_v_sum_tensor(input, counts, label)?),
-                #[cfg(feature = "nccl")]
-                nccl: None,
-            }),
+            _ => Ok(Started::ready(self.reduce_scatter_v_sum_tensor(input, counts, label)?)),
         }
     }
 

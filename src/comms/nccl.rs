@@ -644,6 +644,21 @@ impl NcclComm {
 
     /// All-gather-v into a new tensor: this rank contributes `input` (`counts[rank]` elements).
     pub fn all_gather_v(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        let (out, done) = self.all_gather_v_start(input, counts, label)?;
+        if let Some(d) = done {
+            self.join_compute(&d)?;
+        }
+        Ok(out)
+    }
+
+    /// `all_gather_v` without the compute stream waiting for it: the result may be used only after
+    /// `join_compute(done)`, and `input` must stay alive until then (None: nothing was queued).
+    pub fn all_gather_v_start(
+        &self,
+        input: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<(Tensor, Option<Arc<CudaEvent>>)> {
         let what = format!("all_gather \"{label}\"");
         let total: usize = counts.iter().sum();
         if counts.len() != self.world || input.elem_count() != counts[self.rank] {
@@ -651,14 +666,14 @@ impl NcclComm {
         }
         let out = Tensor::zeros(total, input.dtype(), &self.device)?;
         if total == 0 {
-            return Ok(out);
+            return Ok((out, None));
         }
         let ip = if counts[self.rank] > 0 { self.ptr(input, &what)? } else { 0 };
         let (op, ty) = (self.ptr(&out, &what)?, nccl_type(input.dtype(), &what)?);
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        self.enqueue(&what, |s| {
+        let done = self.enqueue_with(&what, false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 let send = if root == me { ip } else { op + o as u64 * es };
                 // SAFETY: `out` holds `total` elements; the root's send buffer holds `c`.
@@ -676,7 +691,7 @@ impl NcclComm {
             }
             Ok(())
         })?;
-        Ok(out)
+        Ok((out, Some(done)))
     }
 
     /// Make the compute stream wait for a collective started without joining it.

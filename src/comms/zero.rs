@@ -14,14 +14,17 @@
 //! ZeRO-2 and 3 (`ZeroShards`) reduce-scatter each layer's gradients as soon as its backward is done
 //! (in `dist.bucket_mb` rounds), so gradients exist only as each rank's shard; ZeRO-3 also keeps no full
 //! weight buffer: each layer is gathered before its forward and again before its recompute.
-//! What this file does not do: the collectives themselves (`Comm`), overlap of the exchange with compute.
+//! Overlap (NCCL): each group's gradient reduce-scatter runs on during the backward of the groups
+//! before it, and ZeRO-3 starts the next group's weight gather when it takes the current one.
+//! What this file does not do: the collectives themselves (`Comm`).
 use crate::comms::{Comm, Started};
 use crate::flatbuf::FlatBuf;
-use crate::grads::ParamLayout;
+use crate::grads::{ParamInfo, ParamLayout};
 use crate::optim::adamw::AdamW;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 /// How the flat parameter space is cut between ranks.
@@ -187,9 +190,23 @@ pub struct ZeroShards<'a> {
     /// reduce-scatters still running (NCCL) and where their results go in `grads`; joined and added
     /// when the next group is handed on or by `finish`
     pub pending: Vec<(Range<usize>, Started)>,
+    /// ZeRO-3: start the next group's all-gather when the current one is taken (`gather`'s `next`)
+    pub prefetch: bool,
+    /// the group whose gather was started ahead, and its exchange
+    prefetched: RefCell<Option<(Range<usize>, Gathering)>>,
+    /// gathers started when their group was asked for (not ahead)
+    cold: Cell<usize>,
 }
 
-impl ZeroShards<'_> {
+/// One group's all-gather: complete (host shards) or under way (device shards).
+enum Gathering {
+    /// the group's fp32 values (host shards)
+    Host(FlatBuf),
+    /// the gather of the group's values in the compute dtype
+    Device(Started),
+}
+
+impl<'a> ZeroShards<'a> {
     /// Flat range of the consecutive parameters `params` (indices into the layout).
     fn flat_of(&self, params: &Range<usize>) -> Range<usize> {
         self.layout.params[params.start].range.start..self.layout.params[params.end - 1].range.end
@@ -206,38 +223,108 @@ impl ZeroShards<'_> {
             .collect()
     }
 
+    /// ZeRO 2-3 exchanges of this rank: `prefetch` = whether the backend overlaps collectives with
+    /// compute (NCCL), the only case where starting the next group's gather early gains anything.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        comm: &'a Comm,
+        map: &'a ShardMap,
+        layout: &'a ParamLayout,
+        master: &'a FlatBuf,
+        grads: &'a mut FlatBuf,
+        dtype: DType,
+        device: Device,
+        bucket: usize,
+    ) -> ZeroShards<'a> {
+        let prefetch = comm.overlaps();
+        ZeroShards {
+            comm,
+            map,
+            layout,
+            master,
+            grads,
+            dtype,
+            device,
+            bucket,
+            pending: vec![],
+            prefetch,
+            prefetched: RefCell::new(None),
+            cold: Cell::new(0),
+        }
+    }
+
     /// The parameters `params` gathered from every rank's shard, as `Var`s in the compute dtype.
-    pub fn gather(&self, params: Range<usize>, label: &str) -> Result<Vec<Var>> {
+    /// `next`: the group (and its label) the caller gathers after this one; with `prefetch` its
+    /// all-gather starts now, so under NCCL it runs while this group's layer computes, and the next
+    /// call finds it under way. Every rank passes the same `next` (same control flow), so the
+    /// collectives stay in the same order everywhere.
+    pub fn gather(&self, params: Range<usize>, label: &str, next: Option<(Range<usize>, &str)>) -> Result<Vec<Var>> {
+        let taken = self.prefetched.borrow_mut().take();
+        let gathering = match taken {
+            Some((p, g)) if p == params => g,
+            other => {
+                drop(other); // a prefetch nobody asked for (not reached by the loops): joined, freed
+                self.cold.set(self.cold.get() + 1);
+                self.start_gather(&params, label)?
+            }
+        };
+        if let Some((n, l)) = next.filter(|_| self.prefetch) {
+            let g = self.start_gather(&n, l)?;
+            *self.prefetched.borrow_mut() = Some((n, g));
+        }
         let flat = self.flat_of(&params);
+        let param = |p: &ParamInfo| p.range.start - flat.start..p.range.end - flat.start;
+        match gathering {
+            // host shards (CPU runs): the fp32 values, each parameter copied out in the compute dtype
+            Gathering::Host(full) => self.layout.params[params]
+                .iter()
+                .map(|p| Ok(Var::from_tensor(&full.param_tensor(param(p), &p.shape, self.dtype, &self.device)?)?))
+                .collect(),
+            // device shards: already in the compute dtype; each parameter a view of the gathered buffer
+            // (nothing updates it in place, so no copy)
+            Gathering::Device(started) => {
+                let full = started.wait()?; // (flat.len()) in the compute dtype
+                self.layout.params[params]
+                    .iter()
+                    .map(|p| {
+                        let r = param(p);
+                        let t = full.narrow(0, r.start, r.len())?.reshape(p.shape.as_slice())?;
+                        Ok(Var::from_tensor(&t.to_device(&self.device)?)?)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// How many gathers started only when their group was asked for: with `prefetch` the first of a
+    /// chain (each micro-batch's embedding, norm, head and first layer), without it every one.
+    pub fn cold_gathers(&self) -> usize {
+        self.cold.get()
+    }
+
+    /// Start the all-gather of the group `params`. The exchange stays where the master shard lives:
+    /// host slices for a host shard (CPU runs, no extra copy; complete on return), device tensors for
+    /// a device one, sent in the compute dtype (half the bytes of fp32 for bf16; rounding each shard
+    /// before the gather equals rounding after it). Under NCCL the device gather runs on while the
+    /// compute stream goes on; `Local` goes through the host.
+    fn start_gather(&self, params: &Range<usize>, label: &str) -> Result<Gathering> {
+        let flat = self.flat_of(params);
         let parts = self.parts(&flat);
         let me = self.comm.mesh().rank();
         let own = self.map.flat_range(me).start;
         let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        // the exchange stays where the master shard lives: host slices for a host shard (CPU runs,
-        // no extra copy), device tensors for a device one (in device memory under NCCL; `Local` goes
-        // through the host)
-        let full = if let FlatBuf::Host(_) = self.master {
-            let mine = match parts[me].is_empty() {
-                true => vec![],
-                false => self.master.range_to_host(parts[me].start - own..parts[me].end - own)?,
-            };
+        let mine = parts[me].start - own..parts[me].end - own;
+        if let FlatBuf::Host(_) = self.master {
+            let mine = if mine.is_empty() { vec![] } else { self.master.range_to_host(mine)? };
             let mut full = vec![0f32; flat.len()];
             self.comm.all_gather_v(&mine, &mut full, &counts, label)?;
-            FlatBuf::from_vec(full)
-        } else {
-            let mine = match parts[me].is_empty() {
-                true => Tensor::zeros(0, DType::F32, &self.master.device())?,
-                false => self.master.range_tensor(parts[me].start - own..parts[me].end - own)?,
-            };
-            FlatBuf::Device(self.comm.all_gather_v_tensor(&mine, &counts, label)?)
+            return Ok(Gathering::Host(FlatBuf::from_vec(full)));
+        }
+        let mine = match mine.is_empty() {
+            true => Tensor::zeros(0, self.dtype, &self.master.device())?,
+            false => self.master.range_tensor(mine)?.to_dtype(self.dtype)?,
         };
-        self.layout.params[params]
-            .iter()
-            .map(|p| {
-                let r = p.range.start - flat.start..p.range.end - flat.start;
-                Ok(Var::from_tensor(&full.param_tensor(r, &p.shape, self.dtype, &self.device)?)?)
-            })
-            .collect()
+        Ok(Gathering::Device(self.comm.all_gather_v_tensor_start(&mine, &counts, label)?))
     }
 
     /// Sum the gradients `store` holds for `vars` (the parameters `params`) over ranks, in rounds of
