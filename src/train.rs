@@ -1267,16 +1267,18 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
 fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<()> {
     let boundary = r.state.stage_step == s.steps || r.state.step >= r.limit;
     let due = ev.as_ref().is_some_and(|e| e.due(r.state.step, boundary));
-    // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it evaluates
+    // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it
+    // evaluates (group by group; only rank 0 keeps them, on its device, in the compute dtype)
     let full = if r.zero_stage == 3 && !r.comm.all_ok(!due)? {
-        Some(ZeroShards::gather_all(&r.comm, &r.map, &r.optim, r.layout.total)?)
+        let keep = (r.mesh.rank() == 0).then_some(&r.device);
+        Some(zero::gather_params(&r.comm, &r.map, &r.layout, r.optim.master(), r.dtype, r.bucket, keep)?)
     } else {
         None
     };
     let Some(ev) = ev.filter(|_| due) else { return Ok(()) };
     // rank 0 alone evaluates: with the device's own attention (never the sequence-parallel exchange)
-    let model = match &full {
-        Some(w) => trainable_model(&s.mc, &r.layout, w, r.dtype, &r.device)?.0,
+    let model = match full {
+        Some(w) => Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?,
         None => s.model.clone(),
     };
     let model = &model.with_attention(AttentionImpl::for_device(&r.device));
@@ -1316,17 +1318,17 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         snap.stage_step = 0;
         snap.data_cursor = serde_json::Value::Null;
     }
-    // ZeRO-3: every rank joins the gather of the full weights rank 0 writes
-    let full =
-        if r.zero_stage == 3 { Some(ZeroShards::gather_all(&r.comm, &r.map, &r.optim, r.layout.total)?) } else { None };
+    // ZeRO-3: every rank joins the gather of the weights rank 0 writes, group by group into rank 0's
+    // host memory (in the compute dtype: what the model files hold), so no device holds a full copy
+    let full = if r.zero_stage == 3 {
+        let keep = (r.mesh.rank() == 0).then_some(&Device::Cpu);
+        Some(zero::gather_params(&r.comm, &r.map, &r.layout, r.optim.master(), r.dtype, r.bucket, keep)?)
+    } else {
+        None
+    };
     let write_model = |dir: &Path| -> Result<()> {
         let tensors: Vec<(String, Tensor)> = match &full {
-            Some(w) => r
-                .layout
-                .params
-                .iter()
-                .map(|p| Ok((p.name.clone(), w.param_tensor(p.range.clone(), &p.shape, r.dtype, &r.device)?)))
-                .collect::<Result<_>>()?,
+            Some(w) => w.clone(),
             None => r.layout.params.iter().zip(&s.vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect(),
         };
         save_model_dir(dir, &s.mc, &tensors, r.cfg.checkpoint.max_shard_bytes)?;

@@ -207,22 +207,6 @@ enum Gathering {
 }
 
 impl<'a> ZeroShards<'a> {
-    /// Flat range of the consecutive parameters `params` (indices into the layout).
-    fn flat_of(&self, params: &Range<usize>) -> Range<usize> {
-        self.layout.params[params.start].range.start..self.layout.params[params.end - 1].range.end
-    }
-
-    /// Per rank, the part of `flat` it owns (consecutive, covering `flat` in rank order).
-    fn parts(&self, flat: &Range<usize>) -> Vec<Range<usize>> {
-        (0..self.map.world())
-            .map(|r| {
-                let o = self.map.flat_range(r);
-                let (lo, hi) = (o.start.max(flat.start), o.end.min(flat.end));
-                lo..hi.max(lo)
-            })
-            .collect()
-    }
-
     /// ZeRO 2-3 exchanges of this rank: `prefetch` = whether the backend overlaps collectives with
     /// compute (NCCL), the only case where starting the next group's gather early gains anything.
     #[allow(clippy::too_many_arguments)]
@@ -265,35 +249,18 @@ impl<'a> ZeroShards<'a> {
             other => {
                 drop(other); // a prefetch nobody asked for (not reached by the loops): joined, freed
                 self.cold.set(self.cold.get() + 1);
-                self.start_gather(&params, label)?
+                start_gather(self.comm, self.map, self.layout, self.master, self.dtype, &params, label)?
             }
         };
         if let Some((n, l)) = next.filter(|_| self.prefetch) {
-            let g = self.start_gather(&n, l)?;
+            let g = start_gather(self.comm, self.map, self.layout, self.master, self.dtype, &n, l)?;
             *self.prefetched.borrow_mut() = Some((n, g));
         }
-        let flat = self.flat_of(&params);
-        let param = |p: &ParamInfo| p.range.start - flat.start..p.range.end - flat.start;
-        match gathering {
-            // host shards (CPU runs): the fp32 values, each parameter copied out in the compute dtype
-            Gathering::Host(full) => self.layout.params[params]
-                .iter()
-                .map(|p| Ok(Var::from_tensor(&full.param_tensor(param(p), &p.shape, self.dtype, &self.device)?)?))
-                .collect(),
-            // device shards: already in the compute dtype; each parameter a view of the gathered buffer
-            // (nothing updates it in place, so no copy)
-            Gathering::Device(started) => {
-                let full = started.wait()?; // (flat.len()) in the compute dtype
-                self.layout.params[params]
-                    .iter()
-                    .map(|p| {
-                        let r = param(p);
-                        let t = full.narrow(0, r.start, r.len())?.reshape(p.shape.as_slice())?;
-                        Ok(Var::from_tensor(&t.to_device(&self.device)?)?)
-                    })
-                    .collect()
-            }
-        }
+        Ok(gathering
+            .tensors(self.layout, params, self.dtype, &self.device)?
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<_>>()?)
     }
 
     /// How many gathers started only when their group was asked for: with `prefetch` the first of a
@@ -302,37 +269,12 @@ impl<'a> ZeroShards<'a> {
         self.cold.get()
     }
 
-    /// Start the all-gather of the group `params`. The exchange stays where the master shard lives:
-    /// host slices for a host shard (CPU runs, no extra copy; complete on return), device tensors for
-    /// a device one, sent in the compute dtype (half the bytes of fp32 for bf16; rounding each shard
-    /// before the gather equals rounding after it). Under NCCL the device gather runs on while the
-    /// compute stream goes on; `Local` goes through the host.
-    fn start_gather(&self, params: &Range<usize>, label: &str) -> Result<Gathering> {
-        let flat = self.flat_of(params);
-        let parts = self.parts(&flat);
-        let me = self.comm.mesh().rank();
-        let own = self.map.flat_range(me).start;
-        let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-        let mine = parts[me].start - own..parts[me].end - own;
-        if let FlatBuf::Host(_) = self.master {
-            let mine = if mine.is_empty() { vec![] } else { self.master.range_to_host(mine)? };
-            let mut full = vec![0f32; flat.len()];
-            self.comm.all_gather_v(&mine, &mut full, &counts, label)?;
-            return Ok(Gathering::Host(FlatBuf::from_vec(full)));
-        }
-        let mine = match mine.is_empty() {
-            true => Tensor::zeros(0, self.dtype, &self.master.device())?,
-            false => self.master.range_tensor(mine)?.to_dtype(self.dtype)?,
-        };
-        Ok(Gathering::Device(self.comm.all_gather_v_tensor_start(&mine, &counts, label)?))
-    }
-
     /// Sum the gradients `store` holds for `vars` (the parameters `params`) over ranks, in rounds of
     /// at most `bucket` elements; add this rank's part into its gradient shard.
     pub fn scatter_grads(&mut self, params: Range<usize>, vars: &[Var], store: &GradStore, label: &str) -> Result<()> {
         // the previous group's exchange ran while this group's backward did; add its result now
         self.finish()?;
-        let flat = self.flat_of(&params);
+        let flat = flat_of(self.layout, &params);
         // the layer's full gradients where the shard lives (device memory under NCCL)
         let mut full = FlatBuf::zeros_in(flat.len(), &self.grads.placement())?;
         for (p, v) in self.layout.params[params].iter().zip(vars) {
@@ -344,7 +286,7 @@ impl<'a> ZeroShards<'a> {
         let own = self.map.flat_range(me).start;
         for lo in (flat.start..flat.end).step_by(self.bucket.max(1)) {
             let round = lo..(lo + self.bucket.max(1)).min(flat.end);
-            let parts = self.parts(&round);
+            let parts = parts(self.map, &round);
             let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
             let (into, local) =
                 (parts[me].start - own..parts[me].end - own, round.start - flat.start..round.end - flat.start);
@@ -379,14 +321,118 @@ impl<'a> ZeroShards<'a> {
         }
         Ok(())
     }
+}
 
-    /// Every parameter gathered into a fresh full fp32 buffer (ZeRO-3 checkpoints and evaluation):
-    /// `publish` into a buffer that exists only for the caller.
-    pub fn gather_all(comm: &Comm, map: &ShardMap, optim: &AdamW, total: usize) -> Result<FlatBuf> {
-        let mut full = optim.master().zeros_like(total)?;
-        publish(comm, map, optim, &mut full)?;
-        Ok(full)
+/// Flat range of the consecutive parameters `params` (indices into the layout).
+fn flat_of(layout: &ParamLayout, params: &Range<usize>) -> Range<usize> {
+    layout.params[params.start].range.start..layout.params[params.end - 1].range.end
+}
+
+/// Per rank, the part of `flat` it owns (consecutive, covering `flat` in rank order).
+fn parts(map: &ShardMap, flat: &Range<usize>) -> Vec<Range<usize>> {
+    (0..map.world())
+        .map(|r| {
+            let o = map.flat_range(r);
+            let (lo, hi) = (o.start.max(flat.start), o.end.min(flat.end));
+            lo..hi.max(lo)
+        })
+        .collect()
+}
+
+/// Start the all-gather of the consecutive parameters `params` from every rank's `master` shard. The
+/// exchange stays where the shard lives: host slices for a host shard (CPU runs, no extra copy;
+/// complete on return), device tensors for a device one, sent in the compute dtype (half the bytes
+/// of fp32 for bf16; rounding each shard before the gather equals rounding after it). Under NCCL the
+/// device gather runs on while the compute stream goes on; `Local` goes through the host.
+fn start_gather(
+    comm: &Comm,
+    map: &ShardMap,
+    layout: &ParamLayout,
+    master: &FlatBuf,
+    dtype: DType,
+    params: &Range<usize>,
+    label: &str,
+) -> Result<Gathering> {
+    let flat = flat_of(layout, params);
+    let parts = parts(map, &flat);
+    let me = comm.mesh().rank();
+    let own = map.flat_range(me).start;
+    let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+    let mine = parts[me].start - own..parts[me].end - own;
+    if let FlatBuf::Host(_) = master {
+        let mine = if mine.is_empty() { vec![] } else { master.range_to_host(mine)? };
+        let mut full = vec![0f32; flat.len()];
+        comm.all_gather_v(&mine, &mut full, &counts, label)?;
+        return Ok(Gathering::Host(FlatBuf::from_vec(full)));
     }
+    let mine = match mine.is_empty() {
+        true => Tensor::zeros(0, dtype, &master.device())?,
+        false => master.range_tensor(mine)?.to_dtype(dtype)?,
+    };
+    Ok(Gathering::Device(comm.all_gather_v_tensor_start(&mine, &counts, label)?))
+}
+
+impl Gathering {
+    /// The gathered parameters `params` as tensors of their shapes in `dtype` on `device`.
+    fn tensors(self, layout: &ParamLayout, params: Range<usize>, dtype: DType, device: &Device) -> Result<Vec<Tensor>> {
+        let flat = flat_of(layout, &params);
+        let param = |p: &ParamInfo| p.range.start - flat.start..p.range.end - flat.start;
+        match self {
+            // host shards (CPU runs): the fp32 values, each parameter copied out in the compute dtype
+            Gathering::Host(full) => {
+                layout.params[params].iter().map(|p| full.param_tensor(param(p), &p.shape, dtype, device)).collect()
+            }
+            // device shards: already in the compute dtype; each parameter a view of the gathered buffer
+            // (nothing updates it in place, so no copy on its own device)
+            Gathering::Device(started) => {
+                let full = started.wait()?; // (flat.len()) in the compute dtype
+                layout.params[params]
+                    .iter()
+                    .map(|p| {
+                        let r = param(p);
+                        Ok(full.narrow(0, r.start, r.len())?.reshape(p.shape.as_slice())?.to_device(device)?)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Every parameter gathered from the ranks' master shards in groups of consecutive parameters of at
+/// most `bucket` elements (a larger parameter alone), in the compute dtype; `keep`: the device the
+/// ranks that want the weights get them on (rank 0: the host for a checkpoint, its device for an
+/// evaluation); the other ranks only take part. The peak is one group's gathered buffer beside the
+/// kept tensors, never a full fp32 copy of the model on every rank. Named tensors in layout order.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_params(
+    comm: &Comm,
+    map: &ShardMap,
+    layout: &ParamLayout,
+    master: &FlatBuf,
+    dtype: DType,
+    bucket: usize,
+    keep: Option<&Device>,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut out = vec![];
+    let mut lo = 0;
+    while lo < layout.params.len() {
+        let mut hi = lo + 1;
+        let mut n = layout.params[lo].range.len();
+        while hi < layout.params.len() && n + layout.params[hi].range.len() <= bucket.max(1) {
+            n += layout.params[hi].range.len();
+            hi += 1;
+        }
+        let label = format!("weights {}..", layout.params[lo].name);
+        let g = start_gather(comm, map, layout, master, dtype, &(lo..hi), &label)?;
+        if let Some(dev) = keep {
+            let names = layout.params[lo..hi].iter().map(|p| p.name.clone());
+            out.extend(names.zip(g.tensors(layout, lo..hi, dtype, dev)?));
+        } else {
+            drop(g.tensors(layout, lo..hi, dtype, &master.device())?); // joined, then freed
+        }
+        lo = hi;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -401,6 +447,53 @@ mod tests {
         ParamLayout::new(
             &shapes.iter().enumerate().map(|(i, s)| (format!("p{i}.weight"), s.to_vec())).collect::<Vec<_>>(),
         )
+    }
+
+    /// `gather_params` over 3 thread ranks: rank 0 gets every parameter exactly (f32) or rounded as
+    /// the compute weights are (bf16), named in layout order, on the device it asked for; the other
+    /// ranks only take part; for host and device shards, for buckets from smaller than the largest
+    /// parameter (it goes alone) to the whole model.
+    #[test]
+    fn gather_params_gives_rank_zero_every_weight_group_by_group() {
+        use crate::comms::local::spawn_local;
+        use crate::flatbuf::Placement;
+        let l = layout();
+        let full: Vec<f32> = (0..l.total).map(|i| (i as f32 * 0.37).sin() * 3.0 + 0.001 * i as f32).collect();
+        let world = 3;
+        let map = ShardMap::new(&l, world, Split::Slices);
+        for dtype in [DType::F32, DType::BF16] {
+            for placement in [Placement::Host, Placement::Device(Device::Cpu)] {
+                for bucket in [1, 8, 30, l.total] {
+                    let got = spawn_local(world, std::time::Duration::from_secs(20), |c| {
+                        let comm = Comm::Local(c, 1);
+                        let me = comm.mesh().rank();
+                        let shard = FlatBuf::from_vec(full[map.flat_range(me)].to_vec()).placed(&placement)?;
+                        let keep = (me == 0).then_some(&Device::Cpu);
+                        gather_params(&comm, &map, &l, &shard, dtype, bucket, keep)
+                    })
+                    .map_err(|e| e.to_string())
+                    .unwrap();
+                    let what = format!("{dtype:?} {placement:?} bucket {bucket}");
+                    assert!(got[1].is_empty() && got[2].is_empty(), "{what}: only rank 0 keeps");
+                    assert_eq!(got[0].len(), l.params.len(), "{what}");
+                    for ((name, t), p) in got[0].iter().zip(&l.params) {
+                        assert_eq!(name, &p.name, "{what}");
+                        assert_eq!(t.dims(), p.shape.as_slice(), "{what} {name}");
+                        assert_eq!(t.dtype(), dtype, "{what} {name}");
+                        let want = Tensor::from_slice(&full[p.range.clone()], p.range.len(), &Device::Cpu)
+                            .unwrap()
+                            .to_dtype(dtype)
+                            .unwrap()
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap();
+                        let t = t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+                        assert_eq!(t, want, "{what} {name}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
