@@ -526,10 +526,6 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         ws,
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
-    if cpu && z < 3 {
-        // the CPU loop all-gathers the updated shards into one full fp32 copy and writes the model from it
-        add("gathered_weights", n * 4.0, "the full fp32 weights the CPU loop gathers into (ZeRO 0-2)".into());
-    }
     if world.gpus > 1 {
         if cpu {
             // Local ranks exchange copies: the all-reduce of ZeRO 0-1 deposits the whole gradient; ZeRO 2-3

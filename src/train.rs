@@ -15,8 +15,9 @@
 //!   scaled by 1 / (tokens of the whole step): k micro-batches give the gradient of one k-times batch.
 //! - Weights the model computes with are candle `Var`s in the compute dtype; the optimizer owns fp32
 //!   master weights and moments of its shard (`FlatBuf`s); after each update the shards are all-gathered
-//!   into one full fp32 `weights` buffer and every parameter is written back from it (`comms::zero`), so
-//!   a stage's model is built from `weights`, never from a shard.
+//!   bucket by bucket in the compute dtype straight into every parameter's `Var` (`zero::publish`), and
+//!   a stage's model is built the same way from the master shards (`zero::gather_params`): no rank keeps
+//!   a full fp32 copy of the weights beside the compute weights.
 //! - The communicator comes from `[dist]`: `run` starts `dist.world_size` rank threads for `local`, each
 //!   running `run_rank`, the same loop; with one rank every collective is a no-op. `plan_check` runs
 //!   `harpe plan`'s arithmetic first and refuses a CPU run that cannot fit (unless `--force`). Rank 0
@@ -64,7 +65,7 @@ use crate::tensorboard::{self, TbWriter};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -416,11 +417,22 @@ pub fn trainable_model(
     if weights.len() != layout.total {
         bail!("internal: a model needs all {} parameters, got a buffer of {}", layout.total, weights.len());
     }
-    let mut map = HashMap::new();
-    for p in &layout.params {
-        map.insert(p.name.clone(), weights.param_tensor(p.range.clone(), &p.shape, dtype, device)?);
-    }
-    let (model, named) = Llama::from_tensors(cfg.clone(), map, "training weights")?.into_trainable()?;
+    let named = layout
+        .params
+        .iter()
+        .map(|p| Ok((p.name.clone(), weights.param_tensor(p.range.clone(), &p.shape, dtype, device)?)))
+        .collect::<Result<_>>()?;
+    trainable_model_from(cfg, layout, named)
+}
+
+/// `trainable_model` from every parameter as a named tensor in the compute dtype (`zero::gather_params`).
+pub fn trainable_model_from(
+    cfg: &LlamaConfig,
+    layout: &ParamLayout,
+    named: Vec<(String, Tensor)>,
+) -> Result<(Llama, Vec<Var>)> {
+    let (model, named) =
+        Llama::from_tensors(cfg.clone(), named.into_iter().collect(), "training weights")?.into_trainable()?;
     if named.len() != layout.params.len() || named.iter().zip(&layout.params).any(|((n, _), p)| *n != p.name) {
         bail!("internal: the model's parameter order differs from the optimizer layout");
     }
@@ -776,8 +788,6 @@ struct Run {
     /// architecture of the initial model (stages change its RoPE)
     base_cfg: LlamaConfig,
     layout: ParamLayout,
-    /// all parameters, fp32, gathered after every update: what a stage's model is built from
-    weights: FlatBuf,
     optim: AdamW,
     state: TrainState,
     /// metrics.jsonl, written by rank 0 only
@@ -851,7 +861,8 @@ impl Run {
             true => Placement::Device(device.clone()),
             false => Placement::of(&device),
         };
-        let (base_cfg, layout, mut weights) = initial_model(&cfg, &origin, &placement)?;
+        // the initial weights live only until the optimizer has its master (shard) of them
+        let (base_cfg, layout, weights) = initial_model(&cfg, &origin, &placement)?;
         // the one rule for which world / ZeRO / SP combinations a model allows (also for CUDA runs,
         // which `plan_check` does not plan)
         let world = crate::plan::World { gpus: mesh.world(), zero_stage: dist.zero_stage, sp_degree: mesh.sp_size };
@@ -866,12 +877,7 @@ impl Run {
             Some(dir) => resume(dir, args.force, &hash, &comm, &mut optim)?,
             None => TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()),
         };
-        // ZeRO-3 keeps no full copy of the weights: each layer is gathered from the shards when used
-        if dist.zero_stage == 3 {
-            weights = FlatBuf::zeros_in(0, &placement)?;
-        } else {
-            zero::publish(&comm, &map, &optim, &mut weights)?;
-        }
+        drop(weights); // a stage builds its model from the master shards (`Stage::open`)
         let tokens_at_start = state.tokens_seen;
         Ok(Run {
             log: if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), state.step)?) } else { None },
@@ -900,7 +906,6 @@ impl Run {
             map,
             base_cfg,
             layout,
-            weights,
             optim,
             state,
             stop,
@@ -982,7 +987,10 @@ impl Stage {
         let (model, vars) = if r.zero_stage == 3 {
             (Llama::skeleton(mc.clone(), r.dtype, &r.device)?, vec![]) // layers are gathered per use
         } else {
-            trainable_model(&mc, &r.layout, &r.weights, r.dtype, &r.device)?
+            // every rank's weights from the master shards, bucket by bucket, in the compute dtype
+            let m = r.optim.master();
+            let named = zero::gather_params(&r.comm, &r.map, &r.layout, m, r.dtype, r.bucket, Some(&r.device))?;
+            trainable_model_from(&mc, &r.layout, named)?
         };
         // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
         let attention = match &r.sp {
@@ -1180,7 +1188,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
         r.optim.step(s.grads.buf(), lr)?;
         if r.zero_stage < 3 {
-            zero::gather_and_write_back(&r.comm, &r.map, &r.optim, &mut r.weights, &r.layout, &s.vars)?;
+            zero::publish(&r.comm, &r.map, &r.layout, r.optim.master(), &s.vars, r.bucket)?;
         }
     }
     r.state.step += 1;

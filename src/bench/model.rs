@@ -196,12 +196,13 @@ fn layer_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<R
 
 fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Row> {
     let cfg = sh.config(sh.layers);
-    let (layout, mut weights) = init_flat(&cfg, 0, &Placement::of(dev))?;
+    let (layout, weights) = init_flat(&cfg, 0, &Placement::of(dev))?;
     let (model, vars) = trainable_model(&cfg, &layout, &weights, sh.dtype, dev)?;
     let model = model.with_attention(AttentionImpl::for_device(dev));
     let map = ShardMap::new(&layout, 1, Split::Slices);
     let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.1, wd_embedding: 0.0, wd_norm: 0.0 };
     let mut optim = AdamW::new(&layout, &weights, &map, 0, hp)?;
+    drop(weights); // the run keeps no fp32 copy beside the master (zero::publish)
     let mut g = GradAccum::new(&layout, dev)?;
     let tables = rope_tables(&model, sh.tokens)?;
     let seq: Vec<u32> = (0..sh.tokens).map(|i| ((i * 7 + i * i) % sh.vocab) as u32).collect();
@@ -214,7 +215,7 @@ fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Ro
         let norm = grads::global_norm(g.buf())?;
         grads::clip_by_global_norm(g.buf_mut(), norm, 1.0)?;
         optim.step(g.buf(), 1e-4)?;
-        zero::gather_and_write_back(&comm, &map, &optim, &mut weights, &layout, &vars)
+        zero::publish(&comm, &map, &layout, optim.master(), &vars, 1 << 24)
     })?;
     let (_, fwd) = sh.layer_counts();
     let n_params = layout.total;
