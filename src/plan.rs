@@ -453,7 +453,9 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let (c, i, l) = (arch.hidden as f64, arch.intermediate as f64, arch.layers);
     let (hd, kvd) = ((arch.heads * arch.head_dim) as f64, (arch.kv_heads * arch.head_dim) as f64);
     let wb = if shape.bf16 { 2.0 } else { 4.0 }; // weights and activations
-    let gb = if cpu { 4.0 } else { wb }; // gradients: the CPU loop accumulates f32
+                                                 // gradients: fp32 on every device (FlatBuf), accumulated over micro-batches and reduce-scattered in
+                                                 // fp32 (Megatron's main_grad: 2 + 4 + 12 = 18 B/param; DESIGN §5 budgets bf16 gradients, 16 B)
+    let gb = 4.0;
     let tl = (shape.micro_batch * shape.seq_len.div_ceil(p)) as f64; // tokens per rank per micro-batch
     let seg = shape.checkpointing.segment_len(l);
     let n_seg = l.div_ceil(seg);
@@ -536,9 +538,18 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
                 unit * gb,
                 "the gradient copy a Local collective holds (all of it, or one layer)".into(),
             );
-        } else {
+        } else if z < 2 {
             let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
-            add("comm_buckets", b, "2 x 64 MiB gradient buckets (reduce / reduce-scatter)".into());
+            add("comm_buckets", b, "2 x 64 MiB NCCL buffers (the all-reduce runs in place)".into());
+        } else {
+            // ZeRO 2-3 hand each group's fp32 gradients on while the previous group's reduce-scatter
+            // may still run (ZeroShards::pending): two groups alive
+            let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
+            add(
+                "comm_buckets",
+                2.0 * unit * gb,
+                "2 x one layer's fp32 gradients: one handed on, one still in flight".into(),
+            );
         }
     }
     if p > 1 {
