@@ -891,7 +891,7 @@ pub fn render(p: &Plan) -> String {
     );
     let _ = writeln!(
         s,
-        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s)",
+        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s = {:.1}% of the compute, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s = {:.1}%, not overlapped)",
         p.hw_flops_per_token * p.shape.tokens_per_step as f64 / 1e15,
         p.hw_flops_per_token / 1e9,
         p.compute_s,
@@ -899,8 +899,10 @@ pub fn render(p: &Plan) -> String {
         p.gpu.peak_tflops,
         p.zero_comm_bytes / 1e9,
         p.zero_comm_s,
+        100.0 * p.zero_comm_s / p.compute_s.max(1e-12),
         p.sp_comm_bytes / 1e9,
-        p.sp_comm_s
+        p.sp_comm_s,
+        100.0 * p.sp_comm_s / p.compute_s.max(1e-12),
     );
     let _ = writeln!(
         s,

@@ -200,6 +200,8 @@ fn cli_json_has_the_contract_fields() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("DOES NOT FIT") && text.contains("dist.zero_stage = 3"), "{text}");
+    // issue 12: the ZeRO traffic's time as a share of the step's compute
+    assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"])
         .output()
