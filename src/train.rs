@@ -816,6 +816,11 @@ struct Run {
 }
 
 impl Run {
+    /// Where this rank's weight gathers read from: the ranks' master shards.
+    fn shards(&self) -> zero::Shards<'_> {
+        zero::Shards { comm: &self.comm, map: &self.map, layout: &self.layout, master: self.optim.master() }
+    }
+
     /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
     /// Rank 0 alone locks and writes the run directory; the other ranks wait for it (a barrier).
     fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
@@ -988,8 +993,7 @@ impl Stage {
             (Llama::skeleton(mc.clone(), r.dtype, &r.device)?, vec![]) // layers are gathered per use
         } else {
             // every rank's weights from the master shards, bucket by bucket, in the compute dtype
-            let m = r.optim.master();
-            let named = zero::gather_params(&r.comm, &r.map, &r.layout, m, r.dtype, r.bucket, Some(&r.device))?;
+            let named = zero::gather_params(&r.shards(), r.dtype, r.bucket, Some(&r.device))?;
             trainable_model_from(&mc, &r.layout, named)?
         };
         // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
@@ -1188,7 +1192,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
         r.optim.step(s.grads.buf(), lr)?;
         if r.zero_stage < 3 {
-            zero::publish(&r.comm, &r.map, &r.layout, r.optim.master(), &s.vars, r.bucket)?;
+            zero::publish(&r.shards(), &s.vars, r.bucket)?;
         }
     }
     r.state.step += 1;
@@ -1279,7 +1283,7 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     // evaluates (group by group; only rank 0 keeps them, on its device, in the compute dtype)
     let full = if r.zero_stage == 3 && !r.comm.all_ok(!due)? {
         let keep = (r.mesh.rank() == 0).then_some(&r.device);
-        Some(zero::gather_params(&r.comm, &r.map, &r.layout, r.optim.master(), r.dtype, r.bucket, keep)?)
+        Some(zero::gather_params(&r.shards(), r.dtype, r.bucket, keep)?)
     } else {
         None
     };
@@ -1330,7 +1334,7 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
     // host memory (in the compute dtype: what the model files hold), so no device holds a full copy
     let full = if r.zero_stage == 3 {
         let keep = (r.mesh.rank() == 0).then_some(&Device::Cpu);
-        Some(zero::gather_params(&r.comm, &r.map, &r.layout, r.optim.master(), r.dtype, r.bucket, keep)?)
+        Some(zero::gather_params(&r.shards(), r.dtype, r.bucket, keep)?)
     } else {
         None
     };

@@ -215,7 +215,7 @@ fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Ro
         let norm = grads::global_norm(g.buf())?;
         grads::clip_by_global_norm(g.buf_mut(), norm, 1.0)?;
         optim.step(g.buf(), 1e-4)?;
-        zero::publish(&comm, &map, &layout, optim.master(), &vars, 1 << 24)
+        zero::publish(&zero::Shards { comm: &comm, map: &map, layout: &layout, master: optim.master() }, &vars, 1 << 24)
     })?;
     let (_, fwd) = sh.layer_counts();
     let n_params = layout.total;

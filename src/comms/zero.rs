@@ -120,19 +120,23 @@ impl ShardMap {
     }
 }
 
+/// Where gathered weights come from: every rank's fp32 master shard (`master`, this rank's; `map` says
+/// who owns what) of the flat space of `layout`, exchanged over `comm`.
+#[derive(Clone, Copy)]
+pub struct Shards<'a> {
+    pub comm: &'a Comm,
+    pub map: &'a ShardMap,
+    pub layout: &'a ParamLayout,
+    pub master: &'a FlatBuf,
+}
+
 /// The ZeRO publish step after an update: every parameter all-gathered from the ranks' master
 /// shards, bucket by bucket (`gather_groups`), in the compute dtype, straight into the model's `vars`
 /// (layout order): every rank then computes with all the current weights, and none keeps a full fp32
 /// copy beside them (the transient is one bucket; 4 B/param saved, 27 GB for Llama-2-7B). A
 /// one-rank map (ZeRO-0: every rank owns the whole master) exchanges nothing.
-pub fn publish(
-    comm: &Comm,
-    map: &ShardMap,
-    layout: &ParamLayout,
-    master: &FlatBuf,
-    vars: &[Var],
-    bucket: usize,
-) -> Result<()> {
+pub fn publish(src: &Shards, vars: &[Var], bucket: usize) -> Result<()> {
+    let layout = src.layout;
     let Some(first) = vars.first() else { bail!("internal: publishing into a model without parameters") };
     let (dtype, device) = (first.dtype(), first.device().clone());
     if vars.len() != layout.params.len() || vars.iter().any(|v| v.dtype() != dtype) {
@@ -142,7 +146,7 @@ pub fn publish(
             vars.len()
         );
     }
-    gather_groups(comm, map, layout, master, dtype, bucket, |group, gathering| {
+    gather_groups(src, dtype, bucket, |group, gathering| {
         for (v, t) in vars[group.clone()].iter().zip(gathering.tensors(layout, group, dtype, &device)?) {
             v.set(&t)?;
         }
@@ -232,11 +236,11 @@ impl<'a> ZeroShards<'a> {
             other => {
                 drop(other); // a prefetch nobody asked for (not reached by the loops): joined, freed
                 self.cold.set(self.cold.get() + 1);
-                start_gather(self.comm, self.map, self.layout, self.master, self.dtype, &params, label)?
+                start_gather(&self.shards(), self.dtype, &params, label)?
             }
         };
         if let Some((n, l)) = next.filter(|_| self.prefetch) {
-            let g = start_gather(self.comm, self.map, self.layout, self.master, self.dtype, &n, l)?;
+            let g = start_gather(&self.shards(), self.dtype, &n, l)?;
             *self.prefetched.borrow_mut() = Some((n, g));
         }
         Ok(gathering
@@ -244,6 +248,11 @@ impl<'a> ZeroShards<'a> {
             .iter()
             .map(Var::from_tensor)
             .collect::<candle_core::Result<_>>()?)
+    }
+
+    /// Where this rank's gathers read from.
+    fn shards(&self) -> Shards<'_> {
+        Shards { comm: self.comm, map: self.map, layout: self.layout, master: self.master }
     }
 
     /// How many gathers started only when their group was asked for: with `prefetch` the first of a
@@ -327,15 +336,8 @@ fn parts(map: &ShardMap, flat: &Range<usize>) -> Vec<Range<usize>> {
 /// complete on return), device tensors for a device one, sent in the compute dtype (half the bytes
 /// of fp32 for bf16; rounding each shard before the gather equals rounding after it). Under NCCL the
 /// device gather runs on while the compute stream goes on; `Local` goes through the host.
-fn start_gather(
-    comm: &Comm,
-    map: &ShardMap,
-    layout: &ParamLayout,
-    master: &FlatBuf,
-    dtype: DType,
-    params: &Range<usize>,
-    label: &str,
-) -> Result<Gathering> {
+fn start_gather(src: &Shards, dtype: DType, params: &Range<usize>, label: &str) -> Result<Gathering> {
+    let Shards { comm, map, layout, master } = *src;
     let flat = flat_of(layout, params);
     let parts = parts(map, &flat);
     let me = comm.mesh().rank();
@@ -386,15 +388,13 @@ impl Gathering {
 /// one group at a time: `f(group, gathering)` takes each before the next starts. A one-rank map
 /// (ZeRO-0's replicated master) needs no exchange: the values are this rank's own.
 fn gather_groups(
-    comm: &Comm,
-    map: &ShardMap,
-    layout: &ParamLayout,
-    master: &FlatBuf,
+    src: &Shards,
     dtype: DType,
     bucket: usize,
     mut f: impl FnMut(Range<usize>, Gathering) -> Result<()>,
 ) -> Result<()> {
-    let comm = if map.world() == 1 { &Comm::Single } else { comm };
+    let layout = src.layout;
+    let src = if src.map.world() == 1 { Shards { comm: &Comm::Single, ..*src } } else { *src };
     let mut lo = 0;
     while lo < layout.params.len() {
         let mut hi = lo + 1;
@@ -404,7 +404,7 @@ fn gather_groups(
             hi += 1;
         }
         let label = format!("weights {}..", layout.params[lo].name);
-        f(lo..hi, start_gather(comm, map, layout, master, dtype, &(lo..hi), &label)?)?;
+        f(lo..hi, start_gather(&src, dtype, &(lo..hi), &label)?)?;
         lo = hi;
     }
     Ok(())
@@ -415,24 +415,20 @@ fn gather_groups(
 /// a checkpoint, its device for an evaluation; every rank's device when a stage builds its model);
 /// the other ranks only take part. The peak is one group's gathered buffer beside the kept tensors,
 /// never a full fp32 copy of the model. Named tensors in layout order.
-#[allow(clippy::too_many_arguments)]
 pub fn gather_params(
-    comm: &Comm,
-    map: &ShardMap,
-    layout: &ParamLayout,
-    master: &FlatBuf,
+    src: &Shards,
     dtype: DType,
     bucket: usize,
     keep: Option<&Device>,
 ) -> Result<Vec<(String, Tensor)>> {
-    let mut out = vec![];
-    gather_groups(comm, map, layout, master, dtype, bucket, |group, g| {
+    let (layout, mut out) = (src.layout, vec![]);
+    gather_groups(src, dtype, bucket, |group, g| {
         match keep {
             Some(dev) => {
                 let names = layout.params[group.clone()].iter().map(|p| p.name.clone());
                 out.extend(names.zip(g.tensors(layout, group, dtype, dev)?));
             }
-            None => drop(g.tensors(layout, group, dtype, &master.device())?), // joined, then freed
+            None => drop(g.tensors(layout, group, dtype, &src.master.device())?), // joined, then freed
         }
         Ok(())
     })?;
@@ -473,7 +469,12 @@ mod tests {
                         let me = comm.mesh().rank();
                         let shard = FlatBuf::from_vec(full[map.flat_range(me)].to_vec()).placed(&placement)?;
                         let keep = (me == 0).then_some(&Device::Cpu);
-                        gather_params(&comm, &map, &l, &shard, dtype, bucket, keep)
+                        gather_params(
+                            &Shards { comm: &comm, map: &map, layout: &l, master: &shard },
+                            dtype,
+                            bucket,
+                            keep,
+                        )
                     })
                     .map_err(|e| e.to_string())
                     .unwrap();
@@ -572,7 +573,7 @@ mod tests {
                                 )?)?)
                             })
                             .collect::<Result<_>>()?;
-                        publish(&comm, &map, &l, o.master(), &vars, bucket)?;
+                        publish(&Shards { comm: &comm, map: &map, layout: &l, master: o.master() }, &vars, bucket)?;
                         vars.iter()
                             .map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?))
                             .collect::<Result<Vec<_>>>()
