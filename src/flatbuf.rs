@@ -370,6 +370,15 @@ impl FlatBuf {
         }
     }
 
+    /// `sum_squares` of the values in `range` only (ZeRO-1: this rank's reduced slice of a full buffer).
+    pub fn range_sum_squares(&self, range: Range<usize>) -> Result<f64> {
+        self.check_range(&range, "range_sum_squares")?;
+        match self {
+            FlatBuf::Host(v) => Ok(v[range].iter().map(|&x| (x as f64) * (x as f64)).sum()),
+            FlatBuf::Device(t) => device_sum_squares(&t.narrow(0, range.start, range.len())?),
+        }
+    }
+
     /// True when every value is finite (on a device: the sum of squares is, which holds exactly then,
     /// since squares of finite f32 values cannot overflow an f64 sum).
     pub fn all_finite(&self) -> Result<bool> {

@@ -1221,15 +1221,24 @@ fn injected_fault(rank: usize, step: u64) -> Result<()> {
     }
 }
 
-/// Sum the ranks' partial gradients and return the global norm. ZeRO 0-1: all-reduce, every rank gets
-/// all of them; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer is
-/// this rank's shard, and the norm sums the shards' squares.
+/// Sum the ranks' partial gradients and return the global norm. ZeRO-0: all-reduce, every rank gets
+/// all of them (it updates all of them); ZeRO-1: reduce-scatter in place, each rank's own range of the
+/// full buffer gets its sum (the only part its optimizer shard reads), half the bytes of an
+/// all-reduce; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer is
+/// this rank's shard. Sharded, the norm sums the shards' squares.
 fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
-    if r.zero_stage < 2 {
-        r.comm.all_reduce_sum(s.grads.buf_mut())?;
-        return grads::global_norm(s.grads.buf());
-    }
-    let mut sq = [s.grads.buf().sum_squares()?];
+    let sq = match r.zero_stage {
+        0 => {
+            r.comm.all_reduce_sum(s.grads.buf_mut())?;
+            return grads::global_norm(s.grads.buf());
+        }
+        1 => {
+            r.comm.reduce_scatter_sum_in_place(s.grads.buf_mut(), &r.map)?;
+            s.grads.buf().range_sum_squares(r.map.flat_range(r.mesh.rank()))?
+        }
+        _ => s.grads.buf().sum_squares()?,
+    };
+    let mut sq = [sq];
     r.comm.all_reduce_sum_f64(&mut sq)?;
     Ok(sq[0].sqrt())
 }

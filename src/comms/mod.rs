@@ -226,6 +226,29 @@ impl Comm {
         }
     }
 
+    /// Sum `buf` over all ranks into each rank's own range of it (per `map`; ZeRO-1's gradients): on
+    /// exit this rank's range holds the sum, the other ranges are left as partial values. Half the
+    /// bytes of `all_reduce_sum`, which is a reduce-scatter plus an all-gather.
+    pub fn reduce_scatter_sum_in_place(&self, buf: &mut FlatBuf, map: &ShardMap) -> Result<()> {
+        if map.world() != self.mesh().world() {
+            bail!("internal: a shard map for {} ranks used with {} ranks", map.world(), self.mesh().world());
+        }
+        let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+        match self {
+            Comm::Single => Ok(()),
+            // through the host for a device buffer, as all_reduce_sum
+            Comm::Local(c, _) => buf.with_host_mut(|v| {
+                let own = map.flat_range(c.rank());
+                let mut mine = vec![0f32; own.len()];
+                c.reduce_scatter_v(v, &mut mine, &counts, ReduceOp::Sum, "grads")?;
+                v[own].copy_from_slice(&mine);
+                Ok(())
+            }),
+            #[cfg(feature = "nccl")]
+            Comm::Nccl(c) => in_place_on_device(c, buf, |t| c.reduce_scatter_v_inplace(t, &counts, "grads")),
+        }
+    }
+
     /// Sum a few f64 scalars (loss sums, token counts, error flags) over all ranks.
     pub fn all_reduce_sum_f64(&self, vals: &mut [f64]) -> Result<()> {
         match self {
@@ -492,13 +515,27 @@ mod tests {
             c.all_reduce_sum(&mut g)?;
             let mut w = FlatBuf::from_vec(vec![10.0 * (r + 1.0); 5]).placed(&dp)?;
             c.all_gather(&mut w, &map)?;
-            anyhow::ensure!(matches!(g, FlatBuf::Device(_)) && matches!(w, FlatBuf::Device(_)));
-            Ok((g.to_host()?.to_vec(), w.to_host()?.to_vec()))
+            // ZeRO-1's gradient exchange: each rank's own range summed, the rest left as it was
+            let mut h = FlatBuf::from_vec((0..5).map(|i| i as f32 + 100.0 * r).collect()).placed(&dp)?;
+            c.reduce_scatter_sum_in_place(&mut h, &map)?;
+            anyhow::ensure!([&g, &w, &h].iter().all(|b| matches!(b, FlatBuf::Device(_))));
+            Ok((g.to_host()?.to_vec(), w.to_host()?.to_vec(), h.to_host()?.to_vec()))
         })
         .unwrap();
-        for (g, w) in out {
+        for (r, (g, w, h)) in out.into_iter().enumerate() {
             assert_eq!(g, vec![3.0; 5]);
             assert_eq!(w, vec![10.0, 10.0, 10.0, 20.0, 20.0]);
+            // rank 0 owns 0..2 (sums 2i + 100), rank 1 owns 2..5
+            let own = map.flat_range(r);
+            for (i, &x) in h.iter().enumerate() {
+                let want = if own.contains(&i) { 2.0 * i as f32 + 100.0 } else { i as f32 + 100.0 * r as f32 };
+                assert_eq!(x, want, "rank {r} elem {i}");
+            }
         }
+        // one rank and a map of another world
+        let mut b = FlatBuf::from_vec(vec![1.0; 5]);
+        Comm::Single.reduce_scatter_sum_in_place(&mut b, &ShardMap::new(&l, 1, zero::Split::Slices)).unwrap();
+        assert_eq!(b.host().unwrap(), &[1.0; 5]);
+        assert!(Comm::Single.reduce_scatter_sum_in_place(&mut b, &map).is_err());
     }
 }

@@ -642,6 +642,40 @@ impl NcclComm {
         Ok(())
     }
 
+    /// In-place reduce-scatter-v (sum) over a flat buffer split into consecutive slices of `counts`:
+    /// slice r of `t` on rank r becomes the sum over ranks; the other slices keep their values.
+    pub fn reduce_scatter_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
+        let what = format!("reduce_scatter \"{label}\"");
+        self.check_counts(counts, t.elem_count(), &what)?;
+        if t.elem_count() == 0 {
+            return Ok(());
+        }
+        let (base, ty) = (self.ptr(t, &what)?, nccl_type(t.dtype(), &what)?);
+        let es = t.dtype().size_in_bytes() as u64;
+        let offs = offsets(counts);
+        let comm = self.raw(false)?;
+        self.enqueue(&what, |s| {
+            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
+                let p = base + o as u64 * es;
+                // SAFETY: the slice lies inside `t` (check_counts); in-place reduce into its owner.
+                ok(unsafe {
+                    ns::ncclReduce(
+                        p as *const c_void,
+                        p as *mut c_void,
+                        c,
+                        ty,
+                        ns::ncclRedOp_t::ncclSum,
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
     /// All-gather-v into a new tensor: this rank contributes `input` (`counts[rank]` elements).
     pub fn all_gather_v(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
         let (out, done) = self.all_gather_v_start(input, counts, label)?;
