@@ -205,7 +205,7 @@ fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Ro
     let mut g = GradAccum::new(&layout, dev)?;
     let tables = rope_tables(&model, sh.tokens)?;
     let seq: Vec<u32> = (0..sh.tokens).map(|i| ((i * 7 + i * i) % sh.vocab) as u32).collect();
-    let (ids, targets) = batch_tensors(&[&seq], dev)?;
+    let (ids, targets) = batch_tensors(&[&seq], sh.vocab, dev)?;
     let comm = Comm::Single;
     let s = time(dev, iters, || {
         g.zero()?;
