@@ -354,7 +354,10 @@ mod tests {
             let (idx, mask) = targets_and_mask(&tc).unwrap();
             assert_eq!((idx.dims(), mask.dims()), ([len, 1].as_slice(), [len, 1].as_slice()));
             assert_eq!((idx.dtype(), mask.dtype()), (DType::U32, DType::F32));
-            let got = (idx.flatten_all().unwrap().to_vec1::<u32>().unwrap(), mask.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let got = (
+                idx.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+                mask.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
             assert_eq!(got, targets_and_mask_host(&tc), "chunk {start}+{len}");
         }
     }

@@ -654,8 +654,7 @@ fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistCo
             let Some(m) = crate::device::device_memory(&cfg.train.device, &format!("{origin}: train.device"))? else {
                 return Ok(());
             };
-            let mut gpu = Gpu::new(GpuKind::from_device_name(&m.name).unwrap_or(GpuKind::A100));
-            gpu.mem_bytes = m.free;
+            let (gpu, _) = Gpu::measured(&m);
             let what = format!(
                 "{} ({:.1} of {:.1} GiB free)",
                 m.name,
