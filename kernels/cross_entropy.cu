@@ -12,7 +12,8 @@
 // Saved tensors: none here; the caller may keep lse (n) to skip the first pass in a backward.
 // `dlogits` may alias `logits`: each element is overwritten only by the thread that read it, after the
 // row's reductions; the target's logit is read before them.
-// A target >= V that is not IGNORE_INDEX gives nll = NaN (the launcher checks targets first).
+// A target >= V that is not IGNORE_INDEX gives nll = NaN: the backstop. Ids are checked on the host
+// when the batch is built (`train::batch_tensors`), not here per launch (that would be a device sync).
 // Does not: z-loss, label smoothing, soft targets.
 #include "common.cuh"
 

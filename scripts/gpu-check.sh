@@ -21,8 +21,11 @@
 #   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
 #      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
 #   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable),
-#      `harpe bench model` (a Llama-2-7B decoder layer fwd+bwd at T = 4096 and a 2-layer 7B-shaped bf16
-#      training step with AdamW: TFLOP/s, tokens/s), `harpe bench comms --nproc-per-node 1` (NCCL
+#      `harpe bench model --model-rows layer` (a Llama-2-7B decoder layer fwd+bwd at T = 4096 and 16384),
+#      `harpe bench model --model-rows step` (its own step and limit: the full 32-layer Llama-2-7B bf16
+#      training step with AdamW at the largest T, a multiple of 1024, whose `harpe plan` fits the free
+#      device memory, random init + 1 warm-up + 2 timed steps: tokens/s, TFLOP/s, MFU; a note instead
+#      where it does not fit, e.g. 80 GB; PyTorch's same step beside it), `harpe bench comms --nproc-per-node 1` (NCCL
 #      all-reduce / all-gather / reduce-scatter through harpe's Comm), then
 #      `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
 #      PyTorch SDPA per backend beside it; `attention_steps` below);
@@ -222,7 +225,9 @@ run() {
   train_parity "$bin"
   plan_vs_measured "$bin"
   step "bench" 180 "$bin" bench
-  step "bench model" 120 "$bin" bench model
+  step "bench model" 120 "$bin" bench model --model-rows layer
+  # the 7B step: ~20 s of random init (6.7B parameters), 3 steps at T ~ 32K on an H200, then torch's 3
+  step "bench model (7B train step)" 180 "$bin" bench model --model-rows step
   # issue 12: the collectives over NCCL, one process (what one GPU's NCCL path costs; on an 8-GPU node
   # `bench comms --nproc-per-node 8` gives the bus bandwidth to compare with NVLink)
   step "bench comms (NCCL, 1 process)" 60 "$bin" bench comms --nproc-per-node 1 --comm-mib 1,64,512

@@ -9,8 +9,8 @@
 //! logits twice) shows that as a lower percentage instead of hiding it.
 //! Shapes are Llama-2-7B's: C = 4096, H = 32 heads of D = 128, V = 32000, at T = 4096 tokens.
 //! `harpe bench model` adds the model-level rows on `--device` (CPU too): one decoder layer
-//! forward+backward and one full training step with AdamW (`bench::model`), same table and JSON rows,
-//! with TFLOP/s.
+//! forward+backward and one full training step with AdamW (`bench::model`; on CUDA the 32-layer 7B at
+//! the largest T that fits, or a row with a note saying why not), same table and JSON rows, with TFLOP/s.
 use crate::device::DeviceSpec;
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -34,6 +34,9 @@ pub struct Row {
     pub torch_ms: Option<f64>,
     /// matmul TFLOP/s, for the compute-bound model rows (`bench::model`)
     pub tflops: Option<f64>,
+    /// why the row was not timed (e.g. the 7B step does not fit the device); its numbers are then NaN
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 impl Row {
@@ -49,7 +52,13 @@ impl Row {
             pct_of_copy: 100.0 * gb_per_s / copy_gbps,
             torch_ms: None,
             tflops: None,
+            note: None,
         }
+    }
+
+    /// A row that was not timed, with the reason in `note` (NaN numbers: null in JSON).
+    pub fn skipped(kernel: &str, shape: &str, note: String) -> Row {
+        Row { note: Some(note), ..Row::new(kernel, shape, f64::NAN, 0, f64::NAN) }
     }
 }
 
@@ -63,6 +72,10 @@ pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
         "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch"
     );
     for r in rows {
+        if let Some(note) = &r.note {
+            println!("{:<22} {:<34} not timed: {note}", r.kernel, r.shape);
+            continue;
+        }
         let (t, x) = match r.torch_ms {
             Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
             None => ("-".into(), "-".into()),
@@ -110,12 +123,19 @@ pub struct BenchArgs {
     /// attention heads of the `model` rows (head dim C / heads) [default: 32 on CUDA, 4 on the CPU]
     #[arg(long)]
     pub heads: Option<usize>,
-    /// tokens T of the `model` rows [default: 4096 on CUDA, 128 on the CPU]
+    /// tokens T of the `model` rows [default: 4096 and 16384 for the layer on CUDA, 128 on the CPU; the
+    /// CUDA step row: the largest multiple of 1024 whose memory plan fits the device's free memory]
     #[arg(long)]
     pub model_tokens: Option<usize>,
-    /// decoder layers of the `model` training-step row
-    #[arg(long, default_value_t = 2)]
-    pub step_layers: usize,
+    /// decoder layers of the `model` training-step row [default: 32 (Llama-2-7B) on CUDA, 2 on the CPU]
+    #[arg(long)]
+    pub step_layers: Option<usize>,
+    /// timed steps of the `model` training-step row, after one warm-up [default: 2 on CUDA, --iters on the CPU]
+    #[arg(long)]
+    pub step_iters: Option<usize>,
+    /// which `model` rows to run: `layer` (the decoder layer), `step` (the training step), or both
+    #[arg(long, value_delimiter = ',', default_value = "layer,step", value_parser = ["layer", "step"])]
+    pub model_rows: Vec<String>,
     /// seconds of timed calls per attention row (at least one call after one warm-up)
     #[arg(long, default_value_t = 2.0)]
     pub attn_seconds: f64,
@@ -181,11 +201,15 @@ pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
 /// The JSON that a PyTorch timing script of scripts/ prints, or None when python3 has no CUDA torch or
 /// the script fails (its stderr is shown as a warning): the torch comparisons are optional rows.
 pub(crate) fn torch_script(name: &str, args: &[&str]) -> Option<serde_json::Value> {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import torch; assert torch.cuda.is_available()"])
-        .output()
-        .ok()?;
-    if !ok.status.success() {
+    // asked once per process (an import of torch costs seconds; `bench model` calls a script per row)
+    static CUDA_TORCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *CUDA_TORCH.get_or_init(|| {
+        std::process::Command::new("python3")
+            .args(["-c", "import torch; assert torch.cuda.is_available()"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    if !ok {
         return None;
     }
     let script = locate_named(name)?;

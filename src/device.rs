@@ -191,6 +191,22 @@ pub fn device_peak_bytes(dev: &Device) -> Result<Option<u64>> {
     Ok(None)
 }
 
+/// Hand the device memory freed so far back to the driver: synchronise, then trim the memory pool to
+/// what is in use (`cuMemPoolTrimTo`), so that `device_memory` and another process (the PyTorch
+/// comparison of `harpe bench model`) see it free. A no-op on the CPU and without a pool.
+pub fn release_device_memory(dev: &Device) -> Result<()> {
+    dev.synchronize()?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        if let Some(pool) = cuda_pool(d)? {
+            // SAFETY: `pool` is the device's current pool, valid while the context lives.
+            unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) }
+                .map_err(|e| anyhow!("cannot trim the device memory pool: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// The current memory pool of a CUDA device, `None` when its context allocates without one.
 #[cfg(feature = "cuda")]
 fn cuda_pool(d: &candle_core::CudaDevice) -> Result<Option<cudarc::driver::sys::CUmemoryPool>> {

@@ -31,17 +31,19 @@ struct ChunkedCe {
     fused: bool,
 }
 
-/// Targets with ignored entries replaced by 0 (for gather) and the 0/1 validity mask, both (n, 1).
+/// Targets with ignored entries replaced by 0 (for gather) and the 0/1 validity mask, both (n, 1),
+/// from device ops (compare with IGNORE_INDEX, `where_cond`): no device-to-host read per chunk.
 fn targets_and_mask(t: &Tensor) -> Result<(Tensor, Tensor)> {
-    let ys = t.to_vec1::<u32>()?;
-    let n = ys.len();
-    let idx: Vec<u32> = ys.iter().map(|&y| if y == IGNORE_INDEX { 0 } else { y }).collect();
-    let mask: Vec<f32> = ys.iter().map(|&y| if y == IGNORE_INDEX { 0.0 } else { 1.0 }).collect();
-    Ok((Tensor::from_vec(idx, (n, 1), t.device())?, Tensor::from_vec(mask, (n, 1), t.device())?))
+    let n = t.dims1()?;
+    let dev = t.device();
+    let keep = t.ne(&Tensor::full(IGNORE_INDEX, n, dev)?)?; // (n) u8, 1 where the target counts
+    let idx = keep.where_cond(t, &Tensor::zeros(n, DType::U32, dev)?)?.reshape((n, 1))?; // (n, 1) u32
+    let mask = keep.to_dtype(DType::F32)?.reshape((n, 1))?; // (n, 1) f32
+    Ok((idx, mask))
 }
 
-/// Check sizes and targets: hidden (N, C), weight (V, C), targets (N) below V or ignored.
-fn check(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(usize, usize, usize)> {
+/// Check sizes: hidden (N, C), weight (V, C), targets (N); returns (N, C, V).
+fn check_shapes(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(usize, usize, usize)> {
     let (n, c) = h.dims2()?;
     let (v, c2) = w.dims2()?;
     let n2 = t.dims1()?;
@@ -53,10 +55,21 @@ fn check(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(usize, usize, usize)> {
             t.dims()
         );
     }
+    Ok((n, c, v))
+}
+
+/// Every target below `v` or ignored — checked only where it is free, targets in host memory. On a GPU
+/// reading them back would stall the stream once per micro-batch, so there the ids are checked where
+/// they are still host data (`train::batch_tensors`), and the fused kernel (kernels/cross_entropy.cu)
+/// writes NaN for a target >= V as the backstop (the loop's non-finite guard then skips the step).
+fn check_target_ids(t: &Tensor, v: usize) -> Result<()> {
+    if !t.device().is_cpu() {
+        return Ok(());
+    }
     if let Some(bad) = t.to_vec1::<u32>()?.into_iter().find(|&y| y != IGNORE_INDEX && y as usize >= v) {
         candle_core::bail!("chunked cross-entropy: target id {bad} is outside the vocabulary of {v}");
     }
-    Ok((n, c, v))
+    Ok(())
 }
 
 /// Row-wise logsumexp of f32 logits (n, V) -> (n, 1), accumulated in `acc` (f32 for training, f64 for
@@ -152,7 +165,7 @@ impl CustomOp3 for ChunkedCe {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (h, w, t) = (hidden.detach(), weight.detach(), self.targets.clone());
-        let (n, c, v) = check(&h, &w, &t)?;
+        let (n, c, v) = check_shapes(&h, &w, &t)?; // the ids were checked in the forward
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
         let w_t = w.t()?; // (C, V)
@@ -200,7 +213,8 @@ pub fn chunked_cross_entropy_with(
     let (h, w) = (hidden.contiguous()?, weight.contiguous()?);
     let targets = targets.contiguous()?.detach();
     let (hd, wd) = (h.detach(), w.detach());
-    let (n, _, _) = check(&hd, &wd, &targets)?; // targets checked once on the host, before any launch
+    let (n, _, v) = check_shapes(&hd, &wd, &targets)?;
+    check_target_ids(&targets, v)?; // on the CPU only: see there
     let w_t = wd.t()?; // (C, V), strided view: gemm reads it in place
     let logits_of = |start: usize, len: usize| hd.narrow(0, start, len)?.matmul(&w_t)?.to_dtype(DType::F32); // (len, V)
     let nll = if fused {
@@ -317,6 +331,34 @@ mod tests {
             b[k] -= eps;
             let fd = (loss_at(a) - loss_at(b)) / (2.0 * eps as f64);
             assert!((fd - dw[k] as f64).abs() < 1e-3, "k {k}: fd {fd} vs {}", dw[k]);
+        }
+    }
+
+    /// The host loops `targets_and_mask` replaced (one device-to-host read per chunk): the reference.
+    fn targets_and_mask_host(t: &Tensor) -> (Vec<u32>, Vec<f32>) {
+        let ys = t.to_vec1::<u32>().unwrap();
+        let idx = ys.iter().map(|&y| if y == IGNORE_INDEX { 0 } else { y }).collect();
+        let mask = ys.iter().map(|&y| if y == IGNORE_INDEX { 0.0 } else { 1.0 }).collect();
+        (idx, mask)
+    }
+
+    /// The device-op `targets_and_mask` gives the host version's index and mask exactly, on ragged
+    /// lengths with ignored entries anywhere (first, last, runs) and on narrowed (offset) chunks.
+    #[test]
+    fn device_targets_and_mask_equal_the_host_version() {
+        let ig = IGNORE_INDEX;
+        let all: Vec<u32> = vec![ig, 5, 0, 31999, ig, ig, 7, 1, ig, 2, 3, 4, 65535, ig, 9, 10, 11];
+        let t = Tensor::from_vec(all.clone(), all.len(), &Device::Cpu).unwrap();
+        for (start, len) in [(0, all.len()), (0, 1), (1, 1), (3, 7), (4, 2), (5, 12), (16, 1), (0, 0)] {
+            let tc = t.narrow(0, start, len).unwrap();
+            let (idx, mask) = targets_and_mask(&tc).unwrap();
+            assert_eq!((idx.dims(), mask.dims()), ([len, 1].as_slice(), [len, 1].as_slice()));
+            assert_eq!((idx.dtype(), mask.dtype()), (DType::U32, DType::F32));
+            let got = (
+                idx.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+                mask.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(got, targets_and_mask_host(&tc), "chunk {start}+{len}");
         }
     }
 

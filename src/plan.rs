@@ -931,3 +931,54 @@ pub fn render(p: &Plan) -> String {
     }
     s
 }
+
+impl Gpu {
+    /// A CUDA device as measured now (`device::device_memory`): the kind from the driver's name (its
+    /// stated peak and links), memory = the bytes free now. An unknown GPU plans as an A100 and comes
+    /// back with `false` (its peak is a guess: say so, or leave MFU out).
+    pub fn measured(m: &crate::device::DeviceMemory) -> (Gpu, bool) {
+        let kind = GpuKind::from_device_name(&m.name);
+        let mut gpu = Gpu::new(kind.unwrap_or(GpuKind::A100));
+        gpu.mem_bytes = m.free;
+        (gpu, kind.is_some())
+    }
+}
+
+/// The largest sequence length T, a multiple of `multiple`, at which `shape` (its seq_len set to T,
+/// tokens_per_step to micro_batch x T) fits `gpu` by `plan_stage`; `None` when T = `multiple` does not.
+/// Every memory term of the plan is non-decreasing in T, so the fitting T form a prefix of the
+/// multiples: doubling finds a bound that does not fit, then a binary search (at most 2^20 multiples).
+pub fn largest_fitting_tokens(
+    arch: &Arch,
+    shape: &StageShape,
+    world: &World,
+    gpu: &Gpu,
+    multiple: usize,
+) -> Option<usize> {
+    let m = multiple.max(1);
+    let fits = |k: usize| {
+        let s = StageShape { seq_len: k * m, tokens_per_step: shape.micro_batch.max(1) * k * m, ..*shape };
+        plan_stage(arch, &s, world, gpu).fits
+    };
+    if !fits(1) {
+        return None;
+    }
+    // invariant: fits(lo), !fits(hi) (or hi past the cap)
+    let (mut lo, mut hi) = (1usize, 2usize);
+    while hi <= 1 << 20 && fits(hi) {
+        lo = hi;
+        hi *= 2;
+    }
+    if hi > 1 << 20 {
+        return Some(lo * m);
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo * m)
+}

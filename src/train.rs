@@ -388,15 +388,22 @@ pub fn doc_starts(seqs: &[Sequence], device: &Device) -> Result<DocStarts> {
     Ok(DocStarts::from_starts(&starts, t, device)?)
 }
 
-/// Input ids (B, T) and shifted targets (B*T, last position of each sequence ignored) of sequences.
-pub fn batch_tensors(seqs: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
+/// Input ids (B, T) and shifted targets (B*T, last position of each sequence ignored) of sequences,
+/// every id checked against the model's vocabulary `vocab` here, while it is host data: an id >= V would
+/// read past the embedding on CUDA and poison the loss (the loss checks ids only on the CPU).
+pub fn batch_tensors(seqs: &[&[u32]], vocab: usize, device: &Device) -> Result<(Tensor, Tensor)> {
     let b = seqs.len();
     let t = seqs.first().map(|s| s.len()).unwrap_or(0);
     let mut ids = Vec::with_capacity(b * t);
     let mut tg = Vec::with_capacity(b * t);
-    for s in seqs {
+    for (row, s) in seqs.iter().enumerate() {
         if s.len() != t {
             bail!("sequences of one batch differ in length ({} vs {t})", s.len());
+        }
+        if let Some((pos, &id)) = s.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            bail!(
+                "batch row {row}, position {pos}: token id {id} is outside the model's vocabulary of {vocab}\nhint: the data was tokenized with a different tokenizer than the model's vocabulary; re-run prepare-data with the model's tokenizer.json"
+            );
         }
         ids.extend_from_slice(s);
         tg.extend_from_slice(&s[1..]);
@@ -675,8 +682,7 @@ fn plan_check(cfg: &RunConfig, origin: &str, dist: &crate::comms::launch::DistCo
             let Some(m) = crate::device::device_memory(&cfg.train.device, &format!("{origin}: train.device"))? else {
                 return Ok(());
             };
-            let mut gpu = Gpu::new(GpuKind::from_device_name(&m.name).unwrap_or(GpuKind::A100));
-            gpu.mem_bytes = m.free;
+            let (gpu, _) = Gpu::measured(&m);
             let what = format!(
                 "{} ({:.1} of {:.1} GiB free)",
                 m.name,
@@ -1124,7 +1130,10 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     for _ in 0..s.accum {
         let seqs: Vec<Sequence> = (0..s.bsz).map(|_| s.loader.next_sequence()).collect::<Result<_>>()?;
         let toks: Vec<&[u32]> = seqs.iter().map(|q| q.tokens.as_slice()).collect();
-        let (ids, targets) = batch_tensors(&toks, &r.device)?;
+        let (ids, targets) = batch_tensors(&toks, r.base_cfg.vocab_size, &r.device).with_context(|| {
+            let idx: Vec<u64> = seqs.iter().map(|q| q.index).collect();
+            format!("stage {} step {}: dataset sequences {idx:?} (in batch row order)", s.si, r.state.step + 1)
+        })?;
         // the document mask is over the whole (global) sequences, also under sequence parallelism
         let docs = if r.cfg.train.document_mask { Some(doc_starts(&seqs, &r.device)?) } else { None };
         // sequence parallelism: this rank's tokens and their targets (the last rank's last one is ignored)

@@ -1,5 +1,6 @@
 //! `harpe bench model` on the CPU at tiny sizes: it lists the decoder-layer and training-step rows in
-//! the table and in `--json`, each with a positive time and throughput (no thresholds: times vary).
+//! the table and in `--json`, each with a positive time and throughput (no thresholds: times vary), and
+//! `--model-rows` runs only the rows it names.
 use std::process::Command;
 
 fn bench(extra: &[&str]) -> String {
@@ -34,6 +35,17 @@ fn bench_model_lists_and_runs_the_layer_and_step_rows() {
         assert!(table.lines().any(|l| l.starts_with(name)), "no {name} row in:\n{table}");
     }
     assert!(table.contains("L1 C32"), "{table}");
+    // --model-rows picks the rows (gpu-check times the 7B step apart); --step-iters times that many steps
+    let names = |extra: &[&str]| -> Vec<String> {
+        let j: serde_json::Value = serde_json::from_str(&bench(&[&["--json"], extra].concat())).unwrap();
+        j["rows"].as_array().unwrap().iter().map(|r| r["kernel"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(names(&["--model-rows", "step", "--step-iters", "2"]), ["train step"]);
+    assert_eq!(names(&["--model-rows", "layer"]), ["decoder layer fwd+bwd"]);
+    let o =
+        Command::new(env!("CARGO_BIN_EXE_harpe")).args(["bench", "model", "--model-rows", "steps"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("steps") && err.contains("layer"), "{err}");
 }
 
 /// `harpe bench comms` without a launcher: thread ranks on host memory, every collective and size a row

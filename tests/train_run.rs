@@ -180,6 +180,14 @@ fn bad_input_is_refused_with_a_hint() {
         run(TrainArgs { set: set(&["checkpoint.every=\"often\""]), ..args(&cfg, &d.path().join("o4")) }).unwrap_err()
     );
     assert!(e.contains("every") && e.contains("hint:"), "{e}");
+    // data whose token ids exceed the model's vocabulary (the byte tokenizer has 259 ids, the model 100):
+    // refused when the batch is built, naming the row, position and id, not as an index error of an op
+    let v100 = d.path().join("v100");
+    std::fs::create_dir_all(&v100).unwrap();
+    let small = write_cfg(&v100, &TINY.replace("vocab_size = 259", "vocab_size = 100"));
+    let e = format!("{:#}", run(args(&small, &d.path().join("o5"))).unwrap_err());
+    assert!(e.contains("batch row 0, position ") && e.contains("outside the model's vocabulary of 100"), "{e}");
+    assert!(e.contains("hint:") && e.contains("prepare-data"), "{e}");
 }
 
 #[test]

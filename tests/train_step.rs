@@ -45,7 +45,7 @@ fn step_grads(
     let mut nll = 0.0;
     for chunk in data.chunks(data.len() / micro) {
         let refs: Vec<&[u32]> = chunk.iter().map(|s| s.as_slice()).collect();
-        let (ids, tg) = batch_tensors(&refs, &Device::Cpu).unwrap();
+        let (ids, tg) = batch_tensors(&refs, cfg.vocab_size, &Device::Cpu).unwrap();
         let seg = ck.segment_len(cfg.num_hidden_layers);
         let out = forward_backward(&model, &vars, layout, &tables, &ids, &tg, seg, 7, 1.0 / total, &mut g).unwrap();
         nll += out.nll.to_vec1::<f32>().unwrap().iter().map(|&x| x as f64).sum::<f64>();
@@ -293,4 +293,21 @@ fn loss_sums_refuse_an_unknown_source_id() {
     let mut sums = LossSums::new(2, &Device::Cpu).unwrap();
     let e = sums.add(&Tensor::new(nll.as_slice(), &Device::Cpu).unwrap(), &seqs, 0, 9).unwrap_err();
     assert!(e.to_string().contains("source id 2"), "{e}");
+}
+
+/// `batch_tensors` checks every token id against the vocabulary while it is host data (the loss checks
+/// only on the CPU): an out-of-vocab input id (position 0, only an input) and target (the last position,
+/// only a target's source besides its own input) are refused naming row, position and id, with a hint.
+#[test]
+fn batch_tensors_refuses_ids_outside_the_vocabulary() {
+    let ok: Vec<u32> = vec![0, 1, 2, 9];
+    let (ids, tg) = batch_tensors(&[&ok, &ok], 10, &Device::Cpu).unwrap();
+    assert_eq!(ids.dims(), [2, 4]);
+    assert_eq!(tg.to_vec1::<u32>().unwrap(), [1, 2, 9, u32::MAX, 1, 2, 9, u32::MAX]);
+    for (bad, pos, id) in [(vec![10u32, 1, 2, 3], 0, 10), (vec![0, 1, 2, 4000], 3, 4000)] {
+        let e = batch_tensors(&[&ok, &bad], 10, &Device::Cpu).unwrap_err().to_string();
+        let want = format!("batch row 1, position {pos}: token id {id} is outside the model's vocabulary of 10");
+        assert!(e.starts_with(&want), "{e}");
+        assert!(e.contains("hint:") && e.contains("tokenizer"), "{e}");
+    }
 }

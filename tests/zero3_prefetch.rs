@@ -38,7 +38,7 @@ fn resident(dtype: DType, seg: usize) -> Vec<f32> {
     let (model, vars) = trainable_model(&cfg, &layout, &weights, dtype, &Device::Cpu).unwrap();
     let tables = rope_tables(&model, 23).unwrap();
     let s = seq();
-    let (ids, targets) = batch_tensors(&[&s], &Device::Cpu).unwrap();
+    let (ids, targets) = batch_tensors(&[&s], 61, &Device::Cpu).unwrap();
     let mut g = GradAccum::new(&layout, &Device::Cpu).unwrap();
     forward_backward(&model, &vars, &layout, &tables, &ids, &targets, seg, 7, 1.0, &mut g).unwrap();
     g.buf().to_host().unwrap().to_vec()
@@ -59,7 +59,7 @@ fn sharded(world: usize, dtype: DType, seg: usize, placement: &Placement, prefet
         let master = FlatBuf::from_vec(weights.to_host()?[own.clone()].to_vec()).placed(placement)?;
         let mut grads = FlatBuf::zeros_in(own.len(), placement)?;
         let s = seq();
-        let (ids, targets) = batch_tensors(&[&s], &Device::Cpu)?;
+        let (ids, targets) = batch_tensors(&[&s], 61, &Device::Cpu)?;
         let mut z = ZeroShards::new(&comm, &map, &layout, &master, &mut grads, dtype, Device::Cpu, 50);
         assert!(!z.prefetch, "Local collectives do not overlap compute: no prefetch by default");
         z.prefetch = prefetch;

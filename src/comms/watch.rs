@@ -35,9 +35,22 @@ use std::time::Duration;
 /// Called once, on a reader thread, with the first failure of another rank.
 pub type FailureHook = Box<dyn Fn(&GroupFailure) + Send + Sync>;
 
+/// The group's first failure: claimed by the thread that saw it, then published once it has been told
+/// to the others (so no waiter can exit the process, closing the connections, before the forward).
+#[derive(Default)]
+struct First {
+    failure: Option<GroupFailure>,
+    published: bool,
+}
+
+/// How long a failure already claimed may take to be published (a forward's 5 s write timeout per
+/// link is the worst case of the first link; the others are local sockets).
+const PUBLISH_WAIT: Duration = Duration::from_secs(6);
+
 struct Shared {
     rank: usize,
-    failure: Mutex<Option<GroupFailure>>,
+    failure: Mutex<First>,
+    /// notified when the first failure is published
     cond: Condvar,
     /// rank 0: the last `P` of each rank, and which ranks left with `E`
     doing: Mutex<Vec<(String, bool)>>,
@@ -74,14 +87,15 @@ fn decode_failure(b: &[u8]) -> Option<GroupFailure> {
 impl Shared {
     /// Record `f` if it is the first failure; then tell the others (rank 0: every link but `from`'s;
     /// others: rank 0, when the failure is their own) and, for another rank's failure, run the hook.
+    /// Waiters see it only when that is done (`publish`): a rank 0 whose main thread stopped at the
+    /// first sign would otherwise exit before its forward, and the others would name rank 0.
     fn fail(&self, f: GroupFailure, from: Option<usize>) {
         {
             let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-            if g.is_some() {
+            if g.failure.is_some() {
                 return;
             }
-            *g = Some(f.clone());
-            self.cond.notify_all();
+            g.failure = Some(f.clone());
         }
         let own = f.rank == self.rank;
         // the hook first (it aborts NCCL): a peer whose socket does not drain must not delay it
@@ -98,6 +112,15 @@ impl Shared {
                 }
             }
         }
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).published = true;
+        self.cond.notify_all();
+    }
+
+    /// The first failure once published; a claimed one is waited for up to `wait` (its forward runs).
+    fn published(&self, wait: Duration) -> Option<GroupFailure> {
+        let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self.cond.wait_timeout_while(g, wait, |s| !s.published).unwrap_or_else(|p| p.into_inner());
+        g.failure.clone().filter(|_| g.published)
     }
 
     /// The reader of the connection to `peer` (rank 0: one per rank; others: rank 0's).
@@ -180,7 +203,7 @@ impl Watch {
         }
         let shared = Arc::new(Shared {
             rank,
-            failure: Mutex::new(None),
+            failure: Mutex::new(First::default()),
             cond: Condvar::new(),
             doing: Mutex::new(vec![(String::new(), false); world]),
             closing: AtomicBool::new(false),
@@ -195,17 +218,19 @@ impl Watch {
         Ok(Watch { shared, finished: AtomicBool::new(false) })
     }
 
-    /// The first failure seen in the group (this rank's own included), if any.
+    /// The first failure seen in the group (this rank's own included), if any; one being told to the
+    /// others right now is waited for (a few ms; at most `PUBLISH_WAIT`).
     pub fn failure(&self) -> Option<GroupFailure> {
-        self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let claimed = self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).failure.is_some();
+        if !claimed {
+            return None;
+        }
+        self.shared.published(PUBLISH_WAIT)
     }
 
-    /// Wait up to `timeout` for a failure in the group.
+    /// Wait up to `timeout` for a failure in the group (published: already told to the others).
     pub fn wait_failure(&self, timeout: Duration) -> Option<GroupFailure> {
-        let g = self.shared.failure.lock().unwrap_or_else(|p| p.into_inner());
-        let (g, _) =
-            self.shared.cond.wait_timeout_while(g, timeout, |f| f.is_none()).unwrap_or_else(|p| p.into_inner());
-        g.clone()
+        self.shared.published(timeout)
     }
 
     /// This rank failed `doing` something because of `reason`: tell the group (first failure wins).
@@ -233,6 +258,10 @@ impl Watch {
     }
 
     fn close(&self, goodbye: bool) {
+        // a failure being forwarded finishes first: closing under it would cut the others off
+        if self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).failure.is_some() {
+            let _ = self.shared.published(PUBLISH_WAIT);
+        }
         self.shared.closing.store(true, Ordering::SeqCst);
         for l in &self.shared.links {
             let mut s = l.lock().unwrap_or_else(|p| p.into_inner());

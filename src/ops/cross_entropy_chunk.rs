@@ -8,8 +8,9 @@
 //! (n, V)), so the lm-head matmuls stay on cuBLAS through candle and only the softmax part is fused:
 //! forward = matmul + `ce_chunk_nll`; backward = matmul again + `ce_chunk_dlogits` + two matmuls.
 //! Both ops are leaves for autograd (the caller's CustomOp owns the backward, as in loss.rs).
-//! Does not: the matmuls, the chunk loop or the target range check against V (`check_targets` does it
-//! once on the host before any launch, since a kernel cannot return an error).
+//! Does not: the matmuls, the chunk loop or the target range check against V (a kernel cannot return
+//! an error: training checks ids when it builds the batch, `train::batch_tensors`; `check_targets` is
+//! the host check for callers with their own targets, e.g. selftest; an unchecked target >= V gives NaN).
 use crate::loss::IGNORE_INDEX;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
@@ -154,7 +155,7 @@ impl CustomOp3 for CeDlogits {
 
 /// Per-token nll (n) f32 of one chunk of logits (n, V) f32/bf16 and targets (n) u32. It has no backward
 /// of its own (the caller's op owns it): a gradient reaching it is an error, never a silent stop.
-/// Targets must pass `check_targets` first.
+/// Targets must be below V or IGNORE_INDEX (checked by the caller; a bad one gives NaN).
 pub fn ce_chunk_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     logits.contiguous()?.apply_op2(&targets.contiguous()?, CeNll)
 }
