@@ -1,6 +1,6 @@
 //! `harpe generate` as a user runs it: the JSON line's tokens equal `greedy_generate` in process, on the
-//! GEMM attention (the CPU default) and on the reference loops alike; a bad `--prompt-ids` is an error
-//! with a hint.
+//! GEMM attention (the CPU default) and on the reference loops alike; a bad `--prompt-ids` (unparsable, or
+//! past the vocabulary) is an error with a hint.
 use harpe::eval::generate::{greedy_generate, GenerateOptions};
 use harpe::eval::ppl::ScoringModel;
 use harpe::model::attention::AttentionImpl;
@@ -48,4 +48,9 @@ fn bad_prompt_ids_are_reported() {
     let (ok, _, err) = harpe(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1,x"]);
     assert!(!ok);
     assert!(err.contains("--prompt-ids `1,x`") && err.contains("hint:"), "{err}");
+    // an id past the model's vocabulary: refused on the host (on CUDA the embedding would read out of
+    // bounds), naming the position and the id
+    let (ok, _, err) = harpe(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt-ids", "1,2,999999"]);
+    assert!(!ok);
+    assert!(err.contains("token 2 is id 999999, outside the model's vocabulary") && err.contains("hint:"), "{err}");
 }

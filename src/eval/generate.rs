@@ -79,6 +79,13 @@ pub fn greedy_generate_until(
     if prompt.is_empty() {
         bail!("cannot generate from an empty prompt\nhint: the prompt needs at least one token (e.g. BOS)");
     }
+    // checked here, on the host: on CUDA an id past the embedding would be read out of bounds
+    if let Some((pos, &id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= model.cfg.vocab_size) {
+        bail!(
+            "the prompt's token {pos} is id {id}, outside the model's vocabulary of {}\nhint: the tokenizer does not belong to this model (check its tokenizer.json against config.json's vocab_size)",
+            model.cfg.vocab_size
+        );
+    }
     let dev = model.device().clone();
     let mut cache = KvCache::new(model.cfg.num_hidden_layers);
     let mut last_hidden = None;
