@@ -530,8 +530,8 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     );
     if world.gpus > 1 {
         if cpu {
-            // Local ranks exchange copies: the all-reduce of ZeRO 0-1 deposits the whole gradient; ZeRO 2-3
-            // hand on one group (a layer or the embedding/head) at a time
+            // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the
+            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time
             let unit = if z < 2 { n } else { (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64) };
             add(
                 "comm_buckets",
