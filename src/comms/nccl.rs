@@ -622,54 +622,41 @@ impl NcclComm {
 
     /// In place: on entry rank r's slice `offsets[r]..+counts[r]` of `t` is valid, on exit all of it.
     pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
-        let what = format!("all_gather \"{label}\"");
-        self.check_counts(counts, t.elem_count(), &what)?;
-        if t.elem_count() == 0 {
-            return Ok(());
-        }
-        let (base, ty) = (self.ptr(t, &what)?, nccl_type(t.dtype(), &what)?);
-        let es = t.dtype().size_in_bytes() as u64;
-        let offs = offsets(counts);
-        let comm = self.raw(false)?;
-        self.enqueue(&what, |s| {
-            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                let p = base + o as u64 * es;
-                // SAFETY: the slice lies inside `t` (check_counts); in-place broadcast from its owner.
-                ok(unsafe { ns::ncclBroadcast(p as *const c_void, p as *mut c_void, c, ty, root as i32, comm, s) })?;
-            }
-            Ok(())
-        })?;
-        Ok(())
+        // SAFETY (each call): the slice lies inside `t` (check_counts); in-place broadcast from its owner.
+        self.per_owner_in_place(t, counts, &format!("all_gather \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+            ns::ncclBroadcast(p, p, c, ty, root, comm, s)
+        })
     }
 
     /// In-place reduce-scatter-v (sum) over a flat buffer split into consecutive slices of `counts`:
     /// slice r of `t` on rank r becomes the sum over ranks; the other slices keep their values.
     pub fn reduce_scatter_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
-        let what = format!("reduce_scatter \"{label}\"");
-        self.check_counts(counts, t.elem_count(), &what)?;
+        // SAFETY (each call): the slice lies inside `t` (check_counts); in-place reduce into its owner.
+        self.per_owner_in_place(t, counts, &format!("reduce_scatter \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+            ns::ncclReduce(p, p, c, ty, ns::ncclRedOp_t::ncclSum, root, comm, s)
+        })
+    }
+
+    /// One grouped NCCL call per owner on its slice of the flat buffer `t` (consecutive slices of
+    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`.
+    fn per_owner_in_place(
+        &self,
+        t: &Tensor,
+        counts: &[usize],
+        what: &str,
+        call: impl Fn(*mut c_void, usize, ns::ncclDataType_t, i32, ns::ncclComm_t, ns::cudaStream_t) -> ns::ncclResult_t,
+    ) -> Result<()> {
+        self.check_counts(counts, t.elem_count(), what)?;
         if t.elem_count() == 0 {
             return Ok(());
         }
-        let (base, ty) = (self.ptr(t, &what)?, nccl_type(t.dtype(), &what)?);
+        let (base, ty) = (self.ptr(t, what)?, nccl_type(t.dtype(), what)?);
         let es = t.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let comm = self.raw(false)?;
-        self.enqueue(&what, |s| {
+        self.enqueue(what, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                let p = base + o as u64 * es;
-                // SAFETY: the slice lies inside `t` (check_counts); in-place reduce into its owner.
-                ok(unsafe {
-                    ns::ncclReduce(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        c,
-                        ty,
-                        ns::ncclRedOp_t::ncclSum,
-                        root as i32,
-                        comm,
-                        s,
-                    )
-                })?;
+                ok(call((base + o as u64 * es) as *mut c_void, c, ty, root as i32, comm, s))?;
             }
             Ok(())
         })?;
