@@ -187,9 +187,11 @@ impl Params<'_> {
             }
             Params::Sharded(z) => {
                 let idx = layer_param_indices(z.layout, l)?;
-                let next = next.map(|n| Ok::<_, anyhow::Error>((layer_param_indices(z.layout, n)?, n))).transpose()?;
-                let label = next.as_ref().map(|(_, n)| format!("layer {n} weights")).unwrap_or_default();
-                let next = next.map(|(idx, _)| (idx, label.as_str()));
+                let label = next.map(|n| format!("layer {n} weights")).unwrap_or_default();
+                let next = match next {
+                    Some(n) => Some((layer_param_indices(z.layout, n)?, label.as_str())),
+                    None => None,
+                };
                 let vars = z.gather(idx.clone(), &format!("layer {l} weights"), next)?;
                 let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
                 let arr: [Tensor; 9] = t.try_into().map_err(|_| anyhow!("internal: layer {l} has not 9 parameters"))?;

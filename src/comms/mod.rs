@@ -98,6 +98,17 @@ impl Started {
         }
     }
 
+    /// An NCCL collective under way on `c`'s stream (`NcclComm::*_start`); `input` is kept alive until
+    /// the join.
+    #[cfg(feature = "nccl")]
+    fn nccl(
+        c: &Arc<nccl::NcclComm>,
+        (out, done): (Tensor, Option<Arc<cudarc::driver::CudaEvent>>),
+        input: Tensor,
+    ) -> Started {
+        Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) }
+    }
+
     /// True when the result can be used at once (every backend but NCCL).
     pub fn is_ready(&self) -> bool {
         #[cfg(feature = "nccl")]
@@ -349,8 +360,7 @@ impl Comm {
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
-                let (out, done) = c.all_gather_v_start(&input, counts, label)?;
-                Ok(Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) })
+                Ok(Started::nccl(c, c.all_gather_v_start(&input, counts, label)?, input))
             }
             _ => Ok(Started::ready(self.all_gather_v_tensor(input, counts, label)?)),
         }
@@ -373,8 +383,7 @@ impl Comm {
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
-                let (out, done) = c.reduce_scatter_v_sum_start(&input, counts, label)?;
-                Ok(Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) })
+                Ok(Started::nccl(c, c.reduce_scatter_v_sum_start(&input, counts, label)?, input))
             }
             _ => Ok(Started::ready(self.reduce_scatter_v_sum_tensor(input, counts, label)?)),
         }

@@ -665,11 +665,7 @@ impl NcclComm {
 
     /// All-gather-v into a new tensor: this rank contributes `input` (`counts[rank]` elements).
     pub fn all_gather_v(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
-        let (out, done) = self.all_gather_v_start(input, counts, label)?;
-        if let Some(d) = done {
-            self.join_compute(&d)?;
-        }
-        Ok(out)
+        self.joined(self.all_gather_v_start(input, counts, label)?)
     }
 
     /// `all_gather_v` without the compute stream waiting for it: the result may be used only after
@@ -720,14 +716,18 @@ impl NcclComm {
         Ok(self.dev.cuda_stream().wait(done)?)
     }
 
-    /// Reduce-scatter-v (sum): `input` is the concatenation of slices of `counts`; this rank gets slice
-    /// `rank` summed over ranks as a new tensor.
-    pub fn reduce_scatter_v_sum(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
-        let (out, done) = self.reduce_scatter_v_sum_start(input, counts, label)?;
+    /// The result of a `*_start` collective, joined at once (the blocking form).
+    fn joined(&self, (out, done): (Tensor, Option<Arc<CudaEvent>>)) -> Result<Tensor> {
         if let Some(d) = done {
             self.join_compute(&d)?;
         }
         Ok(out)
+    }
+
+    /// Reduce-scatter-v (sum): `input` is the concatenation of slices of `counts`; this rank gets slice
+    /// `rank` summed over ranks as a new tensor.
+    pub fn reduce_scatter_v_sum(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
+        self.joined(self.reduce_scatter_v_sum_start(input, counts, label)?)
     }
 
     /// `reduce_scatter_v_sum` without the compute stream waiting for it: the result may be used only

@@ -116,6 +116,13 @@ impl Shared {
         self.cond.notify_all();
     }
 
+    /// None when no failure is claimed; else the first failure once published (its forward runs;
+    /// waited for up to `PUBLISH_WAIT`).
+    fn settled(&self) -> Option<GroupFailure> {
+        let claimed = self.failure.lock().unwrap_or_else(|p| p.into_inner()).failure.is_some();
+        claimed.then(|| self.published(PUBLISH_WAIT)).flatten()
+    }
+
     /// The first failure once published; a claimed one is waited for up to `wait` (its forward runs).
     fn published(&self, wait: Duration) -> Option<GroupFailure> {
         let g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
@@ -221,11 +228,7 @@ impl Watch {
     /// The first failure seen in the group (this rank's own included), if any; one being told to the
     /// others right now is waited for (a few ms; at most `PUBLISH_WAIT`).
     pub fn failure(&self) -> Option<GroupFailure> {
-        let claimed = self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).failure.is_some();
-        if !claimed {
-            return None;
-        }
-        self.shared.published(PUBLISH_WAIT)
+        self.shared.settled()
     }
 
     /// Wait up to `timeout` for a failure in the group (published: already told to the others).
@@ -259,9 +262,7 @@ impl Watch {
 
     fn close(&self, goodbye: bool) {
         // a failure being forwarded finishes first: closing under it would cut the others off
-        if self.shared.failure.lock().unwrap_or_else(|p| p.into_inner()).failure.is_some() {
-            let _ = self.shared.published(PUBLISH_WAIT);
-        }
+        let _ = self.shared.settled();
         self.shared.closing.store(true, Ordering::SeqCst);
         for l in &self.shared.links {
             let mut s = l.lock().unwrap_or_else(|p| p.into_inner());
