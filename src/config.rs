@@ -7,6 +7,7 @@
 //! command line is reported exactly like one in the file (naming the key); the config hash is the
 //! sha256 of the resolved TOML text, which is what `state.json` and the run directory check against.
 //! What this file does not do: build the model or the data (train.rs does).
+use crate::comms::stage::ZeroStage;
 use crate::model::rope::RopeScheme;
 use crate::optim::schedule::{Schedule, ScheduleKind};
 use anyhow::{anyhow, bail, Context, Result};
@@ -278,16 +279,16 @@ impl Default for CheckpointSection {
     }
 }
 
-/// Communication backend (DESIGN §6); `comms::Comm::from_config` refuses the ones this build lacks.
+/// Communication backend (DESIGN §6); `comms::Comm` refuses the ones this build lacks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// one process, one device
+    /// `single`: one process, one device; collectives are no-ops
     #[default]
     Single,
-    /// ranks as threads of one process (tests)
+    /// `local`: `dist.world_size` ranks as threads of this one process (tests, CPU equivalence runs)
     Local,
-    /// one process per GPU over NCCL
+    /// `nccl`: one process per GPU, started by `--nproc-per-node`, torchrun or srun
     Nccl,
 }
 
@@ -302,24 +303,27 @@ impl Backend {
     }
 }
 
-/// `[dist]`: the keys' meaning is documented once, on `comms::launch::DistConfig` (`dist_config` maps
-/// this section onto it and its `validate` checks the values).
+/// `[dist]`, also the runtime type of the distribution: `validate` owns every world / sequence-parallel /
+/// kv-head / seq-len / batch divisibility rule (`RunConfig::validate`, `harpe plan` and the training run
+/// call it), `comms::launch::place` reconciles it with a launcher's environment.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DistSection {
     /// "single" | "local" | "nccl"
     #[serde(default)]
     pub backend: Backend,
-    /// ranks in total (0 = whatever the launcher started; `local` needs it)
+    /// ranks in total; 0 = whatever the launcher started (1 without a launcher). `local` needs it
+    /// explicitly; with a launcher a non-zero value must equal the launcher's
     #[serde(default)]
     pub world_size: usize,
-    /// ZeRO stage 0-3
+    /// ZeRO stage 0-3 (`ZeroStage`: which state is sharded)
     #[serde(default)]
-    pub zero_stage: u8,
-    /// MiB of gradients per reduce(-scatter) bucket
+    pub zero_stage: ZeroStage,
+    /// MiB of gradients per reduce(-scatter) bucket; changes speed, never results
     #[serde(default = "d_bucket_mb")]
     pub bucket_mb: f64,
-    /// seconds a collective waits for the slowest rank
+    /// seconds a collective, barrier or the rendezvous waits for the slowest rank before every rank
+    /// stops with an error naming it
     #[serde(default = "d_timeout_s")]
     pub timeout_s: f64,
     /// Ulysses sequence-parallel degree P: each sequence split over P ranks (divides world_size, the
@@ -329,10 +333,10 @@ pub struct DistSection {
 }
 
 fn d_bucket_mb() -> f64 {
-    crate::comms::launch::DistConfig::default().bucket_mb
+    25.0
 }
 fn d_timeout_s() -> f64 {
-    crate::comms::launch::DistConfig::default().timeout_s
+    600.0
 }
 
 impl Default for DistSection {
@@ -340,7 +344,7 @@ impl Default for DistSection {
         DistSection {
             backend: Backend::Single,
             world_size: 0,
-            zero_stage: 0,
+            zero_stage: ZeroStage::Replicated,
             bucket_mb: d_bucket_mb(),
             timeout_s: d_timeout_s(),
             sp_degree: 1,
@@ -348,41 +352,121 @@ impl Default for DistSection {
     }
 }
 
+/// One stage's batch as `[dist]`'s rules see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageBatch {
+    /// tokens per sequence
+    pub seq_len: usize,
+    /// micro-batches per optimizer step (at one rank)
+    pub micro_batches: usize,
+    /// sequences per micro-batch (`train.micro_batch_size`)
+    pub micro_batch: usize,
+}
+
 impl DistSection {
-    /// The section as `launch::DistConfig`, range-checked; `origin` names the config file.
-    pub fn dist_config(&self, origin: &str) -> Result<crate::comms::launch::DistConfig> {
-        use crate::comms::launch::{BackendKind, DistConfig};
-        let backend = match self.backend {
-            Backend::Single => BackendKind::Single,
-            Backend::Local => BackendKind::Local,
-            Backend::Nccl => BackendKind::Nccl,
-        };
-        let d = DistConfig {
-            backend,
-            world_size: self.world_size,
-            zero_stage: self.zero_stage,
-            bucket_mb: self.bucket_mb,
-            timeout_s: self.timeout_s,
-        };
-        d.validate(origin)?;
-        if backend == BackendKind::Local && self.world_size == 0 {
+    /// Range checks of the keys themselves (no world, model or stage needed); `origin` names the config.
+    pub fn check_keys(&self, origin: &str) -> Result<()> {
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            bail!("{origin}: dist.bucket_mb = {} must be a positive size in MiB\nhint: e.g. 25", self.bucket_mb);
+        }
+        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+            bail!("{origin}: dist.timeout_s = {} must be a positive number of seconds\nhint: e.g. 600", self.timeout_s);
+        }
+        if self.backend == Backend::Local && self.world_size == 0 {
             bail!(
-                "{origin}: dist.backend = \"local\" runs dist.world_size ranks as threads, but dist.world_size is not set\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
+                "{origin}: dist.backend = \"local\" needs dist.world_size >= 1 (it runs that many ranks as threads; dist.world_size is not set)\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
             );
         }
         if self.sp_degree == 0 {
             bail!("{origin}: dist.sp_degree = 0: at least one rank holds each sequence\nhint: 1 (no sequence parallelism) or a divisor of dist.world_size");
         }
-        if self.sp_degree > 1 && (self.world_size == 0 || !self.world_size.is_multiple_of(self.sp_degree)) {
+        Ok(())
+    }
+
+    /// Every divisibility rule of a run of `world` ranks (0: not known yet, the launcher decides; the
+    /// world-dependent rules wait for it), a model with `kv_heads` kv heads (None: not known here) and
+    /// `stages`: SP divides the world, the kv heads and every seq_len; each step's sequences split
+    /// evenly over the data-parallel ranks.
+    pub fn validate(&self, origin: &str, world: usize, kv_heads: Option<usize>, stages: &[StageBatch]) -> Result<()> {
+        self.check_keys(origin)?;
+        let p = self.sp_degree;
+        if let Some(hkv) = kv_heads {
+            if p > hkv || !hkv.is_multiple_of(p) {
+                let valid: Vec<usize> = (1..=hkv).filter(|d| hkv.is_multiple_of(*d)).collect();
+                let nearest = valid.iter().min_by_key(|d| d.abs_diff(p)).copied().unwrap_or(1);
+                bail!(
+                    "{origin}: dist.sp_degree {p} does not divide the model's {hkv} kv heads (Ulysses gives each rank whole kv heads)\nhint: the nearest valid degree is {nearest}; valid: {valid:?}"
+                );
+            }
+        }
+        if p > 1 && (world == 0 || !world.is_multiple_of(p)) {
+            let lo = world / p * p;
+            let near = if lo > 0 { format!("{lo} or {}", lo + p) } else { format!("{p}") };
             bail!(
-                "{origin}: dist.sp_degree = {} must divide dist.world_size = {} (each sequence is split over sp_degree ranks)\nhint: e.g. dist.world_size = {} with dist.backend = \"local\"",
-                self.sp_degree,
-                self.world_size,
-                2 * self.sp_degree
+                "{origin}: dist.sp_degree = {p} must divide dist.world_size = {world} (world size {world} is not divisible by dist.sp_degree {p}: each sequence is split over {p} ranks)\nhint: nearest valid world size: --gpus {near} (dist.world_size), or an SP degree that divides {world}"
             );
         }
-        Ok(d)
+        let dp = world / p;
+        for (i, s) in stages.iter().enumerate() {
+            let stage = format!("stage {i}");
+            if dp > 1 {
+                rank_batching(origin, &stage, s.micro_batches, s.micro_batch, dp)?;
+            }
+            if !s.seq_len.is_multiple_of(p) {
+                bail!(
+                    "{origin}: {stage}: seq_len {} does not split into dist.sp_degree = {p} equal parts\nhint: use a seq_len divisible by {p} (harpe does not pad sequence-parallel sequences)",
+                    s.seq_len
+                );
+            }
+        }
+        Ok(())
     }
+
+    /// `dist.timeout_s` as a duration.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_s)
+    }
+
+    /// Elements of `elem_bytes` bytes per gradient bucket (at least 1).
+    pub fn bucket_elems(&self, elem_bytes: usize) -> usize {
+        ((self.bucket_mb * 1024.0 * 1024.0) as usize / elem_bytes.max(1)).max(1)
+    }
+}
+
+/// Targets among positions `start..start + len` of sequences of `seq_len` tokens: every position
+/// predicts the next token except the sequence's last (the one rule of targets: T tokens train T - 1;
+/// a sequence-parallel rank's share is its positions' count, less one on the rank holding the last).
+pub fn targets_in(start: usize, len: usize, seq_len: usize) -> usize {
+    len - usize::from(start + len == seq_len)
+}
+
+/// How each data-parallel rank runs its part of an optimizer step of `micro_batches_per_step`
+/// micro-batches of `micro_batch` sequences: (sequences per micro-batch, micro-batches), together
+/// `micro_batches_per_step * micro_batch / dp_size` sequences. The step's sequences must split evenly
+/// over the ranks (results must not depend on the world; the loader's stride gives the ranks exactly
+/// one rank's sequences of the step); when a rank's share is not a multiple of `micro_batch`, it runs
+/// smaller micro-batches (the largest common divisor), which changes memory and speed, never results.
+pub fn rank_batching(
+    origin: &str,
+    stage: &str,
+    micro_batches_per_step: usize,
+    micro_batch: usize,
+    dp_size: usize,
+) -> Result<(usize, usize)> {
+    let seqs = micro_batches_per_step * micro_batch;
+    if dp_size == 0 || micro_batch == 0 || !seqs.is_multiple_of(dp_size) {
+        bail!(
+            "{origin}: {stage}: {seqs} sequences per optimizer step cannot be split evenly over \
+             {dp_size} data-parallel ranks\nhint: make train.global_batch_tokens / seq_len a multiple of the \
+             data-parallel world size"
+        );
+    }
+    let per_rank = seqs / dp_size;
+    let mut mb = micro_batch.min(per_rank);
+    while !per_rank.is_multiple_of(mb) {
+        mb -= 1;
+    }
+    Ok((mb, per_rank / mb))
 }
 
 /// `[log]`.
@@ -781,29 +865,9 @@ impl RunConfig {
                 bail!("{origin}: [model.init] sizes must be > 0\nhint: see configs/tiny-cpu.toml");
             }
         }
-        self.dist.dist_config(origin)?;
-        // the global batch must split evenly over the data-parallel ranks (results independent of N),
-        // and every sequence over the sequence-parallel ones
-        let sp = self.dist.sp_degree.max(1);
-        let dp = self.dist.world_size / sp;
-        for i in 0..self.stages.len() {
-            let stage = format!("stage {i}");
-            if dp > 1 {
-                crate::comms::launch::rank_batching(
-                    origin,
-                    &stage,
-                    self.accumulation(i),
-                    self.train.micro_batch_size,
-                    dp,
-                )?;
-            }
-            let t = self.stages[i].seq_len;
-            if !t.is_multiple_of(sp) {
-                bail!(
-                    "{origin}: {stage}: seq_len {t} does not split into dist.sp_degree = {sp} equal parts\nhint: use a seq_len divisible by {sp} (harpe does not pad sequence-parallel sequences)"
-                );
-            }
-        }
+        // the world-dependent rules again with the real world and model (`train` and `plan`)
+        let kv_heads = self.model.init.as_ref().map(|a| a.kv_heads());
+        self.dist.validate(origin, self.dist.world_size, kv_heads, &self.stage_batches())?;
         Ok(())
     }
 
@@ -829,6 +893,24 @@ impl RunConfig {
     /// Tokens in one optimizer step of stage `i`.
     pub fn tokens_per_step(&self, i: usize) -> usize {
         self.train.global_batch_tokens.unwrap_or(self.train.micro_batch_size * self.stages[i].seq_len)
+    }
+
+    /// Target tokens of one optimizer step of stage `i` over all ranks: the loss is their mean, so each
+    /// micro-batch's nll sum is scaled by its inverse.
+    pub fn targets_per_step(&self, i: usize) -> usize {
+        let t = self.stages[i].seq_len;
+        self.tokens_per_step(i) / t * targets_in(0, t, t)
+    }
+
+    /// Every stage's batch as `[dist]`'s rules see it.
+    pub fn stage_batches(&self) -> Vec<StageBatch> {
+        (0..self.stages.len())
+            .map(|i| StageBatch {
+                seq_len: self.stages[i].seq_len,
+                micro_batches: self.accumulation(i),
+                micro_batch: self.train.micro_batch_size,
+            })
+            .collect()
     }
 
     /// Micro-batches accumulated per optimizer step in stage `i`.

@@ -498,7 +498,8 @@ fn pretrain_base(out: &Path, t0: usize, b: &BaseRecipe) -> Result<PathBuf> {
     std::fs::write(&pre_cfg, pretrain_toml(out, t0, b)?)?;
     let pre_dir = out.join("pretrain");
     harpe(&["train", "--config", &p(&pre_cfg)?, "--out", &p(&pre_dir)?], &out.join("pretrain.log"))?;
-    crate::checkpoint::latest_complete(&pre_dir.join("checkpoints"))?
+    crate::train::RunDir::new(&pre_dir)
+        .latest_checkpoint()?
         .ok_or_else(|| anyhow!("pretraining wrote no checkpoint\nhint: see {}", out.join("pretrain.log").display()))
 }
 
@@ -526,7 +527,7 @@ fn make_base(args: &DemoArgs, dest: &Path) -> Result<()> {
         "seq_len": t0,
         "recipe": b,
         "tokens": b.steps * step_tokens(t0) as u64,
-        "final_train_loss": crate::metrics::read_records(&out.join("pretrain").join("metrics.jsonl"))?.last().map(|r| r.loss),
+        "final_train_loss": crate::train::metrics::read_records(&crate::train::RunDir::new(out.join("pretrain")).metrics())?.last().map(|r| r.loss),
         "train_seconds": train_s.round(),
         "passkey": scores.iter().map(|(l, s)| (l.to_string(), serde_json::json!(s))).collect::<serde_json::Map<_, _>>(),
         "pretrain_toml": std::fs::read_to_string(out.join("pretrain.toml"))?,

@@ -1,6 +1,6 @@
 //! The kernels of kernels/*.cu compiled by the host C++ compiler against kernels/emu.h (build.rs), with
 //! safe wrappers: the same source that runs on the GPU runs here on CPU, so `cargo test` checks it
-//! against the CPU references without a GPU (tests/kernels_emu.rs, `harpe selftest` in a CPU build).
+//! against the CPU references without a GPU (tests/stage_model/kernels_emu.rs, `harpe selftest` in a CPU build).
 //!
 //! Reference: kernels/emu.h (blocks in sequence, a block's threads as std::threads, barriers, warp
 //! exchange). The non-obvious decision: the wrappers take the launch shape (`Dims`) from the caller, so

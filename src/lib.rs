@@ -12,20 +12,18 @@
 //! ```
 //!
 //! Training state (fp32 master weights, AdamW moments, gradients) is `flatbuf::FlatBuf`s over one flat
-//! index space in HF parameter order, shared by `grads`, `optim`, `comms` and `checkpoint`.
+//! index space in HF parameter order, shared by `grads`, `optim`, `comms` and `train::checkpoint`.
+//! `train/` is the training stage (loop, step, checkpoint, loss, metrics, run directory); the tools
+//! (`plan`, `bench`, `selftest`, `demo`, `kernels_emu`) sit apart and may use any stage.
 pub mod config;
 pub mod device;
 pub mod data;
 pub mod model;
 pub mod ops;
-pub mod loss;
 pub mod flatbuf;
 pub mod grads;
 pub mod optim;
 pub mod comms;
-pub mod checkpoint;
-pub mod metrics;
-pub mod tensorboard;
 pub mod plan;
 pub mod train;
 pub mod eval;

@@ -35,7 +35,7 @@ enum Cmd {
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
     /// A plain HF model plus one optimizer state file from a sharded (multi-rank) checkpoint
-    Consolidate(harpe::checkpoint::ConsolidateArgs),
+    Consolidate(harpe::train::checkpoint::ConsolidateArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
     Plan(harpe::plan::PlanArgs),
     /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
@@ -67,7 +67,7 @@ fn main() {
         Cmd::EvalTasks(a) => harpe::eval::tasks::run::run(*a),
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
-        Cmd::Consolidate(a) => harpe::checkpoint::consolidate(a),
+        Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate(a),
         Cmd::Plan(a) => harpe::plan::run(a),
         Cmd::Sweep(a) => harpe::research::sweep::run(a),
         Cmd::Report(a) => harpe::research::report::run(a),

@@ -14,7 +14,7 @@
 //!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
 //!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
 //!   gradient, silu's five temporaries) and the process baseline are *calibrated* constants, measured
-//!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/plan_memory.rs.
+//!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
 //! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
 //!   before any segment is recomputed, so their buffers are never alive together (GPU path).
 //! - Step time = max(compute, ZeRO collectives) + Ulysses all-to-alls: ZeRO traffic is bucketed and
@@ -25,7 +25,8 @@
 //!
 //! What this file does not do: tensor/pipeline parallelism, CPU offload, the data loader's prefetch,
 //! fragmentation beyond the stated margin; it predicts, the training loop measures (`metrics.jsonl`).
-use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceSpec, RunConfig};
+use crate::comms::ZeroStage;
+use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceSpec, DistSection, RunConfig, StageBatch};
 use crate::model::config::LlamaConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
@@ -45,7 +46,7 @@ pub const CPU_BASELINE_BYTES: u64 = 35 << 19;
 /// in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on 2026-12-01 by a
 /// least-squares fit of the peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256, I 512/1024,
 /// L 4/8, T 512/1024; residuals <= 1.4 MiB) after subtracting every enumerated term; validated on a GQA
-/// config of other sizes by tests/plan_memory.rs.
+/// config of other sizes by tests/stage_train/plan_memory.rs.
 pub const CPU_BWD_PER_I: f64 = 14.5;
 pub const CPU_BWD_PER_C: f64 = 26.0;
 
@@ -179,8 +180,8 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
 pub struct World {
     /// devices in all (data-parallel x sequence-parallel)
     pub gpus: usize,
-    /// 0: replicate everything, 1: shard master/m/v, 2: also gradients, 3: also weights
-    pub zero_stage: u8,
+    /// which training state is sharded (`comms::ZeroStage`)
+    pub zero_stage: ZeroStage,
     /// Ulysses sequence-parallel degree P (divides the kv heads and `gpus`)
     pub sp_degree: usize,
 }
@@ -363,34 +364,16 @@ impl Plan {
     }
 }
 
-/// Check a world against a model: ZeRO stage, SP degree vs kv heads and world size.
-pub fn validate_world(w: &World, arch: &Arch) -> Result<()> {
-    if w.gpus == 0 {
-        bail!("--gpus 0: a run needs at least one device\nhint: e.g. --gpus 8");
+impl World {
+    /// The world as `[dist]` (the one owner of its rules, `DistSection::validate`).
+    pub fn dist(&self) -> DistSection {
+        DistSection {
+            world_size: self.gpus,
+            zero_stage: self.zero_stage,
+            sp_degree: self.sp_degree,
+            ..DistSection::default()
+        }
     }
-    if w.zero_stage > 3 {
-        bail!("dist.zero_stage {} does not exist\nhint: choose 0, 1, 2 or 3 (nearest: 3)", w.zero_stage);
-    }
-    let p = w.sp_degree;
-    let hkv = arch.kv_heads;
-    if p == 0 || p > hkv || !hkv.is_multiple_of(p) {
-        let valid: Vec<usize> = (1..=hkv).filter(|d| hkv.is_multiple_of(*d)).collect();
-        let nearest = valid.iter().min_by_key(|d| d.abs_diff(p)).copied().unwrap_or(1);
-        bail!(
-            "dist.sp_degree {p} does not divide the model's {hkv} kv heads (Ulysses gives each rank whole kv heads)\nhint: the nearest valid degree is {nearest}; valid: {valid:?}"
-        );
-    }
-    if !w.gpus.is_multiple_of(p) {
-        let lo = w.gpus / p * p;
-        let hi = lo + p;
-        let near = if lo > 0 { format!("--gpus {lo} or {hi}") } else { format!("--gpus {hi}") };
-        bail!(
-            "world size {} is not divisible by dist.sp_degree {p} (each sequence-parallel group needs {p} ranks)\nhint: nearest valid: {near}, or an SP degree that divides {}",
-            w.gpus,
-            w.gpus
-        );
-    }
-    Ok(())
 }
 
 /// The shape of stage `i` of a run.
@@ -414,19 +397,10 @@ pub fn peak_stage(cfg: &RunConfig) -> usize {
 /// it does not fit the cheapest change that does.
 pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     let arch = Arch::of_run(cfg, "[model]")?;
-    validate_world(world, &arch)?;
-    for i in 0..cfg.stages.len() {
-        let sh = stage_shape(cfg, i, gpu);
-        if !splits_over_ranks(&sh, world) {
-            let dp = world.gpus / world.sp_degree.max(1);
-            let unit = dp * sh.seq_len;
-            bail!(
-                "stage {i}: {} sequences of {} tokens per step do not split evenly over {dp} data-parallel ranks\nhint: set train.global_batch_tokens to a multiple of {unit}, or change --gpus / dist.sp_degree",
-                sh.tokens_per_step / sh.seq_len,
-                sh.seq_len,
-            );
-        }
+    if world.gpus == 0 {
+        bail!("--gpus 0: a run needs at least one device\nhint: e.g. --gpus 8");
     }
+    world.dist().validate("[dist]", world.gpus, Some(arch.kv_heads), &cfg.stage_batches())?;
     let si = peak_stage(cfg);
     let mut plan = plan_stage(&arch, &stage_shape(cfg, si, gpu), world, gpu);
     plan.stage = si;
@@ -468,32 +442,36 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         |name: &'static str, bytes: f64, note: String| terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
     add(
         "weights",
-        n * wb / shard(z >= 3),
-        format!("{} x {} B{}", arch.params, wb, if z >= 3 { " / world (ZeRO-3)" } else { "" }),
+        n * wb / shard(z.gathers_weights()),
+        format!("{} x {} B{}", arch.params, wb, if z.gathers_weights() { " / world (ZeRO-3)" } else { "" }),
     );
-    if z >= 3 && world.gpus > 1 {
-        let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
-        if cpu {
-            add(
-                "gathered_layer",
-                unit * wb,
-                "the largest unit ZeRO-3 all-gathers at once (one layer or the head)".into(),
-            );
-        } else {
-            // NCCL: the next layer's gather runs during this one's compute (ZeroShards::prefetch)
-            let both = unit + arch.layer_params() as f64;
-            add(
-                "gathered_layer",
-                both * wb,
-                "ZeRO-3: the largest gathered unit (a layer or the head) + the next layer's prefetch".into(),
-            );
-        }
+    if z.gathers_weights() && world.gpus > 1 {
+        // what ZeRO-3 holds gathered at its peak (train/step.rs): the embedding, final norm and head for
+        // the whole micro-batch, the layers of one checkpoint segment (the last one keeps its graph
+        // from the forward to its backward; the whole model without checkpointing), and on GPUs the
+        // next layer's prefetch (NCCL overlaps it with this layer's compute)
+        let layer = arch.layer_params() as f64;
+        let outer = (arch.vocab * arch.hidden) as f64 * if arch.tied { 1.0 } else { 2.0 } + c;
+        let held = seg.max(last_seg);
+        let prefetch = if cpu || held >= l { 0.0 } else { layer };
+        add(
+            "gathered_weights",
+            (outer + held as f64 * layer + prefetch) * wb,
+            format!(
+                "ZeRO-3: embedding/norm/head + {held} layer(s) of a checkpoint segment{}",
+                if prefetch > 0.0 { " + the next layer's prefetch" } else { "" }
+            ),
+        );
     }
-    add("gradients", n * gb / shard(z >= 2), format!("{gb} B/param{}", if z >= 2 { " / world (ZeRO-2+)" } else { "" }));
+    add(
+        "gradients",
+        n * gb / shard(z.shards_gradients()),
+        format!("{gb} B/param{}", if z.shards_gradients() { " / world (ZeRO-2+)" } else { "" }),
+    );
     add(
         "optimizer",
-        n * 12.0 / shard(z >= 1),
-        format!("fp32 master, m, v = 12 B/param{}", if z >= 1 { " / world (ZeRO-1+)" } else { "" }),
+        n * 12.0 / shard(z.shards_optimizer()),
+        format!("fp32 master, m, v = 12 B/param{}", if z.shards_optimizer() { " / world (ZeRO-1+)" } else { "" }),
     );
 
     // Activations: saved segment inputs + the larger of the recompute and the loss working sets.
@@ -532,13 +510,17 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         if cpu {
             // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the
             // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time
-            let unit = if z < 2 { n } else { (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64) };
+            let unit = if !z.shards_gradients() {
+                n
+            } else {
+                (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64)
+            };
             add(
                 "comm_buckets",
                 unit * gb,
                 "the gradient copy a Local collective holds (all of it, or one layer)".into(),
             );
-        } else if z < 2 {
+        } else if !z.shards_gradients() {
             let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
             add("comm_buckets", b, "2 x 64 MiB NCCL buffers (the all-reduce runs in place)".into());
         } else {
@@ -564,7 +546,7 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let usable_bytes = (gpu.mem_bytes as f64 * (1.0 - gpu.margin)) as u64;
 
     // Time: FLOPs with recompute at the stated MFU; collectives over the interconnect.
-    let flops_per_token = crate::metrics::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
+    let flops_per_token = crate::train::metrics::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
     let recomputed = if matches!(shape.checkpointing, Checkpointing::None) { 0 } else { l - last_seg };
     // Executed FLOPs: causal flash attention skips the masked half of 12·L·C·T; recompute repeats the
     // forward (a third) of the recomputed layers.
@@ -577,10 +559,10 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let zero_comm_bytes = if world.gpus > 1 {
         ring * n
             * match z {
-                0 => 2.0 * gb,
-                1 => gb + wb,
-                2 => gb * accum + wb,
-                _ => (2.0 * wb + gb) * accum,
+                ZeroStage::Replicated => 2.0 * gb,
+                ZeroStage::Optimizer => gb + wb,
+                ZeroStage::Gradients => gb * accum + wb,
+                ZeroStage::Parameters => (2.0 * wb + gb) * accum,
             }
     } else {
         0.0
@@ -622,13 +604,12 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     }
 }
 
-/// Whether the sequences of one step split into whole micro-batches on every data-parallel rank.
-fn splits_over_ranks(sh: &StageShape, w: &World) -> bool {
-    let dp = w.gpus / w.sp_degree.max(1);
+/// Whether `w` satisfies `[dist]`'s rules for a stage of this shape (suggestions skip those that do not).
+fn splits_over_ranks(arch: &Arch, sh: &StageShape, w: &World) -> bool {
     let unit = (sh.micro_batch * sh.seq_len).max(1);
-    let micro_batches = sh.tokens_per_step / unit;
-    sh.tokens_per_step.is_multiple_of(unit)
-        && crate::comms::launch::rank_batching("", "", micro_batches, sh.micro_batch, dp).is_ok()
+    let stage =
+        StageBatch { seq_len: sh.seq_len, micro_batches: sh.tokens_per_step / unit, micro_batch: sh.micro_batch };
+    sh.tokens_per_step.is_multiple_of(unit) && w.dist().validate("", w.gpus, Some(arch.kv_heads), &[stage]).is_ok()
 }
 
 /// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
@@ -661,7 +642,7 @@ fn suggest(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Option<
         gpus_opts.push(g);
     }
     for &gpus in &gpus_opts {
-        for z in world.zero_stage..=3 {
+        for z in ZeroStage::ALL.into_iter().filter(|&z| z >= world.zero_stage) {
             for &p in divisors.iter().filter(|&&p| p >= world.sp_degree && gpus.is_multiple_of(p)) {
                 let w = World { gpus, zero_stage: z, sp_degree: p };
                 if w == *world {
@@ -683,7 +664,7 @@ fn suggest(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Option<
     }
     cands
         .into_iter()
-        .filter(|(_, s, w)| splits_over_ranks(s, w))
+        .filter(|(_, s, w)| splits_over_ranks(arch, s, w))
         .map(|(what, s, w)| (what, plan_stage(arch, &s, &w, gpu)))
         .filter(|(_, p)| p.fits)
         .min_by(|(_, a), (_, b)| {
@@ -715,7 +696,7 @@ pub struct PlanArgs {
     pub gpu_mem: Option<String>,
     /// ZeRO stage 0-3 [default: dist.zero_stage, else 1]
     #[arg(long, value_name = "S")]
-    pub zero: Option<u8>,
+    pub zero: Option<ZeroStage>,
     /// Ulysses sequence-parallel degree [default: dist.sp_degree, else 1]
     #[arg(long, value_name = "P")]
     pub sp: Option<usize>,
@@ -748,7 +729,7 @@ pub struct PlanArgs {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DistKeys {
     pub world_size: Option<usize>,
-    pub zero_stage: Option<u8>,
+    pub zero_stage: Option<ZeroStage>,
     pub sp_degree: Option<usize>,
 }
 
@@ -775,7 +756,10 @@ pub fn load_config(path: &std::path::Path, overrides: &[String]) -> Result<(RunC
             }
         };
         keys.world_size = int("world_size")?.map(|v| v as usize);
-        keys.zero_stage = int("zero_stage")?.map(|v| v.min(255) as u8);
+        keys.zero_stage = match int("zero_stage")? {
+            Some(v) => Some(ZeroStage::from_number(v as u64).map_err(|e| anyhow!("{origin}: {e}"))?),
+            None => None,
+        };
         keys.sp_degree = int("sp_degree")?.map(|v| v as usize);
         // the backend decides how ranks are started, not what they hold; without world_size a `local`
         // backend would not parse
@@ -822,7 +806,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let default_gpus = if kind == GpuKind::Cpu { 1 } else { 8 };
     let world = World {
         gpus: args.gpus.or(keys.world_size).unwrap_or(default_gpus),
-        zero_stage: args.zero.or(keys.zero_stage).unwrap_or(1),
+        zero_stage: args.zero.or(keys.zero_stage).unwrap_or(ZeroStage::Optimizer),
         sp_degree: args.sp.or(keys.sp_degree).unwrap_or(1),
     };
     let mut plan = plan_for(&cfg, &world, &gpu)?;

@@ -3,12 +3,12 @@
 //! sizes that are not multiples of the piece, from host and device buffers; and a write holds one
 //! piece in host memory, not the tensor (a counting allocator measures the peak).
 use candle_core::{DType, Device, Tensor};
-use harpe::checkpoint::write_optim_shard;
 use harpe::comms::zero::{ShardMap, Split};
 use harpe::flatbuf::{FlatBuf, Placement};
 use harpe::grads::ParamLayout;
 use harpe::model::weights::{write_safetensors, StreamSrc, TensorBytes};
 use harpe::optim::adamw::{AdamW, AdamWHyper};
+use harpe::train::checkpoint::write_optim_shard;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

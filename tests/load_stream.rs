@@ -6,11 +6,11 @@
 use candle_core::{DType, Device, Tensor};
 use harpe::flatbuf::{FlatBuf, Placement};
 use harpe::grads::flatten_params;
-use harpe::metrics::mem::rss_bytes;
 use harpe::model::config::LlamaConfig;
 use harpe::model::llama::Llama;
 use harpe::model::rope::RopeScheme;
 use harpe::model::weights::{init_random, load_flat, load_tensors, save_model_dir, visit_model_tensors, TensorBytes};
+use harpe::train::metrics::mem::rss_bytes;
 use std::collections::{BTreeMap, HashMap};
 
 /// `shards` files of `per_shard` bf16 tensors of `elems` values each, plus the HF index; written one

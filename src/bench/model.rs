@@ -39,7 +39,7 @@ use crate::model::llama::{is_norm_param, param_shapes, LayerWeights, Llama};
 use crate::model::rope::RopeScheme;
 use crate::model::weights::init_flat;
 use crate::optim::adamw::{AdamW, AdamWHyper};
-use crate::train::{batch_tensors, forward_backward, rope_tables, trainable_model};
+use crate::train::{batch_tensors, forward_backward, rope_tables, trainable_model, Backward, MicroBatch};
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
@@ -186,7 +186,7 @@ fn pick_tokens(sh: &Shape, m: &crate::device::DeviceMemory) -> std::result::Resu
     const MULTIPLE: usize = 1024;
     let arch = Arch::from_llama(&sh.config(sh.layers));
     let (gpu, _) = Gpu::measured(m);
-    let world = World { gpus: 1, zero_stage: 0, sp_degree: 1 };
+    let world = World { gpus: 1, zero_stage: crate::comms::ZeroStage::Replicated, sp_degree: 1 };
     let template = StageShape {
         seq_len: MULTIPLE,
         micro_batch: 1,
@@ -317,7 +317,12 @@ fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Ro
     let (ids, targets) = batch_tensors(&[&seq], sh.vocab, dev)?;
     let s = time(dev, iters, || {
         g.zero()?;
-        let out = forward_backward(&model, &vars, &layout, &tables, &ids, &targets, 1, LOSS_CHUNK, 1.0, &mut g)?;
+        let out = forward_backward(
+            &model,
+            (&vars, &layout, &mut g),
+            &MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None },
+            Backward { seg: 1, loss_chunk: LOSS_CHUNK, scale: 1.0 },
+        )?;
         out.nll.sum_all()?.to_scalar::<f32>()?; // the step's loss read, as the loop reads it
         let norm = grads::global_norm(g.buf())?;
         grads::clip_by_global_norm(g.buf_mut(), norm, 1.0)?;
@@ -352,7 +357,7 @@ fn mfu(dev: &Device, n_params: usize, sh: &Shape, tok_s: f64) -> Result<Option<(
         return Ok(None);
     };
     let (gpu, known) = crate::plan::Gpu::measured(&m);
-    let achieved = crate::metrics::flops_per_token(n_params, sh.layers, sh.hidden, sh.tokens) * tok_s / 1e12;
+    let achieved = crate::train::metrics::flops_per_token(n_params, sh.layers, sh.hidden, sh.tokens) * tok_s / 1e12;
     Ok(known.then_some((achieved / gpu.peak_tflops, gpu.peak_tflops)))
 }
 

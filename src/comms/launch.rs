@@ -15,6 +15,7 @@
 //!
 //! What it does not do: elastic restarts or multi-node spawning (use the cluster's launcher), GPU
 //! selection (the worker maps `LOCAL_RANK` to a device), or any collective (see `rendezvous.rs`).
+use crate::config::{Backend, DistSection};
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -255,46 +256,11 @@ impl LaunchEnv {
     }
 }
 
-/// Communication backend named by `dist.backend`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendKind {
-    /// `single`: one process, one device; collectives are no-ops.
-    Single,
-    /// `local`: `dist.world_size` ranks as threads of this one process (tests, CPU equivalence runs).
-    Local,
-    /// `nccl`: one process per GPU, started by `--nproc-per-node`, torchrun or srun.
-    Nccl,
-}
-
-/// The `[dist]` keys as this module reads them (config.rs's `DistSection` maps onto it one to one).
-#[derive(Clone, Debug, PartialEq)]
-pub struct DistConfig {
-    /// `dist.backend`: "single" | "local" | "nccl".
-    pub backend: BackendKind,
-    /// `dist.world_size`: ranks in total; 0 = "whatever the launcher started" (1 without a launcher).
-    /// `local` needs it explicitly; with a launcher a non-zero value must equal the launcher's.
-    pub world_size: usize,
-    /// `dist.zero_stage`: 0 replicated optimizer, gradients all-reduced; 1 master/m/v sharded;
-    /// 2 gradients reduce-scattered in buckets too; 3 parameters sharded and gathered per layer.
-    pub zero_stage: u8,
-    /// `dist.bucket_mb`: MiB of gradients per reduce(-scatter) bucket; changes speed, never results.
-    pub bucket_mb: f64,
-    /// `dist.timeout_s`: seconds a collective, barrier or the rendezvous waits for the slowest rank
-    /// before every rank stops with an error naming it.
-    pub timeout_s: f64,
-}
-
-impl Default for DistConfig {
-    fn default() -> Self {
-        DistConfig { backend: BackendKind::Single, world_size: 0, zero_stage: 0, bucket_mb: 25.0, timeout_s: 600.0 }
-    }
-}
-
 /// Where this process sits once `[dist]` and the launcher environment are reconciled.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Placement {
     /// The backend to build.
-    pub backend: BackendKind,
+    pub backend: Backend,
     /// Ranks in total.
     pub world: usize,
     /// This process's rank (`local`: 0, the process runs every rank as a thread).
@@ -303,127 +269,65 @@ pub struct Placement {
     pub launch: Option<LaunchEnv>,
 }
 
-impl DistConfig {
-    /// Range checks of the keys themselves; `origin` names the config file.
-    pub fn validate(&self, origin: &str) -> Result<()> {
-        if self.zero_stage > 3 {
-            bail!(
-                "{origin}: dist.zero_stage = {} is not a ZeRO stage\nhint: 0 (replicated), 1 (optimizer state \
-                 sharded), 2 (+ gradients), 3 (+ parameters)",
-                self.zero_stage
-            );
-        }
-        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
-            bail!("{origin}: dist.bucket_mb = {} must be a positive size in MiB\nhint: e.g. 25", self.bucket_mb);
-        }
-        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
-            bail!("{origin}: dist.timeout_s = {} must be a positive number of seconds\nhint: e.g. 600", self.timeout_s);
-        }
-        Ok(())
-    }
-
-    /// `dist.timeout_s` as a duration.
-    pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.timeout_s)
-    }
-
-    /// Elements of `elem_bytes` bytes per gradient bucket (at least 1).
-    pub fn bucket_elems(&self, elem_bytes: usize) -> usize {
-        ((self.bucket_mb * 1024.0 * 1024.0) as usize / elem_bytes.max(1)).max(1)
-    }
-
-    /// Reconcile `[dist]` with the launcher's environment (`LaunchEnv::from_env()`), before any work.
-    pub fn place(&self, origin: &str, launch: Option<LaunchEnv>) -> Result<Placement> {
-        self.validate(origin)?;
-        let launched_many = launch.as_ref().is_some_and(|l| l.world_size > 1);
-        let (world, rank) = match self.backend {
-            BackendKind::Single => {
-                if self.world_size > 1 {
-                    bail!(
-                        "{origin}: dist.world_size = {} with dist.backend = \"single\"\nhint: use dist.backend = \
-                         \"local\" (ranks as threads) or \"nccl\" (one process per GPU)",
-                        self.world_size
-                    );
-                }
-                if let Some(l) = launch.as_ref().filter(|_| launched_many) {
-                    bail!(
-                        "{origin}: this process was started as rank {} of {} ({:?} environment), but dist.backend = \
-                         \"single\"\nhint: set dist.backend = \"nccl\" for multi-process runs",
-                        l.rank,
-                        l.world_size,
-                        l.source
-                    );
-                }
-                (1, 0)
+/// Reconcile `[dist]` with the launcher's environment (`LaunchEnv::from_env()`), before any work.
+pub fn place(dist: &DistSection, origin: &str, launch: Option<LaunchEnv>) -> Result<Placement> {
+    dist.check_keys(origin)?;
+    let launched_many = launch.as_ref().is_some_and(|l| l.world_size > 1);
+    let (world, rank) = match dist.backend {
+        Backend::Single => {
+            if dist.world_size > 1 {
+                bail!(
+                    "{origin}: dist.world_size = {} with dist.backend = \"single\"\nhint: use dist.backend = \
+                     \"local\" (ranks as threads) or \"nccl\" (one process per GPU)",
+                    dist.world_size
+                );
             }
-            BackendKind::Local => {
-                if launched_many {
-                    bail!(
-                        "{origin}: dist.backend = \"local\" runs every rank as a thread of one process, but a \
-                         launcher started several processes\nhint: run one process with dist.backend = \"local\", \
-                         or use dist.backend = \"nccl\" under the launcher"
-                    );
-                }
-                if self.world_size == 0 {
-                    bail!("{origin}: dist.backend = \"local\" needs dist.world_size >= 1\nhint: e.g. --set dist.world_size=4");
-                }
-                (self.world_size, 0)
+            if let Some(l) = launch.as_ref().filter(|_| launched_many) {
+                bail!(
+                    "{origin}: this process was started as rank {} of {} ({:?} environment), but dist.backend = \
+                     \"single\"\nhint: set dist.backend = \"nccl\" for multi-process runs",
+                    l.rank,
+                    l.world_size,
+                    l.source
+                );
             }
-            BackendKind::Nccl => {
-                if !cfg!(feature = "nccl") {
-                    bail!(
-                        "{origin}: dist.backend = \"nccl\", but this harpe was built without NCCL\nhint: build with \
-                         --features nccl (README \"Build for GPUs\"), or use dist.backend = \"local\" on CPU"
-                    );
-                }
-                match &launch {
-                    Some(l) => {
-                        if self.world_size != 0 {
-                            l.check_world_size(self.world_size)?;
-                        }
-                        (l.world_size, l.rank)
+            (1, 0)
+        }
+        Backend::Local => {
+            if launched_many {
+                bail!(
+                    "{origin}: dist.backend = \"local\" runs every rank as a thread of one process, but a \
+                     launcher started several processes\nhint: run one process with dist.backend = \"local\", \
+                     or use dist.backend = \"nccl\" under the launcher"
+                );
+            }
+            (dist.world_size, 0)
+        }
+        Backend::Nccl => {
+            if !cfg!(feature = "nccl") {
+                bail!(
+                    "{origin}: dist.backend = \"nccl\", but this harpe was built without NCCL\nhint: build with \
+                     --features nccl (README \"Build for GPUs\"), or use dist.backend = \"local\" on CPU"
+                );
+            }
+            match &launch {
+                Some(l) => {
+                    if dist.world_size != 0 {
+                        l.check_world_size(dist.world_size)?;
                     }
-                    None if self.world_size > 1 => bail!(
-                        "{origin}: dist.world_size = {} with dist.backend = \"nccl\", but no launcher started this \
-                         process\nhint: harpe train --nproc-per-node {} ..., or torchrun / srun",
-                        self.world_size,
-                        self.world_size
-                    ),
-                    None => (1, 0),
+                    (l.world_size, l.rank)
                 }
+                None if dist.world_size > 1 => bail!(
+                    "{origin}: dist.world_size = {} with dist.backend = \"nccl\", but no launcher started this \
+                     process\nhint: harpe train --nproc-per-node {} ..., or torchrun / srun",
+                    dist.world_size,
+                    dist.world_size
+                ),
+                None => (1, 0),
             }
-        };
-        Ok(Placement { backend: self.backend, world, rank, launch })
-    }
-}
-
-/// How each data-parallel rank runs its part of an optimizer step of `micro_batches_per_step`
-/// micro-batches of `micro_batch` sequences: (sequences per micro-batch, micro-batches), together
-/// `micro_batches_per_step * micro_batch / dp_size` sequences. The step's sequences must split evenly
-/// over the ranks (results must not depend on the world; the loader's stride gives the ranks exactly
-/// one rank's sequences of the step); when a rank's share is not a multiple of `micro_batch`, it runs
-/// smaller micro-batches (the largest common divisor), which changes memory and speed, never results.
-pub fn rank_batching(
-    origin: &str,
-    stage: &str,
-    micro_batches_per_step: usize,
-    micro_batch: usize,
-    dp_size: usize,
-) -> Result<(usize, usize)> {
-    let seqs = micro_batches_per_step * micro_batch;
-    if dp_size == 0 || micro_batch == 0 || !seqs.is_multiple_of(dp_size) {
-        bail!(
-            "{origin}: {stage}: {seqs} sequences per optimizer step cannot be split evenly over \
-             {dp_size} data-parallel ranks\nhint: make train.global_batch_tokens / seq_len a multiple of the \
-             data-parallel world size"
-        );
-    }
-    let per_rank = seqs / dp_size;
-    let mut mb = micro_batch.min(per_rank);
-    while !per_rank.is_multiple_of(mb) {
-        mb -= 1;
-    }
-    Ok((mb, per_rank / mb))
+        }
+    };
+    Ok(Placement { backend: dist.backend, world, rank, launch })
 }
 
 /// Expand a Slurm hostlist (`node[01-03,07],gpu5`, `r[1-2]-n[1-2]`) into host names, in order.

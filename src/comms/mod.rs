@@ -1,13 +1,13 @@
 //! Collectives between training ranks: `Comm` with the operations the loop needs, the rank `Mesh`, and
-//! ZeRO ownership (`zero`).
+//! ZeRO ownership (`zero`, and `ZeroStage`: which state a stage shards).
 //!
 //! Reference: DESIGN.md §6 (`Comm` = Single | Local | Nccl, `Mesh {dp, sp}`), llm.c `llmc/zero.cuh`
 //! (ZeRO as a no-op at one process). The non-obvious decisions: the training loop always calls the
 //! collectives (gradient all-reduce, master-weight all-gather, metric reduction, checkpoint barrier),
-//! so one process and many processes run the same straight-line code and `train.rs` has no
+//! so one process and many processes run the same straight-line code and `train/` has no
 //! `if distributed` branch; collectives take `FlatBuf`s (host or device), never host slices. `Single`
 //! leaves device buffers where they are; `Local` (threads) copies a device buffer through the host and
-//! back for each collective for now, which is correct but slow: the NCCL backend is the GPU path. The mesh
+//! back for each collective, which is correct but slow: the NCCL backend is the GPU path. The mesh
 //! separates the data-parallel rank (which data a rank reads) from the sequence-parallel rank (which
 //! part of a sequence it holds); the optimizer shard and the checkpoint file names use the global rank
 //! `dp_rank * sp_size + sp_rank` of `dp_size * sp_size` (ZeRO shards over every rank, as DeepSpeed-Ulysses
@@ -30,6 +30,7 @@ pub mod local;
 pub mod nccl;
 pub mod rendezvous;
 pub mod sequence;
+pub mod stage;
 pub mod watch;
 pub mod zero;
 
@@ -39,6 +40,7 @@ use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use local::{LocalComm, ReduceOp};
+pub use stage::ZeroStage;
 use std::sync::Arc;
 use zero::ShardMap;
 

@@ -196,17 +196,10 @@ enum Gathering {
 impl<'a> ZeroShards<'a> {
     /// ZeRO 2-3 exchanges of this rank: `prefetch` = whether the backend overlaps collectives with
     /// compute (NCCL), the only case where starting the next group's gather early gains anything.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        comm: &'a Comm,
-        map: &'a ShardMap,
-        layout: &'a ParamLayout,
-        master: &'a FlatBuf,
-        grads: &'a mut FlatBuf,
-        dtype: DType,
-        device: Device,
-        bucket: usize,
-    ) -> ZeroShards<'a> {
+    /// `src`: where the weights come from; `grads`: this rank's gradient shard; weights are gathered
+    /// in `dtype` onto `device`, gradients reduce-scattered in rounds of `bucket` elements.
+    pub fn new(src: Shards<'a>, grads: &'a mut FlatBuf, dtype: DType, device: Device, bucket: usize) -> ZeroShards<'a> {
+        let Shards { comm, map, layout, master } = src;
         let prefetch = comm.overlaps();
         ZeroShards {
             comm,

@@ -17,8 +17,8 @@ use crate::config::EvalSection;
 use crate::data::{Loader, LoaderConfig, Manifest};
 use crate::eval::niah_io::Record;
 use crate::eval::{eval_loss, niah, niah_run, passkey, ppl, tasks};
-use crate::metrics::{EvalRecord, EvalResults, PplSummary};
 use crate::model::Llama;
+use crate::train::metrics::{EvalRecord, EvalResults, PplSummary};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -87,8 +87,11 @@ impl TrainEval {
                 );
             }
         }
-        let last_step =
-            if metrics.exists() { crate::metrics::read_evals(metrics)?.iter().map(|r| r.step).max() } else { None };
+        let last_step = if metrics.exists() {
+            crate::train::metrics::read_evals(metrics)?.iter().map(|r| r.step).max()
+        } else {
+            None
+        };
         Ok(Some(TrainEval { cfg: cfg.clone(), tok, docs, passkey: pk, loss, loss_chunk, tasks: prepared, last_step }))
     }
 

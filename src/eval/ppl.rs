@@ -180,7 +180,7 @@ pub fn position_nlls(
         return Ok(vec![]);
     }
     let targets = Tensor::new(&ids[p0 + 1..p1 + 1], hidden.device())?; // (p1 - p0)
-    let nll = crate::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
+    let nll = crate::train::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
         let logits =
             model.logits(&hidden.narrow(1, p0 + start, len)?).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
         logits.squeeze(0)?.to_dtype(DType::F32) // (len, V)

@@ -6,7 +6,7 @@
 //!
 //! Reference: kernels/attention.cu (header: algorithm, tiles, what a block owns), kernels/mma.cuh (the
 //! fragment layouts the emulated mma/ldmatrix reproduce); the CPU reference
-//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` they are tested against (tests/attention_emu.rs).
+//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` they are tested against (tests/stage_model/attention_emu.rs).
 //! The non-obvious decision: the launch shape is not the caller's choice here (unlike the row kernels):
 //! the kernels are written for exactly 128 threads per block and one block per (tile, head, batch), so
 //! the wrapper derives the grid from the shapes exactly as the CUDA launcher does — and both take the

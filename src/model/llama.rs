@@ -7,7 +7,7 @@
 //! device (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
 //! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
-//! reference, later CUDA or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
+//! reference, the CUDA kernels, or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
 //! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Packed sequences
 //! may carry document boundaries (`DocStarts`, `train.document_mask`): every layer's attention is then
 //! causal within each document; positions stay the packed ones (RoPE is not reset per document).

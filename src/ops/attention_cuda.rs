@@ -3,7 +3,7 @@
 //! `cuda_fwd` bodies (`fwd_packed`, `bwd_packed`: the same packed layouts as the CPU path).
 //!
 //! Reference: kernels/attention.cu (algorithm, tiles, what a block owns); `kernels_emu::attention`, the
-//! host twin with the same launch shapes, which tests/attention_emu.rs checks against the CPU reference.
+//! host twin with the same launch shapes, which tests/stage_model/attention_emu.rs checks against the CPU reference.
 //! The non-obvious decision: the shape rules (head dim, H % Hkv, causal Tk >= Tq, u32 sizes) are the
 //! emulator's `check_dims` and the tile heights and kernel choice `AttnKernel`'s, one owner for both
 //! targets; every check runs before anything is allocated or launched. The tensor-core tiles load 16

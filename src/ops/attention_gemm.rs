@@ -2,7 +2,7 @@
 //! crate (the microkernels candle's CPU matmul uses), the online softmax between the GEMMs.
 //!
 //! Reference: FlashAttention-2 (Dao 2023) Algorithms 1-2; the readable scalar loops this must match are
-//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/attention_gemm.rs compares them,
+//! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/stage_model/attention_gemm.rs compares them,
 //! forward and backward, ragged, GQA, Tq < Tk).
 //! Forward: one task per (b, h, query block of `BQ` rows) on rayon; for each key block of `BK` keys up
 //! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per-row running max / sum / rescale,
@@ -20,7 +20,7 @@
 //! which also serves decode and prefill, splits over query blocks.
 //! Document masks (`docs`, per key the start of its document: `ops::attention::DocStarts`): row i sees
 //! keys docs[p_i]..=p_i, so a block's key loop starts at its first row's document start (earlier key
-//! blocks are skipped) and each row's scores outside its range are zero probabilities (tests/attention_docs.rs).
+//! blocks are skipped) and each row's scores outside its range are zero probabilities (tests/stage_model/attention_docs.rs).
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
 //! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention::AttnDims;

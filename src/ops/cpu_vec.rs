@@ -10,7 +10,7 @@
 //! hardware it is a libm call) and chosen at run time.
 //! Accuracy: `exp` is within 2 ulp of `f32::exp` on [-86.6, 88.7], 0 below -86.6 (so -inf gives 0), +inf
 //! above 88.7, NaN stays NaN. Sums run in 16 lanes, so their rounding differs from a left fold by
-//! ~1e-7 relative. Tested in tests/cpu_vec.rs. Does not: f64, or ISA-specific intrinsics (the compiler
+//! ~1e-7 relative. Tested in tests/stage_model/cpu_vec.rs. Does not: f64, or ISA-specific intrinsics (the compiler
 //! picks the instructions).
 
 /// Lanes of the split accumulators (one AVX-512 register, two AVX2 ones).

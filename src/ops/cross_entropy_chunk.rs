@@ -11,7 +11,7 @@
 //! Does not: the matmuls, the chunk loop or the target range check against V (a kernel cannot return
 //! an error: training checks ids when it builds the batch, `train::batch_tensors`; `check_targets` is
 //! the host check for callers with their own targets, e.g. selftest; an unchecked target >= V gives NaN).
-use crate::loss::IGNORE_INDEX;
+use crate::train::loss::IGNORE_INDEX;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
 

@@ -15,9 +15,10 @@
 //!   is tokens seen and the summed step times from `metrics.jsonl` (so resumed runs count once).
 //!
 //! Not here: running anything (the sweep does), significance tests across many metrics.
-use crate::metrics::read_records;
 use crate::research::stats::{paired_diff, summarize, IntervalMethod, PairedDiff, Summary};
 use crate::research::sweep::{read_marker, EvalSpec, RunState, SweepIndex};
+use crate::train::metrics::read_records;
+use crate::train::RunDir;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -91,7 +92,7 @@ pub fn human_count(n: u64) -> String {
 
 /// The seed of a plain `harpe train` run directory (its config.toml's train.seed).
 fn plain_seed(dir: &Path) -> Result<u64> {
-    let p = dir.join("config.toml");
+    let p = RunDir::new(dir).config();
     let text = std::fs::read_to_string(&p).with_context(|| {
         format!("{}: neither sweep.json, sweep-run.json nor config.toml\nhint: pass a sweep directory or a run directory of harpe train", dir.display())
     })?;
@@ -101,14 +102,14 @@ fn plain_seed(dir: &Path) -> Result<u64> {
 
 /// Read one run directory.
 pub fn load_run(dir: &Path) -> Result<RunData> {
-    let (arm, seed, eval) = if dir.join("sweep-run.json").exists() {
+    let (arm, seed, eval) = if RunDir::new(dir).sweep_marker().exists() {
         let m = read_marker(dir)?;
         (m.arm, m.seed, Some(m.eval))
     } else {
         let arm = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "run".into());
         (arm, plain_seed(dir)?, None)
     };
-    let mpath = dir.join("metrics.jsonl");
+    let mpath = RunDir::new(dir).metrics();
     let recs = read_records(&mpath)
         .with_context(|| format!("{}: no training log\nhint: has this run started training?", dir.display()))?;
     let good: Vec<_> = recs.iter().filter(|r| !r.skipped && r.loss.is_finite()).collect();
@@ -123,7 +124,7 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
     metrics.insert("cost:train_s".into(), secs);
     if let Some(ev) = &eval {
         if *ev != EvalSpec::default() {
-            let p = dir.join("eval").join("summary.json");
+            let p = RunDir::new(dir).eval_summary();
             let text = std::fs::read_to_string(&p).with_context(|| {
                 format!("{}: not evaluated yet\nhint: rerun the sweep to finish its evaluation", dir.display())
             })?;
@@ -143,7 +144,7 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
 /// `mmlu` group is there (57 columns would bury the table).
 pub fn eval_task_metrics(dir: &Path) -> Result<BTreeMap<String, f64>> {
     let mut by_task: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    let rj = dir.join("eval-tasks").join("results.json");
+    let rj = RunDir::new(dir).eval_tasks_results();
     if rj.exists() {
         let text = std::fs::read_to_string(&rj).with_context(|| format!("cannot read {}", rj.display()))?;
         let v: serde_json::Value =
@@ -152,8 +153,8 @@ pub fn eval_task_metrics(dir: &Path) -> Result<BTreeMap<String, f64>> {
             let m = r.as_object().into_iter().flatten().filter_map(|(k, x)| x.as_f64().map(|x| (k.clone(), x)));
             by_task.insert(task.clone(), m.collect());
         }
-    } else if dir.join("metrics.jsonl").exists() {
-        let evals = crate::metrics::read_evals(&dir.join("metrics.jsonl"))?;
+    } else if RunDir::new(dir).metrics().exists() {
+        let evals = crate::train::metrics::read_evals(&RunDir::new(dir).metrics())?;
         if let Some(last) = evals.iter().rev().find(|e| !e.eval.tasks.is_empty()) {
             by_task = last.eval.tasks.clone();
         }

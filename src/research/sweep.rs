@@ -22,8 +22,9 @@
 //!
 //! Not here: scheduling across machines (run one sweep per node on disjoint `--only` sets, or a cluster
 //! launcher), the statistics (`report.rs`).
-use crate::checkpoint::{latest_complete, load_state};
 use crate::config::RunConfig;
+use crate::train::checkpoint::load_state;
+use crate::train::RunDir;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -421,7 +422,7 @@ pub fn harpe_binary() -> Result<PathBuf> {
 
 /// Whether the run's newest checkpoint is past its last stage.
 pub fn run_finished(dir: &Path, stages: usize) -> Result<bool> {
-    match latest_complete(&dir.join("checkpoints"))? {
+    match RunDir::new(dir).latest_checkpoint()? {
         Some(c) => Ok(load_state(&c)?.stage >= stages),
         None => Ok(false),
     }
@@ -429,7 +430,7 @@ pub fn run_finished(dir: &Path, stages: usize) -> Result<bool> {
 
 /// Check a run directory before using it: it must be new, or belong to this sweep and config.
 fn check_run_dir(dir: &Path, sweep: &str, plan: &RunPlan) -> Result<()> {
-    let marker = dir.join("sweep-run.json");
+    let marker = RunDir::new(dir).sweep_marker();
     if marker.exists() {
         let m = read_marker(dir)?;
         if m.sweep != sweep {
@@ -447,7 +448,7 @@ fn check_run_dir(dir: &Path, sweep: &str, plan: &RunPlan) -> Result<()> {
                 &plan.hash[..12]
             );
         }
-    } else if dir.join("config.toml").exists() || dir.join("checkpoints").exists() {
+    } else if RunDir::new(dir).is_started() {
         bail!(
             "{} holds a run that is not part of sweep `{sweep}` (no sweep-run.json)\nhint: use another --out, or remove that directory",
             dir.display()
@@ -458,7 +459,7 @@ fn check_run_dir(dir: &Path, sweep: &str, plan: &RunPlan) -> Result<()> {
 
 /// Read `sweep-run.json` of a run directory.
 pub fn read_marker(dir: &Path) -> Result<RunMarker> {
-    let p = dir.join("sweep-run.json");
+    let p = RunDir::new(dir).sweep_marker();
     let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
     let m: RunMarker = serde_json::from_str(&text)
         .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged; remove the run directory to retrain", p.display()))?;
@@ -585,7 +586,7 @@ fn train_run(ctx: &Ctx, plan: &RunPlan, dir: &Path) -> Result<bool> {
         args.push("--set".into());
         args.push(o.clone());
     }
-    let log = dir.join("train.log");
+    let log = RunDir::new(dir).train_log();
     let t0 = Instant::now();
     let (ok, _) = ctx.run_child(&args, &log, false)?;
     let dt = t0.elapsed().as_secs_f64();
@@ -604,7 +605,7 @@ fn eval_step(ctx: &Ctx, dir: &Path, out: &Path, args: Vec<String>, capture: bool
     if ctx.stop.load(Ordering::SeqCst) {
         return Ok(false);
     }
-    let log = dir.join("eval.log");
+    let log = RunDir::new(dir).eval_log();
     let (ok, stdout) = ctx.run_child(&args, &log, capture)?;
     if !ok {
         if ctx.stop.load(Ordering::SeqCst) {
@@ -622,9 +623,10 @@ fn eval_step(ctx: &Ctx, dir: &Path, out: &Path, args: Vec<String>, capture: bool
 
 /// Evaluate a finished run as `[eval]` says; writes `eval/*.json` and `eval/summary.json`.
 fn eval_run(ctx: &Ctx, dir: &Path) -> Result<bool> {
-    let ckpt = latest_complete(&dir.join("checkpoints"))?
+    let ckpt = RunDir::new(dir)
+        .latest_checkpoint()?
         .ok_or_else(|| anyhow!("{}: no complete checkpoint to evaluate\nhint: rerun the sweep", dir.display()))?;
-    let ev = dir.join("eval");
+    let ev = RunDir::new(dir).eval_dir();
     std::fs::create_dir_all(&ev).with_context(|| format!("cannot create {}", ev.display()))?;
     let model = s(&ckpt);
     for p in &ctx.eval.ppl {
@@ -647,12 +649,12 @@ fn eval_run(ctx: &Ctx, dir: &Path) -> Result<bool> {
         if let Some(m) = l.max_sequences {
             a.extend(["--max-sequences".into(), m.to_string()]);
         }
-        if !eval_step(ctx, dir, &ev.join("loss.json"), a, true)? {
+        if !eval_step(ctx, dir, &RunDir::new(dir).eval_loss(), a, true)? {
             return Ok(false);
         }
     }
     if let Some(n) = &ctx.eval.niah {
-        let out = ev.join("niah");
+        let out = RunDir::new(dir).eval_niah();
         let lengths: Vec<String> = n.lengths.iter().map(usize::to_string).collect();
         let mut a = vec![
             "eval-niah".into(),
@@ -678,7 +680,7 @@ fn eval_run(ctx: &Ctx, dir: &Path) -> Result<bool> {
         }
     }
     let summary = eval_summary(&ev, &ctx.eval)?;
-    crate::util::write_atomic(&ev.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    crate::util::write_atomic(&RunDir::new(dir).eval_summary(), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     Ok(true)
 }
 
@@ -740,8 +742,8 @@ fn do_run(ctx: &Ctx, plan: &RunPlan) -> Result<RunState> {
         config_hash: plan.hash.clone(),
         eval: ctx.eval.clone(),
     };
-    crate::util::write_atomic(&dir.join("sweep-run.json"), serde_json::to_string_pretty(&marker)?.as_bytes())?;
-    let resuming = latest_complete(&dir.join("checkpoints"))?.is_some();
+    crate::util::write_atomic(&RunDir::new(&dir).sweep_marker(), serde_json::to_string_pretty(&marker)?.as_bytes())?;
+    let resuming = RunDir::new(&dir).latest_checkpoint()?.is_some();
     ctx.update(&plan.id, |e| {
         e.state = RunState::Training;
         e.attempts += 1;
@@ -783,7 +785,7 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
             stages.push(format!("{}x{}", c.stages[i].seq_len, crate::research::report::human_count(steps * per)));
             if let Some(m) = &arch {
                 flops += (steps * per) as f64
-                    * crate::metrics::flops_per_token(
+                    * crate::train::metrics::flops_per_token(
                         m.num_params(),
                         m.num_hidden_layers,
                         m.hidden_size,
@@ -890,7 +892,7 @@ pub fn run(args: SweepArgs) -> Result<()> {
             eval_s: 0.0,
             error: None,
         });
-        let complete = e.state == RunState::Done && out.join(&p.id).join("eval").join("summary.json").exists();
+        let complete = e.state == RunState::Done && RunDir::new(out.join(&p.id)).eval_summary().exists();
         if !complete {
             if e.state == RunState::Done {
                 e.state = RunState::Pending;

@@ -21,7 +21,7 @@
 //! - `run.rs`: the command (progress, resume, outputs).
 //!
 //! The non-obvious decision: templates are written out per task in Rust (no Jinja engine), each next to
-//! the YAML line it reproduces; the golden test (`tests/eval_tasks.rs`, fixtures from
+//! the YAML line it reproduces; the golden test (`tests/stage_eval/eval_tasks.rs`, fixtures from
 //! `scripts/make_tasks_golden.py` running the harness itself) checks every prompt string, log-likelihood
 //! and metric. Not done here: other harness tasks, chat templates, `.parquet` inputs (convert to JSONL).
 pub mod data;

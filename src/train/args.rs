@@ -1,0 +1,63 @@
+//! `harpe train`'s command-line arguments.
+use super::RunDir;
+use std::path::{Path, PathBuf};
+
+/// `harpe train`: single- or multi-stage continual pretraining from a TOML recipe.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// TOML recipe: [model] [data] [rope] [train] [optim] [schedule] [checkpoint] [dist] [log] and
+    /// [[stage]] tables (see configs/tiny-cpu.toml)
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// run directory for config.toml, metrics.jsonl, loss.png and checkpoints/
+    /// [default: runs/<config file name without .toml>]
+    #[arg(long, value_name = "RUN_DIR")]
+    pub out: Option<PathBuf>,
+    /// stop after N optimizer steps in total (steps of a resumed run count) and write a final checkpoint
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// continue bit-identically from the newest complete checkpoint in the run directory
+    /// (starts from scratch when there is none)
+    #[arg(long)]
+    pub resume: bool,
+    /// override one config value, e.g. --set optim.lr=1e-5 or --set stage.0.steps=10 (repeatable)
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// use a run directory that already belongs to a different config (replaces its config.toml);
+    /// also start a run that `harpe plan` says will not fit
+    #[arg(long)]
+    pub force: bool,
+    /// start N worker processes (one per GPU, dist.backend = "nccl"); needs a build with
+    /// --features nccl. On CPU use --set dist.backend=local --set dist.world_size=N instead
+    #[arg(long, value_name = "N")]
+    pub nproc_per_node: Option<usize>,
+    /// test knob: keep the training state (weights, AdamW, gradients) in the device variant of
+    /// `FlatBuf` even on the CPU, so the GPU path's candle-op logic runs and can be compared with the
+    /// host path there (a CUDA run always uses it)
+    #[arg(long, hide = true)]
+    pub device_resident_state: bool,
+}
+
+impl TrainArgs {
+    /// The arguments of `harpe train --config CONFIG [--out OUT]` with every other flag at its default.
+    pub fn new(config: &Path, out: Option<&Path>) -> TrainArgs {
+        TrainArgs {
+            config: config.to_path_buf(),
+            out: out.map(Path::to_path_buf),
+            steps: None,
+            resume: false,
+            set: vec![],
+            force: false,
+            nproc_per_node: None,
+            device_resident_state: false,
+        }
+    }
+
+    /// The run directory: `--out`, else `runs/<config file name without .toml>`.
+    pub fn run_dir(&self) -> RunDir {
+        RunDir::new(self.out.clone().unwrap_or_else(|| {
+            let stem = self.config.file_stem().map(|s| s.to_string_lossy().to_string());
+            PathBuf::from("runs").join(stem.unwrap_or_else(|| "run".into()))
+        }))
+    }
+}

@@ -1,0 +1,631 @@
+//! Checkpoints: `RUN/checkpoints/step_000500/` with HF-layout weights, one optimizer shard per rank
+//! (fp32 master, m, v), `state.json`, and a `DONE` marker; written atomically, newest complete one wins.
+//!
+//! Reference: DESIGN.md §3 (run directory) and §6 (commit for N ranks), llm.c `train_gpt2.cu` (DONE
+//! marker, bit-exact resume).
+//! The non-obvious decisions: the commit protocol is the N-rank one, and one rank is its special case:
+//! rank 0 clears and creates ONE temp dir per step, `checkpoints/.tmp-step_N/` (a name every rank
+//! derives, not a per-process one); barrier; every rank writes and fsyncs its own
+//! `optim-RRRRR-of-WWWWW.safetensors` into it; a barrier that also agrees on success; rank 0 alone
+//! writes the HF model, `state.json` and `DONE` (last), fsyncs and renames the directory to `step_N`
+//! (atomic on one file system); a final barrier. A crash or a full disk at any point leaves the previous
+//! checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
+//! every rank. Old checkpoints are pruned only after the new one is complete. Resume reads the fp32
+//! master weights from the optimizer shard (not the possibly-bf16 HF weights), which is what makes it
+//! bit-identical. The shard file format is unchanged from format 1. Resume re-shards: every rank reads
+//! the shards of whatever world size wrote the checkpoint and takes its own flat range (a slice
+//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly (it reads every shard file
+//! on every rank, which is simple and fine for the sizes harpe resumes on one node). A shard is streamed
+//! to its file in 32 MiB pieces copied from the (device) buffers one at a time
+//! (`model::weights::write_safetensors`), so a save never holds a whole shard in host memory.
+//! What this file does not do: decide when to save (train.rs) or write the weights' bytes
+//! (`model::weights::save_model_dir`, passed in as a closure).
+use crate::comms::{Comm, Mesh};
+use crate::flatbuf::FlatBuf;
+use crate::model::rope::RopeScheme;
+use crate::model::weights::{write_safetensors, StreamSrc, STREAM_CHUNK_BYTES};
+use crate::optim::adamw::AdamW;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Version of `state.json` and the optimizer shard layout.
+pub const FORMAT: u32 = 1;
+/// Name of the completion marker.
+pub const DONE: &str = "DONE";
+
+/// Everything besides tensors that resuming needs (`state.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format: u32,
+    /// optimizer steps completed in total
+    pub step: u64,
+    /// stage the next step belongs to
+    pub stage: usize,
+    /// steps completed inside that stage
+    pub stage_step: u64,
+    /// training tokens consumed so far
+    pub tokens_seen: u64,
+    /// the data loader's cursor inside the current stage (its own JSON form)
+    pub data_cursor: serde_json::Value,
+    /// the run's seed; after initialization the only randomness is the data order, held by the cursor
+    pub seed: u64,
+    /// sha256 of the resolved config
+    pub config_hash: String,
+    /// RoPE scheme the weights were trained with at this point
+    pub rope: RopeScheme,
+    /// steps skipped for a NaN/inf loss or gradient so far
+    pub skipped_steps: u64,
+}
+
+impl TrainState {
+    /// The state of a run before its first step.
+    pub fn new(seed: u64, config_hash: &str, rope: RopeScheme) -> TrainState {
+        TrainState {
+            format: FORMAT,
+            step: 0,
+            stage: 0,
+            stage_step: 0,
+            tokens_seen: 0,
+            data_cursor: serde_json::Value::Null,
+            seed,
+            config_hash: config_hash.to_string(),
+            rope,
+            skipped_steps: 0,
+        }
+    }
+}
+
+/// Directory name of the checkpoint after `step` steps.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step_{step:06}")
+}
+
+/// File name of a rank's optimizer shard (global rank of the mesh).
+pub fn optim_file(mesh: &Mesh) -> String {
+    format!("optim-{:05}-of-{:05}.safetensors", mesh.rank(), mesh.world())
+}
+
+fn fsync_path(p: &Path) -> Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("fsync {} failed\nhint: is the disk full or the file system read-only?", p.display()))
+}
+
+fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(p)
+        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", p.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {} failed\nhint: is the disk full?", p.display()))?;
+    f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))
+}
+
+/// Write this rank's optimizer state (master, m, v and the step count / range in the metadata) as
+/// `path`, streamed from its buffers in pieces of `chunk_bytes` (`write_safetensors`); returns the
+/// largest piece held on the host.
+pub fn write_optim_shard(path: &Path, o: &AdamW, chunk_bytes: usize) -> Result<usize> {
+    write_optim_file(path, o.master(), o.m(), o.v(), o.t(), o.range(), chunk_bytes)
+}
+
+/// The optimizer shard file for `range` of the flat space (format 1: f32 `master`, `m`, `v`).
+fn write_optim_file(
+    path: &Path,
+    master: &FlatBuf,
+    m: &FlatBuf,
+    v: &FlatBuf,
+    t: u64,
+    range: std::ops::Range<usize>,
+    chunk_bytes: usize,
+) -> Result<usize> {
+    let srcs = [("master", master), ("m", m), ("v", v)].map(|(k, b)| (k.to_string(), StreamSrc::Flat(b)));
+    // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
+    // random order and make identical states give different bytes
+    let info = serde_json::json!({"format": FORMAT, "t": t, "range_start": range.start, "range_end": range.end});
+    let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
+    write_safetensors(path, &srcs, Some(meta), chunk_bytes)
+        .with_context(|| format!("cannot write the optimizer state {}", path.display()))
+}
+
+/// Save a checkpoint atomically on every rank (all ranks call it with the same `state`) and prune to
+/// `keep_last`; returns the final directory. `write_model` writes the HF-layout model files into the
+/// directory it is given; only rank 0 calls it.
+pub fn save(
+    root: &Path,
+    state: &TrainState,
+    optim: &AdamW,
+    comm: &Comm,
+    keep_last: usize,
+    write_model: &dyn Fn(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let mesh = comm.mesh();
+    let lead = mesh.rank() == 0;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    let fin = root.join(&name);
+    // 1. rank 0 makes a fresh temp dir; everyone learns whether it exists
+    let made = if lead { fresh_dir(root, &tmp) } else { Ok(()) };
+    let mut res = agree(comm, made, "creating the checkpoint directory");
+    // 2. every rank writes its optimizer shard into it; everyone learns whether all succeeded
+    if res.is_ok() {
+        let shard = write_optim_shard(&tmp.join(optim_file(&mesh)), optim, STREAM_CHUNK_BYTES).map(|_| ());
+        res = agree(comm, shard, "writing the optimizer shards");
+    }
+    // 3. rank 0 writes the model and state, DONE last, and commits by renaming
+    if res.is_ok() {
+        let commit = if lead { commit(root, &tmp, &fin, state, write_model) } else { Ok(()) };
+        res = agree(comm, commit, "committing");
+    }
+    if let Err(e) = res {
+        if lead {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        let prev = latest_complete(root).ok().flatten();
+        let prev = prev
+            .map(|p| format!("the previous checkpoint {} is intact", p.display()))
+            .unwrap_or_else(|| "no earlier checkpoint exists".into());
+        return Err(e.context(format!(
+            "saving checkpoint {} failed; {prev}\nhint: free disk space or fix permissions, then rerun with --resume",
+            fin.display()
+        )));
+    }
+    if lead {
+        prune(root, keep_last)?;
+    }
+    comm.barrier()?;
+    Ok(fin)
+}
+
+/// Barrier on a step of the save: this rank's own error wins, else "another rank failed".
+fn agree(comm: &Comm, mine: Result<()>, what: &str) -> Result<()> {
+    let all = comm.all_ok(mine.is_ok())?;
+    mine?;
+    if !all {
+        bail!("another rank failed while {what}");
+    }
+    Ok(())
+}
+
+/// Remove a stale `tmp` (an interrupted save of the same step) and create it empty.
+fn fresh_dir(root: &Path, tmp: &Path) -> Result<()> {
+    std::fs::create_dir_all(root)
+        .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", root.display()))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot remove stale {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))
+}
+
+/// Rank 0's part: model files, `state.json`, fsync everything, `DONE`, rename `tmp` to `fin`.
+fn commit(
+    root: &Path,
+    tmp: &Path,
+    fin: &Path,
+    state: &TrainState,
+    write_model: &dyn Fn(&Path) -> Result<()>,
+) -> Result<()> {
+    write_model(tmp)?;
+    write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
+    for entry in std::fs::read_dir(tmp)? {
+        fsync_path(&entry?.path())?;
+    }
+    write_file(&tmp.join(DONE), format!("step {}\n", state.step).as_bytes())?;
+    fsync_path(tmp)?;
+    if fin.exists() {
+        // a complete checkpoint of the same step (re-saved after a resume) or a leftover: replace it
+        let name = fin.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let old = root.join(format!(".old-{name}"));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove stale {}", old.display()))?;
+        }
+        std::fs::rename(fin, &old).with_context(|| format!("cannot move aside {}", fin.display()))?;
+        std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    } else {
+        std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
+    }
+    fsync_path(root)
+}
+
+/// Complete checkpoints under `root`, oldest first, as (step, dir).
+pub fn list_complete(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    if !root.exists() {
+        return Ok(vec![]);
+    }
+    let mut out = vec![];
+    for entry in std::fs::read_dir(root).with_context(|| format!("cannot list {}", root.display()))? {
+        let p = entry?.path();
+        let step = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step_"))
+            .and_then(|s| s.parse::<u64>().ok());
+        if let Some(step) = step {
+            if p.join(DONE).is_file() {
+                out.push((step, p));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint, if any.
+pub fn latest_complete(root: &Path) -> Result<Option<PathBuf>> {
+    Ok(list_complete(root)?.pop().map(|(_, p)| p))
+}
+
+/// Delete all but the newest `keep` complete checkpoints (at least one is always kept), and leftovers
+/// of interrupted saves. Called by rank 0 between a commit and the final barrier of `save`, when no
+/// other save is in flight.
+pub fn prune(root: &Path, keep: usize) -> Result<()> {
+    let all = list_complete(root)?;
+    let n = all.len().saturating_sub(keep.max(1));
+    for (_, p) in &all[..n] {
+        std::fs::remove_dir_all(p).with_context(|| format!("cannot delete old checkpoint {}", p.display()))?;
+    }
+    for entry in std::fs::read_dir(root)? {
+        let p = entry?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with(".tmp-") || name.starts_with(".old-") {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+    Ok(())
+}
+
+/// Read `state.json` of a checkpoint.
+pub fn load_state(dir: &Path) -> Result<TrainState> {
+    let p = dir.join("state.json");
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete", p.display()))?;
+    let st: TrainState = serde_json::from_str(&text).map_err(|e| {
+        anyhow!("{}: line {}: {e}\nhint: the file is damaged or from another harpe version", p.display(), e.line())
+    })?;
+    if st.format != FORMAT {
+        bail!("{}: format {} is not supported (this harpe writes {FORMAT})\nhint: resume with the harpe version that wrote it", p.display(), st.format);
+    }
+    Ok(st)
+}
+
+/// One rank's optimizer shard file: its flat range, AdamW step count and fp32 (master, m, v), memory-
+/// mapped: a resuming rank copies out only the elements of its own range (`stitch_optim`), so resuming
+/// N ranks reads each file's bytes about once in all, not N times into every rank's memory.
+pub struct OptimShard {
+    /// the file it came from
+    pub path: PathBuf,
+    /// the flat range it holds
+    pub range: std::ops::Range<usize>,
+    /// AdamW step count
+    pub t: u64,
+    /// the mapped file
+    map: memmap2::Mmap,
+    /// byte offsets of the little-endian f32 data of master, m and v in the file
+    offsets: [usize; 3],
+}
+
+/// Which of a shard's three tensors.
+#[derive(Clone, Copy, Debug)]
+pub enum OptimPart {
+    Master = 0,
+    M = 1,
+    V = 2,
+}
+
+impl OptimShard {
+    /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`.
+    pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let base = self.offsets[part as usize];
+        let bytes = &self.map[base + 4 * local.start..base + 4 * local.end];
+        out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+    }
+
+    /// Every value of `part`.
+    pub fn values(&self, part: OptimPart) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.range.len());
+        self.copy_into(part, 0..self.range.len(), &mut v);
+        v
+    }
+}
+
+/// Map and check one `optim-*.safetensors` file (its metadata and tensor sizes; values are read later).
+pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
+    let f = std::fs::File::open(p)
+        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete or not readable", p.display()))?;
+    // SAFETY: the file is opened read-only; a checkpoint directory is complete (DONE) and never written
+    // again (new saves go to a temp directory that is renamed), so it does not change while mapped.
+    let map = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&map[..])
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let info: serde_json::Value = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("harpe_optim"))
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default();
+    let num = |k: &str| -> Result<u64> {
+        info[k].as_u64().ok_or_else(|| {
+            anyhow!("{}: metadata `{k}` missing\nhint: the file is damaged or not written by harpe", p.display())
+        })
+    };
+    let range = num("range_start")? as usize..num("range_end")? as usize;
+    let st = safetensors::SafeTensors::deserialize(&map[..])
+        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let n = range.len();
+    let offset = |k: &str| -> Result<usize> {
+        let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}\nhint: the file is damaged", p.display()))?;
+        let d = t.data();
+        if d.len() != n * 4 || t.dtype() != safetensors::Dtype::F32 {
+            bail!(
+                "{}: tensor `{k}` has {} bytes of {:?}, its range {range:?} needs {n} f32 values\nhint: the file is damaged",
+                p.display(),
+                d.len(),
+                t.dtype()
+            );
+        }
+        Ok(d.as_ptr() as usize - map.as_ptr() as usize)
+    };
+    let offsets = [offset("master")?, offset("m")?, offset("v")?];
+    let t = num("t")?;
+    drop(st);
+    Ok(OptimShard { path: p.to_path_buf(), range, t, map, offsets })
+}
+
+/// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
+pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| {
+            format!("cannot list {}\nhint: pass a checkpoint directory (RUN/checkpoints/step_N)", dir.display())
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let n = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            n.starts_with("optim-") && n.ends_with(".safetensors")
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!(
+            "{} holds no optimizer shard (optim-*.safetensors)\nhint: pass a complete harpe checkpoint directory",
+            dir.display()
+        );
+    }
+    let mut shards = files.iter().map(|p| read_optim_shard(p)).collect::<Result<Vec<_>>>()?;
+    shards.sort_by_key(|s| (s.range.start, s.range.end));
+    Ok(shards)
+}
+
+/// fp32 (master, m, v) of a flat range and the AdamW step count.
+pub type Stitched = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
+
+/// The optimizer state of the flat range `want`, stitched from `shards` (any world size: re-sharding is
+/// a slice computation). Replicated shards (ZeRO-0) may overlap: the first covering one is used. Refuses
+/// a gap in the covered range, or shards at different AdamW steps.
+pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usize>) -> Result<Stitched> {
+    let t = shards.first().map(|s| s.t).unwrap_or(0);
+    if let Some(s) = shards.iter().find(|s| s.t != t) {
+        bail!(
+            "{}: {} is at optimizer step {} but {} at {t}\nhint: the checkpoint mixes shards of different saves; use another checkpoint",
+            dir.display(),
+            s.path.display(),
+            s.t,
+            shards[0].path.display()
+        );
+    }
+    let (mut master, mut m, mut v) =
+        (Vec::with_capacity(want.len()), Vec::with_capacity(want.len()), Vec::with_capacity(want.len()));
+    let mut pos = want.start;
+    for s in shards {
+        if pos >= want.end {
+            break;
+        }
+        if s.range.end <= pos {
+            continue;
+        }
+        if s.range.start > pos {
+            break; // a gap: reported below
+        }
+        let hi = s.range.end.min(want.end);
+        let local = pos - s.range.start..hi - s.range.start;
+        s.copy_into(OptimPart::Master, local.clone(), &mut master);
+        s.copy_into(OptimPart::M, local.clone(), &mut m);
+        s.copy_into(OptimPart::V, local, &mut v);
+        pos = hi;
+    }
+    if pos < want.end {
+        let end = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+        bail!(
+            "{}: the optimizer shards cover the flat parameters only up to {pos} of the needed {want:?} (shards end at {end})\nhint: the checkpoint is missing a shard, or the model has more parameters than the run that wrote it",
+            dir.display()
+        );
+    }
+    Ok((master, m, v, t))
+}
+
+/// Load this rank's optimizer state into `optim` from the shards of checkpoint `dir`, whatever world
+/// size wrote them (the flat index space is the same; this rank takes its range). `mesh` only names
+/// the rank in errors.
+pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
+    let shards = read_optim_shards(dir)?;
+    let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+    let want = optim.range();
+    if want.end > total {
+        bail!(
+            "{}: the optimizer shards hold {total} parameters, rank {} needs {want:?}\nhint: the model differs from the run that wrote the checkpoint",
+            dir.display(),
+            mesh.rank()
+        );
+    }
+    let (master, m, v, t) = stitch_optim(dir, &shards, want)?;
+    // restore moves the host values to the optimizer's placement (a host checkpoint resumes on a device)
+    optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
+}
+
+/// `harpe consolidate`: a plain HF model directory plus ONE optimizer state file from a sharded checkpoint.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConsolidateArgs {
+    /// a complete checkpoint directory, e.g. runs/NAME/checkpoints/step_000500
+    #[arg(value_name = "CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// output directory (must not exist yet) [default: CHECKPOINT-consolidated]
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// Run `harpe consolidate`: copy the HF model files (config.json, model*.safetensors, the index,
+/// tokenizer.json) and state.json, and stitch every rank's optimizer shard into
+/// `optim-00000-of-00001.safetensors` (the file a one-rank run writes, so the result also resumes
+/// on one rank). The model files are already whole: rank 0 writes them from the gathered weights.
+pub fn consolidate(a: ConsolidateArgs) -> Result<()> {
+    let dir = &a.checkpoint;
+    if !dir.join(DONE).is_file() {
+        bail!(
+            "{} is not a complete checkpoint (no {DONE} marker)\nhint: pass RUN/checkpoints/step_N of a finished save",
+            dir.display()
+        );
+    }
+    let out = a.out.clone().unwrap_or_else(|| {
+        let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "checkpoint".into());
+        dir.with_file_name(format!("{name}-consolidated"))
+    });
+    if out.exists() {
+        bail!("{} already exists\nhint: choose a new --out directory", out.display());
+    }
+    let shards = read_optim_shards(dir)?;
+    let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
+    let (master, m, v, t) = stitch_optim(dir, &shards, 0..total)?;
+    let tmp = out.with_file_name(format!(
+        ".tmp-{}",
+        out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()
+    ));
+    fresh_dir(out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")), &tmp)?;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let p = entry?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let keep = name == "config.json"
+            || name == "tokenizer.json"
+            || name == "state.json"
+            || (name.starts_with("model") && (name.ends_with(".safetensors") || name.ends_with(".json")));
+        if keep {
+            std::fs::copy(&p, tmp.join(&name))
+                .with_context(|| format!("copying {} into {}\nhint: is the disk full?", p.display(), tmp.display()))?;
+        }
+    }
+    let one = Mesh::single();
+    let [master, m, v] = [master, m, v].map(FlatBuf::from_vec);
+    write_optim_file(&tmp.join(optim_file(&one)), &master, &m, &v, t, 0..total, STREAM_CHUNK_BYTES)?;
+    std::fs::rename(&tmp, &out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+    println!(
+        "consolidated {} optimizer shard(s) ({} parameters, step {t}) and the model into {}",
+        shards.len(),
+        total,
+        out.display()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comms::zero::{ShardMap, Split};
+    use crate::grads::ParamLayout;
+    use crate::optim::adamw::AdamWHyper;
+
+    fn state(step: u64) -> TrainState {
+        TrainState {
+            format: FORMAT,
+            step,
+            stage: 0,
+            stage_step: step,
+            tokens_seen: step * 10,
+            data_cursor: serde_json::json!({"pos": step}),
+            seed: 1,
+            config_hash: "abc".into(),
+            rope: RopeScheme::Default { theta: 10000.0 },
+            skipped_steps: 0,
+        }
+    }
+
+    #[test]
+    fn save_resume_prune_and_failed_save_keeps_previous() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("checkpoints");
+        let l = ParamLayout::new(&[("w".into(), vec![3])]);
+        let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.0, wd_embedding: 0.0, wd_norm: 0.0 };
+        let map = ShardMap::new(&l, 1, Split::Slices);
+        let mut o = AdamW::new(&l, &FlatBuf::from_vec(vec![1.0, 2.0, 3.0]), &map, 0, hp).unwrap();
+        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let comm = Comm::Single;
+        for step in 1..=4 {
+            o.step(&FlatBuf::from_vec(vec![0.1, -0.2, 0.3]), 0.01).unwrap();
+            save(&root, &state(step), &o, &comm, 2, &model).unwrap();
+        }
+        assert!(root.join("step_000004").join("optim-00000-of-00001.safetensors").is_file());
+        let all = list_complete(&root).unwrap();
+        assert_eq!(all.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![3, 4]);
+        let last = latest_complete(&root).unwrap().unwrap();
+        assert_eq!(load_state(&last).unwrap(), state(4));
+        let mut o2 = AdamW::new(&l, &FlatBuf::from_vec(vec![0.0; 3]), &map, 0, hp).unwrap();
+        load_optim(&last, &comm.mesh(), &mut o2).unwrap();
+        assert_eq!((o2.master(), o2.m(), o2.v(), o2.t()), (o.master(), o.m(), o.v(), 4));
+        // a directory without DONE is never picked
+        std::fs::create_dir_all(root.join("step_000009")).unwrap();
+        assert_eq!(latest_complete(&root).unwrap().unwrap(), last);
+        // a save that fails half-way leaves the previous checkpoints intact and no step_5
+        let failing = |p: &Path| -> Result<()> {
+            write_file(&p.join("model.safetensors"), b"partial")?;
+            bail!("No space left on device (simulated)")
+        };
+        let e = format!("{:#}", save(&root, &state(5), &o, &comm, 2, &failing).unwrap_err());
+        assert!(e.contains("step_000004 is intact") && e.contains("hint:"), "{e}");
+        assert!(!root.join("step_000005").exists());
+        assert_eq!(list_complete(&root).unwrap().len(), 2);
+        assert!(std::fs::read_dir(&root).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".tmp")));
+        // a stale temp dir of the same step (a killed process) is replaced, not reused
+        std::fs::create_dir_all(root.join(".tmp-step_000005")).unwrap();
+        std::fs::write(root.join(".tmp-step_000005").join("junk"), b"j").unwrap();
+        let p5 = save(&root, &state(5), &o, &comm, 2, &model).unwrap();
+        assert!(!p5.join("junk").exists() && p5.join(DONE).is_file());
+        assert!(!root.join(".tmp-step_000005").exists());
+    }
+
+    /// The device variant writes the same files as the host one, and either resumes into the other.
+    #[test]
+    fn device_state_writes_the_same_files_and_resumes_across_placements() {
+        use crate::flatbuf::Placement;
+        let d = tempfile::tempdir().unwrap();
+        let l = ParamLayout::new(&[("w".into(), vec![5]), ("model.norm.weight".into(), vec![2])]);
+        let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.1, wd_embedding: 0.0, wd_norm: 0.0 };
+        let map = ShardMap::new(&l, 1, Split::Slices);
+        let dp = Placement::Device(candle_core::Device::Cpu);
+        let p0 = FlatBuf::from_vec((0..7).map(|i| i as f32 * 0.25 - 1.0).collect());
+        let mut host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
+        let mut dev = AdamW::new(&l, &p0.try_clone().unwrap().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let g = FlatBuf::from_vec(vec![0.3, -0.1, 0.2, 0.0, 0.5, -0.4, 0.1]);
+        for _ in 0..3 {
+            host.step(&g, 0.01).unwrap();
+            dev.step(&g.try_clone().unwrap().placed(&dp).unwrap(), 0.01).unwrap();
+        }
+        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let comm = Comm::Single;
+        let ph = save(&d.path().join("h"), &state(3), &host, &comm, 1, &model).unwrap();
+        let pd = save(&d.path().join("d"), &state(3), &dev, &comm, 1, &model).unwrap();
+        let f = optim_file(&comm.mesh());
+        assert_eq!(std::fs::read(ph.join(&f)).unwrap(), std::fs::read(pd.join(&f)).unwrap(), "same bytes");
+        // host checkpoint -> device state, device checkpoint -> host state
+        let mut into_dev = AdamW::new(&l, &p0.try_clone().unwrap().placed(&dp).unwrap(), &map, 0, hp).unwrap();
+        let mut into_host = AdamW::new(&l, &p0, &map, 0, hp).unwrap();
+        load_optim(&ph, &comm.mesh(), &mut into_dev).unwrap();
+        load_optim(&pd, &comm.mesh(), &mut into_host).unwrap();
+        assert!(matches!(into_dev.master(), FlatBuf::Device(_)) && matches!(into_host.master(), FlatBuf::Host(_)));
+        assert_eq!(
+            (into_dev.master(), into_dev.m(), into_dev.v(), into_dev.t()),
+            (host.master(), host.m(), host.v(), 3)
+        );
+        assert_eq!((into_host.master(), into_host.v()), (dev.master(), dev.v()));
+    }
+}

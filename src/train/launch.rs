@@ -1,0 +1,202 @@
+//! `harpe train`'s start: the backend `[dist]` names — one rank in this thread (`single`),
+//! `dist.world_size` rank threads sharing a `Local` group (`local`), or this process as one rank of an
+//! NCCL group (`nccl`, started by `--nproc-per-node`, torchrun or srun) — each running the same loop
+//! (`training_loop::run_rank`), after `harpe plan`'s arithmetic says the run fits.
+//!
+//! The non-obvious decision: an NCCL rank reports how it ended to the group (a normal end, or its own
+//! error or panic), so the other ranks stop naming it instead of waiting for the collective timeout.
+use super::args::TrainArgs;
+use super::training_loop::run_rank;
+use crate::comms::launch::launch_if_asked;
+use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
+use crate::comms::sequence::SpGroup;
+use crate::comms::Comm;
+use crate::config::{Backend, RunConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use std::sync::Arc;
+
+/// Run `harpe train`: one rank in this thread (`single`), or `dist.world_size` rank threads sharing a
+/// `Local` group (`local`), each running the same loop on its slice of every global batch.
+pub fn run(args: TrainArgs) -> Result<()> {
+    let origin = args.config.display().to_string();
+    let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
+    let dist = &cfg.dist;
+    if let Some(n) = args.nproc_per_node {
+        return spawn_nccl_workers(&origin, n, dist.backend);
+    }
+    plan_check(&cfg, &origin, args.force)?;
+    match dist.backend {
+        Backend::Local => {
+            let world = dist.world_size.max(1);
+            let sp = cfg.dist.sp_degree.max(1);
+            // one more Local group per sequence-parallel group (ranks d*P..(d+1)*P) for the all-to-alls
+            let mut sp_handles: Vec<Option<LocalComm>> = vec![];
+            if sp > 1 {
+                for _ in 0..world / sp {
+                    sp_handles.extend(LocalGroup::new(sp, dist.timeout())?.handles().into_iter().map(Some));
+                }
+            }
+            let sp_handles = std::sync::Mutex::new(sp_handles);
+            let rank_main = |lc: Arc<LocalComm>| {
+                let taken = sp_handles
+                    .lock()
+                    .map_err(|_| anyhow!("internal: poisoned lock"))?
+                    .get_mut(lc.rank())
+                    .and_then(Option::take);
+                let group = taken.map(|h| SpGroup::Local(Arc::new(h)));
+                let res = run_rank(&args, Comm::Local(lc, sp), group.clone());
+                if let (Err(e), Some(g)) = (&res, &group) {
+                    g.abort(&format!("returned an error: {e:#}")); // its sequence-parallel peers stop too
+                }
+                res
+            };
+            spawn_local(world, dist.timeout(), rank_main).map_err(|e| {
+                anyhow!(
+                    "{e}\nhint: the error of the rank that failed first is the cause; the others stopped because of it"
+                )
+            })?;
+            Ok(())
+        }
+        Backend::Single => run_rank(&args, Comm::from_config(&cfg.dist, &origin)?, None),
+        Backend::Nccl => run_nccl_rank(&args, &cfg, &origin),
+    }
+}
+
+/// One process of an NCCL group (started by `--nproc-per-node`, torchrun or srun; alone it is a group
+/// of one): join the group, run the loop, and tell the group how it ended — a normal end, or this
+/// rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
+#[cfg(feature = "nccl")]
+fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
+    use crate::comms::launch::{free_port, place, LaunchEnv, LaunchSource};
+    use crate::comms::nccl::NcclComm;
+    let dist = &cfg.dist;
+    let placed = place(dist, origin, LaunchEnv::from_env()?)?;
+    let env = match placed.launch {
+        Some(env) => env,
+        None => LaunchEnv {
+            source: LaunchSource::Torchrun,
+            rank: 0,
+            world_size: 1,
+            local_rank: match cfg.train.device {
+                crate::device::DeviceSpec::Cuda(n) => n,
+                crate::device::DeviceSpec::Cpu => 0,
+            },
+            local_world_size: Some(1),
+            master_addr: "127.0.0.1".into(),
+            master_port: free_port("127.0.0.1")?,
+            run_token: "single".into(),
+        },
+    };
+    let resolved = RunConfig::load(&args.config, &args.set)?.toml;
+    let comm = Arc::new(
+        NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1))
+            .with_context(|| format!("{origin}: joining the NCCL group as rank {} of {}", env.rank, env.world_size))?,
+    );
+    let sp = (cfg.dist.sp_degree > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));
+    let res =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(args, Comm::Nccl(Arc::clone(&comm)), sp)));
+    match res {
+        Ok(Ok(())) => {
+            comm.finish();
+            Ok(())
+        }
+        Ok(Err(e)) => match comm.failure() {
+            // another rank failed first: its failure is the cause of this error
+            Some(f) if f.rank != comm.rank() => Err(e.context(format!(
+                "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
+                f.rank
+            ))),
+            _ => {
+                comm.report_failure("in the training loop", &format!("{e:#}"));
+                Err(e)
+            }
+        },
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".into());
+            comm.report_failure("in the training loop", &format!("panicked: {msg}"));
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl_rank(_args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
+    crate::comms::launch::place(&cfg.dist, origin, None)?; // refuses: this build has no NCCL
+    bail!("{origin}: dist.backend = \"nccl\" needs a build with --features nccl")
+}
+
+/// `harpe plan` before any work: refuse (unless `--force`) a CPU run whose peak memory per rank, as the
+/// plan computes it for this config, ZeRO stage and SP degree, does not fit this machine's memory
+/// shared by the `Local` ranks, or of the CUDA device's free memory (queried).
+fn plan_check(cfg: &RunConfig, origin: &str, force: bool) -> Result<()> {
+    use crate::device::DeviceSpec;
+    use crate::plan::{plan_for, Gpu, GpuKind, World};
+    let dist = &cfg.dist;
+    let ranks = dist.world_size.max(1);
+    // ranks that share one device's memory: threads of one process (the host, or one GPU under `local`)
+    let sharing = if dist.backend == Backend::Nccl { 1 } else { ranks };
+    let (mut gpu, what) = match cfg.train.device {
+        DeviceSpec::Cpu => (Gpu::new(GpuKind::Cpu), "this machine".to_string()),
+        DeviceSpec::Cuda(_) => {
+            let Some(m) = crate::device::device_memory(&cfg.train.device, &format!("{origin}: train.device"))? else {
+                return Ok(());
+            };
+            let (gpu, _) = Gpu::measured(&m);
+            let what = format!(
+                "{} ({:.1} of {:.1} GiB free)",
+                m.name,
+                m.free as f64 / (1u64 << 30) as f64,
+                m.total as f64 / (1u64 << 30) as f64
+            );
+            (gpu, what)
+        }
+    };
+    gpu.mem_bytes /= sharing as u64;
+    let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: dist.sp_degree };
+    let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
+    if plan.fits || force {
+        return Ok(());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    bail!(
+        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {sharing} rank(s) can use on {what}\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
+        gib(plan.total_bytes),
+        plan.stage,
+        gib(plan.usable_bytes)
+    )
+}
+
+/// `--nproc-per-node N`: N worker processes of this command line (without the flag), one per GPU, each
+/// joining an NCCL group. Checked before anything starts: N >= 1, `dist.backend = "nccl"`, and a build
+/// with NCCL (a CPU build refuses the flag and names the thread backend instead of spawning workers
+/// that would all fail the same way).
+fn spawn_nccl_workers(origin: &str, n: usize, backend: Backend) -> Result<()> {
+    if n == 0 {
+        bail!(
+            "--nproc-per-node 0: at least one worker is needed\nhint: --nproc-per-node = number of GPUs on this node"
+        );
+    }
+    if !cfg!(feature = "nccl") {
+        bail!(
+            "--nproc-per-node {n} starts one process per GPU over NCCL, but this harpe was built without NCCL\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; for GPUs build with --features nccl (README \"Build for GPUs\")"
+        );
+    }
+    if backend != Backend::Nccl {
+        bail!(
+            "{origin}: --nproc-per-node {n} needs dist.backend = \"nccl\" (the workers are separate processes)\nhint: add --set dist.backend=nccl"
+        );
+    }
+    let outcome = launch_if_asked(Some(n))?.ok_or_else(|| anyhow!("internal: no workers were started"))?;
+    if !outcome.success() {
+        bail!(
+            "worker rank {} failed first (exit code {})\nhint: its own error is printed above; the other workers were stopped because of it",
+            outcome.first_failure.unwrap_or(0),
+            outcome.exit_code()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! `harpe train`, the training stage as a folder. Read it in this order:
+//!
+//! - `training_loop.rs` — THE loop (`run_rank`): for every stage `Stage::open`, for every step
+//!   `train_step` (data -> model -> chunked loss -> layer-wise backward -> gradient reduction -> clip ->
+//!   AdamW on this rank's fp32 shard -> weights published), `log_step`, `check_bad_streak`,
+//!   `maybe_evaluate` (`[eval]`), `maybe_checkpoint`; a single `finish` at the end, also on a signal.
+//!   Reference: llm.c `train_gpt2.cu` "TRAINING SECTION" (one straight loop).
+//! - `step.rs` — one micro-batch's forward and backward with activation checkpointing (`Params`: where
+//!   the weights come from and where the gradients go, per ZeRO stage).
+//! - `batch.rs` — a batch's tensors (ids, targets, document starts, RoPE tables), the trainable model,
+//!   the step's loss sums.
+//! - `session.rs` — `Run`: everything a session holds (config, run directory, device, communicator,
+//!   optimizer, state), opened once, resumed from a checkpoint.
+//! - `stage.rs` — `Stage`: one stage's model, data and step arithmetic.
+//! - `launch.rs` — `run`: the backend (one rank, `Local` rank threads, an NCCL process), the plan check
+//!   and the `--nproc-per-node` spawner.
+//! - `run_dir.rs` — `RunDir`, the run directory's layout; `checkpoint.rs`, `metrics.rs`,
+//!   `tensorboard.rs`, `loss.rs` — what the loop writes and computes.
+//!
+//! The non-obvious decisions (HARPE §4, spec §3: multi-stage ABF, constant lr 2e-5, AdamW 0.9/0.95):
+//! - Activation checkpointing is done by hand on top of candle's autograd (Chen et al. 2016): the
+//!   forward keeps only the input of every segment of k layers (detached), then the backward walks the
+//!   segments from the last to the first, recomputing each one from a fresh `Var` of its input and
+//!   back-propagating `sum(out * grad_out)`, whose gradient is exactly `grad_out`. The last segment
+//!   keeps its graph from the forward, so "none" (one segment) never recomputes anything.
+//! - Loss is token-mean over all target tokens of the optimizer step (`RunConfig::targets_per_step`,
+//!   the one count), so each micro-batch's nll sum is scaled by 1 / (targets of the whole step): k
+//!   micro-batches give the gradient of one k-times batch, N ranks the gradient of one rank.
+//! - Weights the model computes with are candle `Var`s in the compute dtype; the optimizer owns fp32
+//!   master weights and moments of its shard (`FlatBuf`s); after each update the shards are all-gathered
+//!   bucket by bucket in the compute dtype straight into every parameter's `Var` (`zero::publish`), and
+//!   a stage's model is built the same way from the master shards (`zero::gather_params`): no rank keeps
+//!   a full fp32 copy of the weights beside the compute weights.
+//! - The communicator comes from `[dist]`; with one rank every collective is a no-op, so the loop has no
+//!   `if distributed` branches. `comms::ZeroStage` changes only where parameters and gradients live,
+//!   never the order of the loop. Rank 0 alone writes the run directory.
+//! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
+//!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
+//!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
+//!   gradient sum over all ranks is the one-rank gradient.
+//! - `train.document_mask` (default off: Fu et al. train without it): each micro-batch's document starts
+//!   become a `DocStarts` of the WHOLE sequences, passed to every layer's attention in the forward and
+//!   in every recompute (ZeRO-3 included). RoPE positions stay the packed ones.
+//!
+//! What this folder does not do: the evaluation rules (eval/in_training.rs), the collectives (comms/),
+//! the flat training-state buffers and the gradient layout (`flatbuf`, `grads`: shared with `optim`,
+//! `comms` and `model::weights`, so they live below this folder).
+mod args;
+mod batch;
+pub mod checkpoint;
+mod launch;
+pub mod loss;
+pub mod metrics;
+mod run_dir;
+mod session;
+mod stage;
+mod step;
+pub mod tensorboard;
+mod training_loop;
+
+pub use args::TrainArgs;
+pub use batch::{
+    batch_tensors, check_document_mask, doc_starts, rope_tables, rope_tables_at, trainable_model, trainable_model_from,
+    LossSums,
+};
+pub use launch::run;
+pub use run_dir::RunDir;
+pub use session::results_hash;
+pub use step::{forward_backward, forward_backward_with, Backward, MicroBatch, MicroOut, Params};

@@ -1,0 +1,418 @@
+//! `Run`: everything a training session holds across stages, opened once per process and rank: the
+//! config, the run directory (rank 0 locks and writes it), the device and communicator, the optimizer
+//! over this rank's shard of the initial weights, and the state a checkpoint resumes.
+//!
+//! The non-obvious decision: the initial weights live only until the optimizer has its master shard of
+//! them; a stage builds its model from the master shards (`Stage::open`), so no rank keeps a full fp32
+//! copy of the weights beside the compute weights.
+use super::args::TrainArgs;
+use super::stage::Stage;
+use super::RunDir;
+use crate::comms::sequence::SpGroup;
+use crate::comms::zero::{self, ShardMap, Split};
+use crate::comms::{Comm, Mesh, ZeroStage};
+use crate::config::{DataSource, RunConfig};
+use crate::data::{builtin_texts, prepare_from_texts, tokenizer_sha256, PrepareOptions};
+use crate::flatbuf::{FlatBuf, Placement};
+use crate::grads::ParamLayout;
+use crate::model::config::LlamaConfig;
+use crate::model::weights::{init_flat, load_flat};
+use crate::optim::adamw::{AdamW, AdamWHyper};
+use crate::optim::schedule::Schedule;
+use crate::train::checkpoint::{self, TrainState};
+use crate::train::metrics::MetricsLog;
+use crate::train::tensorboard::TbWriter;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Everything a training session holds across stages.
+pub(super) struct Run {
+    pub(super) cfg: RunConfig,
+    /// the config file, for error messages
+    pub(super) origin: String,
+    pub(super) run_dir: RunDir,
+    pub(super) tokenizer: PathBuf,
+    pub(super) tok_sha: String,
+    pub(super) device: Device,
+    /// where the flat training state lives (`FlatBuf` placement)
+    pub(super) placement: Placement,
+    pub(super) dtype: DType,
+    pub(super) comm: Comm,
+    pub(super) mesh: Mesh,
+    /// which rank owns which parameter slices (the optimizer shards)
+    pub(super) map: ShardMap,
+    /// architecture of the initial model (stages change its RoPE)
+    pub(super) base_cfg: LlamaConfig,
+    pub(super) layout: ParamLayout,
+    pub(super) optim: AdamW,
+    pub(super) state: TrainState,
+    /// metrics.jsonl, written by rank 0 only
+    pub(super) log: Option<MetricsLog>,
+    /// TensorBoard events under RUN_DIR/tb/ (`log.tensorboard`), written by rank 0 only
+    pub(super) tb: Option<TbWriter>,
+    /// stop after this many steps in total (`--steps`)
+    pub(super) limit: u64,
+    pub(super) total_steps: u64,
+    pub(super) sched: Schedule,
+    pub(super) t_start: Instant,
+    pub(super) bad_streak: u32,
+    pub(super) last_saved: Option<PathBuf>,
+    /// set by SIGINT/SIGTERM: finish the step, checkpoint, exit 0
+    pub(super) stop: Arc<AtomicBool>,
+    /// the run directory's advisory lock, held by rank 0 (released when the run ends or the process dies)
+    pub(super) _lock: Option<crate::util::DirLock>,
+    /// `dist.zero_stage` (every stage is the same computation at one rank)
+    pub(super) zero: ZeroStage,
+    /// gradient elements per reduce-scatter bucket (`dist.bucket_mb`)
+    pub(super) bucket: usize,
+    /// the sequence-parallel group this rank shares its sequences with (`dist.sp_degree` > 1)
+    pub(super) sp: Option<SpGroup>,
+    /// tokens trained before this session (a resume), for the session's tokens/s
+    pub(super) tokens_at_start: u64,
+}
+
+impl Run {
+    /// Where this rank's weight gathers read from: the ranks' master shards.
+    pub(super) fn shards(&self) -> zero::Shards<'_> {
+        zero::Shards { comm: &self.comm, map: &self.map, layout: &self.layout, master: self.optim.master() }
+    }
+
+    /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
+    /// Rank 0 alone locks and writes the run directory; the other ranks wait for it (a barrier).
+    pub(super) fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
+        let origin = args.config.display().to_string();
+        let resolved = RunConfig::load(&args.config, &args.set)?;
+        let cfg = resolved.cfg;
+        let hash = results_hash(&resolved.toml)?;
+        let mesh = comm.mesh();
+        let lead = mesh.rank() == 0;
+        let device = comm.open_device(&cfg.train.device, &format!("{origin}: train.device"))?;
+        let dtype = cfg.train.dtype.dtype();
+        let run_dir = args.run_dir();
+        let tokenizer = tokenizer_of(&cfg, &run_dir);
+        // one writer per run directory, held until the run ends (issue 16): rank 0 prepares it first
+        let mut lock = None;
+        let mut first = Ok(());
+        if lead {
+            first = (|| -> Result<()> {
+                lock = Some(run_dir.lock("harpe train")?);
+                println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
+                prepare_run_dir(&run_dir, &resolved.toml, &hash, args.force)?;
+                if tokenizer == run_dir.tokenizer() {
+                    let text = crate::model::testing::byte_tokenizer_json();
+                    crate::util::write_atomic(&tokenizer, text.as_bytes())?;
+                }
+                Ok(())
+            })();
+        }
+        if !comm.all_ok(first.is_ok())? {
+            first?;
+            bail!("rank 0 could not prepare the run directory {}", run_dir.root().display());
+        }
+        let resume_from = agreed_resume_point(&comm, &run_dir, args.resume, &hash)?;
+        let stop = stop_flag()?;
+
+        // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
+        let placement = match args.device_resident_state {
+            true => Placement::Device(device.clone()),
+            false => Placement::of(&device),
+        };
+        // the initial weights live only until the optimizer has its master (shard) of them
+        let (base_cfg, layout, weights) = initial_model(&cfg, &origin, &placement)?;
+        // `[dist]`'s rules with this run's world and model (also for CUDA runs, which `plan_check` does
+        // not plan)
+        let dist = &cfg.dist;
+        dist.validate(&origin, mesh.world(), Some(base_cfg.num_key_value_heads), &cfg.stage_batches())?;
+        let tok_sha = tokenizer_sha256(&tokenizer)?;
+        let zero = dist.zero_stage;
+        // a replicated optimizer is a one-owner map: every rank owns everything
+        let map = ShardMap::new(&layout, zero.optimizer_owners(mesh.world()), Split::Slices);
+        let my_shard = if zero.shards_optimizer() { mesh.rank() } else { 0 };
+        let mut optim = AdamW::new(&layout, &weights, &map, my_shard, AdamWHyper::from_config(&cfg.optim))?;
+        let state = match &resume_from {
+            Some(dir) => resume(dir, args.force, &hash, &comm, &mut optim)?,
+            None => TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()),
+        };
+        drop(weights); // a stage builds its model from the master shards (`Stage::open`)
+        let tokens_at_start = state.tokens_seen;
+        Ok(Run {
+            log: if lead { Some(MetricsLog::open(&run_dir.metrics(), state.step)?) } else { None },
+            tb: match lead && cfg.log.tensorboard {
+                true => Some(TbWriter::create(&run_dir.tensorboard(), state.step)?),
+                false => None,
+            },
+            zero,
+            bucket: dist.bucket_elems(4),
+            limit: args.steps.unwrap_or(u64::MAX),
+            total_steps: (0..cfg.stages.len()).map(|i| cfg.stage_steps(i).0).sum(),
+            sched: cfg.schedule.schedule(),
+            t_start: Instant::now(),
+            bad_streak: 0,
+            last_saved: resume_from,
+            cfg,
+            origin,
+            run_dir,
+            tokenizer,
+            tok_sha,
+            device,
+            placement,
+            dtype,
+            comm,
+            mesh,
+            map,
+            base_cfg,
+            layout,
+            optim,
+            state,
+            stop,
+            _lock: lock,
+            sp,
+            tokens_at_start,
+        })
+    }
+
+    /// Stop the run after `max_bad_steps` consecutive non-finite steps, naming the last good checkpoint.
+    pub(super) fn check_bad_streak(&self) -> Result<()> {
+        if self.bad_streak < self.cfg.train.max_bad_steps.max(1) {
+            return Ok(());
+        }
+        let last = self
+            .last_saved
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "none (no checkpoint was written yet)".into());
+        bail!(
+            "{} consecutive steps had a non-finite loss or gradient (last: step {}); training stopped. Last good checkpoint: {last}\nhint: lower the learning rate, keep optim.grad_clip on, or check the data; continue with --resume",
+            self.bad_streak,
+            self.state.step
+        )
+    }
+
+    /// Print a line above the progress bar (or plainly without one).
+    pub(super) fn say(&self, stage: &Stage, line: String) {
+        if self.mesh.rank() != 0 {
+            return;
+        }
+        match &stage.pb {
+            Some(pb) => pb.println(line),
+            None => println!("{line}"),
+        }
+    }
+}
+
+/// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
+/// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
+/// GPU straight to the device, host memory far below the model size); a random init is drawn piece by piece
+/// straight into it (`init_flat`: the same values for a seed on every device).
+pub(super) fn initial_model(
+    cfg: &RunConfig,
+    origin: &str,
+    p: &Placement,
+) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
+    if let Some(dir) = &cfg.model.path {
+        let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
+        mc.validate(&dir.join("config.json").display().to_string())?;
+        let (layout, flat) = load_flat(dir, &mc, p)?;
+        return Ok((mc, layout, flat));
+    }
+    let a = cfg.model.init.as_ref().ok_or_else(|| anyhow!("{origin}: [model] has neither path nor init"))?;
+    let rope = cfg.initial_rope().ok_or_else(|| {
+        anyhow!("{origin}: a randomly initialized model needs a RoPE scheme\nhint: add a [rope] table, e.g. scheme = \"default\", theta = 10000.0")
+    })?;
+    let mut mc = LlamaConfig::tiny(a.vocab_size, rope);
+    mc.hidden_size = a.hidden_size;
+    mc.intermediate_size = a.intermediate_size;
+    mc.num_hidden_layers = a.num_hidden_layers;
+    mc.num_attention_heads = a.num_attention_heads;
+    mc.num_key_value_heads = a.kv_heads();
+    mc.head_dim = a.head_dim();
+    mc.max_position_embeddings = a.max_position_embeddings;
+    mc.rms_norm_eps = a.rms_norm_eps;
+    mc.tie_word_embeddings = a.tie_word_embeddings;
+    mc.initializer_range = a.initializer_range;
+    mc.validate(&format!("{origin} [model.init]"))?;
+    let (layout, flat) = init_flat(&mc, cfg.train.seed, p)?; // straight into the training state's placement
+    Ok((mc, layout, flat))
+}
+
+/// Make sure the run directory exists, is writable, and belongs to this config (unless `force`).
+pub(super) fn prepare_run_dir(run_dir: &RunDir, toml: &str, hash: &str, force: bool) -> Result<()> {
+    let dir = run_dir.root();
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create run directory {}\nhint: choose a writable --out", dir.display()))?;
+    let probe = dir.join(".write-test");
+    std::fs::write(&probe, b"ok")
+        .with_context(|| format!("run directory {} is not writable\nhint: choose a writable --out", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    let cfg_path = run_dir.config();
+    if cfg_path.exists() && !force {
+        let old = std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?;
+        let old_hash = results_hash(&old)?;
+        if old_hash != hash {
+            bail!(
+                "{} belongs to a run with a different config (config hash {} != {})\nhint: use another --out, or pass --force to reuse the directory",
+                dir.display(),
+                &old_hash[..12],
+                &hash[..12]
+            );
+        }
+    }
+    crate::util::write_atomic(&cfg_path, toml.as_bytes())
+}
+
+/// The hash that guards a run directory and its resume: sha256 of the resolved TOML without its
+/// `[dist]` table, whose keys (backend, world size, ZeRO stage, buckets, timeout) change how the run is
+/// computed, never its results, so a checkpoint continues on another world size.
+pub fn results_hash(toml_text: &str) -> Result<String> {
+    let mut t: toml::Table = toml_text.parse().map_err(|e: toml::de::Error| {
+        anyhow!("config.toml: {}\nhint: the run directory's config.toml is damaged", e.to_string().trim_end())
+    })?;
+    t.remove("dist");
+    Ok(crate::util::sha256_hex(toml::to_string(&t)?.as_bytes()))
+}
+
+/// The dataset directory of stage `i`, preparing the built-in one on first use.
+pub(super) fn stage_dataset(cfg: &RunConfig, i: usize, run_dir: &RunDir, tokenizer: &Path) -> Result<PathBuf> {
+    let s = &cfg.stages[i];
+    if let Some(d) = s.data.as_ref().or(cfg.data.path.as_ref()) {
+        if cfg.data.source == DataSource::Prepared || s.data.is_some() {
+            return Ok(d.clone());
+        }
+    }
+    let dir = run_dir.builtin_data(s.seq_len);
+    if !dir.join("manifest.json").exists() {
+        let mut opts = PrepareOptions::new(s.seq_len);
+        opts.seed = cfg.train.seed;
+        prepare_from_texts(&builtin_texts(cfg.train.seed), tokenizer, &opts, &dir)
+            .with_context(|| format!("preparing the built-in dataset in {}", dir.display()))?;
+    }
+    Ok(dir)
+}
+
+/// The run's tokenizer file (the one rule): `[model] tokenizer`, else the model directory's, else the
+/// built-in byte tokenizer, which rank 0 writes into the run directory.
+pub(super) fn tokenizer_of(cfg: &RunConfig, run_dir: &RunDir) -> PathBuf {
+    match (&cfg.model.tokenizer, &cfg.model.path) {
+        (Some(t), _) => t.clone(),
+        (None, Some(d)) => d.join("tokenizer.json"),
+        (None, None) => run_dir.tokenizer(),
+    }
+}
+
+/// SIGINT/SIGTERM set the returned flag (the loop finishes the step, checkpoints, exits 0); a second
+/// SIGINT kills at once.
+pub(super) fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 1, Arc::clone(&stop))?;
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    Ok(stop)
+}
+
+/// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`), this
+/// rank's optimizer shard, and the weights gathered from every rank's shard.
+pub(super) fn resume(dir: &Path, force: bool, hash: &str, comm: &Comm, optim: &mut AdamW) -> Result<TrainState> {
+    let state = checkpoint::load_state(dir)?;
+    if state.config_hash != hash && !force {
+        bail!(
+            "{} was written by a different config\nhint: resume with the same config and --set values, or pass --force",
+            dir.display()
+        );
+    }
+    let mesh = comm.mesh();
+    checkpoint::load_optim(dir, &mesh, optim)?;
+    if mesh.rank() == 0 {
+        println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
+    }
+    Ok(state)
+}
+
+/// The checkpoint every rank resumes from, chosen by rank 0 alone and told to all (issue 25): rank 0
+/// takes the newest complete checkpoint (refusing to start over one without `--resume`) and sends its
+/// step and the first 48 bits of its config hash; every rank checks that its own view of the run
+/// directory has the same newest complete checkpoint and that its config hashes the same. A rank that
+/// differs (a stale or non-shared file system, another config) stops every rank, and each names the
+/// ranks and the path: resuming some ranks from a checkpoint and others from the initial weights would
+/// run with matching collective sizes and be silently wrong.
+fn agreed_resume_point(comm: &Comm, run_dir: &RunDir, resume: bool, hash: &str) -> Result<Option<PathBuf>> {
+    let mesh = comm.mesh();
+    let root = checkpoint_view(run_dir, mesh.rank());
+    let mine = checkpoint::latest_complete(&root);
+    let chosen = match (mesh.rank(), &mine) {
+        (1.., _) => Ok(None),
+        (0, Err(e)) => Err(anyhow!("{e:#}")),
+        (0, Ok(Some(p))) if !resume => Err(anyhow!(
+            "{} already holds checkpoint {}\nhint: pass --resume to continue it, or choose another --out",
+            run_dir.root().display(),
+            p.display()
+        )),
+        (0, Ok(p)) => Ok(p.clone()),
+    };
+    if !comm.all_ok(chosen.is_ok())? {
+        chosen?;
+        bail!("rank 0 could not choose the checkpoint to resume from in {}", root.display());
+    }
+    let chosen = chosen?;
+    let step_of = |p: &Option<PathBuf>| -> Result<f64> {
+        match p {
+            None => Ok(-1.0),
+            Some(p) => checkpoint::load_state(p).map(|s| s.step as f64),
+        }
+    };
+    let hash48 = u64::from_str_radix(&hash[..12], 16).map_err(|e| anyhow!("internal: config hash {hash}: {e}"))? as f64;
+    // [step, hash] from rank 0 (the others add zeros)
+    let mut told = if mesh.rank() == 0 { [step_of(&chosen)?, hash48] } else { [0.0, 0.0] };
+    comm.all_reduce_sum_f64(&mut told)?;
+    let [step, hash0] = told;
+    let path = (step >= 0.0).then(|| root.join(checkpoint::step_dir_name(step as u64)));
+    let mine = mine.and_then(|m| Ok((step_of(&m)?, m)));
+    let own = match &mine {
+        Err(e) => Err(anyhow!("rank {} cannot read {}: {e:#}", mesh.rank(), root.display())),
+        Ok(_) if hash0 != hash48 => Err(anyhow!(
+            "rank {}: its config differs from rank 0's (config hash {} vs rank 0's)\nhint: every rank must run the same config and --set values",
+            mesh.rank(),
+            &hash[..12]
+        )),
+        Ok((s, m)) if *s != step => Err(anyhow!(
+            "rank {} sees {} as the newest complete checkpoint, but rank 0 resumes from {}\nhint: {} must be one shared directory that every rank sees the same (a stale or node-local file system?)",
+            mesh.rank(),
+            m.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
+            path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none (a fresh start)".into()),
+            root.display()
+        )),
+        Ok(_) => Ok(()),
+    };
+    // who failed, told to every rank, so each error names the ranks
+    let mut bad = vec![0.0; mesh.world()];
+    bad[mesh.rank()] = f64::from(u8::from(own.is_err()));
+    comm.all_reduce_sum_f64(&mut bad)?;
+    let failed: Vec<usize> = (0..bad.len()).filter(|&r| bad[r] > 0.0).collect();
+    own?;
+    if !failed.is_empty() {
+        bail!(
+            "rank(s) {failed:?} disagree with rank 0 about the checkpoint to resume from ({}); every rank stopped\nhint: their own errors say what they see; {} must be one shared directory",
+            path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "a fresh start".into()),
+            root.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The checkpoints directory rank `rank` looks at: the run directory's, except under the test hook
+/// `HARPE_TEST_CHECKPOINT_VIEW=RANK:DIR`, which shows rank RANK another directory (a stale or
+/// node-local file system, in one process of thread ranks).
+fn checkpoint_view(run_dir: &RunDir, rank: usize) -> PathBuf {
+    if let Ok(spec) = std::env::var("HARPE_TEST_CHECKPOINT_VIEW") {
+        if let Some((r, dir)) = spec.split_once(':') {
+            if r.parse::<usize>().ok() == Some(rank) {
+                return PathBuf::from(dir);
+            }
+        }
+    }
+    run_dir.checkpoints()
+}

@@ -1,0 +1,18 @@
+//! Evaluation: perplexity windows, loss by position, RULER NIAH generators and scoring, Punkt, CPython random, lm-evaluation-harness tasks, generate and the eval CLIs.
+//!
+//! One test binary per stage (issue 24): each file below was its own binary, each linking the
+//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
+
+mod eval_loss;
+mod eval_tasks;
+mod niah_budget;
+mod niah_e2e;
+mod niah_generators;
+mod niah_pyrandom;
+mod niah_scoring;
+mod ppl_windows;
+mod punkt;
+mod cli_eval_loss;
+mod cli_eval_ppl;
+mod cli_generate;

@@ -1,0 +1,114 @@
+//! The GEMM-block CPU attention (`ops::attention_gemm`, what `attention` runs) against the scalar
+//! reference loops of the same op (`attention_reference`), forward and backward, on shapes that cross
+//! its query (64) and key (128) block edges: ragged, GQA / MQA / MHA, training (Tq = Tk), chunked
+//! prefill and single-token decode (Tq < Tk), full attention, large logits, and the backward's split
+//! over key ranges when threads outnumber B * Hkv.
+use crate::ops_common;
+use candle_core::{Device, Tensor, Var};
+use harpe::model::attention::AttentionImpl;
+use harpe::ops::attention::{attention, attention_reference, attention_slow};
+use ops_common::randn;
+
+fn max_abs(a: &Tensor) -> f32 {
+    a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// Relative max error of `a` against the reference `b` (scaled by b's largest entry, at least 1).
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    max_abs(&(a - b).unwrap()) / max_abs(b).max(1.0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, amp: f32) {
+    let q = Var::from_tensor(&randn(&[b, h, tq, d], 31 + tq as u64, amp)).unwrap();
+    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 32 + tk as u64, amp)).unwrap();
+    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 33, 1.0)).unwrap();
+    let w = randn(&[b, h, tq, d], 34, 1.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+    let fast = attention(qt, kt, vt, scale, causal).unwrap();
+    let reference = attention_reference(qt, kt, vt, scale, causal).unwrap();
+    let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} d{d} causal {causal} amp {amp}");
+    let e = rel_err(&fast, &reference);
+    assert!(e < 1e-5, "{tag}: forward differs by {e}");
+    let gf = (fast * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gr = (reference * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+        let (a, r) = (gf.get(var.as_tensor()).unwrap(), gr.get(var.as_tensor()).unwrap());
+        let e = rel_err(a, r);
+        assert!(e < 2e-5, "{tag}: {n} differs by {e}");
+        assert!(max_abs(r) > 0.0, "{tag}: reference {n} is zero");
+    }
+}
+
+#[test]
+fn gemm_attention_matches_reference_training_shapes() {
+    case(2, 4, 2, 150, 150, 16, true, 1.0); // GQA, ragged last query and key block
+    case(1, 2, 2, 129, 129, 64, true, 1.0); // MHA, head dim 64, one row past a query block
+    case(1, 3, 1, 64, 64, 8, true, 1.0); // MQA, exactly one query block
+    case(1, 2, 1, 260, 260, 4, true, 1.0); // key blocks 128 + 128 + 4
+}
+
+#[test]
+fn gemm_attention_matches_reference_prefill_and_decode() {
+    case(1, 4, 2, 70, 300, 8, true, 1.0); // chunked prefill: 70 new rows after 230 cached keys
+    case(2, 4, 2, 1, 257, 8, true, 1.0); // single-token decode over a KV cache
+    case(1, 2, 1, 3, 5, 8, true, 1.0); // tiny
+}
+
+#[test]
+fn gemm_attention_matches_reference_full_and_large_logits() {
+    case(1, 2, 2, 130, 77, 8, false, 1.0); // full attention, Tq > Tk
+    case(1, 2, 1, 140, 140, 8, true, 6.0); // logits up to ~100: online softmax rescaling matters
+}
+
+#[test]
+fn gemm_attention_backward_split_over_key_ranges_matches_reference() {
+    // more threads than B * Hkv tasks: the backward cuts each head's keys into ranges (private dQ sums)
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    pool.install(|| {
+        case(1, 2, 1, 300, 300, 8, true, 1.0); // ranges of 128 keys: 128 + 128 + 44
+        case(1, 4, 2, 70, 600, 8, true, 1.0); // chunked prefill: early ranges are all cached keys
+        case(2, 2, 1, 257, 257, 16, true, 1.0);
+        case(1, 2, 1, 130, 200, 8, false, 1.0); // full attention
+    });
+}
+
+#[test]
+fn gemm_attention_matches_full_matrix_version() {
+    // independent of the op's own reference: the plain-candle (Tq x Tk) version
+    let (q, k, v) = (randn(&[1, 4, 90, 8], 1, 1.0), randn(&[1, 2, 200, 8], 2, 1.0), randn(&[1, 2, 200, 8], 3, 1.0));
+    let e = rel_err(&attention(&q, &k, &v, 0.5, true).unwrap(), &attention_slow(&q, &k, &v, 0.5, true).unwrap());
+    assert!(e < 1e-5, "forward vs slow differs by {e}");
+}
+
+#[test]
+fn cpu_default_is_the_gemm_op() {
+    let imp = AttentionImpl::for_device(&Device::Cpu);
+    assert!(matches!(imp, AttentionImpl::Cpu), "CPU default is {imp:?}");
+    let (q, k, v) = (randn(&[1, 2, 9, 8], 4, 1.0), randn(&[1, 1, 9, 8], 5, 1.0), randn(&[1, 1, 9, 8], 6, 1.0));
+    let via_seam = imp.attend(&q, &k, &v, 0.3, true).unwrap();
+    let e = rel_err(&via_seam, &attention_reference(&q, &k, &v, 0.3, true).unwrap());
+    assert!(e < 1e-5, "seam vs reference differs by {e}");
+}
+
+#[test]
+fn gemm_attention_backward_is_the_same_on_every_run() {
+    // the key-range split sums private dQ parts: their order must not follow rayon's run-time splits
+    let (q, k, v) = (randn(&[1, 4, 300, 8], 11, 1.0), randn(&[1, 1, 300, 8], 12, 1.0), randn(&[1, 1, 300, 8], 13, 1.0));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    let grads = || {
+        pool.install(|| {
+            let (qv, kv, vv) =
+                (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+            let o =
+                harpe::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), 0.35, true).unwrap();
+            let g = (o.sqr().unwrap().sum_all().unwrap()).backward().unwrap();
+            [&qv, &kv, &vv].map(|x| g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        })
+    };
+    let first = grads();
+    for _ in 0..12 {
+        assert!(grads() == first, "two runs of the same backward differ");
+    }
+}

@@ -1,0 +1,20 @@
+//! The training stage: one step against torch, runs and resume, N ranks equal one, ZeRO-3 prefetch, document masks, in-training evaluation, memory against the plan, the plan itself, the train CLI.
+//!
+//! One test binary per stage (issue 24): each file below was its own binary, each linking the
+//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod train_dist;
+mod train_document_mask;
+mod train_eval;
+mod train_memory;
+mod train_run;
+mod train_step;
+mod zero3_prefetch;
+mod cli_train;
+mod plan;
+mod plan_largest_t;
+mod plan_memory;

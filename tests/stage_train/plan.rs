@@ -1,0 +1,231 @@
+//! `harpe plan` reproduces DESIGN §5 (Llama-2-7B, 128K, 8 x 80 GB A100), refuses bad worlds with the
+//! nearest valid choice, and prints the same plan as JSON. Expected values are derived here from the
+//! architecture, not read back from the plan.
+use harpe::comms::ZeroStage;
+use harpe::plan::{load_config, parse_bytes, plan_for, Gpu, GpuKind, Plan, World};
+use std::path::Path;
+
+const MISSION: &str = "configs/harpe-128k.toml";
+const LLAMA2_7B: &str = "model.path=configs/arch/llama-2-7b";
+
+// Llama-2-7B: V 32000, C 4096, I 11008, L 32, H = Hkv = 32, untied head.
+const V: u64 = 32000;
+const C: u64 = 4096;
+const I: u64 = 11008;
+const L: u64 = 32;
+const T: u64 = 131072;
+
+fn n_params() -> u64 {
+    let layer = 4 * C * C + 3 * C * I + 2 * C;
+    2 * V * C + L * layer + C
+}
+
+fn plan(zero: u8, sp: usize, extra: &[&str]) -> Plan {
+    let mut sets = vec![LLAMA2_7B.to_string()];
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    let (cfg, _) = load_config(Path::new(MISSION), &sets).unwrap();
+    plan_for(
+        &cfg,
+        &World { gpus: 8, zero_stage: ZeroStage::from_number(zero.into()).unwrap(), sp_degree: sp },
+        &Gpu::new(GpuKind::A100),
+    )
+    .unwrap()
+}
+
+fn state(p: &Plan) -> u64 {
+    p.term("weights") + p.term("gradients") + p.term("optimizer")
+}
+
+#[test]
+fn design_section_5_state_per_zero_stage() {
+    let n = n_params();
+    assert_eq!(n, 6_738_415_616);
+    // DESIGN §5 budgets bf16 gradients (16 B/param: 5.5 / 3.75 / 2 B per GPU for ZeRO-1/2/3); harpe
+    // accumulates and reduce-scatters gradients in fp32 (Megatron's main_grad), 18 B/param:
+    // 2 + 4 + 12/8 = 7.5 B/param (ZeRO-1), 2 + 16/8 = 4 (ZeRO-2), 18/8 = 2.25 (ZeRO-3)
+    let (z1, z2, z3) = (plan(1, 1, &[]), plan(2, 1, &[]), plan(3, 1, &[]));
+    assert_eq!(state(&z1), 2 * n + 4 * n + 12 * n / 8);
+    assert_eq!(state(&z2), 2 * n + (4 * n + 12 * n) / 8);
+    assert_eq!(state(&z3), 18 * n / 8);
+    let gb = |b: u64| b as f64 / 1e9;
+    assert!((gb(state(&z1)) - 50.5).abs() < 0.5, "ZeRO-1 {:.2} GB", gb(state(&z1)));
+    assert!((gb(state(&z2)) - 27.0).abs() < 0.5, "ZeRO-2 {:.2} GB", gb(state(&z2)));
+    assert!((gb(state(&z3)) - 15.2).abs() < 0.1, "ZeRO-3 {:.2} GB", gb(state(&z3)));
+    // plus, at ZeRO-3 only, what stays gathered for a micro-batch (train/step.rs): the embedding, the
+    // final norm and the untied head (2 x 32000 x 4096 + 4096), the one layer of an every-layer
+    // checkpoint segment (~0.4 GB, DESIGN §5) and on GPUs the next layer's prefetch beside it (NCCL
+    // overlaps it with this layer's compute): bf16, 1.33 GB
+    let layer = 4 * C * C + 3 * C * I + 2 * C;
+    let outer = 2 * 32000 * C + C;
+    assert_eq!(z3.term("gathered_weights"), 2 * (outer + 2 * layer));
+    assert!((gb(z3.term("gathered_weights")) - 1.33).abs() < 0.01, "{}", gb(z3.term("gathered_weights")));
+    assert_eq!(z1.term("gathered_weights"), 0);
+    // without checkpointing the last (only) segment is the whole model, held from its forward to its
+    // backward: ZeRO-3 then gathers every weight at once (no prefetch left to overlap)
+    let none = plan(3, 1, &["train.activation_checkpointing=\"none\""]);
+    assert_eq!(none.term("gathered_weights"), 2 * (outer + 32 * layer));
+    // ZeRO-0 replicates everything: 18 B/param
+    assert_eq!(state(&plan(0, 1, &[])), 18 * n);
+}
+
+#[test]
+fn design_section_5_activations_totals_and_sp() {
+    let z3 = plan(3, 1, &[]);
+    // one checkpoint per layer: 32 x T x 4096 x 2 B = 32 GiB
+    assert_eq!(z3.term("layer_inputs"), L * T * C * 2);
+    assert_eq!(z3.term("layer_inputs"), 32 << 30);
+    // one layer's recompute working set ~10-15 GB at 128K
+    let ws = z3.term("working_set") as f64 / 1e9;
+    assert!((10.0..=15.5).contains(&ws), "working set {ws:.2} GB");
+    // plain ZeRO-3 at batch 1 x 128K fits without offload: ~60 GB in DESIGN §5, + 1.7 GB of fp32
+    // gradient shard, + 0.4 GB of prefetched layer, + 1.6 GB of two layers' fp32 gradients in flight
+    let total = z3.total_bytes as f64 / 1e9;
+    assert!((54.0..=70.0).contains(&total), "ZeRO-3 total {total:.2} GB");
+    assert!(z3.fits);
+    // ZeRO-2 is tight (DESIGN §5) — with fp32 gradients it no longer fits: less than 15% of 80 GiB left
+    let z2 = plan(2, 1, &[]);
+    let left = 1.0 - z2.total_bytes as f64 / z2.gpu.mem_bytes as f64;
+    assert!(left < 0.15, "ZeRO-2 leaves {:.0}%", 100.0 * left);
+    assert!(!z2.fits);
+    // ZeRO-1 does not fit; the cheapest fix is the ZeRO stage that fits, which the check names
+    let z1 = plan(1, 1, &[]);
+    assert!(!z1.fits);
+    let fix = z1.suggestion.as_ref().expect("a fix");
+    assert_eq!(fix.change, "dist.zero_stage = 3");
+    let e = format!("{:#}", z1.check_fits().unwrap_err());
+    assert!(e.contains("dist.zero_stage = 3") && e.contains("--force") && e.contains("hint:"), "{e}");
+    assert!(z3.check_fits().is_ok());
+    // Ulysses P = 8 divides every activation term by 8: ~20 GB per GPU
+    let sp = plan(3, 8, &[]);
+    assert_eq!(sp.term("layer_inputs") * 8, z3.term("layer_inputs"));
+    assert_eq!(sp.term("working_set") * 8, z3.term("working_set"));
+    let total = sp.total_bytes as f64 / 1e9;
+    // (DESIGN's ~20 GB + harpe's fp32 gradient shard, the prefetched layer and the gradients in flight)
+    assert!((17.0..=27.0).contains(&total), "SP 8 total {total:.2} GB");
+    // ... which leaves room for 512K
+    let long = plan(3, 8, &["stage.0.seq_len=524288"]);
+    assert!(long.fits, "512K with SP 8: {:.1} GB", long.total_bytes as f64 / 1e9);
+    assert!(!plan(3, 1, &["stage.0.seq_len=524288"]).fits);
+}
+
+#[test]
+fn step_time_from_flops_with_recompute() {
+    let z3 = plan(3, 1, &[]);
+    let n = n_params() as f64;
+    // executed FLOPs per token: 6N + causal attention 6·L·C·T, plus the recomputed forward of 31 of 32 layers
+    let model = 6.0 * n + 12.0 * (L * C * T) as f64;
+    let executed = (6.0 * n + 6.0 * (L * C * T) as f64) * (1.0 + 31.0 / 32.0 / 3.0);
+    assert!((z3.flops_per_token / model - 1.0).abs() < 1e-9);
+    assert!((z3.hw_flops_per_token / executed - 1.0).abs() < 1e-9);
+    let compute = 4_194_304.0 * executed / (8.0 * 312e12 * 0.4);
+    assert!((z3.compute_s / compute - 1.0).abs() < 1e-9);
+    assert!(z3.step_time_s >= z3.compute_s);
+    assert!((z3.tokens_per_s - 4_194_304.0 / z3.step_time_s).abs() < 1e-6);
+    // ZeRO-3 moves 2 x bf16 weights + fp32 grads per micro-batch (4 per rank per step): (7/8) N (2+2+4) B x 4
+    assert!((z3.zero_comm_bytes / (7.0 / 8.0 * n * 8.0 * 4.0) - 1.0).abs() < 1e-9);
+    // SP adds all-to-all time on the critical path
+    let sp = plan(3, 8, &[]);
+    assert!(sp.sp_comm_s > 0.0 && sp.step_time_s > sp.compute_s);
+    // 6B tokens at that speed
+    assert!((z3.run_hours - 6e9 / z3.tokens_per_s / 3600.0).abs() / z3.run_hours < 1e-3);
+}
+
+#[test]
+fn bad_worlds_name_the_numbers_and_the_nearest_valid_choice() {
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let a100 = Gpu::new(GpuKind::A100);
+    let err = |w: World| format!("{:#}", plan_for(&cfg, &w, &a100).unwrap_err());
+    let e = err(World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 3 });
+    assert!(e.contains("sp_degree 3") && e.contains("32 kv heads") && e.contains("nearest valid degree is 2"), "{e}");
+    let e = err(World { gpus: 64, zero_stage: ZeroStage::Parameters, sp_degree: 64 });
+    assert!(e.contains("sp_degree 64") && e.contains("nearest valid degree is 32"), "{e}");
+    let e = err(World { gpus: 6, zero_stage: ZeroStage::Parameters, sp_degree: 4 });
+    assert!(e.contains("world size 6") && e.contains("--gpus 4 or 8") && e.contains("hint:"), "{e}");
+    // a stage that does not exist cannot be a `World`: the config and --set are refused, one message
+    let e = format!("{:#}", load_config(Path::new(MISSION), &["dist.zero_stage=4".into()]).unwrap_err());
+    assert!(e.contains("dist.zero_stage = 4 is not a ZeRO stage") && e.contains("hint:"), "{e}");
+    let e = format!("{:#}", GpuKind::parse("v100").unwrap_err());
+    assert!(e.contains("v100") && e.contains("nearest known name is `a100`"), "{e}");
+    assert_eq!(GpuKind::parse("H200").unwrap(), GpuKind::H200);
+    // train's start-up check names the device by the driver's name
+    assert_eq!(GpuKind::from_device_name("NVIDIA A100-SXM4-80GB"), Some(GpuKind::A100));
+    assert_eq!(GpuKind::from_device_name("NVIDIA H200"), Some(GpuKind::H200));
+    assert_eq!(GpuKind::from_device_name("NVIDIA H100 80GB HBM3"), Some(GpuKind::H100));
+    assert_eq!(GpuKind::from_device_name("NVIDIA L40S"), None);
+    // a step's sequences must split over the data-parallel ranks: 4 sequences on 8 ranks do not, on 4 do
+    let (cfg4, _) =
+        load_config(Path::new(MISSION), &[LLAMA2_7B.into(), "train.global_batch_tokens=524288".into()]).unwrap();
+    let e = format!(
+        "{:#}",
+        plan_for(&cfg4, &World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 1 }, &a100).unwrap_err()
+    );
+    assert!(e.contains("4 sequences") && e.contains("8 data-parallel ranks") && e.contains("hint:"), "{e}");
+    assert!(plan_for(&cfg4, &World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 2 }, &a100).is_ok());
+    // a model directory without config.json
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, _) = load_config(Path::new(MISSION), &[format!("model.path=\"{}\"", d.path().display())]).unwrap();
+    let e = format!(
+        "{:#}",
+        plan_for(&cfg, &World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 1 }, &a100).unwrap_err()
+    );
+    assert!(
+        e.contains("has no config.json") && e.contains(&d.path().display().to_string()) && e.contains("hint:"),
+        "{e}"
+    );
+}
+
+#[test]
+fn memory_sizes_and_dist_keys_from_the_config() {
+    assert_eq!(parse_bytes("80GiB").unwrap(), 80 << 30);
+    assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
+    assert_eq!(parse_bytes("81920MiB").unwrap(), 80 << 30);
+    assert_eq!(parse_bytes("40").unwrap(), 40 << 30);
+    assert!(format!("{:#}", parse_bytes("80 gigs").unwrap_err()).contains("hint:"));
+    assert!(parse_bytes("-1GB").is_err());
+    let (_, keys) = load_config(
+        Path::new(MISSION),
+        &[LLAMA2_7B.into(), "dist.zero_stage=3".into(), "dist.sp_degree=4".into(), "dist.world_size=16".into()],
+    )
+    .unwrap();
+    assert_eq!((keys.zero_stage, keys.sp_degree, keys.world_size), (Some(ZeroStage::Parameters), Some(4), Some(16)));
+}
+
+#[test]
+fn cli_json_has_the_contract_fields() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--set", "dist.zero_stage=3", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lib = plan(3, 1, &[]);
+    assert_eq!(v["total_bytes"].as_u64(), Some(lib.total_bytes));
+    assert_eq!(v["fits"].as_bool(), Some(true));
+    assert_eq!(v["terms"]["layer_inputs"].as_u64(), Some(32 << 30));
+    let sum: u64 = v["terms"].as_object().unwrap().values().map(|x| x.as_u64().unwrap()).sum();
+    assert_eq!(sum, lib.total_bytes);
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // the recipe's log.peak_tflops (312, A100) is used for its own device, not for another --gpu
+    assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(312.0));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "h100", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(989.0));
+    // the table names every term and the verdict; an unknown GPU is an error with a hint
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("DOES NOT FIT") && text.contains("dist.zero_stage = 3"), "{text}");
+    // issue 12: the ZeRO traffic's time as a share of the step's compute
+    assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("b200") && err.contains("hint:"), "{err}");
+}
