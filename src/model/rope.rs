@@ -316,23 +316,11 @@ impl RopeScheme {
             }
             RopeScheme::Llama3 { theta, factor, low_freq_factor, high_freq_factor, original_max } => {
                 let old = *original_max as f64;
-                let low_wl = old / low_freq_factor;
-                let high_wl = old / high_freq_factor;
-                let rows = default_inv_freq(*theta, head_dim)
+                let (low, high) = (*low_freq_factor, *high_freq_factor);
+                one(default_inv_freq(*theta, head_dim)
                     .into_iter()
-                    .map(|f| {
-                        let wl = 2.0 * std::f64::consts::PI / f;
-                        if wl < high_wl {
-                            f
-                        } else if wl > low_wl {
-                            f / factor
-                        } else {
-                            let s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                            (1.0 - s) * f / factor + s * f
-                        }
-                    })
-                    .collect();
-                one(rows)
+                    .map(|f| llama3_freq(f, *factor, low, high, old))
+                    .collect())
             }
             RopeScheme::Longrope { theta, short_factor, long_factor, original_max, factor, attention_factor } => {
                 let ext = if seq_len > *original_max { long_factor } else { short_factor };
@@ -400,6 +388,22 @@ impl RopeScheme {
             cos: Tensor::from_vec(cos, (htab, len, half), device)?,
             sin: Tensor::from_vec(sin, (htab, len, half), device)?,
         })
+    }
+}
+
+/// Llama 3.1's smoothing of one inverse frequency: wavelengths shorter than `old / high` are kept, longer than
+/// `old / low` divided by `factor`, those between interpolated.
+fn llama3_freq(f: f64, factor: f64, low_freq_factor: f64, high_freq_factor: f64, old: f64) -> f64 {
+    let low_wl = old / low_freq_factor;
+    let high_wl = old / high_freq_factor;
+    let wl = 2.0 * std::f64::consts::PI / f;
+    if wl < high_wl {
+        f
+    } else if wl > low_wl {
+        f / factor
+    } else {
+        let s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        (1.0 - s) * f / factor + s * f
     }
 }
 
