@@ -202,7 +202,8 @@ pub fn rope_checks(target: &Target, dt: Dt, r: &mut ChaCha8Rng) -> Result<Vec<Ch
         RopeScheme::Harpe { head_bases: bases, layer_head_bases: None }
     };
     let start = r.random_range(0..200_000);
-    let tab = scheme.tables(d, 0, start, t, start + t, RopeParity::F64, &Device::Cpu)?;
+    let at = crate::model::rope::Positions::new(start, t);
+    let tab = scheme.tables(d, 0, at, RopeParity::F64, &Device::Cpu)?;
     let cos = tab.cos.flatten_all()?.to_vec1::<f32>()?;
     let sin = tab.sin.flatten_all()?.to_vec1::<f32>()?;
     let nsin: Vec<f32> = sin.iter().map(|s| -s).collect();
