@@ -235,8 +235,9 @@ fn locate_named(name: &str) -> Option<std::path::PathBuf> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::{print_table, torch_times, BenchArgs, Row};
-    use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWStep, ComputeOut};
+    use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWBuffers, AdamWStep, ComputeOut};
     use anyhow::Result;
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
     use std::time::Instant;
 
@@ -259,80 +260,12 @@ mod gpu {
         let cd = dev.as_cuda_device()?.clone();
         let iters = args.iters.max(1);
         let t = args.tokens.max(1);
-        // copy bandwidth: 512 MiB device-to-device, read + write counted
-        let n_copy = 128usize << 20;
-        let src = cd.alloc_zeros::<f32>(n_copy)?;
-        let mut dst = cd.alloc_zeros::<f32>(n_copy)?;
-        let copy_ms = time(&dev, iters, || Ok(cd.memcpy_dtod(&src, &mut dst)?))?;
-        let copy_gbps = (2 * 4 * n_copy) as f64 / (copy_ms * 1e-3) / 1e9;
-        drop((src, dst));
+        let copy_gbps = copy_bandwidth(&dev, &cd, iters)?;
         let mut rows = Vec::new();
-        let bf = DType::BF16;
-        // rope: q of Llama-2-7B, 32 heads, HARPE tables per kv head (32 for MHA)
-        let (h, d) = (32usize, 128usize);
-        let x = Tensor::randn(0f32, 1.0, (1, h, t, d), &dev)?.to_dtype(bf)?;
-        let cos = Tensor::randn(0f32, 1.0, (h, t, d / 2), &dev)?;
-        let sin = Tensor::randn(0f32, 1.0, (h, t, d / 2), &dev)?;
-        let rope_bytes = (2 * 2 * h * t * d + 2 * 4 * h * t * d / 2) as u64;
-        let ms = time(&dev, iters, || Ok(crate::ops::rotary::rope(&x, &cos, &sin).map(|_| ())?))?;
-        rows.push(Row::new("rope fwd bf16", &format!("(1,{h},{t},{d}) Htab {h}"), ms, rope_bytes, copy_gbps));
-        let var = candle_core::Var::from_tensor(&x)?;
-        let ms = time(&dev, iters, || {
-            let y = crate::ops::rotary::rope(var.as_tensor(), &cos, &sin)?;
-            Ok(y.sum_all()?.backward().map(|_| ())?)
-        })?;
-        rows.push(Row::new("rope fwd+bwd bf16", &format!("(1,{h},{t},{d}) + sum"), ms, 2 * rope_bytes, copy_gbps));
-        // rms_norm on (T, 4096)
-        let c = 4096usize;
-        let xn = Tensor::randn(0f32, 1.0, (t, c), &dev)?.to_dtype(bf)?;
-        let w = Tensor::randn(0f32, 1.0, c, &dev)?.to_dtype(bf)?;
-        let ms = time(&dev, iters, || Ok(crate::ops::rms_norm::rms_norm(&xn, &w, 1e-5).map(|_| ())?))?;
-        rows.push(Row::new("rms_norm fwd bf16", &format!("({t},{c})"), ms, (2 * 2 * t * c + 2 * c) as u64, copy_gbps));
-        let xv = candle_core::Var::from_tensor(&xn)?;
-        let wv = candle_core::Var::from_tensor(&w)?;
-        let ms = time(&dev, iters, || {
-            let y = crate::ops::rms_norm::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5)?;
-            Ok(y.sum_all()?.backward().map(|_| ())?)
-        })?;
-        rows.push(Row::new(
-            "rms_norm fwd+bwd bf16",
-            &format!("({t},{c}) + sum"),
-            ms,
-            (5 * 2 * t * c) as u64,
-            copy_gbps,
-        ));
-        // cross-entropy on one chunk of logits (rows x 32000)
-        let (rows_ce, v) = (t.min(4096), 32000usize);
-        let logits = Tensor::randn(0f32, 2.0, (rows_ce, v), &dev)?.to_dtype(bf)?;
-        let targets = Tensor::arange(0u32, rows_ce as u32, &dev)?;
-        let g = Tensor::ones(rows_ce, DType::F32, &dev)?;
-        use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
-        let ms = time(&dev, iters, || Ok(ce_chunk_nll(&logits, &targets).map(|_| ())?))?;
-        rows.push(Row::new("ce nll bf16", &format!("({rows_ce},{v})"), ms, (2 * rows_ce * v) as u64, copy_gbps));
-        let ms = time(&dev, iters, || Ok(ce_chunk_dlogits(&logits, &targets, &g).map(|_| ())?))?;
-        rows.push(Row::new(
-            "ce dlogits bf16",
-            &format!("({rows_ce},{v})"),
-            ms,
-            (2 * 2 * rows_ce * v) as u64,
-            copy_gbps,
-        ));
-        // AdamW over 64M parameters writing bf16 weights; the grad norm
-        let n = 64usize << 20;
-        let mut master = cd.alloc_zeros::<f32>(n)?;
-        let mut m = cd.alloc_zeros::<f32>(n)?;
-        let mut vv = cd.alloc_zeros::<f32>(n)?;
-        let grad = cd.alloc_zeros::<f32>(n)?;
-        let mut out = cd.alloc_zeros::<half::bf16>(n)?;
-        let step =
-            AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.3, grad_scale: 1.0 };
-        let seg = [(0..n, 0.1f32)];
-        let ms = time(&dev, iters, || {
-            Ok(adamw_step(&cd, &mut master, &mut m, &mut vv, &grad, ComputeOut::Bf16(&mut out), &seg, step)?)
-        })?;
-        rows.push(Row::new("adamw f32->bf16", &format!("{n} params"), ms, (30 * n) as u64, copy_gbps));
-        let ms = time(&dev, iters, || Ok(grad_sumsq(&cd, &grad.slice(..)).map(|_| ())?))?;
-        rows.push(Row::new("grad sum of squares", &format!("{n} f32"), ms, (4 * n) as u64, copy_gbps));
+        rows.extend(rope_rows(&dev, iters, t, copy_gbps)?);
+        rows.extend(rms_norm_rows(&dev, iters, t, copy_gbps)?);
+        rows.extend(cross_entropy_rows(&dev, iters, t, copy_gbps)?);
+        rows.extend(optimizer_rows(&dev, &cd, iters, copy_gbps)?);
         if !args.no_torch {
             if let Some(tj) = torch_times(t, iters) {
                 for r in rows.iter_mut() {
@@ -347,5 +280,103 @@ mod gpu {
             print_table(name, copy_gbps, &rows);
         }
         Ok(())
+    }
+
+    /// Copy bandwidth in GB/s: 512 MiB device-to-device, read + write counted.
+    fn copy_bandwidth(dev: &Device, cd: &CudaDevice, iters: usize) -> Result<f64> {
+        let n_copy = 128usize << 20;
+        let src = cd.alloc_zeros::<f32>(n_copy)?;
+        let mut dst = cd.alloc_zeros::<f32>(n_copy)?;
+        let copy_ms = time(dev, iters, || Ok(cd.memcpy_dtod(&src, &mut dst)?))?;
+        Ok((2 * 4 * n_copy) as f64 / (copy_ms * 1e-3) / 1e9)
+    }
+
+    /// rope: q of Llama-2-7B, 32 heads, HARPE tables per kv head (32 for MHA); forward and forward+backward.
+    fn rope_rows(dev: &Device, iters: usize, t: usize, copy_gbps: f64) -> Result<Vec<Row>> {
+        let bf = DType::BF16;
+        let (h, d) = (32usize, 128usize);
+        let x = Tensor::randn(0f32, 1.0, (1, h, t, d), dev)?.to_dtype(bf)?;
+        let cos = Tensor::randn(0f32, 1.0, (h, t, d / 2), dev)?;
+        let sin = Tensor::randn(0f32, 1.0, (h, t, d / 2), dev)?;
+        let rope_bytes = (2 * 2 * h * t * d + 2 * 4 * h * t * d / 2) as u64;
+        let mut rows = Vec::new();
+        let ms = time(dev, iters, || Ok(crate::ops::rotary::rope(&x, &cos, &sin).map(|_| ())?))?;
+        rows.push(Row::new("rope fwd bf16", &format!("(1,{h},{t},{d}) Htab {h}"), ms, rope_bytes, copy_gbps));
+        let var = candle_core::Var::from_tensor(&x)?;
+        let ms = time(dev, iters, || {
+            let y = crate::ops::rotary::rope(var.as_tensor(), &cos, &sin)?;
+            Ok(y.sum_all()?.backward().map(|_| ())?)
+        })?;
+        rows.push(Row::new("rope fwd+bwd bf16", &format!("(1,{h},{t},{d}) + sum"), ms, 2 * rope_bytes, copy_gbps));
+        Ok(rows)
+    }
+
+    /// rms_norm on (T, 4096): forward and forward+backward.
+    fn rms_norm_rows(dev: &Device, iters: usize, t: usize, copy_gbps: f64) -> Result<Vec<Row>> {
+        let bf = DType::BF16;
+        let c = 4096usize;
+        let xn = Tensor::randn(0f32, 1.0, (t, c), dev)?.to_dtype(bf)?;
+        let w = Tensor::randn(0f32, 1.0, c, dev)?.to_dtype(bf)?;
+        let mut rows = Vec::new();
+        let ms = time(dev, iters, || Ok(crate::ops::rms_norm::rms_norm(&xn, &w, 1e-5).map(|_| ())?))?;
+        rows.push(Row::new("rms_norm fwd bf16", &format!("({t},{c})"), ms, (2 * 2 * t * c + 2 * c) as u64, copy_gbps));
+        let xv = candle_core::Var::from_tensor(&xn)?;
+        let wv = candle_core::Var::from_tensor(&w)?;
+        let ms = time(dev, iters, || {
+            let y = crate::ops::rms_norm::rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5)?;
+            Ok(y.sum_all()?.backward().map(|_| ())?)
+        })?;
+        rows.push(Row::new(
+            "rms_norm fwd+bwd bf16",
+            &format!("({t},{c}) + sum"),
+            ms,
+            (5 * 2 * t * c) as u64,
+            copy_gbps,
+        ));
+        Ok(rows)
+    }
+
+    /// cross-entropy on one chunk of logits (rows x 32000): the NLL and the logit gradient.
+    fn cross_entropy_rows(dev: &Device, iters: usize, t: usize, copy_gbps: f64) -> Result<Vec<Row>> {
+        use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
+        let bf = DType::BF16;
+        let (rows_ce, v) = (t.min(4096), 32000usize);
+        let logits = Tensor::randn(0f32, 2.0, (rows_ce, v), dev)?.to_dtype(bf)?;
+        let targets = Tensor::arange(0u32, rows_ce as u32, dev)?;
+        let g = Tensor::ones(rows_ce, DType::F32, dev)?;
+        let mut rows = Vec::new();
+        let ms = time(dev, iters, || Ok(ce_chunk_nll(&logits, &targets).map(|_| ())?))?;
+        rows.push(Row::new("ce nll bf16", &format!("({rows_ce},{v})"), ms, (2 * rows_ce * v) as u64, copy_gbps));
+        let ms = time(dev, iters, || Ok(ce_chunk_dlogits(&logits, &targets, &g).map(|_| ())?))?;
+        rows.push(Row::new(
+            "ce dlogits bf16",
+            &format!("({rows_ce},{v})"),
+            ms,
+            (2 * 2 * rows_ce * v) as u64,
+            copy_gbps,
+        ));
+        Ok(rows)
+    }
+
+    /// AdamW over 64M parameters writing bf16 weights; the grad norm.
+    fn optimizer_rows(dev: &Device, cd: &CudaDevice, iters: usize, copy_gbps: f64) -> Result<Vec<Row>> {
+        let n = 64usize << 20;
+        let mut master = cd.alloc_zeros::<f32>(n)?;
+        let mut m = cd.alloc_zeros::<f32>(n)?;
+        let mut vv = cd.alloc_zeros::<f32>(n)?;
+        let grad = cd.alloc_zeros::<f32>(n)?;
+        let mut out = cd.alloc_zeros::<half::bf16>(n)?;
+        let step =
+            AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.3, grad_scale: 1.0 };
+        let seg = [(0..n, 0.1f32)];
+        let mut rows = Vec::new();
+        let ms = time(dev, iters, || {
+            let bufs = AdamWBuffers { master: &mut master, m: &mut m, v: &mut vv, grad: &grad };
+            Ok(adamw_step(cd, bufs, ComputeOut::Bf16(&mut out), &seg, step)?)
+        })?;
+        rows.push(Row::new("adamw f32->bf16", &format!("{n} params"), ms, (30 * n) as u64, copy_gbps));
+        let ms = time(dev, iters, || Ok(grad_sumsq(cd, &grad.slice(..)).map(|_| ())?))?;
+        rows.push(Row::new("grad sum of squares", &format!("{n} f32"), ms, (4 * n) as u64, copy_gbps));
+        Ok(rows)
     }
 }

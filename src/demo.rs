@@ -579,18 +579,11 @@ fn shipped_summary() -> String {
     )
 }
 
-/// `harpe demo`.
-pub fn run(args: DemoArgs) -> Result<()> {
-    if let Some(dest) = &args.make_base {
-        return make_base(&args, dest);
-    }
-    let t_start = Instant::now();
-    let sz = Size::new(args.quick);
-    let out = &fresh_dir(&args.out)?;
+/// The demo's data under `out`: the training corpora at 2·t0 and 4·t0 tokens, the held-out set prepared and
+/// as `heldout.txt`.
+fn prepare_corpora(out: &Path, sz: &Size) -> Result<()> {
     let (t0, t4) = (sz.t0, 4 * sz.t0);
     let tok = out.join("tokenizer.json");
-
-    println!("== [1/5] built-in corpus (passkey, recall, facts, stories, arithmetic), per-source upsampling");
     for (len, seed) in [(2 * t0, 2u64), (t4, 3)] {
         prepare(&corpus(seed, len, sz.docs), len, &tok, &out.join("data").join(format!("train_T{len}")))?;
     }
@@ -599,9 +592,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let held_text: String =
         held.iter().filter(|(s, _)| s != "passkey").map(|(_, t)| format!("{t}\n")).take(sz.heldout_docs).collect();
     std::fs::write(out.join("heldout.txt"), held_text)?;
+    Ok(())
+}
 
+/// Step 2: the base model, pretrained here (`--pretrain`) or the shipped one; its directory and a note
+/// saying where it came from.
+fn base_model(args: &DemoArgs, out: &Path, t0: usize) -> Result<(PathBuf, String)> {
     let t = Instant::now();
-    let (base, base_note) = if args.pretrain {
+    Ok(if args.pretrain {
         let b = BaseRecipe::new(args.quick);
         println!("== [2/5] harpe train: pretrain a tiny Llama at {t0} tokens (plain RoPE, {} steps)", b.steps);
         let base = pretrain_base(out, t0, &b)?;
@@ -611,7 +609,22 @@ pub fn run(args: DemoArgs) -> Result<()> {
         println!("== [2/5] the shipped base: a tiny Llama pretrained at {t0} tokens (assets/demo-base/)");
         let base = shipped_base(out)?;
         (base, format!("pretrained at {t0} tokens by scripts/make_demo_base.sh ({})", shipped_summary()))
-    };
+    })
+}
+
+/// `harpe demo`.
+pub fn run(args: DemoArgs) -> Result<()> {
+    if let Some(dest) = &args.make_base {
+        return make_base(&args, dest);
+    }
+    let t_start = Instant::now();
+    let sz = Size::new(args.quick);
+    let out = &fresh_dir(&args.out)?;
+    let (t0, t4) = (sz.t0, 4 * sz.t0);
+
+    println!("== [1/5] built-in corpus (passkey, recall, facts, stories, arithmetic), per-source upsampling");
+    prepare_corpora(out, &sz)?;
+    let (base, base_note) = base_model(&args, out, t0)?;
 
     let lengths = [t0, 2 * t0, t4];
     println!("== [3/5] harpe eval-niah: the untreated model's passkey accuracy (trained at {t0})");

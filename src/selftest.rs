@@ -202,7 +202,8 @@ pub fn rope_checks(target: &Target, dt: Dt, r: &mut ChaCha8Rng) -> Result<Vec<Ch
         RopeScheme::Harpe { head_bases: bases, layer_head_bases: None }
     };
     let start = r.random_range(0..200_000);
-    let tab = scheme.tables(d, 0, start, t, start + t, RopeParity::F64, &Device::Cpu)?;
+    let at = crate::model::rope::Positions::new(start, t);
+    let tab = scheme.tables(d, 0, at, RopeParity::F64, &Device::Cpu)?;
     let cos = tab.cos.flatten_all()?.to_vec1::<f32>()?;
     let sin = tab.sin.flatten_all()?.to_vec1::<f32>()?;
     let nsin: Vec<f32> = sin.iter().map(|s| -s).collect();
@@ -516,7 +517,7 @@ mod cuda_run {
     //! The same cases through the ops the model calls (rope, rms_norm with autograd, the CE chunk ops)
     //! and the optimizer's flat-buffer launchers.
     use super::{adamw_scalars, AdamWHyper, AdamwOut, Dt};
-    use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWStep, ComputeOut};
+    use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWBuffers, AdamWStep, ComputeOut};
     use anyhow::{anyhow, bail, Result};
     use candle_core::{DType, Device, Tensor, Var};
 
@@ -617,7 +618,7 @@ mod cuda_run {
                 Dt::Bf16 => ComputeOut::Bf16(&mut ob),
                 Dt::F16 => bail!("adamw: no f16 compute weights"),
             };
-            adamw_step(cd, &mut master, &mut m, &mut v, &gd, out, segments, step)?;
+            adamw_step(cd, AdamWBuffers { master: &mut master, m: &mut m, v: &mut v, grad: &gd }, out, segments, step)?;
         }
         let out = match dt {
             Dt::Bf16 => cd.clone_dtoh(&ob)?.into_iter().map(|x| x.to_f32()).collect(),

@@ -187,59 +187,10 @@ pub fn run(a: SearchBasesArgs) -> Result<()> {
     let head_dim = a.head_dim.or(model.map(|(_, m)| m.head_dim)).unwrap_or(DEFAULT_HEAD_DIM);
     let params = PvParams::scaled(head_dim, a.orig_len, a.target_len)?;
     let mut json = serde_json::json!({ "method": a.method, "heads": n, "order": a.order });
-    let (mut bases, comment, found) = match a.method {
-        Method::Table2 => {
-            for (flag, v) in [("--min", a.min), ("--max", a.max), ("--stride", a.stride)] {
-                if v.is_some() {
-                    bail!("{flag} does not apply to --method table2 (its 32 bases are fixed)\nhint: use --method uniform or peak-valley to choose a range");
-                }
-            }
-            if n != TABLE2_BASES.len() {
-                bail!(
-                    "--method table2 has {} bases, but {n} are needed (one per kv head)\nhint: use --method uniform or peak-valley for {n} heads",
-                    TABLE2_BASES.len()
-                );
-            }
-            (
-                TABLE2_BASES.iter().map(|&b| b as f64).collect::<Vec<f64>>(),
-                "HARPE Table 2 (Lian et al.)".to_string(),
-                None,
-            )
-        }
-        Method::Uniform => {
-            if a.stride.is_some() {
-                bail!("--stride does not apply to --method uniform (the spacing is (max - min)/(N - 1))\nhint: drop --stride, or use --method peak-valley");
-            }
-            let (min, max) = (a.min.unwrap_or(DEFAULT_MIN), a.max.unwrap_or(DEFAULT_MAX));
-            check_range(min, max)?;
-            json["min"] = min.into();
-            json["max"] = max.into();
-            let b = uniform_bases(min, max, n, BaseOrder::Asc)?;
-            (b, format!("uniform bases (Eq. 9), min {min}, max {max}"), None)
-        }
-        Method::PeakValley => {
-            let (min, max) = (a.min.unwrap_or(DEFAULT_MIN), a.max.unwrap_or(DEFAULT_MAX));
-            let stride = a.stride.unwrap_or(DEFAULT_STRIDE);
-            let cands = candidates(min, max, stride)?;
-            let t0 = std::time::Instant::now();
-            let r = peak_valley_search(min, &cands, n, &params)?;
-            if !a.json {
-                eprintln!("searched {} candidates in {:.2} s", cands.len(), t0.elapsed().as_secs_f64());
-            }
-            json["min"] = min.into();
-            json["max"] = max.into();
-            json["stride"] = stride.into();
-            json["candidates"] = cands.len().into();
-            json["params"] = serde_json::to_value(&params)?;
-            json["picks"] = serde_json::to_value(&r.picks)?;
-            json["extrema"] = serde_json::to_value(&r.extrema)?;
-            json["skipped"] = serde_json::to_value(&r.skipped)?;
-            let comment = format!(
-                "HARPE-PV v1 peak-valley search (a reconstruction; does not reproduce Table 2): min {min}, max {max}, stride {stride}, head_dim {head_dim}, grid [{}, {}]",
-                params.grid_lo, params.grid_hi
-            );
-            (r.bases, comment, Some(r.extrema))
-        }
+    let Chosen { mut bases, comment, found } = match a.method {
+        Method::Table2 => table2(&a, n)?,
+        Method::Uniform => uniform(&a, n, &mut json)?,
+        Method::PeakValley => peak_valley(&a, n, &params, &mut json)?,
     };
     if a.order == BaseOrder::Desc {
         bases.reverse();
@@ -268,21 +219,91 @@ pub fn run(a: SearchBasesArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string(&json)?);
     } else {
-        println!("# {comment}");
-        println!("{:>5}  {:>14}", "head", "base");
-        for (h, b) in bases.iter().enumerate() {
-            println!("{h:>5}  {b:>14.1}");
-        }
-        if let Some(picks) = json.get("picks").and_then(|p| p.as_array()) {
-            let order: Vec<String> = picks
-                .iter()
-                .map(|p| match p["d"].as_u64() {
-                    Some(d) => format!("{} (d={d})", p["base"]),
-                    None => format!("{} (start)", p["base"]),
-                })
-                .collect();
-            println!("pick order: {}", order.join(", "));
-        }
+        print_text(&comment, &bases, &json);
     }
     Ok(())
+}
+
+/// A produced base set in ascending order, its comment line, and the search's extrema when it ran.
+struct Chosen {
+    bases: Vec<f64>,
+    comment: String,
+    found: Option<Vec<Extrema>>,
+}
+
+/// `--method table2`: the paper's 32 fixed bases.
+fn table2(a: &SearchBasesArgs, n: usize) -> Result<Chosen> {
+    for (flag, v) in [("--min", a.min), ("--max", a.max), ("--stride", a.stride)] {
+        if v.is_some() {
+            bail!("{flag} does not apply to --method table2 (its 32 bases are fixed)\nhint: use --method uniform or peak-valley to choose a range");
+        }
+    }
+    if n != TABLE2_BASES.len() {
+        bail!(
+            "--method table2 has {} bases, but {n} are needed (one per kv head)\nhint: use --method uniform or peak-valley for {n} heads",
+            TABLE2_BASES.len()
+        );
+    }
+    Ok(Chosen {
+        bases: TABLE2_BASES.iter().map(|&b| b as f64).collect::<Vec<f64>>(),
+        comment: "HARPE Table 2 (Lian et al.)".to_string(),
+        found: None,
+    })
+}
+
+/// `--method uniform`: N bases evenly spaced over [min, max] (Eq. 9); records the range in `json`.
+fn uniform(a: &SearchBasesArgs, n: usize, json: &mut serde_json::Value) -> Result<Chosen> {
+    if a.stride.is_some() {
+        bail!("--stride does not apply to --method uniform (the spacing is (max - min)/(N - 1))\nhint: drop --stride, or use --method peak-valley");
+    }
+    let (min, max) = (a.min.unwrap_or(DEFAULT_MIN), a.max.unwrap_or(DEFAULT_MAX));
+    check_range(min, max)?;
+    json["min"] = min.into();
+    json["max"] = max.into();
+    let b = uniform_bases(min, max, n, BaseOrder::Asc)?;
+    Ok(Chosen { bases: b, comment: format!("uniform bases (Eq. 9), min {min}, max {max}"), found: None })
+}
+
+/// `--method peak-valley`: the HARPE-PV v1 search; records its range, parameters and picks in `json`.
+fn peak_valley(a: &SearchBasesArgs, n: usize, params: &PvParams, json: &mut serde_json::Value) -> Result<Chosen> {
+    let (min, max) = (a.min.unwrap_or(DEFAULT_MIN), a.max.unwrap_or(DEFAULT_MAX));
+    let stride = a.stride.unwrap_or(DEFAULT_STRIDE);
+    let cands = candidates(min, max, stride)?;
+    let t0 = std::time::Instant::now();
+    let r = peak_valley_search(min, &cands, n, params)?;
+    if !a.json {
+        eprintln!("searched {} candidates in {:.2} s", cands.len(), t0.elapsed().as_secs_f64());
+    }
+    json["min"] = min.into();
+    json["max"] = max.into();
+    json["stride"] = stride.into();
+    json["candidates"] = cands.len().into();
+    json["params"] = serde_json::to_value(params)?;
+    json["picks"] = serde_json::to_value(&r.picks)?;
+    json["extrema"] = serde_json::to_value(&r.extrema)?;
+    json["skipped"] = serde_json::to_value(&r.skipped)?;
+    let comment = format!(
+        "HARPE-PV v1 peak-valley search (a reconstruction; does not reproduce Table 2): min {min}, max {max}, stride {stride}, head_dim {}, grid [{}, {}]",
+        params.head_dim, params.grid_lo, params.grid_hi
+    );
+    Ok(Chosen { bases: r.bases, comment, found: Some(r.extrema) })
+}
+
+/// The text output: the comment, one line per head, and the search's pick order when there is one.
+fn print_text(comment: &str, bases: &[f64], json: &serde_json::Value) {
+    println!("# {comment}");
+    println!("{:>5}  {:>14}", "head", "base");
+    for (h, b) in bases.iter().enumerate() {
+        println!("{h:>5}  {b:>14.1}");
+    }
+    if let Some(picks) = json.get("picks").and_then(|p| p.as_array()) {
+        let order: Vec<String> = picks
+            .iter()
+            .map(|p| match p["d"].as_u64() {
+                Some(d) => format!("{} (d={d})", p["base"]),
+                None => format!("{} (start)", p["base"]),
+            })
+            .collect();
+        println!("pick order: {}", order.join(", "));
+    }
 }

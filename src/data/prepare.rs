@@ -361,6 +361,75 @@ fn spill_paths(work: &Path, i: usize) -> (PathBuf, PathBuf, PathBuf) {
     (work.join(format!("f{i:06}.tok")), work.join(format!("f{i:06}.idx")), work.join(format!("f{i:06}.json")))
 }
 
+impl FileSummary {
+    /// Count one document of `len` tokens from `source` (numbering a new source locally); its local id.
+    fn add_doc(&mut self, local: &mut BTreeMap<String, u32>, source: String, len: u64, threshold: u64) -> u32 {
+        let next = local.len() as u32;
+        let id = *local.entry(source.clone()).or_insert(next);
+        if id == next {
+            self.sources.push(source);
+            self.counts.push([0; 3]);
+            self.hist.push(vec![0; HIST_BUCKETS]);
+        }
+        let c = &mut self.counts[id as usize];
+        c[0] += 1;
+        c[1] += len;
+        if len >= threshold {
+            c[2] += len;
+        }
+        self.hist[id as usize][hist_bucket(len)] += 1;
+        self.docs += 1;
+        id
+    }
+}
+
+/// One input's spill being written: token ids and the (len, local source) index, both as `.tmp` files
+/// until `finish` renames them (a renamed pair plus the summary JSON is a finished file).
+struct SpillWriter {
+    tok: BufWriter<std::fs::File>,
+    idx: BufWriter<std::fs::File>,
+    tok_tmp: PathBuf,
+    idx_tmp: PathBuf,
+    tok_path: PathBuf,
+    idx_path: PathBuf,
+}
+
+impl SpillWriter {
+    fn create(tok_path: PathBuf, idx_path: PathBuf) -> Result<Self> {
+        let tmp = |p: &Path| {
+            p.with_extension(format!("{}.tmp", p.extension().map(|e| e.to_string_lossy()).unwrap_or_default()))
+        };
+        let (tok_tmp, idx_tmp) = (tmp(&tok_path), tmp(&idx_path));
+        let create = |p: &Path| {
+            std::fs::File::create(p)
+                .map(|f| BufWriter::with_capacity(1 << 20, f))
+                .with_context(|| format!("cannot create {}\nhint: is the output directory writable?", p.display()))
+        };
+        let (tok, idx) = (create(&tok_tmp)?, create(&idx_tmp)?);
+        Ok(SpillWriter { tok, idx, tok_tmp, idx_tmp, tok_path, idx_path })
+    }
+
+    /// Append one document: its ids, and its (len, local source id) index entry.
+    fn push(&mut self, ids: &[u32], id: u32) -> Result<()> {
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        self.tok
+            .write_all(&bytes)
+            .with_context(|| format!("writing {}\nhint: is the disk full?", self.tok_tmp.display()))?;
+        self.idx.write_all(&(ids.len() as u32).to_le_bytes())?;
+        self.idx.write_all(&id.to_le_bytes())?;
+        Ok(())
+    }
+
+    /// Flush both files and rename them to their final names.
+    fn finish(self) -> Result<()> {
+        for (w, tmp, fin) in [(self.tok, &self.tok_tmp, &self.tok_path), (self.idx, &self.idx_tmp, &self.idx_path)] {
+            w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
+            std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {}", tmp.display()))?;
+        }
+        Ok(())
+    }
+}
+
 /// Read the (len, local source) index of a spilled file.
 fn read_index(path: &Path) -> Result<Vec<(u32, u32)>> {
     let b =
@@ -387,16 +456,7 @@ struct Pass1<'a> {
 impl Pass1<'_> {
     fn tokenize_file(&self, i: usize, input: &InputFile) -> Result<FileSummary> {
         let (tok_path, idx_path, sum_path) = spill_paths(self.work, i);
-        let tmp = |p: &Path| {
-            p.with_extension(format!("{}.tmp", p.extension().map(|e| e.to_string_lossy()).unwrap_or_default()))
-        };
-        let (tok_tmp, idx_tmp) = (tmp(&tok_path), tmp(&idx_path));
-        let create = |p: &Path| {
-            std::fs::File::create(p)
-                .map(|f| BufWriter::with_capacity(1 << 20, f))
-                .with_context(|| format!("cannot create {}\nhint: is the output directory writable?", p.display()))
-        };
-        let (mut tok_w, mut idx_w) = (create(&tok_tmp)?, create(&idx_tmp)?);
+        let mut spill = SpillWriter::create(tok_path, idx_path)?;
         let mut s = FileSummary::default();
         let mut local: BTreeMap<String, u32> = BTreeMap::new();
         let text_source = self.opts.default_source.clone().unwrap_or_else(|| "text".to_string());
@@ -424,45 +484,15 @@ impl Pass1<'_> {
                 for (rec, line) in parsed.into_iter().zip(lines) {
                     match rec {
                         Ok((source, ids)) => {
-                            let next = local.len() as u32;
-                            let id = *local.entry(source.clone()).or_insert(next);
-                            if id == next {
-                                s.sources.push(source);
-                                s.counts.push([0; 3]);
-                                s.hist.push(vec![0; HIST_BUCKETS]);
-                            }
                             let len = ids.len() as u64;
-                            let c = &mut s.counts[id as usize];
-                            c[0] += 1;
-                            c[1] += len;
-                            if len >= threshold {
-                                c[2] += len;
-                            }
-                            s.hist[id as usize][hist_bucket(len)] += 1;
-                            let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-                            tok_w
-                                .write_all(&bytes)
-                                .with_context(|| format!("writing {}\nhint: is the disk full?", tok_tmp.display()))?;
-                            idx_w.write_all(&(len as u32).to_le_bytes())?;
-                            idx_w.write_all(&id.to_le_bytes())?;
-                            s.docs += 1;
+                            let id = s.add_doc(&mut local, source, len, threshold);
+                            spill.push(&ids, id)?;
                             nd += 1;
                             nt += len;
                         }
                         Err((l, reason)) => {
-                            s.bad_lines += 1;
                             let line = if l == 0 { line } else { l };
-                            if s.bad_samples.len() < MAX_BAD_SAMPLES {
-                                s.bad_samples.push(BadLine { file: file_label.clone(), line, reason: reason.clone() });
-                            }
-                            let total = self.bad_before + s.bad_lines;
-                            if total > self.opts.max_bad_lines {
-                                bail!(
-                                    "{file_label}:{line}: {reason} ({total} bad record(s) so far, max_bad_lines = {})\nhint: fix \
-                                     the input, or tolerate such records with --max-bad-lines N (they are counted in the manifest)",
-                                    self.opts.max_bad_lines
-                                );
-                            }
+                            self.bad_record(&mut s, &file_label, line, reason)?;
                         }
                     }
                 }
@@ -471,12 +501,26 @@ impl Pass1<'_> {
             reader.join().map_err(|_| anyhow::anyhow!("reader thread of {file_label} panicked"))??;
             Ok(())
         })?;
-        for (w, tmp, fin) in [(tok_w, &tok_tmp, &tok_path), (idx_w, &idx_tmp, &idx_path)] {
-            w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
-            std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {}", tmp.display()))?;
-        }
+        spill.finish()?;
         crate::util::write_atomic(&sum_path, &serde_json::to_vec(&s)?)?;
         Ok(s)
+    }
+
+    /// Count a bad record in `s` (keeping the first few as samples); an error past `max_bad_lines`.
+    fn bad_record(&self, s: &mut FileSummary, file_label: &str, line: u64, reason: String) -> Result<()> {
+        s.bad_lines += 1;
+        if s.bad_samples.len() < MAX_BAD_SAMPLES {
+            s.bad_samples.push(BadLine { file: file_label.to_string(), line, reason: reason.clone() });
+        }
+        let total = self.bad_before + s.bad_lines;
+        if total > self.opts.max_bad_lines {
+            bail!(
+                "{file_label}:{line}: {reason} ({total} bad record(s) so far, max_bad_lines = {})\nhint: fix \
+                 the input, or tolerate such records with --max-bad-lines N (they are counted in the manifest)",
+                self.opts.max_bad_lines
+            );
+        }
+        Ok(())
     }
 
     fn progress(&self, nd: u64, nt: u64) {
@@ -539,7 +583,8 @@ fn prepare_inner(files: Vec<InputFile>, tokenizer_path: &Path, opts: &PrepareOpt
     let (names, stats) = input_stats(&read, files.len())?;
     let plan = plan(&read.summaries, &names, stats, &sep, opts, &work)?;
     let packed = pack(&plan, &sep, opts, out, &work)?;
-    let manifest = manifest(&files, &read, names, plan.notes, packed, &sep, tok_sha, opts);
+    let done = Finished { files: &files, read: &read, names, notes: plan.notes, packed };
+    let manifest = manifest(done, &sep, tok_sha, opts);
     std::fs::copy(tokenizer_path, out.join("tokenizer.json"))
         .with_context(|| format!("cannot copy {} into {}", tokenizer_path.display(), out.display()))?;
     crate::util::write_atomic(&out.join("manifest.json"), &serde_json::to_vec_pretty(&manifest)?)?;
@@ -846,18 +891,19 @@ fn pack(plan: &Plan, sep: &SepTokens, opts: &PrepareOptions, out: &Path, work: &
     Ok(Packed { shards, stats, tail_tokens_dropped: tail })
 }
 
-/// The manifest of a finished preparation.
-#[allow(clippy::too_many_arguments)]
-fn manifest(
-    files: &[InputFile],
-    read: &Read,
+/// What a finished preparation produced: the inputs and what pass 1 read of them, the source names, the
+/// plan's notes, the packed shards.
+struct Finished<'a> {
+    files: &'a [InputFile],
+    read: &'a Read,
     names: Vec<String>,
     notes: Vec<String>,
     packed: Packed,
-    sep: &SepTokens,
-    tokenizer_sha256: String,
-    opts: &PrepareOptions,
-) -> Manifest {
+}
+
+/// The manifest of a finished preparation.
+fn manifest(done: Finished, sep: &SepTokens, tokenizer_sha256: String, opts: &PrepareOptions) -> Manifest {
+    let Finished { files, read, names, notes, packed } = done;
     let summaries = &read.summaries;
     let mut bad_line_samples: Vec<BadLine> = summaries.iter().flat_map(|s| s.bad_samples.iter().cloned()).collect();
     bad_line_samples.truncate(MAX_BAD_SAMPLES);

@@ -560,102 +560,126 @@ pub fn generate_samples(
     sizing: Sizing,
     task_name: &str,
 ) -> Result<Vec<SizedSample>> {
-    let g = NIAH_TOKENS_TO_GENERATE;
     let inc = match generator.haystack() {
         HaystackKind::Essay => 500,
         _ if max_len < 4096 => 5,
         _ => 25,
     };
-    let limit = generator.haystack_limit();
-    let cap = |n: usize| limit.map_or(n, |l| n.min(l));
-    let too_short = |n: usize| -> anyhow::Error {
-        anyhow::anyhow!(
-            "length {max_len} is too short for task {task_name}: a haystack of {n} units (the smallest RULER step) \
-             already gives a prompt over {max_len} - {g} tokens\nhint: use a larger --lengths value"
-        )
+    let n = match sizing {
+        Sizing::Binary => size_binary(generator, tok, max_len, inc)?,
+        Sizing::Linear => size_linear(generator, tok, max_len, inc)?,
     };
-    let mut n = match sizing {
-        Sizing::Binary => {
-            let probe = generator.generate(cap(inc));
-            let est = count_tokens(tok, &probe.input)? as f64 / inc as f64;
-            let mut lo = inc;
-            let mut hi = ((max_len as f64 / est * 3.0) as usize).max(2 * inc);
-            if let Some(l) = limit {
-                hi = hi.min(l);
-            }
-            let mut best = None;
-            while lo <= hi {
-                let mid = (lo + hi) / 2;
-                let s = generator.generate(mid);
-                if count_tokens(tok, &s.input)? + g <= max_len {
-                    best = Some(mid);
-                    lo = mid + 1;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            best.unwrap_or(inc)
-        }
-        Sizing::Linear => {
-            let mut n = inc;
-            let mut total = 0;
-            while total + g < max_len {
-                let s = generator.generate(cap(n));
-                total = count_tokens(tok, &format!("{} {}", s.input, s.answers.join(" ")))?;
-                if total + g > max_len {
-                    n -= inc;
-                    break;
-                }
-                if limit.is_some_and(|l| n > l) {
-                    n = cap(n);
-                    break;
-                }
-                n += inc;
-            }
-            n.max(inc)
-        }
-    };
-    if let Some(l) = limit {
-        if n >= l {
-            let probe = generator.generate(l);
-            let have = count_tokens(tok, &probe.input)?;
-            if have + g < max_len {
-                let per_word = have as f64 / l as f64;
-                let need = ((max_len - g) as f64 / per_word).ceil() as usize;
-                bail!(
-                    "the essay haystack {} is too short for length {max_len}: it has {l} words (a prompt of {have} \
-                     tokens), and {max_len} tokens need about {need} words\nhint: pass a longer --essays corpus, or \
-                     drop lengths above {}",
-                    generator.essays.map_or("", |e| e.origin.as_str()),
-                    have + g
-                );
-            }
-            n = l;
-        }
-    }
+    let n = cap_to_essays(generator, tok, max_len, n)?;
     let mut out = Vec::with_capacity(num_samples);
     for _ in 0..num_samples {
-        let mut used = n;
-        let mut tries_at_floor = 0;
-        loop {
-            let s = generator.generate(used);
-            let length = count_tokens(tok, &s.input)? + g;
-            if length <= max_len {
-                out.push(SizedSample { input: s.input, outputs: s.answers, length, depths: s.depths });
-                break;
-            }
-            if used > inc {
-                used -= inc;
-            } else {
-                // RULER retries forever at the smallest step; new keys can change the length a little.
-                tries_at_floor += 1;
-                if tries_at_floor > 20 {
-                    return Err(too_short(used));
-                }
+        out.push(fitted_sample(generator, tok, max_len, n, inc, task_name)?);
+    }
+    Ok(out)
+}
+
+/// RULER R-HEAD's sizing: binary search for the largest haystack whose prompt fits `max_len`.
+fn size_binary(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, inc: usize) -> Result<usize> {
+    let g = NIAH_TOKENS_TO_GENERATE;
+    let limit = generator.haystack_limit();
+    let probe = generator.generate(limit.map_or(inc, |l| inc.min(l)));
+    let est = count_tokens(tok, &probe.input)? as f64 / inc as f64;
+    let mut lo = inc;
+    let mut hi = ((max_len as f64 / est * 3.0) as usize).max(2 * inc);
+    if let Some(l) = limit {
+        hi = hi.min(l);
+    }
+    let mut best = None;
+    while lo <= hi {
+        let mid = (lo + hi) / 2;
+        let s = generator.generate(mid);
+        if count_tokens(tok, &s.input)? + g <= max_len {
+            best = Some(mid);
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(best.unwrap_or(inc))
+}
+
+/// RULER R-Dec24's sizing: grow the haystack by `inc` until prompt and answers pass `max_len`.
+fn size_linear(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, inc: usize) -> Result<usize> {
+    let g = NIAH_TOKENS_TO_GENERATE;
+    let limit = generator.haystack_limit();
+    let cap = |n: usize| limit.map_or(n, |l| n.min(l));
+    let mut n = inc;
+    let mut total = 0;
+    while total + g < max_len {
+        let s = generator.generate(cap(n));
+        total = count_tokens(tok, &format!("{} {}", s.input, s.answers.join(" ")))?;
+        if total + g > max_len {
+            n -= inc;
+            break;
+        }
+        if limit.is_some_and(|l| n > l) {
+            n = cap(n);
+            break;
+        }
+        n += inc;
+    }
+    Ok(n.max(inc))
+}
+
+/// A haystack size at or past the essays' word count becomes that count, or an error when the whole
+/// corpus is still shorter than `max_len`.
+fn cap_to_essays(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, n: usize) -> Result<usize> {
+    let g = NIAH_TOKENS_TO_GENERATE;
+    let Some(l) = generator.haystack_limit() else { return Ok(n) };
+    if n < l {
+        return Ok(n);
+    }
+    let probe = generator.generate(l);
+    let have = count_tokens(tok, &probe.input)?;
+    if have + g < max_len {
+        let per_word = have as f64 / l as f64;
+        let need = ((max_len - g) as f64 / per_word).ceil() as usize;
+        bail!(
+            "the essay haystack {} is too short for length {max_len}: it has {l} words (a prompt of {have} \
+             tokens), and {max_len} tokens need about {need} words\nhint: pass a longer --essays corpus, or \
+             drop lengths above {}",
+            generator.essays.map_or("", |e| e.origin.as_str()),
+            have + g
+        );
+    }
+    Ok(l)
+}
+
+/// One sample of haystack size `n`, shrunk by `inc` until its prompt fits `max_len` (as RULER does).
+fn fitted_sample(
+    generator: &mut NiahGenerator,
+    tok: &Tokenizer,
+    max_len: usize,
+    n: usize,
+    inc: usize,
+    task_name: &str,
+) -> Result<SizedSample> {
+    let g = NIAH_TOKENS_TO_GENERATE;
+    let mut used = n;
+    let mut tries_at_floor = 0;
+    loop {
+        let s = generator.generate(used);
+        let length = count_tokens(tok, &s.input)? + g;
+        if length <= max_len {
+            return Ok(SizedSample { input: s.input, outputs: s.answers, length, depths: s.depths });
+        }
+        if used > inc {
+            used -= inc;
+        } else {
+            // RULER retries forever at the smallest step; new keys can change the length a little.
+            tries_at_floor += 1;
+            if tries_at_floor > 20 {
+                bail!(
+                    "length {max_len} is too short for task {task_name}: a haystack of {used} units (the smallest \
+                     RULER step) already gives a prompt over {max_len} - {g} tokens\nhint: use a larger --lengths value"
+                );
             }
         }
     }
-    Ok(out)
 }
 
 // ------------------------------------------------------------------------------------------------

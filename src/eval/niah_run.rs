@@ -161,18 +161,7 @@ pub fn prepare_cells(
 ) -> Result<Vec<Cell>> {
     let essays_sha = essays.map_or("none".to_string(), |e| crate::util::sha256_hex(e.text.as_bytes()));
     let mut cells = Vec::new();
-    let grid_haystack = if opts.tasks.contains(&TaskSel::NeedleGrid) {
-        let Some(e) = essays else {
-            bail!(
-                "the needle grid needs an essay haystack\nhint: pass --essays PATH (a .txt file or a directory of \
-                 .txt files, e.g. gkamradt's PaulGrahamEssays), or drop needle_grid from --tasks"
-            );
-        };
-        let max = opts.grid_lengths.iter().copied().max().unwrap_or(0);
-        Some(needle_grid::haystack_ids(tok, e, max)?)
-    } else {
-        None
-    };
+    let grid_haystack = grid_haystack(opts, tok, essays)?;
     for &task in &opts.tasks {
         let lengths = if task == TaskSel::NeedleGrid { &opts.grid_lengths } else { &opts.lengths };
         for &length in lengths {
@@ -189,31 +178,7 @@ pub fn prepare_cells(
                 niah_io::read_data_file(&data)?
             } else {
                 let t0 = std::time::Instant::now();
-                let records = match task {
-                    TaskSel::Niah(t) => {
-                        let mut g = NiahGenerator::new(t, opts.seed, essays)?;
-                        niah::generate_samples(&mut g, tok, length, opts.samples, opts.sizing, name)?
-                            .into_iter()
-                            .enumerate()
-                            .map(|(i, s)| Record {
-                                line: i,
-                                index: i as i64,
-                                input: s.input,
-                                answer_prefix: None,
-                                outputs: s.outputs,
-                                length: Some(s.length),
-                                depth: None,
-                            })
-                            .collect()
-                    }
-                    TaskSel::Passkey => {
-                        passkey::make_samples(tok, length, opts.samples, opts.passkey_depths, opts.seed)?
-                    }
-                    TaskSel::NeedleGrid => {
-                        let depths = needle_grid::linspace_round(0.0, 100.0, opts.grid_depths);
-                        needle_grid::make_samples(tok, grid_haystack.as_deref().unwrap_or(&[]), length, &depths)?
-                    }
-                };
+                let records = generate_records(task, length, opts, tok, essays, grid_haystack.as_deref())?;
                 niah_io::write_data_file(&data, &records)?;
                 crate::util::write_atomic(&key_path, key.as_bytes())?;
                 eprintln!(
@@ -233,6 +198,55 @@ pub fn prepare_cells(
         }
     }
     Ok(cells)
+}
+
+/// The needle grid's essay haystack as token ids, long enough for its longest length (`None` without the grid).
+fn grid_haystack(opts: &NiahSampleOptions, tok: &Tokenizer, essays: Option<&Essays>) -> Result<Option<Vec<u32>>> {
+    if !opts.tasks.contains(&TaskSel::NeedleGrid) {
+        return Ok(None);
+    }
+    let Some(e) = essays else {
+        bail!(
+            "the needle grid needs an essay haystack\nhint: pass --essays PATH (a .txt file or a directory of \
+             .txt files, e.g. gkamradt's PaulGrahamEssays), or drop needle_grid from --tasks"
+        );
+    };
+    let max = opts.grid_lengths.iter().copied().max().unwrap_or(0);
+    Ok(Some(needle_grid::haystack_ids(tok, e, max)?))
+}
+
+/// Generate one cell's samples with its suite's generator.
+fn generate_records(
+    task: TaskSel,
+    length: usize,
+    opts: &NiahSampleOptions,
+    tok: &Tokenizer,
+    essays: Option<&Essays>,
+    grid_haystack: Option<&[u32]>,
+) -> Result<Vec<Record>> {
+    Ok(match task {
+        TaskSel::Niah(t) => {
+            let mut g = NiahGenerator::new(t, opts.seed, essays)?;
+            niah::generate_samples(&mut g, tok, length, opts.samples, opts.sizing, task.name())?
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| Record {
+                    line: i,
+                    index: i as i64,
+                    input: s.input,
+                    answer_prefix: None,
+                    outputs: s.outputs,
+                    length: Some(s.length),
+                    depth: None,
+                })
+                .collect()
+        }
+        TaskSel::Passkey => passkey::make_samples(tok, length, opts.samples, opts.passkey_depths, opts.seed)?,
+        TaskSel::NeedleGrid => {
+            let depths = needle_grid::linspace_round(0.0, 100.0, opts.grid_depths);
+            needle_grid::make_samples(tok, grid_haystack.unwrap_or(&[]), length, &depths)?
+        }
+    })
 }
 
 /// Cells from RULER-prepared data under `root` (`<length>/data/<task>/validation.jsonl`), filtered by
@@ -306,30 +320,7 @@ pub fn run_cells(cells: &[Cell], out: &Path, predict: &mut Predictor) -> Result<
     let mut done: Vec<BTreeMap<usize, String>> = Vec::with_capacity(cells.len());
     let mut todo = 0usize;
     for cell in cells {
-        let path = pred_path(out, cell.length, &cell.task);
-        let existing = niah_io::read_pred_file(&path)?;
-        let mut valid = BTreeMap::new();
-        for r in &cell.records {
-            if let Some(p) = existing.get(&r.line) {
-                let sha = crate::util::sha256_hex(r.prompt().as_bytes());
-                if p.prompt_sha256.as_deref().is_none_or(|h| h == sha) {
-                    valid.insert(r.line, p.pred.clone());
-                }
-            }
-        }
-        // Rewrite the file when it holds stale or foreign lines, so that it only has valid ones.
-        if valid.len() != existing.len() {
-            let mut s = String::new();
-            for r in cell.records.iter().filter(|r| valid.contains_key(&r.line)) {
-                let sha = crate::util::sha256_hex(r.prompt().as_bytes());
-                s.push_str(&niah_io::pred_line(r, &valid[&r.line], &sha));
-                s.push('\n');
-            }
-            if let Some(d) = path.parent() {
-                std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
-            }
-            crate::util::write_atomic(&path, s.as_bytes())?;
-        }
+        let valid = valid_predictions(cell, out)?;
         todo += cell.records.len() - valid.len();
         done.push(valid);
     }
@@ -349,57 +340,100 @@ pub fn run_cells(cells: &[Cell], out: &Path, predict: &mut Predictor) -> Result<
             continue;
         }
         bar.set_message(format!("{} @ {}", cell.task, cell.length));
-        let path = pred_path(out, cell.length, &cell.task);
-        if let Some(d) = path.parent() {
-            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
-        }
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {} for appending\nhint: check permissions", path.display()))?;
-        let missing: Vec<&Record> = cell.records.iter().filter(|r| !valid.contains_key(&r.line)).collect();
-        for r in missing {
-            let prompt = r.prompt();
-            let pred = predict(&prompt, cell.max_new_tokens)
-                .with_context(|| format!("generation failed on {} @ {} line {}", cell.task, cell.length, r.line + 1))?;
-            let sha = crate::util::sha256_hex(prompt.as_bytes());
-            writeln!(f, "{}", niah_io::pred_line(r, &pred, &sha))
-                .and_then(|_| f.flush())
-                .with_context(|| format!("cannot write {}\nhint: is the disk full?", path.display()))?;
-            valid.insert(r.line, pred);
-            bar.inc(1);
-        }
+        predict_missing(cell, valid, out, predict, &bar)?;
     }
     bar.finish_and_clear();
     // Pass 3: score.
-    let mut results = Vec::with_capacity(cells.len());
-    for (cell, valid) in cells.iter().zip(&done) {
-        let mut samples = Vec::with_capacity(cell.records.len());
-        for r in &cell.records {
-            let pred = valid.get(&r.line).cloned().unwrap_or_default();
-            samples.push(SampleResult {
-                line: r.line,
-                index: r.index,
-                depth: r.depth,
-                prompt_sha256: crate::util::sha256_hex(r.prompt().as_bytes()),
-                score: cell.scorer.score(&pred, &r.outputs),
-                exact: (cell.scorer == Scorer::NeedleGrid).then(|| needle_grid::exact_phrase(&pred)),
-                outputs: r.outputs.clone(),
-                pred,
-            });
+    Ok(cells.iter().zip(&done).map(|(cell, valid)| score_cell(cell, valid)).collect())
+}
+
+/// A cell's stored predictions whose prompt hash matches today's prompt, by line; the prediction file is
+/// rewritten to hold only those when it held stale or foreign lines.
+fn valid_predictions(cell: &Cell, out: &Path) -> Result<BTreeMap<usize, String>> {
+    let path = pred_path(out, cell.length, &cell.task);
+    let existing = niah_io::read_pred_file(&path)?;
+    let mut valid = BTreeMap::new();
+    for r in &cell.records {
+        if let Some(p) = existing.get(&r.line) {
+            let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+            if p.prompt_sha256.as_deref().is_none_or(|h| h == sha) {
+                valid.insert(r.line, p.pred.clone());
+            }
         }
-        let scores: Vec<f64> = samples.iter().map(|s| s.score).collect();
-        let preds: Vec<&str> = samples.iter().map(|s| s.pred.as_str()).collect();
-        results.push(CellResult {
-            task: cell.task.clone(),
-            length: cell.length,
-            score: niah::task_score(&scores),
-            nulls: niah::count_nulls(&preds),
-            samples,
+    }
+    // Rewrite the file when it holds stale or foreign lines, so that it only has valid ones.
+    if valid.len() != existing.len() {
+        let mut s = String::new();
+        for r in cell.records.iter().filter(|r| valid.contains_key(&r.line)) {
+            let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+            s.push_str(&niah_io::pred_line(r, &valid[&r.line], &sha));
+            s.push('\n');
+        }
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+        }
+        crate::util::write_atomic(&path, s.as_bytes())?;
+    }
+    Ok(valid)
+}
+
+/// Predict a cell's samples missing from `valid`, appending each line to its prediction file as it comes.
+fn predict_missing(
+    cell: &Cell,
+    valid: &mut BTreeMap<usize, String>,
+    out: &Path,
+    predict: &mut Predictor,
+    bar: &indicatif::ProgressBar,
+) -> Result<()> {
+    let path = pred_path(out, cell.length, &cell.task);
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {} for appending\nhint: check permissions", path.display()))?;
+    let missing: Vec<&Record> = cell.records.iter().filter(|r| !valid.contains_key(&r.line)).collect();
+    for r in missing {
+        let prompt = r.prompt();
+        let pred = predict(&prompt, cell.max_new_tokens)
+            .with_context(|| format!("generation failed on {} @ {} line {}", cell.task, cell.length, r.line + 1))?;
+        let sha = crate::util::sha256_hex(prompt.as_bytes());
+        writeln!(f, "{}", niah_io::pred_line(r, &pred, &sha))
+            .and_then(|_| f.flush())
+            .with_context(|| format!("cannot write {}\nhint: is the disk full?", path.display()))?;
+        valid.insert(r.line, pred);
+        bar.inc(1);
+    }
+    Ok(())
+}
+
+/// Score a cell's predictions (a missing one scores as empty).
+fn score_cell(cell: &Cell, valid: &BTreeMap<usize, String>) -> CellResult {
+    let mut samples = Vec::with_capacity(cell.records.len());
+    for r in &cell.records {
+        let pred = valid.get(&r.line).cloned().unwrap_or_default();
+        samples.push(SampleResult {
+            line: r.line,
+            index: r.index,
+            depth: r.depth,
+            prompt_sha256: crate::util::sha256_hex(r.prompt().as_bytes()),
+            score: cell.scorer.score(&pred, &r.outputs),
+            exact: (cell.scorer == Scorer::NeedleGrid).then(|| needle_grid::exact_phrase(&pred)),
+            outputs: r.outputs.clone(),
+            pred,
         });
     }
-    Ok(results)
+    let scores: Vec<f64> = samples.iter().map(|s| s.score).collect();
+    let preds: Vec<&str> = samples.iter().map(|s| s.pred.as_str()).collect();
+    CellResult {
+        task: cell.task.clone(),
+        length: cell.length,
+        score: niah::task_score(&scores),
+        nulls: niah::count_nulls(&preds),
+        samples,
+    }
 }
 
 fn is_ruler_task(task: &str) -> bool {
@@ -461,8 +495,30 @@ pub fn write_reports(results: &[CellResult], out: &Path, model_name: &str) -> Re
     let summary = out.join("summary.csv");
     crate::util::write_atomic(&summary, summary_csv(results).as_bytes())?;
     written.push(summary);
+    written.extend(write_ruler_summaries(results, out)?);
+    written.extend(write_ruler_heatmap(results, out, model_name)?);
+    for (task, title, file) in [
+        (
+            NEEDLE_GRID,
+            format!("Pressure Testing {model_name}\nFact Retrieval Across Context Lengths (\"Needle In A HayStack\")"),
+            "needle_grid.png",
+        ),
+        (PASSKEY, format!("Passkey retrieval: {model_name}"), "passkey.png"),
+    ] {
+        let cells: Vec<&CellResult> = results.iter().filter(|r| r.task == task).collect();
+        if cells.is_empty() {
+            continue;
+        }
+        let p = out.join(file);
+        draw_depth_heatmap(&cells, title, &p)?;
+        written.push(p);
+    }
+    Ok(written)
+}
 
-    // RULER's own summary per length (RULER tasks only), beside the predictions.
+/// RULER's own summary per length (RULER tasks only), beside the predictions; the paths written.
+fn write_ruler_summaries(results: &[CellResult], out: &Path) -> Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
     let lengths: BTreeSet<usize> = results.iter().map(|r| r.length).collect();
     for &l in &lengths {
         let rows: Vec<(String, f64, usize, usize)> = results
@@ -478,87 +534,79 @@ pub fn write_reports(results: &[CellResult], out: &Path, model_name: &str) -> Re
         crate::util::write_atomic(&p, niah_io::ruler_summary_csv(&rows).as_bytes())?;
         written.push(p);
     }
-
-    // Heatmaps.
-    let ruler: Vec<&CellResult> = results.iter().filter(|r| is_ruler_task(&r.task)).collect();
-    if !ruler.is_empty() {
-        let lens: Vec<usize> = ruler.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
-        let mut tasks: Vec<&str> = Vec::new();
-        for r in &ruler {
-            if !tasks.contains(&r.task.as_str()) {
-                tasks.push(&r.task);
-            }
-        }
-        let values = tasks
-            .iter()
-            .map(|t| {
-                lens.iter()
-                    .map(|&l| ruler.iter().find(|r| r.task == *t && r.length == l).map(|r| r.score / 100.0))
-                    .collect()
-            })
-            .collect();
-        let p = out.join("ruler_heatmap.png");
-        heatmap::draw(
-            &Heatmap {
-                title: format!("RULER needle tasks: {model_name}"),
-                x_label: "Token Limit".into(),
-                y_label: "Task".into(),
-                x_ticks: lens.iter().map(usize::to_string).collect(),
-                y_ticks: tasks.iter().map(|t| t.to_string()).collect(),
-                values,
-                marker_col: None,
-            },
-            &p,
-        )?;
-        written.push(p);
-    }
-    for (task, title, file) in [
-        (
-            NEEDLE_GRID,
-            format!("Pressure Testing {model_name}\nFact Retrieval Across Context Lengths (\"Needle In A HayStack\")"),
-            "needle_grid.png",
-        ),
-        (PASSKEY, format!("Passkey retrieval: {model_name}"), "passkey.png"),
-    ] {
-        let cells: Vec<&CellResult> = results.iter().filter(|r| r.task == task).collect();
-        if cells.is_empty() {
-            continue;
-        }
-        let lens: Vec<usize> = cells.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
-        let mut depths: Vec<f64> = cells.iter().flat_map(|c| c.samples.iter().filter_map(|s| s.depth)).collect();
-        depths.sort_by(f64::total_cmp);
-        depths.dedup();
-        let values = depths
-            .iter()
-            .map(|&d| {
-                lens.iter()
-                    .map(|&l| {
-                        let v: Vec<f64> = cells
-                            .iter()
-                            .filter(|c| c.length == l)
-                            .flat_map(|c| c.samples.iter().filter(|s| s.depth == Some(d)).map(|s| s.score))
-                            .collect();
-                        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-                    })
-                    .collect()
-            })
-            .collect();
-        let p = out.join(file);
-        heatmap::draw(
-            &Heatmap {
-                title,
-                x_label: "Token Limit".into(),
-                y_label: "Depth Percent".into(),
-                x_ticks: lens.iter().map(usize::to_string).collect(),
-                y_ticks: depths.iter().map(|d| format!("{d:.0}")).collect(),
-                values,
-                marker_col: None,
-            },
-            &p,
-        )?;
-        written.push(p);
-    }
     Ok(written)
+}
+
+/// `ruler_heatmap.png`: RULER task x length scores, when there are RULER cells; the path written.
+fn write_ruler_heatmap(results: &[CellResult], out: &Path, model_name: &str) -> Result<Option<PathBuf>> {
+    let ruler: Vec<&CellResult> = results.iter().filter(|r| is_ruler_task(&r.task)).collect();
+    if ruler.is_empty() {
+        return Ok(None);
+    }
+    let lens: Vec<usize> = ruler.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
+    let mut tasks: Vec<&str> = Vec::new();
+    for r in &ruler {
+        if !tasks.contains(&r.task.as_str()) {
+            tasks.push(&r.task);
+        }
+    }
+    let values = tasks
+        .iter()
+        .map(|t| {
+            lens.iter()
+                .map(|&l| ruler.iter().find(|r| r.task == *t && r.length == l).map(|r| r.score / 100.0))
+                .collect()
+        })
+        .collect();
+    let p = out.join("ruler_heatmap.png");
+    heatmap::draw(
+        &Heatmap {
+            title: format!("RULER needle tasks: {model_name}"),
+            x_label: "Token Limit".into(),
+            y_label: "Task".into(),
+            x_ticks: lens.iter().map(usize::to_string).collect(),
+            y_ticks: tasks.iter().map(|t| t.to_string()).collect(),
+            values,
+            marker_col: None,
+        },
+        &p,
+    )?;
+    Ok(Some(p))
+}
+
+/// A depth x length heatmap of one suite's cells (needle grid, passkey): the mean score per depth and length.
+fn draw_depth_heatmap(cells: &[&CellResult], title: String, p: &Path) -> Result<()> {
+    let lens: Vec<usize> = cells.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
+    let mut depths: Vec<f64> = cells.iter().flat_map(|c| c.samples.iter().filter_map(|s| s.depth)).collect();
+    depths.sort_by(f64::total_cmp);
+    depths.dedup();
+    let values = depths
+        .iter()
+        .map(|&d| {
+            lens.iter()
+                .map(|&l| {
+                    let v: Vec<f64> = cells
+                        .iter()
+                        .filter(|c| c.length == l)
+                        .flat_map(|c| c.samples.iter().filter(|s| s.depth == Some(d)).map(|s| s.score))
+                        .collect();
+                    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+                })
+                .collect()
+        })
+        .collect();
+    heatmap::draw(
+        &Heatmap {
+            title,
+            x_label: "Token Limit".into(),
+            y_label: "Depth Percent".into(),
+            x_ticks: lens.iter().map(usize::to_string).collect(),
+            y_ticks: depths.iter().map(|d| format!("{d:.0}")).collect(),
+            values,
+            marker_col: None,
+        },
+        p,
+    )
 }
 
 /// A plain-text table of the summary for the terminal.
@@ -703,14 +751,7 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
         Some(dir) => Some(crate::util::lock_dir(dir, "harpe eval-niah")?),
         None => None,
     };
-    let tok_path = match (&args.tokenizer, &args.model) {
-        (Some(t), _) => t.clone(),
-        (None, Some(m)) => m.clone(),
-        (None, None) => bail!("no tokenizer: pass --model DIR (with tokenizer.json) or --tokenizer FILE\nhint: --prepare-only needs only a tokenizer"),
-    };
-    let mut tok = crate::model::load_tokenizer(&tok_path)?;
-    tok.with_truncation(None).map_err(|e| anyhow::anyhow!("cannot disable truncation: {e}"))?;
-    tok.with_padding(None);
+    let (tok_path, tok) = eval_tokenizer(&args)?;
     // Load the model first (when running one) so that a bad model or length fails before sizing.
     let model_dir = match (&args.model, args.prepare_only) {
         (_, true) => None,
@@ -755,7 +796,6 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
             let Some(out) = args.out.clone() else {
                 bail!("--out DIR is required\nhint: e.g. --out runs/niah");
             };
-            let essays = args.essays.as_deref().map(Essays::load).transpose()?;
             let opts = NiahSampleOptions {
                 tasks,
                 grid_lengths,
@@ -766,9 +806,7 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
                 seed: args.seed,
                 sizing: args.sizing,
             };
-            let tok_file = if tok_path.is_dir() { tok_path.join("tokenizer.json") } else { tok_path.clone() };
-            let tok_sha = crate::util::sha256_file(&tok_file)?;
-            (prepare_cells(&opts, &tok, &tok_sha, essays.as_ref(), &out)?, out)
+            (generated_cells(&args, &opts, &tok, &tok_path, &out)?, out)
         }
     };
     let (Some(predict), Some(model_dir)) = (predict.as_mut(), &model_dir) else {
@@ -784,4 +822,32 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
         println!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// The tokenizer named by `--tokenizer`, else `--model`, with truncation and padding off; and its path.
+fn eval_tokenizer(args: &EvalNiahArgs) -> Result<(PathBuf, Tokenizer)> {
+    let tok_path = match (&args.tokenizer, &args.model) {
+        (Some(t), _) => t.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) => bail!("no tokenizer: pass --model DIR (with tokenizer.json) or --tokenizer FILE\nhint: --prepare-only needs only a tokenizer"),
+    };
+    let mut tok = crate::model::load_tokenizer(&tok_path)?;
+    tok.with_truncation(None).map_err(|e| anyhow::anyhow!("cannot disable truncation: {e}"))?;
+    tok.with_padding(None);
+    Ok((tok_path, tok))
+}
+
+/// Generate (or load from the cache) the cells of `opts` under `out`, keyed by the tokenizer file's and the
+/// essays' hashes.
+fn generated_cells(
+    args: &EvalNiahArgs,
+    opts: &NiahSampleOptions,
+    tok: &Tokenizer,
+    tok_path: &Path,
+    out: &Path,
+) -> Result<Vec<Cell>> {
+    let essays = args.essays.as_deref().map(Essays::load).transpose()?;
+    let tok_file = if tok_path.is_dir() { tok_path.join("tokenizer.json") } else { tok_path.to_path_buf() };
+    let tok_sha = crate::util::sha256_file(&tok_file)?;
+    prepare_cells(opts, tok, &tok_sha, essays.as_ref(), out)
 }

@@ -120,20 +120,7 @@ impl LlamaConfig {
     pub fn from_json(v: &Value, origin: &str) -> Result<LlamaConfig> {
         let obj =
             v.as_object().ok_or_else(|| anyhow!("{origin}: expected a JSON object\nhint: is this a config.json?"))?;
-        let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
-        if !["llama", "mistral"].contains(&model_type.as_str()) {
-            bail!("{origin}: model_type `{model_type}` is not supported\nhint: harpe supports Llama-family models (model_type llama or mistral)");
-        }
-        if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                bail!("{origin}: hidden_act `{act}` is not supported\nhint: Llama models use silu");
-            }
-        }
-        for k in ["attention_bias", "mlp_bias"] {
-            if obj.get(k).and_then(Value::as_bool) == Some(true) {
-                bail!("{origin}: `{k}: true` is not supported\nhint: harpe implements bias-free Llama projections");
-            }
-        }
+        let model_type = check_architecture(obj, origin)?;
         let usize_of = |k: &str, default: Option<usize>| -> Result<usize> {
             match obj.get(k) {
                 None | Some(Value::Null) => {
@@ -157,26 +144,8 @@ impl LlamaConfig {
         let num_key_value_heads = usize_of("num_key_value_heads", Some(num_attention_heads))?;
         let head_dim = usize_of("head_dim", Some(hidden_size.checked_div(num_attention_heads).unwrap_or(0)))?;
         let max_position_embeddings = usize_of("max_position_embeddings", Some(2048))?;
-        let eos_token_id = match obj.get("eos_token_id") {
-            None | Some(Value::Null) => vec![],
-            Some(Value::Array(a)) => {
-                a.iter().map(|x| x.as_u64().map(|n| n as u32)).collect::<Option<Vec<_>>>().ok_or_else(|| {
-                    anyhow!("{origin}: `eos_token_id` must be an integer or a list of integers\nhint: fix config.json")
-                })?
-            }
-            Some(x) => vec![x
-                .as_u64()
-                .ok_or_else(|| anyhow!("{origin}: `eos_token_id` must be an integer\nhint: fix config.json"))?
-                as u32],
-        };
-        let bos_token_id = match obj.get("bos_token_id") {
-            None | Some(Value::Null) => None,
-            Some(x) => Some(
-                x.as_u64()
-                    .ok_or_else(|| anyhow!("{origin}: `bos_token_id` must be an integer\nhint: fix config.json"))?
-                    as u32,
-            ),
-        };
+        let eos_token_id = eos_token_ids(obj, origin)?;
+        let bos_token_id = bos_token_id(obj, origin)?;
         let rope = parse_rope(obj, max_position_embeddings, origin)?;
         let mut cfg = LlamaConfig {
             model_type,
@@ -302,6 +271,52 @@ fn rope_to_hf(r: &RopeScheme, head_dim: usize) -> (f64, Value) {
     }
 }
 
+/// The model type, after checking that the config describes the Llama harpe implements (silu, no biases).
+fn check_architecture(obj: &Map<String, Value>, origin: &str) -> Result<String> {
+    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
+    if !["llama", "mistral"].contains(&model_type.as_str()) {
+        bail!("{origin}: model_type `{model_type}` is not supported\nhint: harpe supports Llama-family models (model_type llama or mistral)");
+    }
+    if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            bail!("{origin}: hidden_act `{act}` is not supported\nhint: Llama models use silu");
+        }
+    }
+    for k in ["attention_bias", "mlp_bias"] {
+        if obj.get(k).and_then(Value::as_bool) == Some(true) {
+            bail!("{origin}: `{k}: true` is not supported\nhint: harpe implements bias-free Llama projections");
+        }
+    }
+    Ok(model_type)
+}
+
+/// `eos_token_id`: absent, one integer, or a list of integers.
+fn eos_token_ids(obj: &Map<String, Value>, origin: &str) -> Result<Vec<u32>> {
+    Ok(match obj.get("eos_token_id") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => {
+            a.iter().map(|x| x.as_u64().map(|n| n as u32)).collect::<Option<Vec<_>>>().ok_or_else(|| {
+                anyhow!("{origin}: `eos_token_id` must be an integer or a list of integers\nhint: fix config.json")
+            })?
+        }
+        Some(x) => vec![x
+            .as_u64()
+            .ok_or_else(|| anyhow!("{origin}: `eos_token_id` must be an integer\nhint: fix config.json"))?
+            as u32],
+    })
+}
+
+/// `bos_token_id`: absent or one integer.
+fn bos_token_id(obj: &Map<String, Value>, origin: &str) -> Result<Option<u32>> {
+    Ok(match obj.get("bos_token_id") {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(
+            x.as_u64().ok_or_else(|| anyhow!("{origin}: `bos_token_id` must be an integer\nhint: fix config.json"))?
+                as u32,
+        ),
+    })
+}
+
 /// The RoPE scheme from either config form.
 fn parse_rope(obj: &Map<String, Value>, max_pos: usize, origin: &str) -> Result<RopeScheme> {
     // transformers-5: everything lives in `rope_parameters` (rope_theta included).
@@ -322,87 +337,123 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize, origin: &str) -> Result<
             .ok_or_else(|| anyhow!("{origin}: `rope_theta` must be a number, got {x}\nhint: fix config.json"))?,
     };
     let rope_type = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
-    let num = |k: &str| -> Result<f64> {
-        p.get(k).and_then(Value::as_f64).ok_or_else(|| {
-            anyhow!("{origin}: `{key}.{k}` is missing or not a number (rope_type `{rope_type}`)\nhint: add it, e.g. \"{k}\": 32.0")
-        })
-    };
-    let opt =
-        |k: &str| -> Result<Option<f64>> {
-            match p.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => Ok(Some(x.as_f64().ok_or_else(|| {
-                    anyhow!("{origin}: `{key}.{k}` must be a number, got {x}\nhint: fix config.json")
-                })?)),
-            }
-        };
-    let list = |k: &str| -> Result<Vec<f64>> {
-        p.get(k)
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>())
-            .ok_or_else(|| anyhow!("{origin}: `{key}.{k}` must be a list of numbers\nhint: fix config.json"))
-    };
-    let orig_max = || -> Result<usize> {
-        Ok(match opt("original_max_position_embeddings")? {
-            Some(x) => x as usize,
-            None => match obj.get("original_max_position_embeddings").and_then(Value::as_u64) {
-                Some(x) => x as usize,
-                None => max_pos,
-            },
-        })
-    };
+    let r = RopeKeys { obj, p, key, rope_type, max_pos, origin };
     Ok(match rope_type {
         "default" => RopeScheme::Default { theta },
-        "linear" => RopeScheme::Linear { theta, factor: num("factor")? },
-        "dynamic" => RopeScheme::Dynamic { theta, factor: num("factor")?, original_max: orig_max()? },
+        "linear" => RopeScheme::Linear { theta, factor: r.num("factor")? },
+        "dynamic" => RopeScheme::Dynamic { theta, factor: r.num("factor")?, original_max: r.orig_max()? },
         "yarn" => RopeScheme::Yarn {
             theta,
-            factor: num("factor")?,
-            original_max: orig_max()?,
-            beta_fast: opt("beta_fast")?.unwrap_or(32.0),
-            beta_slow: opt("beta_slow")?.unwrap_or(1.0),
-            mscale: opt("mscale")?,
-            mscale_all_dim: opt("mscale_all_dim")?,
-            attention_factor: opt("attention_factor")?,
+            factor: r.num("factor")?,
+            original_max: r.orig_max()?,
+            beta_fast: r.opt("beta_fast")?.unwrap_or(32.0),
+            beta_slow: r.opt("beta_slow")?.unwrap_or(1.0),
+            mscale: r.opt("mscale")?,
+            mscale_all_dim: r.opt("mscale_all_dim")?,
+            attention_factor: r.opt("attention_factor")?,
             truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
         },
         "llama3" => RopeScheme::Llama3 {
             theta,
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max: orig_max()?,
+            factor: r.num("factor")?,
+            low_freq_factor: r.num("low_freq_factor")?,
+            high_freq_factor: r.num("high_freq_factor")?,
+            original_max: r.orig_max()?,
         },
         "longrope" => {
-            let original_max = orig_max()?;
-            let factor = match opt("factor")? {
+            let original_max = r.orig_max()?;
+            let factor = match r.opt("factor")? {
                 Some(f) => f,
                 None => max_pos as f64 / original_max as f64,
             };
             RopeScheme::Longrope {
                 theta,
-                short_factor: list("short_factor")?,
-                long_factor: list("long_factor")?,
+                short_factor: r.list("short_factor")?,
+                long_factor: r.list("long_factor")?,
                 original_max,
                 factor,
-                attention_factor: opt("attention_factor")?,
+                attention_factor: r.opt("attention_factor")?,
             }
         }
         "harpe" => {
-            let layer_head_bases = match p.get("layer_head_bases") {
-                None | Some(Value::Null) => None,
-                Some(Value::Array(rows)) => Some(
-                    rows.iter()
-                        .map(|r| r.as_array().and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>()))
-                        .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| anyhow!("{origin}: `{key}.layer_head_bases` must be a list of lists of numbers\nhint: fix config.json"))?,
-                ),
-                Some(_) => bail!("{origin}: `{key}.layer_head_bases` must be a list of lists\nhint: fix config.json"),
-            };
-            RopeScheme::Harpe { head_bases: list("head_bases")?, layer_head_bases }
+            let layer_head_bases = r.layer_head_bases()?;
+            RopeScheme::Harpe { head_bases: r.list("head_bases")?, layer_head_bases }
         }
         other => bail!(
             "{origin}: unknown `{key}.rope_type` `{other}`\nhint: supported: default, linear, dynamic, yarn, llama3, longrope, harpe"
         ),
     })
+}
+
+/// The RoPE parameter object of a config (`rope_parameters` or `rope_scaling`, empty when absent), read key
+/// by key with errors that name the file, the object and the rope type.
+struct RopeKeys<'a> {
+    /// The whole config object (for the top-level `original_max_position_embeddings`).
+    obj: &'a Map<String, Value>,
+    /// The parameter object.
+    p: &'a Map<String, Value>,
+    /// Its key in the config, as errors name it.
+    key: &'static str,
+    rope_type: &'a str,
+    max_pos: usize,
+    origin: &'a str,
+}
+
+impl RopeKeys<'_> {
+    /// A required number.
+    fn num(&self, k: &str) -> Result<f64> {
+        let (origin, key, rope_type) = (self.origin, self.key, self.rope_type);
+        self.p.get(k).and_then(Value::as_f64).ok_or_else(|| {
+            anyhow!("{origin}: `{key}.{k}` is missing or not a number (rope_type `{rope_type}`)\nhint: add it, e.g. \"{k}\": 32.0")
+        })
+    }
+
+    /// An optional number (absent or null is `None`).
+    fn opt(&self, k: &str) -> Result<Option<f64>> {
+        let (origin, key) = (self.origin, self.key);
+        match self.p.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => {
+                Ok(Some(x.as_f64().ok_or_else(|| {
+                    anyhow!("{origin}: `{key}.{k}` must be a number, got {x}\nhint: fix config.json")
+                })?))
+            }
+        }
+    }
+
+    /// A required list of numbers.
+    fn list(&self, k: &str) -> Result<Vec<f64>> {
+        let (origin, key) = (self.origin, self.key);
+        self.p
+            .get(k)
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>())
+            .ok_or_else(|| anyhow!("{origin}: `{key}.{k}` must be a list of numbers\nhint: fix config.json"))
+    }
+
+    /// `original_max_position_embeddings`: in the parameter object, else at the top level, else `max_pos`.
+    fn orig_max(&self) -> Result<usize> {
+        Ok(match self.opt("original_max_position_embeddings")? {
+            Some(x) => x as usize,
+            None => match self.obj.get("original_max_position_embeddings").and_then(Value::as_u64) {
+                Some(x) => x as usize,
+                None => self.max_pos,
+            },
+        })
+    }
+
+    /// HARPE's optional per-layer bases: a list of lists of numbers.
+    fn layer_head_bases(&self) -> Result<Option<Vec<Vec<f64>>>> {
+        let (origin, key) = (self.origin, self.key);
+        Ok(match self.p.get("layer_head_bases") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(rows)) => Some(
+                rows.iter()
+                    .map(|r| r.as_array().and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>()))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| anyhow!("{origin}: `{key}.layer_head_bases` must be a list of lists of numbers\nhint: fix config.json"))?,
+            ),
+            Some(_) => bail!("{origin}: `{key}.layer_head_bases` must be a list of lists\nhint: fix config.json"),
+        })
+    }
 }

@@ -14,7 +14,7 @@
 //! Not done here: loss (see `loss`), sampling.
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
-use crate::model::rope::{RopeParity, RopeTables};
+use crate::model::rope::{Positions, RopeParity, RopeTables};
 use crate::ops::attention::DocStarts;
 use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
@@ -314,7 +314,7 @@ impl Llama {
     /// RoPE tables for layer `layer` covering positions start..start+len.
     pub fn rope_tables(&self, layer: usize, start: usize, len: usize) -> Result<RopeTables> {
         let tab_layer = if self.cfg.rope.per_layer() { layer } else { 0 };
-        self.cfg.rope.tables(self.cfg.head_dim, tab_layer, start, len, start + len, self.parity, self.device())
+        self.cfg.rope.tables(self.cfg.head_dim, tab_layer, Positions::new(start, len), self.parity, self.device())
     }
 
     /// Token embeddings: ids (B, T) u32 -> (B, T, C).

@@ -316,23 +316,11 @@ impl RopeScheme {
             }
             RopeScheme::Llama3 { theta, factor, low_freq_factor, high_freq_factor, original_max } => {
                 let old = *original_max as f64;
-                let low_wl = old / low_freq_factor;
-                let high_wl = old / high_freq_factor;
-                let rows = default_inv_freq(*theta, head_dim)
+                let (low, high) = (*low_freq_factor, *high_freq_factor);
+                one(default_inv_freq(*theta, head_dim)
                     .into_iter()
-                    .map(|f| {
-                        let wl = 2.0 * std::f64::consts::PI / f;
-                        if wl < high_wl {
-                            f
-                        } else if wl > low_wl {
-                            f / factor
-                        } else {
-                            let s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                            (1.0 - s) * f / factor + s * f
-                        }
-                    })
-                    .collect();
-                one(rows)
+                    .map(|f| llama3_freq(f, *factor, low, high, old))
+                    .collect())
             }
             RopeScheme::Longrope { theta, short_factor, long_factor, original_max, factor, attention_factor } => {
                 let ext = if seq_len > *original_max { long_factor } else { short_factor };
@@ -358,18 +346,16 @@ impl RopeScheme {
         matches!(self, RopeScheme::Harpe { layer_head_bases: Some(_), .. })
     }
 
-    /// cos/sin tables for positions `start..start+len`, with `seq_len` the length the scheme adapts to.
-    #[allow(clippy::too_many_arguments)]
+    /// cos/sin tables for the positions `at` (`at.seq_len` is the length the scheme adapts to).
     pub fn tables(
         &self,
         head_dim: usize,
         layer: usize,
-        start: usize,
-        len: usize,
-        seq_len: usize,
+        at: Positions,
         parity: RopeParity,
         device: &Device,
     ) -> Result<RopeTables> {
+        let Positions { start, len, seq_len } = at;
         let inv = self.inv_freq(head_dim, layer, seq_len);
         let half = head_dim / 2;
         let htab = inv.rows.len();
@@ -403,6 +389,22 @@ impl RopeScheme {
     }
 }
 
+/// Llama 3.1's smoothing of one inverse frequency: wavelengths shorter than `old / high` are kept, longer than
+/// `old / low` divided by `factor`, those between interpolated.
+fn llama3_freq(f: f64, factor: f64, low_freq_factor: f64, high_freq_factor: f64, old: f64) -> f64 {
+    let low_wl = old / low_freq_factor;
+    let high_wl = old / high_freq_factor;
+    let wl = 2.0 * std::f64::consts::PI / f;
+    if wl < high_wl {
+        f
+    } else if wl > low_wl {
+        f / factor
+    } else {
+        let s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        (1.0 - s) * f / factor + s * f
+    }
+}
+
 /// Bring a per-head base list to one base per kv head.
 fn reduce_bases(bases: &[f64], n_heads: usize, n_kv_heads: usize, what: &str) -> Result<Vec<f64>> {
     for (i, b) in bases.iter().enumerate() {
@@ -431,6 +433,22 @@ fn reduce_bases(bases: &[f64], n_heads: usize, n_kv_heads: usize, what: &str) ->
         "{what} has {} bases, but the model has {n_heads} attention heads and {n_kv_heads} kv heads\nhint: give one base per kv head ({n_kv_heads} values)",
         bases.len()
     )
+}
+
+/// Positions `start..start + len` of a sequence of `seq_len` tokens (dynamic NTK and LongRoPE adapt to
+/// `seq_len`; a sequence-parallel rank's part has `seq_len` > `start + len`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Positions {
+    pub start: usize,
+    pub len: usize,
+    pub seq_len: usize,
+}
+
+impl Positions {
+    /// Positions `start..start + len` of a sequence that ends with them (`seq_len = start + len`).
+    pub fn new(start: usize, len: usize) -> Positions {
+        Positions { start, len, seq_len: start + len }
+    }
 }
 
 /// cos/sin of shape (Htab, T, D/2), f32, attention factor already multiplied in.
@@ -519,8 +537,9 @@ mod tests {
         // spec §5: |cos_f64 - cos_hf| < 0.01 at m = 131071, and f64 is the accurate one
         for b in [1e4, 5e5, 1e6, 5e6] {
             let s = RopeScheme::Default { theta: b };
-            let f = s.tables(128, 0, 131071, 1, 131072, RopeParity::F64, &Device::Cpu).unwrap();
-            let h = s.tables(128, 0, 131071, 1, 131072, RopeParity::Hf, &Device::Cpu).unwrap();
+            let at = Positions { start: 131071, len: 1, seq_len: 131072 };
+            let f = s.tables(128, 0, at, RopeParity::F64, &Device::Cpu).unwrap();
+            let h = s.tables(128, 0, at, RopeParity::Hf, &Device::Cpu).unwrap();
             let (cf, ch) = (
                 f.cos.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 h.cos.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -601,7 +620,7 @@ mod tests {
             layer_head_bases: Some(vec![vec![1e4, 2e4], vec![3e4, 4e4]]),
         };
         assert_eq!(s.inv_freq(8, 1, 0).rows[0][1], 1.0 / 3e4f64.powf(0.25));
-        let tab = s.tables(8, 1, 0, 3, 3, RopeParity::F64, &Device::Cpu).unwrap();
+        let tab = s.tables(8, 1, Positions { start: 0, len: 3, seq_len: 3 }, RopeParity::F64, &Device::Cpu).unwrap();
         assert_eq!(tab.cos.dims(), &[2, 3, 4]);
     }
 }

@@ -105,19 +105,25 @@ pub enum ComputeOut<'a> {
     Bf16(&'a mut CudaSlice<bf16>),
 }
 
+/// This rank's flat AdamW state on the device, all `n` long: master weights and moments (updated in
+/// place) and the gradient.
+pub struct AdamWBuffers<'a> {
+    pub master: &'a mut CudaSlice<f32>,
+    pub m: &'a mut CudaSlice<f32>,
+    pub v: &'a mut CudaSlice<f32>,
+    pub grad: &'a CudaSlice<f32>,
+}
+
 /// One fused AdamW step on this rank's flat master/m/v (all `n` long) with gradient `grad`; `segments`
 /// are (local range, weight decay) pieces covering 0..n (adjacent equal decays are launched together).
-#[allow(clippy::too_many_arguments)]
 pub fn adamw_step(
     dev: &CudaDevice,
-    master: &mut CudaSlice<f32>,
-    m: &mut CudaSlice<f32>,
-    v: &mut CudaSlice<f32>,
-    grad: &CudaSlice<f32>,
+    bufs: AdamWBuffers<'_>,
     out: ComputeOut<'_>,
     segments: &[(Range<usize>, f32)],
     s: AdamWStep,
 ) -> Result<()> {
+    let AdamWBuffers { master, m, v, grad } = bufs;
     let n = master.len();
     let out_len = match &out {
         ComputeOut::None => n,

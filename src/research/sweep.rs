@@ -307,6 +307,21 @@ impl SweepSpec {
     pub fn plan(&self, path: &Path) -> Result<Vec<RunPlan>> {
         let origin = path.display().to_string();
         let here = path.parent().unwrap_or(Path::new("."));
+        self.check_lists(&origin)?;
+        let arms = self.arms_or_base();
+        check_arm_names(&origin, &arms)?;
+        let mut plans = vec![];
+        for a in &arms {
+            let config = self.arm_config(a, here, &origin)?;
+            self.check_keys(a, &config, &origin)?;
+            plans.extend(self.arm_runs(a, &config, &origin)?);
+        }
+        check_distinct_ids(&origin, &plans)?;
+        Ok(plans)
+    }
+
+    /// Seeds present and distinct, every axis with at least one value.
+    fn check_lists(&self, origin: &str) -> Result<()> {
         if self.seeds.is_empty() {
             bail!("{origin}: `seeds` is empty\nhint: e.g. seeds = [0, 1, 2]");
         }
@@ -318,92 +333,113 @@ impl SweepSpec {
                 bail!("{origin}: axis `{k}` has no values\nhint: give a list, e.g. \"{k}\" = [a, b]");
             }
         }
-        let arms = if self.arms.is_empty() {
+        Ok(())
+    }
+
+    /// The `[[arm]]` tables, or one arm `base` without overrides when there are none.
+    fn arms_or_base(&self) -> Vec<ArmSpec> {
+        if self.arms.is_empty() {
             vec![ArmSpec { name: "base".into(), config: None, set: vec![] }]
         } else {
             self.arms.clone()
-        };
-        let mut names: BTreeMap<String, String> = BTreeMap::new();
-        for a in &arms {
-            let key = sanitize(&a.name);
-            if a.name.is_empty() {
-                bail!("{origin}: an [[arm]] has an empty name\nhint: give every arm a short unique name");
-            }
-            if let Some(prev) = names.insert(key.clone(), a.name.clone()) {
-                bail!(
-                    "{origin}: arms `{prev}` and `{}` clash (both name the directory `{key}`)\nhint: give every [[arm]] a distinct name",
-                    a.name
-                );
-            }
         }
+    }
+
+    /// The recipe an arm trains: its own `config`, else the sweep's `base`, relative to the sweep file.
+    fn arm_config(&self, a: &ArmSpec, here: &Path, origin: &str) -> Result<PathBuf> {
+        match a.config.as_ref().or(self.base.as_ref()) {
+            Some(c) => Ok(here.join(c)),
+            None => bail!(
+                "{origin}: arm `{}` has no recipe\nhint: set `base = \"../run.toml\"` at the top, or `config = ...` in the arm",
+                a.name
+            ),
+        }
+    }
+
+    /// Apply each arm, axis and seed key alone first, so an unknown key is reported as that key.
+    fn check_keys(&self, a: &ArmSpec, config: &Path, origin: &str) -> Result<()> {
+        for (what, key, spec) in a
+            .set
+            .iter()
+            .map(|s| ("arm", s.split('=').next().unwrap_or(s).to_string(), s.clone()))
+            .chain(self.axes.iter().map(|(k, v)| ("axis", k.clone(), format!("{k}={}", value_text(&v[0]).0))))
+            .chain(std::iter::once(("seed_key", self.seed_key.clone(), format!("{}={}", self.seed_key, self.seeds[0]))))
+        {
+            let mut base_set = self.set.clone();
+            if what != "arm" {
+                base_set.extend(a.set.iter().cloned());
+            }
+            base_set.push(spec);
+            RunConfig::load(config, &base_set).map_err(|e| {
+                anyhow!(
+                    "{origin}: {what} key `{key}` (arm `{}`) does not apply to {}: {e:#}\nhint: axis, arm and seed keys are `harpe train --set` keys of the recipe, e.g. optim.lr or stage.0.tokens",
+                    a.name,
+                    config.display()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One resolved run per grid point and seed of arm `a`.
+    fn arm_runs(&self, a: &ArmSpec, config: &Path, origin: &str) -> Result<Vec<RunPlan>> {
         let mut plans = vec![];
-        for a in &arms {
-            let config = match a.config.as_ref().or(self.base.as_ref()) {
-                Some(c) => here.join(c),
-                None => bail!(
-                    "{origin}: arm `{}` has no recipe\nhint: set `base = \"../run.toml\"` at the top, or `config = ...` in the arm",
-                    a.name
-                ),
-            };
-            // each key alone first, so an unknown key is reported as that key
-            for (what, key, spec) in a
-                .set
-                .iter()
-                .map(|s| ("arm", s.split('=').next().unwrap_or(s).to_string(), s.clone()))
-                .chain(self.axes.iter().map(|(k, v)| ("axis", k.clone(), format!("{k}={}", value_text(&v[0]).0))))
-                .chain(std::iter::once((
-                    "seed_key",
-                    self.seed_key.clone(),
-                    format!("{}={}", self.seed_key, self.seeds[0]),
-                )))
-            {
-                let mut base_set = self.set.clone();
-                if what != "arm" {
-                    base_set.extend(a.set.iter().cloned());
-                }
-                base_set.push(spec);
-                RunConfig::load(&config, &base_set).map_err(|e| {
-                    anyhow!(
-                        "{origin}: {what} key `{key}` (arm `{}`) does not apply to {}: {e:#}\nhint: axis, arm and seed keys are `harpe train --set` keys of the recipe, e.g. optim.lr or stage.0.tokens",
-                        a.name,
-                        config.display()
-                    )
+        for (suffix, axis_set) in grid(&self.axes) {
+            let group = format!("{}{suffix}", a.name);
+            for &seed in &self.seeds {
+                let mut set = self.set.clone();
+                set.extend(a.set.iter().cloned());
+                set.extend(axis_set.iter().cloned());
+                set.push(format!("{}={seed}", self.seed_key));
+                let r = RunConfig::load(config, &set).map_err(|e| {
+                    anyhow!("{origin}: run `{group}` seed {seed} does not resolve: {e:#}\nhint: check the arm's and the axes' values")
                 })?;
-            }
-            for (suffix, axis_set) in grid(&self.axes) {
-                let group = format!("{}{suffix}", a.name);
-                for &seed in &self.seeds {
-                    let mut set = self.set.clone();
-                    set.extend(a.set.iter().cloned());
-                    set.extend(axis_set.iter().cloned());
-                    set.push(format!("{}={seed}", self.seed_key));
-                    let r = RunConfig::load(&config, &set).map_err(|e| {
-                        anyhow!("{origin}: run `{group}` seed {seed} does not resolve: {e:#}\nhint: check the arm's and the axes' values")
-                    })?;
-                    let id = format!("{}__seed{seed}", sanitize(&group));
-                    plans.push(RunPlan {
-                        id,
-                        group: group.clone(),
-                        seed,
-                        config: config.clone(),
-                        set,
-                        resolved: r.cfg,
-                        hash: r.hash,
-                    });
-                }
-            }
-        }
-        let mut seen = BTreeSet::new();
-        for p in &plans {
-            if !seen.insert(p.id.clone()) {
-                bail!(
-                    "{origin}: two runs would share the directory `{}`\nhint: make arm names and axis values distinct",
-                    p.id
-                );
+                let id = format!("{}__seed{seed}", sanitize(&group));
+                plans.push(RunPlan {
+                    id,
+                    group: group.clone(),
+                    seed,
+                    config: config.to_path_buf(),
+                    set,
+                    resolved: r.cfg,
+                    hash: r.hash,
+                });
             }
         }
         Ok(plans)
     }
+}
+
+/// Arm names are non-empty and name distinct directories.
+fn check_arm_names(origin: &str, arms: &[ArmSpec]) -> Result<()> {
+    let mut names: BTreeMap<String, String> = BTreeMap::new();
+    for a in arms {
+        let key = sanitize(&a.name);
+        if a.name.is_empty() {
+            bail!("{origin}: an [[arm]] has an empty name\nhint: give every arm a short unique name");
+        }
+        if let Some(prev) = names.insert(key.clone(), a.name.clone()) {
+            bail!(
+                "{origin}: arms `{prev}` and `{}` clash (both name the directory `{key}`)\nhint: give every [[arm]] a distinct name",
+                a.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// No two runs share a directory.
+fn check_distinct_ids(origin: &str, plans: &[RunPlan]) -> Result<()> {
+    let mut seen = BTreeSet::new();
+    for p in plans {
+        if !seen.insert(p.id.clone()) {
+            bail!(
+                "{origin}: two runs would share the directory `{}`\nhint: make arm names and axis values distinct",
+                p.id
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The `harpe` binary that runs the children: `$HARPE_BIN`, else this executable.
@@ -855,13 +891,7 @@ fn load_index(out: &Path, name: &str) -> Result<Option<SweepIndex>> {
 pub fn run(args: SweepArgs) -> Result<()> {
     let spec = SweepSpec::load(&args.config)?;
     let name = spec.name_for(&args.config);
-    let mut plans = spec.plan(&args.config)?;
-    if !args.only.is_empty() {
-        plans.retain(|p| args.only.iter().any(|o| p.id.contains(o.as_str())));
-        if plans.is_empty() {
-            bail!("--only {} matches no run\nhint: run with --dry-run to list the run ids", args.only.join(","));
-        }
-    }
+    let plans = selected_plans(&spec, &args)?;
     if args.dry_run {
         print_plan(&plans, &args);
         return Ok(());
@@ -906,28 +936,19 @@ pub fn run(args: SweepArgs) -> Result<()> {
         old_runs.remove(&p.id);
     }
     runs.extend(old_runs.into_values());
-    let skipped = plans.len() - queue.len();
     let jobs = args.jobs.min(queue.len()).max(1);
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let threads = (jobs > 1).then(|| (cores / jobs).max(1));
-    println!(
-        "sweep `{name}`: {} runs ({} arms x grid x {} seeds), {skipped} already done, {} to go, {jobs} at a time -> {}",
-        plans.len(),
-        plans.iter().map(|p| p.group.as_str()).collect::<BTreeSet<_>>().len(),
-        spec.seeds.len(),
-        queue.len(),
-        out.display()
-    );
+    announce(&name, &spec, &plans, queue.len(), jobs, &out);
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
     }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let ctx = Ctx {
         bin: harpe_binary()?,
         out: out.clone(),
         name: name.clone(),
         eval: spec.eval.clone(),
-        threads,
+        threads: (jobs > 1).then(|| (cores / jobs).max(1)),
         index: Mutex::new(SweepIndex {
             format: INDEX_FORMAT.into(),
             name: name.clone(),
@@ -938,6 +959,37 @@ pub fn run(args: SweepArgs) -> Result<()> {
         stop: Arc::clone(&stop),
     };
     ctx.update("", |_| {})?;
+    let failures = run_queue(&ctx, &plans, queue, jobs)?;
+    let ix = ctx.index.into_inner().map_err(|_| anyhow!("internal: lock poisoned"))?;
+    outcome(&name, &out, &ix, stop.load(Ordering::SeqCst), &failures)
+}
+
+/// The sweep's runs, narrowed to `--only` when given.
+fn selected_plans(spec: &SweepSpec, args: &SweepArgs) -> Result<Vec<RunPlan>> {
+    let mut plans = spec.plan(&args.config)?;
+    if !args.only.is_empty() {
+        plans.retain(|p| args.only.iter().any(|o| p.id.contains(o.as_str())));
+        if plans.is_empty() {
+            bail!("--only {} matches no run\nhint: run with --dry-run to list the run ids", args.only.join(","));
+        }
+    }
+    Ok(plans)
+}
+
+/// The sweep's one-line plan: runs, arms, seeds, how many are done and to go, and where.
+fn announce(name: &str, spec: &SweepSpec, plans: &[RunPlan], to_go: usize, jobs: usize, out: &Path) {
+    let skipped = plans.len() - to_go;
+    println!(
+        "sweep `{name}`: {} runs ({} arms x grid x {} seeds), {skipped} already done, {to_go} to go, {jobs} at a time -> {}",
+        plans.len(),
+        plans.iter().map(|p| p.group.as_str()).collect::<BTreeSet<_>>().len(),
+        spec.seeds.len(),
+        out.display()
+    );
+}
+
+/// Run the queued plans on `jobs` worker threads until the queue is empty or a stop; the failed runs' ids and errors.
+fn run_queue(ctx: &Ctx, plans: &[RunPlan], queue: VecDeque<usize>, jobs: usize) -> Result<Vec<(String, String)>> {
     let queue = Mutex::new(queue);
     let failures: Mutex<Vec<(String, String)>> = Mutex::new(vec![]);
     std::thread::scope(|sc| {
@@ -949,7 +1001,7 @@ pub fn run(args: SweepArgs) -> Result<()> {
                 let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                 let Some(i) = next else { break };
                 let plan = &plans[i];
-                if let Err(e) = do_run(&ctx, plan) {
+                if let Err(e) = do_run(ctx, plan) {
                     let msg = format!("{e:#}");
                     eprintln!("[sweep] FAILED {}: {msg}", plan.id);
                     let _ = ctx.update(&plan.id, |r| {
@@ -963,10 +1015,13 @@ pub fn run(args: SweepArgs) -> Result<()> {
             });
         }
     });
-    let failures = failures.into_inner().map_err(|_| anyhow!("internal: lock poisoned"))?;
-    let ix = ctx.index.into_inner().map_err(|_| anyhow!("internal: lock poisoned"))?;
+    failures.into_inner().map_err(|_| anyhow!("internal: lock poisoned"))
+}
+
+/// The sweep's end: stopped by a signal, some runs failed, or all done.
+fn outcome(name: &str, out: &Path, ix: &SweepIndex, stopped: bool, failures: &[(String, String)]) -> Result<()> {
     let done = ix.runs.iter().filter(|r| r.state == RunState::Done).count();
-    if stop.load(Ordering::SeqCst) {
+    if stopped {
         bail!(
             "sweep stopped by a signal: {done}/{} runs done, the others checkpointed\nhint: rerun the same command to resume",
             ix.runs.len()

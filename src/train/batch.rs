@@ -26,7 +26,8 @@ pub fn rope_tables(model: &Llama, t: usize) -> Result<Vec<RopeTables>> {
 pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> Result<Vec<RopeTables>> {
     let c = &model.cfg;
     let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
-    (0..n).map(|l| c.rope.tables(c.head_dim, l, start, len, total, model.parity, model.device())).collect()
+    let at = crate::model::rope::Positions { start, len, seq_len: total };
+    (0..n).map(|l| c.rope.tables(c.head_dim, l, at, model.parity, model.device())).collect()
 }
 
 /// An error naming `train.document_mask` when it is on and `attention` cannot apply a document mask.

@@ -1,7 +1,7 @@
 //! Rotary and attention ops: fused CPU op vs the slow plain-candle version, forward and backward,
 //! and finite-difference gradient checks on tiny shapes.
 use candle_core::{DType, Device, Tensor, Var};
-use harpe::model::rope::{RopeParity, RopeScheme};
+use harpe::model::rope::{Positions, RopeParity, RopeScheme};
 use harpe::ops::attention::{attention, attention_slow};
 use harpe::ops::rotary::{rope, rope_slow};
 
@@ -28,7 +28,7 @@ fn tables(htab_bases: &[f64], d: usize, t: usize, start: usize) -> (Tensor, Tens
     } else {
         RopeScheme::Harpe { head_bases: htab_bases.to_vec(), layer_head_bases: None }
     };
-    let tab = scheme.tables(d, 0, start, t, start + t, RopeParity::F64, &Device::Cpu).unwrap();
+    let tab = scheme.tables(d, 0, Positions::new(start, t), RopeParity::F64, &Device::Cpu).unwrap();
     (tab.cos, tab.sin)
 }
 
