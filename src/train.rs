@@ -602,7 +602,7 @@ fn run_nccl_rank(
     origin: &str,
     dist: &crate::comms::launch::DistConfig,
 ) -> Result<()> {
-    use crate::comms::launch::{free_port, LaunchEnv, LaunchSource};
+    use crate::comms::launch_env::{free_port, LaunchEnv, LaunchSource};
     use crate::comms::nccl::NcclComm;
     let placed = dist.place(origin, LaunchEnv::from_env()?)?;
     let env = match placed.launch {
