@@ -353,11 +353,9 @@ fn a_wrong_token_is_dropped_without_echo_and_the_group_still_forms() {
 }
 
 #[test]
-fn a_rank_out_of_range_or_seen_twice_is_dropped_and_named_when_the_rendezvous_times_out() {
+fn a_rank_seen_twice_is_dropped_and_named_when_the_rendezvous_times_out() {
     let port = free_port("127.0.0.1").unwrap();
     let r0 = rank0(port, 3, 3_000);
-    let e = format!("{:#}", rendezvous(&spec(port, 7, 3, 20_000), Vec::new).err().unwrap());
-    assert!(e.contains("rendezvous refused") && e.contains("claims rank 7, outside 1..3"), "{e}");
     // two processes claim rank 1: whichever arrives second is dropped; the first stays admitted
     let ones: Vec<_> = (0..2)
         .map(|_| {
@@ -366,15 +364,12 @@ fn a_rank_out_of_range_or_seen_twice_is_dropped_and_named_when_the_rendezvous_ti
         })
         .collect();
     let mut errs: Vec<String> = ones.into_iter().map(|h| h.join().unwrap().unwrap_err()).collect();
-    errs.sort_by_key(|e| !e.contains("duplicate"));
+    errs.sort_by_key(|e| !e.contains("rendezvous refused: duplicate"));
     assert!(errs[0].contains("rendezvous refused: duplicate rank 1: already admitted from"), "{errs:?}");
     assert!(errs[1].contains("ranks [2] never connected"), "the admitted rank 1 learns why: {errs:?}");
     let e0 = r0.join().unwrap().unwrap_err();
     assert!(e0.contains("ranks [2] never connected") && e0.contains("hint:"), "{e0}");
-    assert!(
-        e0.contains("refused meanwhile") && e0.contains("claims rank 7") && e0.contains("duplicate rank 1"),
-        "{e0}"
-    );
+    assert!(e0.contains("refused meanwhile: duplicate rank 1: already admitted from"), "{e0}");
 }
 
 #[test]
