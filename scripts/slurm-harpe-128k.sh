@@ -7,8 +7,9 @@
 #
 # How the ranks find each other: harpe reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, takes the
 # first host of SLURM_JOB_NODELIST as rank 0's address and 20000 + SLURM_JOB_ID % 10000 as its port
-# (export MASTER_ADDR / MASTER_PORT to override), and refuses ranks whose binary or resolved config
-# differ before any work starts. Needs a harpe built with `--features nccl` (README "Build for GPUs", scripts/install-cuda-toolchain.sh).
+# (export MASTER_ADDR / MASTER_PORT to override), admits only ranks presenting HARPE_RUN_TOKEN (drawn at
+# random below, passed to every task by srun; without it the token would be the guessable job id), and
+# refuses ranks whose binary or resolved config differ before any work starts. Needs a harpe built with `--features nccl` (README "Build for GPUs", scripts/install-cuda-toolchain.sh).
 #SBATCH --job-name=harpe-128k
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -27,6 +28,9 @@ TIMEOUT_S=${TIMEOUT_S:-900}   # a rank lost mid-run stops every rank within this
 
 # 32 sequences of 131072 tokens per step (configs/harpe-128k.toml) = 2 micro-batches per rank at 16 ranks.
 echo "harpe-128k: job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-?}, ${SLURM_NTASKS:-?} ranks"
+
+# A random per-submission rendezvous token, the same for every task (srun exports the environment).
+export HARPE_RUN_TOKEN="${HARPE_RUN_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 
 # 1. Seconds-long smoke test of the launcher settings: every rank joins rank 0 and passes a barrier.
 srun --kill-on-bad-exit=1 "$HARPE" dist-check --timeout-s 120

@@ -13,9 +13,9 @@
 //! Does not: sweep message sizes finely, or time all-to-all (Ulysses) — its volume per step is small
 //! next to ZeRO's (harpe plan's `sp_comm_s`).
 use crate::bench::BenchArgs;
-use crate::comms::launch::{launch_if_asked, LaunchEnv};
 use crate::comms::local::spawn_local;
 use crate::comms::Comm;
+use crate::comms::{launch::launch_if_asked, launch_env::LaunchEnv};
 use crate::flatbuf::{FlatBuf, Placement};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};

@@ -25,12 +25,14 @@
 //! What this file does not do: start the NCCL group (`NcclComm::join`, called by `harpe train`);
 //! `Comm::from_config` builds only `Single`. A new backend is one more variant.
 pub mod launch;
+pub mod launch_env;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rendezvous;
 pub mod sequence;
 pub mod stage;
+pub mod store;
 pub mod watch;
 pub mod zero;
 

@@ -35,7 +35,7 @@
 //! What it does not do: prefetch ZeRO-3's next layer weights (gathers are joined at once), reduce in bf16, or
 //! run anywhere but on CUDA devices (one GPU per rank: NCCL refuses two ranks on one GPU; the thread
 //! backend `Local` shares one). Compiled with `--features nccl` only; not run in CI (no GPU there).
-use crate::comms::launch::LaunchEnv;
+use crate::comms::launch_env::LaunchEnv;
 use crate::comms::local::GroupFailure;
 use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
 use crate::comms::watch::Watch;

@@ -7,39 +7,80 @@
 //! [32] + token (u32 len + bytes) + version (u32 len + bytes); rank 0 answers `W` + payload, or `R`
 //! + a message (refused). Barrier: `B` + seq u64 from each rank, `b` + seq u64 back from rank 0.
 //!
-//! The non-obvious decision: any mismatch (token, binary version, config hash, world size, a rank out
-//! of range or seen twice) aborts the *whole* rendezvous: rank 0 tells the offending rank and every
-//! rank already admitted why, then returns the error itself, so no rank starts work with a mixed
-//! group and none waits for the timeout. A connection that does not speak the protocol (a port
-//! scanner, a stray client) is dropped with a warning and does not abort. Rank 0 binds only
-//! `MASTER_ADDR` (never 0.0.0.0).
+//! Where rank 0 listens (`Meeting`): on `MASTER_ADDR:MASTER_PORT` itself (harpe's spawner, Slurm,
+//! variables set by hand), or — under torchrun, whose agent already serves its TCPStore on
+//! `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE=True`) — on a port the kernel hands out (bind port 0:
+//! taken and held in one call, so it cannot collide with the agent's store or anything else) at the
+//! address this host reaches the store from, published with a random run token under
+//! `harpe/rendezvous/<restart>` in the agent's store (`store.rs`), where the other ranks read it. That
+//! is the store torch's own workers use for the same purpose; a port derived from `MASTER_PORT`
+//! (+1, ...) could be taken, and a fixed one could not serve two runs on one node.
+//!
+//! The non-obvious decisions: rank 0 admits connections concurrently (each handshake on its own
+//! thread, bounded by `HANDSHAKE_WAIT`), so a silent or slow client cannot hold the door for the real
+//! ranks. Who may abort the group: only a client that presents this run's token. A wrong token, a rank
+//! out of range or a rank seen twice is logged, told it was refused (never what the expected token
+//! is) and dropped, and the rendezvous goes on; a timeout then lists these refusals beside the missing
+//! ranks. A rank of this run (right token) whose binary version, config hash or world size differs
+//! aborts the *whole* rendezvous: rank 0 tells it and every rank already admitted why, then returns the
+//! error itself, so no rank starts work with a mixed group and none waits for the timeout. A
+//! connection that does not speak the protocol (a port scanner) is dropped with a warning. Rank 0
+//! binds one address (`MASTER_ADDR`, or the one it reaches torchrun's store from), never 0.0.0.0.
 //!
 //! What it does not do: carry training traffic (NCCL or `Local` do), authenticate (the token guards
-//! against mixing runs, not against an attacker on the network), or reconnect after a drop.
+//! against mixing runs and stray clients, not against an attacker who can read the launcher's
+//! environment or the network), or reconnect after a drop.
+use crate::comms::launch_env::{LaunchEnv, LaunchSource, RunToken, TokenOrigin};
+use crate::comms::store::StoreClient;
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 8] = b"HARPERDV";
 const PROTOCOL: u32 = 1;
 /// Largest frame accepted (the payload is 128 bytes in practice).
 const MAX_FRAME: usize = 1 << 20;
+/// How long an accepted connection may take to introduce itself before it is dropped.
+pub const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// Handshakes in flight at once; further connections wait in the listen backlog.
+const MAX_HANDSHAKES: usize = 256;
+
+/// How the ranks find rank 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Meeting {
+    /// Rank 0 listens on the spec's `addr:port`; the others connect there.
+    Listen,
+    /// The spec's `addr:port` is torchrun's agent TCPStore: rank 0 listens on a port of its own and
+    /// publishes it (and the token, when drawn) under `store_key(restart)`; the others read it there.
+    AgentStore {
+        /// `TORCHELASTIC_RESTART_COUNT`: each attempt of the workers meets under its own key.
+        restart: u32,
+    },
+}
+
+/// The agent-store key under which rank 0 publishes its rendezvous address for attempt `restart`.
+pub fn store_key(restart: u32) -> String {
+    format!("harpe/rendezvous/{restart}")
+}
 
 /// What this rank brings to the rendezvous.
 #[derive(Clone, Debug)]
 pub struct RendezvousSpec {
-    /// Rank 0's address (it binds exactly this; the others connect to it).
+    /// Rank 0's address (it binds exactly this; the others connect to it), or the agent store's.
     pub addr: String,
-    /// Rank 0's port.
+    /// Rank 0's port, or the agent store's.
     pub port: u16,
+    /// What `addr:port` is: rank 0's own, or torchrun's agent store.
+    pub meet: Meeting,
     /// This rank.
     pub rank: usize,
     /// Number of ranks.
     pub world: usize,
-    /// Per-run token; every rank must present the same one.
-    pub token: String,
+    /// Per-run token; every rank must present the same one (see `RunToken::check`).
+    pub token: RunToken,
     /// Binary version (see `binary_version`); every rank must run the same one.
     pub version: String,
     /// Hash of the resolved config (see `config_hash`); every rank must have the same one.
@@ -72,6 +113,8 @@ pub fn config_hash(resolved_config: &str) -> [u8; 32] {
 pub struct Rendezvous {
     rank: usize,
     world: usize,
+    /// `host:port` where rank 0 admitted the group.
+    at: String,
     payload: Vec<u8>,
     /// Rank 0: the stream of rank r at index r - 1. Others: the stream to rank 0.
     links: Vec<TcpStream>,
@@ -120,7 +163,7 @@ fn encode_hello(spec: &RendezvousSpec) -> Vec<u8> {
     b.extend_from_slice(&(spec.rank as u32).to_le_bytes());
     b.extend_from_slice(&(spec.world as u32).to_le_bytes());
     b.extend_from_slice(&spec.config_hash);
-    put_str(&mut b, &spec.token);
+    put_str(&mut b, &spec.token.value);
     put_str(&mut b, &spec.version);
     frame(b'H', &b)
 }
@@ -161,35 +204,46 @@ fn short(h: &[u8; 32]) -> String {
     hex::encode(&h[..6])
 }
 
-/// What differs between rank 0 and an arriving rank, if anything.
-fn mismatch(spec: &RendezvousSpec, h: &Hello, admitted: &[Option<SocketAddr>], peer: SocketAddr) -> Option<String> {
+/// What rank 0 does with an arriving rank's hello.
+enum Verdict {
+    /// Admit it.
+    Admit,
+    /// Not (verifiably) of this run, or a rank already taken: drop that connection only.
+    Drop(String),
+    /// A rank of this run that differs from rank 0: abort the whole rendezvous.
+    Abort(String),
+}
+
+/// Judge `h`, from `peer`. The token comes first: a client that cannot present it may not abort the
+/// group with whatever else it claims, and it is never told the token it should have presented.
+fn judge(spec: &RendezvousSpec, h: &Hello, admitted: &[Option<SocketAddr>], peer: SocketAddr) -> Verdict {
     let r = h.rank;
-    if h.world != spec.world {
-        return Some(format!("rank {r} has world size {}, rank 0 has {}", h.world, spec.world));
-    }
-    if r == 0 || r >= spec.world {
-        return Some(format!("a process at {peer} claims rank {r}, outside 1..{}", spec.world));
-    }
-    if let Some(prev) = admitted[r] {
-        return Some(format!("duplicate rank {r}: already admitted from {prev}, again from {peer}"));
-    }
-    if h.token != spec.token {
-        return Some(format!(
-            "rank {r} presents run token {:?}, rank 0 has {:?} (a worker of another run?)",
-            h.token, spec.token
+    if h.token != spec.token.value {
+        return Verdict::Drop(format!(
+            "a process at {peer} claiming rank {r} presents a different run token (a worker of another run, or a \
+             stray client)"
         ));
     }
+    if h.world != spec.world {
+        return Verdict::Abort(format!("rank {r} has world size {}, rank 0 has {}", h.world, spec.world));
+    }
+    if r == 0 || r >= spec.world {
+        return Verdict::Drop(format!("a process at {peer} claims rank {r}, outside 1..{}", spec.world));
+    }
+    if let Some(prev) = admitted[r] {
+        return Verdict::Drop(format!("duplicate rank {r}: already admitted from {prev}, again from {peer}"));
+    }
     if h.version != spec.version {
-        return Some(format!("rank {r} runs binary {:?}, rank 0 runs {:?}", h.version, spec.version));
+        return Verdict::Abort(format!("rank {r} runs binary {:?}, rank 0 runs {:?}", h.version, spec.version));
     }
     if h.hash != spec.config_hash {
-        return Some(format!(
+        return Verdict::Abort(format!(
             "rank {r} has a different resolved config (hash {}..., rank 0 has {}...)",
             short(&h.hash),
             short(&spec.config_hash)
         ));
     }
-    None
+    Verdict::Admit
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -202,9 +256,14 @@ pub fn rendezvous(spec: &RendezvousSpec, make_payload: impl FnOnce() -> Vec<u8>)
     if spec.world == 0 || spec.rank >= spec.world {
         bail!("rendezvous: rank {} of world {}\nhint: ranks are 0..world-1", spec.rank, spec.world);
     }
+    let warning = spec.token.check(spec.world).with_context(|| format!("rank {}", spec.rank))?;
+    if let (Some(w), 0) = (warning, spec.rank) {
+        eprintln!("{w}");
+    }
     let mut rv = Rendezvous {
         rank: spec.rank,
         world: spec.world,
+        at: host_port(&spec.addr, spec.port),
         payload: Vec::new(),
         links: Vec::new(),
         timeout: spec.timeout,
@@ -214,16 +273,95 @@ pub fn rendezvous(spec: &RendezvousSpec, make_payload: impl FnOnce() -> Vec<u8>)
         rv.payload = make_payload();
         return Ok(rv);
     }
+    let deadline = Instant::now() + spec.timeout;
     if spec.rank == 0 {
-        let (links, payload) = serve(spec, make_payload)?;
+        let (listener, spec) = listen(spec, deadline)?;
+        rv.at = host_port(&spec.addr, spec.port);
+        let (links, payload) = serve(&spec, listener, deadline, make_payload)?;
         rv.links = links;
         rv.payload = payload;
     } else {
-        let (link, payload) = join(spec)?;
+        let spec = find_rank0(spec, deadline)?;
+        rv.at = host_port(&spec.addr, spec.port);
+        let (link, payload) = join(&spec, deadline)?;
         rv.links = vec![link];
         rv.payload = payload;
     }
     Ok(rv)
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Rank 0: the listener and the spec as the others will see it (under `AgentStore`: the address and
+/// port just bound, and the token drawn, published in the agent's store).
+fn listen(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpListener, RendezvousSpec)> {
+    let Meeting::AgentStore { restart } = spec.meet else {
+        return Ok((bind(spec)?, spec.clone()));
+    };
+    let mut store = StoreClient::connect(&spec.addr, spec.port, deadline).context("rank 0")?;
+    let ip = store.local_ip()?;
+    // Port 0: the kernel hands out a port no one holds, and this listener holds it from now on.
+    let listener = TcpListener::bind((ip, 0)).map_err(|e| {
+        anyhow!(
+            "rank 0 cannot listen on {ip} (the address it reaches torchrun's store {}:{} from): {e}\nhint: check \
+             the host's network configuration",
+            spec.addr,
+            spec.port
+        )
+    })?;
+    let at = listener.local_addr()?;
+    let mut mine = spec.clone();
+    (mine.addr, mine.port) = (ip.to_string(), at.port());
+    if mine.token.origin == TokenOrigin::AgentStore {
+        mine.token.value = format!("{:032x}", rand::random::<u128>());
+    }
+    let published = match mine.token.origin {
+        TokenOrigin::AgentStore => format!("{at}\n{}", mine.token.value),
+        _ => format!("{at}\n"),
+    };
+    store.set(&store_key(restart), published.as_bytes()).context("rank 0: publishing its rendezvous address")?;
+    Ok((listener, mine))
+}
+
+/// Ranks 1..: the spec with rank 0's address (and drawn token) read from the agent's store under
+/// `AgentStore`; the spec itself under `Listen`.
+fn find_rank0(spec: &RendezvousSpec, deadline: Instant) -> Result<RendezvousSpec> {
+    let Meeting::AgentStore { restart } = spec.meet else {
+        return Ok(spec.clone());
+    };
+    let r = spec.rank;
+    let key = store_key(restart);
+    let mut store = StoreClient::connect(&spec.addr, spec.port, deadline).with_context(|| format!("rank {r}"))?;
+    let Some(v) = store.wait_get(&key, deadline)? else {
+        bail!(
+            "rank {r}: rank 0 did not publish its rendezvous address under {key:?} in torchrun's store at {}:{} \
+             within {:.0}s\nhint: rank 0's log says why it did not start; raise dist.timeout_s for slow starts",
+            spec.addr,
+            spec.port,
+            spec.timeout.as_secs_f64()
+        );
+    };
+    let text = String::from_utf8_lossy(&v);
+    let (at, token) = text.split_once('\n').unwrap_or((&text, ""));
+    let at: SocketAddr = at.parse().map_err(|_| {
+        anyhow!(
+            "rank {r}: torchrun's store holds {text:?} under {key:?}, not a rendezvous address\nhint: does every \
+             rank run the same harpe binary?"
+        )
+    })?;
+    let mut found = spec.clone();
+    (found.addr, found.port, found.meet) = (at.ip().to_string(), at.port(), Meeting::Listen);
+    if found.token.origin == TokenOrigin::AgentStore {
+        found.token.value = token.to_string();
+    }
+    Ok(found)
 }
 
 fn bind(spec: &RendezvousSpec) -> Result<TcpListener> {
@@ -242,58 +380,96 @@ fn bind(spec: &RendezvousSpec) -> Result<TcpListener> {
     })
 }
 
+/// What a handshake thread hands back: the peer, its stream, and its hello (`None`: it did not
+/// speak the protocol within `HANDSHAKE_WAIT`).
+type Arrival = (SocketAddr, TcpStream, Option<Hello>);
+
+/// Read one connection's hello on a thread of its own, bounded by `HANDSHAKE_WAIT`.
+fn handshake(mut s: TcpStream, peer: SocketAddr, deadline: Instant, tx: mpsc::Sender<Arrival>) {
+    let hello = (|| {
+        s.set_nonblocking(false).ok()?;
+        s.set_read_timeout(Some(remaining(deadline).min(HANDSHAKE_WAIT))).ok()?;
+        read_frame(&mut s).ok().and_then(|(k, b)| decode_hello(k, &b))
+    })();
+    let _ = tx.send((peer, s, hello)); // the rendezvous may be over: then the connection just closes
+}
+
 /// Rank 0: admit world-1 ranks, then send the payload to all of them.
-fn serve(spec: &RendezvousSpec, make_payload: impl FnOnce() -> Vec<u8>) -> Result<(Vec<TcpStream>, Vec<u8>)> {
-    let listener = bind(spec)?;
+fn serve(
+    spec: &RendezvousSpec,
+    listener: TcpListener,
+    deadline: Instant,
+    make_payload: impl FnOnce() -> Vec<u8>,
+) -> Result<(Vec<TcpStream>, Vec<u8>)> {
     listener.set_nonblocking(true)?;
-    let deadline = Instant::now() + spec.timeout;
+    let (tx, rx) = mpsc::channel::<Arrival>();
+    let mut in_flight = 0usize;
     let mut admitted: Vec<Option<SocketAddr>> = vec![None; spec.world];
     let mut streams: Vec<Option<TcpStream>> = (0..spec.world).map(|_| None).collect();
+    let mut refused: Vec<String> = Vec::new();
     let mut count = 1;
     while count < spec.world {
-        let (mut s, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+        while in_flight < MAX_HANDSHAKES {
+            match listener.accept() {
+                Ok((s, peer)) => {
+                    let tx = tx.clone();
+                    std::thread::Builder::new()
+                        .name("harpe-rdzv-hello".into())
+                        .spawn(move || handshake(s, peer, deadline, tx))
+                        .context("rendezvous: starting a handshake thread")?;
+                    in_flight += 1;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e).context("rendezvous: accepting a connection"),
+            }
+        }
+        let (peer, mut s, hello) = match rx.recv_timeout(Duration::from_millis(10)) {
+            Ok(a) => a,
+            Err(_) => {
                 if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (1..spec.world).filter(|&r| admitted[r].is_none()).collect();
-                    let msg = format!(
-                        "rendezvous at {}:{} timed out after {:.0}s: ranks {missing:?} never connected\nhint: check \
-                         that those ranks started, that they use the same MASTER_ADDR/MASTER_PORT, and that no \
-                         firewall blocks the port; raise dist.timeout_s for slow starts",
-                        spec.addr,
-                        spec.port,
-                        spec.timeout.as_secs_f64()
-                    );
+                    let msg = timeout_message(spec, &admitted, &refused);
                     abort_all(&mut streams, &msg);
                     bail!(msg);
                 }
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-            Err(e) => return Err(e).context("rendezvous: accepting a connection"),
-        };
-        s.set_nonblocking(false)?;
-        s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(10))))?;
-        let hello = match read_frame(&mut s).ok().and_then(|(k, b)| decode_hello(k, &b)) {
-            Some(h) => h,
-            None => {
-                eprintln!("harpe: rendezvous: ignored a connection from {peer} that does not speak the protocol");
                 continue;
             }
         };
-        if let Some(why) = mismatch(spec, &hello, &admitted, peer) {
-            let msg = format!(
-                "rendezvous refused: {why}\nhint: every rank must run the same binary with the same \
-                               config and run token (start them with one launcher command)"
+        in_flight -= 1;
+        let Some(hello) = hello else {
+            eprintln!(
+                "harpe: rendezvous: ignored a connection from {peer} that did not speak the protocol within {:.0}s",
+                HANDSHAKE_WAIT.as_secs_f64()
             );
-            let _ = s.write_all(&frame(b'R', msg.as_bytes()));
-            abort_all(&mut streams, &format!("rank 0 aborted the rendezvous: {msg}"));
-            bail!(msg);
+            continue;
+        };
+        match judge(spec, &hello, &admitted, peer) {
+            Verdict::Admit => {
+                s.set_nodelay(true)?;
+                admitted[hello.rank] = Some(peer);
+                streams[hello.rank] = Some(s);
+                count += 1;
+            }
+            Verdict::Drop(why) => {
+                eprintln!("harpe: rendezvous: refused {why}; waiting for the real ranks");
+                let msg = format!(
+                    "rendezvous refused: {why}\nhint: every rank must present the run token of the run it belongs \
+                     to ({} or the launcher's), with a rank in 1..{} that no other process holds",
+                    crate::comms::launch_env::TOKEN_VAR,
+                    spec.world
+                );
+                let _ = s.write_all(&frame(b'R', msg.as_bytes()));
+                refused.push(why);
+            }
+            Verdict::Abort(why) => {
+                let msg = format!(
+                    "rendezvous refused: {why}\nhint: every rank must run the same binary with the same config \
+                     (start them with one launcher command)"
+                );
+                let _ = s.write_all(&frame(b'R', msg.as_bytes()));
+                abort_all(&mut streams, &format!("rank 0 aborted the rendezvous: {msg}"));
+                bail!(msg);
+            }
         }
-        s.set_nodelay(true)?;
-        admitted[hello.rank] = Some(peer);
-        streams[hello.rank] = Some(s);
-        count += 1;
     }
     let payload = make_payload();
     let welcome = frame(b'W', &payload);
@@ -304,6 +480,20 @@ fn serve(spec: &RendezvousSpec, make_payload: impl FnOnce() -> Vec<u8>) -> Resul
         links.push(s);
     }
     Ok((links, payload))
+}
+
+/// Rank 0's timeout: who never arrived, and what was refused on the way.
+fn timeout_message(spec: &RendezvousSpec, admitted: &[Option<SocketAddr>], refused: &[String]) -> String {
+    let missing: Vec<usize> = (1..spec.world).filter(|&r| admitted[r].is_none()).collect();
+    let also = if refused.is_empty() { String::new() } else { format!("; refused meanwhile: {}", refused.join("; ")) };
+    format!(
+        "rendezvous at {}:{} timed out after {:.0}s: ranks {missing:?} never connected{also}\nhint: check that \
+         those ranks started, that they use the same MASTER_ADDR/MASTER_PORT and run token, and that no firewall \
+         blocks the port; raise dist.timeout_s for slow starts",
+        spec.addr,
+        spec.port,
+        spec.timeout.as_secs_f64()
+    )
 }
 
 fn abort_all(streams: &mut [Option<TcpStream>], msg: &str) {
@@ -341,7 +531,7 @@ fn connect(spec: &RendezvousSpec, addrs: &[SocketAddr], deadline: Instant) -> Re
 }
 
 /// Ranks 1..: connect (retrying until the deadline), introduce ourselves, receive the payload.
-fn join(spec: &RendezvousSpec) -> Result<(TcpStream, Vec<u8>)> {
+fn join(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpStream, Vec<u8>)> {
     let addrs: Vec<SocketAddr> = (spec.addr.as_str(), spec.port)
         .to_socket_addrs()
         .with_context(|| {
@@ -351,7 +541,6 @@ fn join(spec: &RendezvousSpec) -> Result<(TcpStream, Vec<u8>)> {
             )
         })?
         .collect();
-    let deadline = Instant::now() + spec.timeout;
     let mut s = connect(spec, &addrs, deadline)?;
     s.set_nodelay(true)?;
     s.write_all(&encode_hello(spec)).with_context(|| format!("rank {}: introducing itself to rank 0", spec.rank))?;
@@ -384,6 +573,12 @@ impl Rendezvous {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world
+    }
+
+    /// `host:port` where rank 0 admitted the group (under torchrun: the port it published in the
+    /// agent's store, not `MASTER_PORT`).
+    pub fn rank0_addr(&self) -> &str {
+        &self.at
     }
 
     /// The bytes rank 0 shared (the same on every rank).
@@ -462,12 +657,17 @@ impl Rendezvous {
 }
 
 impl RendezvousSpec {
-    /// The spec of this process under a launcher: address, port, rank, world and token from `env`,
-    /// this binary's version, and the hash of `resolved_config`.
-    pub fn from_launch(env: &crate::comms::launch::LaunchEnv, resolved_config: &str, timeout: Duration) -> Self {
+    /// The spec of this process under a launcher: address, port, how to meet, rank, world and token
+    /// from `env`, this binary's version, and the hash of `resolved_config`.
+    pub fn from_launch(env: &LaunchEnv, resolved_config: &str, timeout: Duration) -> Self {
+        let meet = match env.source {
+            LaunchSource::TorchrunAgentStore { restart } => Meeting::AgentStore { restart },
+            LaunchSource::Torchrun | LaunchSource::Slurm => Meeting::Listen,
+        };
         RendezvousSpec {
             addr: env.master_addr.clone(),
             port: env.master_port,
+            meet,
             rank: env.rank,
             world: env.world_size,
             token: env.run_token.clone(),

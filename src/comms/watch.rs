@@ -286,8 +286,8 @@ impl Drop for Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comms::launch::free_port;
-    use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
+    use crate::comms::launch_env::free_port;
+    use crate::comms::rendezvous::{rendezvous, Meeting, RendezvousSpec};
     use std::sync::atomic::AtomicUsize;
     use std::time::Instant;
 
@@ -305,6 +305,7 @@ mod tests {
                     let spec = RendezvousSpec {
                         addr: "127.0.0.1".into(),
                         port,
+                        meet: Meeting::Listen,
                         rank,
                         world,
                         token: "t".into(),

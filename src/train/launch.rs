@@ -67,7 +67,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
 /// rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
 #[cfg(feature = "nccl")]
 fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
-    use crate::comms::launch::{free_port, place, LaunchEnv, LaunchSource};
+    use crate::comms::launch::place;
+    use crate::comms::launch_env::{free_port, LaunchEnv, LaunchSource};
     use crate::comms::nccl::NcclComm;
     let dist = &cfg.dist;
     let placed = place(dist, origin, LaunchEnv::from_env()?)?;

@@ -1,12 +1,14 @@
 //! The launcher environment (torchrun, Slurm, hostlists), the worker spawner, and the TCP rendezvous
 //! (threads and real processes on localhost).
-use harpe::comms::launch::{
-    expand_nodelist, free_port, place, spawn_workers, strip_nproc_flag, LaunchEnv, LaunchSource, SpawnOptions,
+use harpe::comms::launch::{place, spawn_workers, strip_nproc_flag, SpawnOptions};
+use harpe::comms::launch_env::{expand_nodelist, free_port, LaunchEnv, LaunchSource, RunToken, TokenOrigin};
+use harpe::comms::rendezvous::{
+    binary_version, config_hash, rendezvous, Meeting, Rendezvous, RendezvousSpec, HANDSHAKE_WAIT,
 };
-use harpe::comms::rendezvous::{binary_version, config_hash, rendezvous, Rendezvous, RendezvousSpec};
 use harpe::config::{rank_batching, Backend, DistSection};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Command;
@@ -44,7 +46,7 @@ fn torchrun_variables_give_the_rank_environment() {
             local_world_size: Some(8),
             master_addr: "node01".into(),
             master_port: 29500,
-            run_token: "job42".into(),
+            run_token: RunToken { value: "job42".into(), origin: TokenOrigin::JobId("TORCHELASTIC_RUN_ID") },
         }
     );
     assert!(LaunchEnv::from_map(&env(&[("PATH", "/bin")])).unwrap().is_none(), "no launcher: single process");
@@ -67,7 +69,7 @@ fn slurm_variables_give_the_rank_environment_with_the_first_node_as_master() {
     assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (9, 16, 1, Some(8)));
     assert_eq!(e.master_addr, "gpu07");
     assert_eq!(e.master_port, 20000 + 3456);
-    assert_eq!(e.run_token, "slurm-123456.3");
+    assert_eq!(e.run_token, RunToken { value: "slurm-123456.3".into(), origin: TokenOrigin::JobId("SLURM_JOB_ID") });
     // MASTER_ADDR / MASTER_PORT / HARPE_RUN_TOKEN override the derived values
     let e = LaunchEnv::from_map(&env(&[
         ("SLURM_PROCID", "0"),
@@ -80,7 +82,69 @@ fn slurm_variables_give_the_rank_environment_with_the_first_node_as_master() {
     ]))
     .unwrap()
     .unwrap();
-    assert_eq!((e.master_addr.as_str(), e.master_port, e.run_token.as_str()), ("10.0.0.9", 4000, "tok"));
+    assert_eq!((e.master_addr.as_str(), e.master_port), ("10.0.0.9", 4000));
+    assert_eq!(e.run_token, RunToken { value: "tok".into(), origin: TokenOrigin::Given });
+}
+
+/// What torchrun (2.15, every rendezvous style) sets for a worker: MASTER_ADDR:MASTER_PORT is its agent's
+/// TCPStore, so harpe meets through that store instead of listening there.
+fn torchrun_worker(rank: &'static str, extra: &[(&'static str, &'static str)]) -> BTreeMap<String, String> {
+    let mut v = vec![
+        ("RANK", rank),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", rank),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "localhost"),
+        ("MASTER_PORT", "41481"),
+        ("TORCHELASTIC_RUN_ID", "2a869bbb-d3eb-4742-9912-8a21eb3585ba"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ];
+    v.extend_from_slice(extra);
+    env(&v)
+}
+
+#[test]
+fn torchruns_agent_store_is_recognised_and_its_port_never_taken_as_harpes() {
+    let e = LaunchEnv::from_map(&torchrun_worker("1", &[])).unwrap().unwrap();
+    assert_eq!(e.source, LaunchSource::TorchrunAgentStore { restart: 2 });
+    assert_eq!((e.master_addr.as_str(), e.master_port), ("localhost", 41481));
+    assert_eq!(e.run_token, RunToken { value: String::new(), origin: TokenOrigin::AgentStore });
+    let spec = RendezvousSpec::from_launch(&e, "cfg", Duration::from_secs(1));
+    assert_eq!(spec.meet, Meeting::AgentStore { restart: 2 });
+    // HARPE_RUN_TOKEN still wins; the store then carries only the address
+    let e = LaunchEnv::from_map(&torchrun_worker("0", &[("HARPE_RUN_TOKEN", "mine")])).unwrap().unwrap();
+    assert_eq!(e.run_token, RunToken { value: "mine".into(), origin: TokenOrigin::Given });
+    // a torchrun that does not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): MASTER_PORT is
+    // a free port for rank 0, as before; the run id is the token, guessable
+    let e = LaunchEnv::from_map(&torchrun_worker("0", &[("TORCHELASTIC_USE_AGENT_STORE", "False")])).unwrap().unwrap();
+    assert_eq!(e.source, LaunchSource::Torchrun);
+    assert_eq!(RendezvousSpec::from_launch(&e, "cfg", Duration::from_secs(1)).meet, Meeting::Listen);
+    assert_eq!(e.run_token.origin, TokenOrigin::JobId("TORCHELASTIC_RUN_ID"));
+}
+
+#[test]
+fn a_missing_token_is_refused_and_a_job_id_token_warned() {
+    let missing = RunToken::from("");
+    assert_eq!(missing.origin, TokenOrigin::Missing);
+    let e = format!("{:#}", missing.check(2).unwrap_err());
+    assert!(e.contains("no run token") && e.contains("hint: export HARPE_RUN_TOKEN="), "{e}");
+    assert_eq!(missing.check(1).unwrap(), None, "one rank needs no token");
+    let job = RunToken { value: "slurm-77.0".into(), origin: TokenOrigin::JobId("SLURM_JOB_ID") };
+    let w = job.check(16).unwrap().expect("a job-id token is warned about");
+    assert!(w.contains("derived from SLURM_JOB_ID") && w.contains("guess") && w.contains("hint:"), "{w}");
+    assert_eq!(RunToken::from("3f9a").check(16).unwrap(), None);
+    // the environments that give no token at all
+    let hand = LaunchEnv::from_map(&env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "1"),
+    ]))
+    .unwrap()
+    .unwrap();
+    assert_eq!(hand.run_token.origin, TokenOrigin::Missing);
 }
 
 #[test]
@@ -207,6 +271,7 @@ fn spec(port: u16, rank: usize, world: usize, timeout_ms: u64) -> RendezvousSpec
     RendezvousSpec {
         addr: "127.0.0.1".into(),
         port,
+        meet: Meeting::Listen,
         rank,
         world,
         token: "run-abc".into(),
@@ -245,10 +310,9 @@ fn four_ranks_exchange_the_payload_and_pass_barriers() {
 }
 
 #[test]
-fn a_rank_with_another_token_version_or_config_is_refused_before_any_work() {
+fn a_rank_with_another_version_or_config_aborts_the_group_before_any_work() {
     type Tweak = fn(&mut RendezvousSpec);
-    let cases: [(Tweak, &str); 4] = [
-        (|s| s.token = "run-xyz".into(), "rank 1 presents run token \"run-xyz\", rank 0 has \"run-abc\""),
+    let cases: [(Tweak, &str); 3] = [
         (|s| s.version = "harpe 0.0.9 []".into(), "rank 1 runs binary \"harpe 0.0.9 []\""),
         (|s| s.config_hash = config_hash("[train]\nlr = 2e-5\n"), "rank 1 has a different resolved config"),
         (|s| s.world = 3, "rank 1 has world size 3, rank 0 has 2"),
@@ -265,13 +329,70 @@ fn a_rank_with_another_token_version_or_config_is_refused_before_any_work() {
     }
 }
 
+/// Rank 0 of `world` on a thread (its result on join), with `timeout_ms`.
+fn rank0(port: u16, world: usize, timeout_ms: u64) -> std::thread::JoinHandle<Result<Vec<u8>, String>> {
+    let s = spec(port, 0, world, timeout_ms);
+    std::thread::spawn(move || {
+        rendezvous(&s, || vec![7; 128]).map(|rv| rv.payload().to_vec()).map_err(|e| format!("{e:#}"))
+    })
+}
+
 #[test]
-fn a_duplicate_rank_is_refused() {
+fn a_wrong_token_is_dropped_without_echo_and_the_group_still_forms() {
     let port = free_port("127.0.0.1").unwrap();
-    let res = group(vec![spec(port, 0, 3, 20_000), spec(port, 1, 3, 3_000), spec(port, 1, 3, 3_000)], |_| Ok(()));
-    let e0 = res[0].as_ref().unwrap_err();
-    assert!(e0.contains("duplicate rank 1"), "{e0}");
-    assert!(res[1].is_err() && res[2].is_err());
+    let r0 = rank0(port, 2, 20_000);
+    let mut bad = spec(port, 1, 2, 20_000);
+    bad.token = "run-xyz".into();
+    bad.world = 5; // a client without the token cannot abort the group by claiming another world size
+    let e = format!("{:#}", rendezvous(&bad, Vec::new).err().expect("a wrong token is refused"));
+    assert!(e.contains("rendezvous refused") && e.contains("different run token") && e.contains("hint:"), "{e}");
+    assert!(!e.contains("run-abc"), "the expected token must never be sent to a client: {e}");
+    // the real rank 1 still joins: the group was not aborted
+    let ok = rendezvous(&spec(port, 1, 2, 20_000), Vec::new).unwrap();
+    assert_eq!(ok.payload(), &[7; 128][..]);
+    assert_eq!(r0.join().unwrap().unwrap(), vec![7; 128]);
+}
+
+#[test]
+fn a_rank_seen_twice_is_dropped_and_named_when_the_rendezvous_times_out() {
+    let port = free_port("127.0.0.1").unwrap();
+    let r0 = rank0(port, 3, 3_000);
+    // two processes claim rank 1: whichever arrives second is dropped; the first stays admitted
+    let ones: Vec<_> = (0..2)
+        .map(|_| {
+            let s = spec(port, 1, 3, 20_000);
+            std::thread::spawn(move || rendezvous(&s, Vec::new).map(|_| ()).map_err(|e| format!("{e:#}")))
+        })
+        .collect();
+    let mut errs: Vec<String> = ones.into_iter().map(|h| h.join().unwrap().unwrap_err()).collect();
+    errs.sort_by_key(|e| !e.contains("rendezvous refused: duplicate"));
+    assert!(errs[0].contains("rendezvous refused: duplicate rank 1: already admitted from"), "{errs:?}");
+    assert!(errs[1].contains("ranks [2] never connected"), "the admitted rank 1 learns why: {errs:?}");
+    let e0 = r0.join().unwrap().unwrap_err();
+    assert!(e0.contains("ranks [2] never connected") && e0.contains("hint:"), "{e0}");
+    assert!(e0.contains("refused meanwhile: duplicate rank 1: already admitted from"), "{e0}");
+}
+
+#[test]
+fn a_silent_or_garbage_connection_does_not_hold_the_door() {
+    let port = free_port("127.0.0.1").unwrap();
+    // rank 0 gives up well before a silent client's handshake would be given up on: connections must
+    // be admitted concurrently for the real rank to get in
+    let timeout_ms = (HANDSHAKE_WAIT.as_millis() / 2) as u64;
+    let r0 = rank0(port, 2, timeout_ms);
+    let connect = || loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let silent = connect();
+    let mut garbage = connect();
+    garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let rv = rendezvous(&spec(port, 1, 2, 20_000), Vec::new).unwrap();
+    assert_eq!(rv.payload(), &[7; 128][..]);
+    assert_eq!(r0.join().unwrap().unwrap(), vec![7; 128]);
+    drop(silent);
 }
 
 #[test]
@@ -334,7 +455,7 @@ fn processes_started_by_the_launcher_rendezvous_and_share_one_payload() {
     assert_eq!(digests.len(), 3, "{stdout}");
     assert!(digests.iter().all(|d| *d == digests[0]), "{stdout}");
     for r in 0..3 {
-        assert!(stdout.contains(&format!("rank {r}/3 (local rank {r}, Torchrun)")), "{stdout}");
+        assert!(stdout.contains(&format!("rank {r}/3 (local rank {r}, Torchrun) joined 127.0.0.1:")), "{stdout}");
     }
 
     let out = harpe().args(["dist-check", "--nproc-per-node", "3", "--fail-rank", "1"]).output().unwrap();
@@ -363,6 +484,53 @@ fn processes_with_different_configs_are_refused_before_any_work() {
     assert!(!o0.status.success() && !o1.status.success());
     assert!(e0.contains("rank 1 has a different resolved config") && e0.contains("hint:"), "{e0}");
     assert!(e1.contains("rendezvous refused"), "{e1}");
+}
+
+/// Two `harpe dist-check` processes with `vars(rank)` and the shared `common` variables; each rank's
+/// (success, stdout, stderr).
+fn two_by_hand(vars: fn(usize) -> Vec<(&'static str, String)>, common: &[(&str, &str)]) -> Vec<(bool, String, String)> {
+    let procs: Vec<_> = (0..2)
+        .map(|r| {
+            harpe()
+                .args(["dist-check", "--timeout-s", "30"])
+                .env_remove("HARPE_RUN_TOKEN")
+                .envs(vars(r))
+                .envs(common.iter().copied())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    procs
+        .into_iter()
+        .map(|p| {
+            let o = p.wait_with_output().unwrap();
+            (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_started_by_hand_without_a_token_are_refused_and_a_slurm_job_id_token_is_warned() {
+    let port = free_port("127.0.0.1").unwrap().to_string();
+    let torch = |r: usize| vec![("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("LOCAL_RANK", r.to_string())];
+    for (ok, _, err) in two_by_hand(torch, &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())]) {
+        assert!(!ok && err.contains("no run token") && err.contains("hint: export HARPE_RUN_TOKEN="), "{err}");
+    }
+    let slurm = |r: usize| vec![("SLURM_PROCID", r.to_string()), ("SLURM_LOCALID", r.to_string())];
+    let common = [
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_NODELIST", "127.0.0.1"),
+        ("SLURM_JOB_ID", "4242"),
+        ("MASTER_PORT", port.as_str()),
+    ];
+    let out = two_by_hand(slurm, &common);
+    for (r, (ok, stdout, err)) in out.iter().enumerate() {
+        assert!(*ok && stdout.contains(&format!("rank {r}/2 (local rank {r}, Slurm) joined 127.0.0.1:")), "{err}");
+        let warned = err.contains("warning: the run token is derived from SLURM_JOB_ID");
+        assert_eq!(warned, r == 0, "rank 0 warns, once: rank {r}: {err}");
+    }
 }
 
 fn launched(rank: usize, world: usize) -> Option<LaunchEnv> {
