@@ -106,6 +106,9 @@ pub struct TrainArgs {
     /// host path there (a CUDA run always uses it)
     #[arg(long, hide = true)]
     pub device_resident_state: bool,
+    /// attention: harpe's kernels only (candle-flash, the eval commands' other choice, has no backward)
+    #[arg(long, value_enum, default_value = "harpe")]
+    pub attention: crate::model::attention::AttentionChoice,
 }
 
 impl TrainArgs {
@@ -120,6 +123,7 @@ impl TrainArgs {
             force: false,
             nproc_per_node: None,
             device_resident_state: false,
+            attention: crate::model::attention::AttentionChoice::Harpe,
         }
     }
 
@@ -548,6 +552,7 @@ fn tokenizer_path(cfg: &RunConfig, run_dir: &Path) -> Result<PathBuf> {
 /// Run `harpe train`: one rank in this thread (`single`), or `dist.world_size` rank threads sharing a
 /// `Local` group (`local`), each running the same loop on its slice of every global batch.
 pub fn run(args: TrainArgs) -> Result<()> {
+    crate::model::attention::refuse_for_training(args.attention)?;
     let origin = args.config.display().to_string();
     let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
     let dist = cfg.dist.dist_config(&origin)?;
