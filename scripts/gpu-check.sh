@@ -33,7 +33,8 @@
 #   7. the results file with every command's output and exit code. The script's exit code is 1 when any
 #      step failed or was skipped, so a caller sees it; the file is written either way.
 # Environment: HARPE_GPU_BUNDLE (default gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for
-# build (default 80: PTX for A100, JIT-compiled on Hopper).
+# build (default 80: PTX for A100, JIT-compiled on Hopper), HARPE_GPU_FEATURES for build (default nccl;
+# nccl,flash-attn with HARPE_GPU_BUNDLE=gpu-bundle-fa: the second bundle, README "Build for GPUs").
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BUNDLE="${HARPE_GPU_BUNDLE:-$ROOT/gpu-bundle}"
@@ -50,7 +51,7 @@ build() {
   eval "$env_lines"
   local t0=$SECONDS
   # nccl = cuda + the NCCL backend (the binary then needs libnccl.so.2, which the cu13 wheels ship)
-  CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}" nice -n 5 cargo build --release --features nccl --bin harpe
+  CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}" nice -n 5 cargo build --release --features "${HARPE_GPU_FEATURES:-nccl}" --bin harpe
   local bin="${CARGO_TARGET_DIR:-$ROOT/target}/release/harpe"
   echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"

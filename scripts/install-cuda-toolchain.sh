@@ -14,7 +14,13 @@
 #   3. PREFIX/cuda_root: bin/include/nvvm symlinks into cu13, lib64/lib*.so symlinks to the versioned
 #      libraries, lib64/stubs/libcuda.so = a link-only stub with one empty function per cu* symbol that
 #      cudarc binds (the list is read from cudarc's own sources in the cargo registry);
-#   4. prints `export NAME=value` lines on stdout (progress goes to stderr).
+#   4. pip --target PREFIX/cutlass:  nvidia-cutlass 3.5.0.0 (CUTLASS 3.5.0 = the commit candle-flash-attn pins),
+#      laid out as cudaforge's cached checkout PREFIX/cudaforge/git/checkouts/cutlass-<16 hex>/{include,
+#      tools/util/include} with a .git whose HEAD is the pinned commit id, so `--features flash-attn` builds
+#      with no network (cudaforge would otherwise git-clone CUTLASS from github.com);
+#   5. prints `export NAME=value` lines on stdout (progress goes to stderr), among them CUDAFORGE_HOME and
+#      CANDLE_FLASH_ATTN_BUILD_DIR=PREFIX/flash-attn-build (the 53 compiled FA2 kernel objects survive
+#      `cargo clean` and are shared by check, debug and release builds).
 # It does not install a driver or anything that runs a kernel; CUDA_COMPUTE_CAP defaults to 80 (A100;
 # Hopper JIT-compiles the PTX); set it before calling to override (90 = Hopper-only build).
 set -euo pipefail
@@ -35,6 +41,10 @@ CUBLAS_V=13.1.0.3
 CURAND_V=10.4.0.35
 NVRTC_V=13.0.88
 NCCL_V=2.28.9
+# CUTLASS for candle-flash-attn 0.11.1: its build.rs pins commit 7d49e6c7..., the v3.5.0 tag; the PyPI
+# wheel of that release ships the same include/ and tools/util/include/ trees.
+CUTLASS_V=3.5.0.0
+CUTLASS_COMMIT=7d49e6c7e2f8896c47f586706e67e1fb215529dc
 
 pip_target() { # DIR STAMP PKG...
   local dir="$1" stamp="$2"
@@ -59,6 +69,8 @@ pip_target "$PREFIX/cuda" "nvcc-$NVCC_V-rt-$RUNTIME_V" \
 pip_target "$PREFIX/cudalibs" "libs-$CUBLAS_V-$NCCL_V" \
   "nvidia-cublas==$CUBLAS_V" "nvidia-curand==$CURAND_V" "nvidia-cuda-nvrtc==$NVRTC_V" \
   "nvidia-nccl-cu13==$NCCL_V" "nvidia-cuda-runtime==$RUNTIME_V"
+
+pip_target "$PREFIX/cutlass" "cutlass-$CUTLASS_V" "nvidia-cutlass==$CUTLASS_V"
 
 CU13="$PREFIX/cuda/nvidia/cu13"
 LIBS13="$PREFIX/cudalibs/nvidia/cu13/lib"
@@ -103,6 +115,31 @@ if [ ! -f "$STUB" ]; then
   log "built $STUB with $n cu* symbols from $SYS"
 fi
 
+# cudaforge's CUTLASS cache (dependency.rs): it uses $CUDAFORGE_HOME/git/checkouts/cutlass-<first 16 hex
+# of the commit> when include/ exists there and `git rev-parse HEAD` in it prints the commit. rev-parse
+# reads a detached HEAD without looking the object up, so an empty repository whose HEAD file holds the id
+# passes; nothing else in the checkout is read (no fetch, no checkout).
+FA_SRC="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-0.11.* 2>/dev/null | sort -V | tail -n 1)"
+if [ -n "$FA_SRC" ] && ! grep -q "$CUTLASS_COMMIT" "$FA_SRC/build.rs"; then
+  log "error: $FA_SRC/build.rs pins another CUTLASS commit than $CUTLASS_COMMIT; hint: update CUTLASS_COMMIT and CUTLASS_V in $0 to that commit's release"
+  exit 1
+fi
+CUTLASS_SRC="$PREFIX/cutlass/cutlass_library/source"
+[ -f "$CUTLASS_SRC/include/cute/tensor.hpp" ] || { log "error: $CUTLASS_SRC/include/cute/tensor.hpp missing after install; hint: delete $PREFIX/cutlass and rerun"; exit 1; }
+CHECKOUT="$PREFIX/cudaforge/git/checkouts/cutlass-${CUTLASS_COMMIT:0:16}"
+if [ "$(git -C "$CHECKOUT" rev-parse HEAD 2>/dev/null)" != "$CUTLASS_COMMIT" ] || [ ! -e "$CHECKOUT/include" ]; then
+  command -v git >/dev/null || { log "error: git not found (cudaforge runs git rev-parse on the CUTLASS cache); hint: apt-get install git"; exit 1; }
+  rm -rf "$CHECKOUT"
+  mkdir -p "$CHECKOUT/tools/util"
+  ln -sfn "$CUTLASS_SRC/include" "$CHECKOUT/include"
+  ln -sfn "$CUTLASS_SRC/tools/util/include" "$CHECKOUT/tools/util/include"
+  git init -q "$CHECKOUT"
+  echo "$CUTLASS_COMMIT" >"$CHECKOUT/.git/HEAD"
+  [ "$(git -C "$CHECKOUT" rev-parse HEAD)" = "$CUTLASS_COMMIT" ] || { log "error: git rev-parse HEAD in $CHECKOUT does not print $CUTLASS_COMMIT; hint: report your git version"; exit 1; }
+  log "laid out CUTLASS $CUTLASS_V as cudaforge's checkout $CHECKOUT"
+fi
+mkdir -p "$PREFIX/flash-attn-build"
+
 cat <<EOF
 export CUDA_ROOT=$ROOT
 export CUDA_HOME=$ROOT
@@ -110,4 +147,6 @@ export CUDA_PATH=$ROOT
 export PATH=$ROOT/bin:\$PATH
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-2}
+export CUDAFORGE_HOME=$PREFIX/cudaforge
+export CANDLE_FLASH_ATTN_BUILD_DIR=$PREFIX/flash-attn-build
 EOF

@@ -12,6 +12,7 @@
 //! Not done here: the CPU-vs-GPU training run (it needs the device-resident training state, a later
 //! issue), timing (`harpe bench`).
 pub mod attention;
+pub mod candle_flash;
 
 use crate::kernels_emu::{self as emu, Dims};
 use crate::model::rope::{RopeParity, RopeScheme};
@@ -185,6 +186,7 @@ pub fn run_all(target: &Target, seed: u64) -> Result<Vec<Check>> {
         out.extend(adamw_checks(target, dt, &mut r)?);
     }
     out.extend(attention::checks(target, &mut r)?);
+    out.extend(candle_flash::checks(target, &mut r)?);
     Ok(out)
 }
 

@@ -10,6 +10,8 @@
 //! tensor-core tiles for bf16), not the autograd op, so the numbers are the kernels' and compare to SDPA's
 //! kernels; the op adds one pack/unpack pass over O and dO. Repetitions adapt to the problem (at least one
 //! timed call after one warm-up, about `--attn-seconds` per row).
+//! With `--features flash-attn` the forward rows also time candle-flash-attn's FA2 forward on the same
+//! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
 //! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the benchmark is bf16, D = 128).
 use super::BenchArgs;
 use anyhow::Result;
@@ -27,6 +29,8 @@ pub struct AttnRow {
     pub pct_peak: Option<f64>,
     /// PyTorch SDPA per backend (ms), when measured; None where the backend refused the shape
     pub torch_ms: Vec<(String, Option<f64>)>,
+    /// candle-flash-attn's forward (ms): forward rows of a --features flash-attn build
+    pub candle_flash_ms: Option<f64>,
 }
 
 /// Causal FLOPs of one pass ("fwd", "bwd", "fwd+bwd") at (1, 32, T, 128).
@@ -52,8 +56,16 @@ pub fn peak_tflops(cc: (i32, i32)) -> Option<f64> {
 pub fn print_rows(device: &str, rows: &[AttnRow]) {
     println!("harpe bench attention — {device}; B 1, H 32, D 128, causal, bf16 (tensor-core tiles)");
     println!(
-        "{:<8} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7}",
-        "pass", "T", "Hkv", "ms", "TFLOP/s", "%peak", "torch SDPA ms (flash / cudnn / efficient)", "x best"
+        "{:<8} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7} {:>10}",
+        "pass",
+        "T",
+        "Hkv",
+        "ms",
+        "TFLOP/s",
+        "%peak",
+        "torch SDPA ms (flash / cudnn / efficient)",
+        "x best",
+        "cflash ms"
     );
     for r in rows {
         let pct = r.pct_peak.map(|p| format!("{p:.0}%")).unwrap_or_else(|| "-".into());
@@ -64,8 +76,9 @@ pub fn print_rows(device: &str, rows: &[AttnRow]) {
             .collect();
         let best = r.torch_ms.iter().filter_map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
         let x = if best.is_finite() { format!("{:.2}", best / r.ms) } else { "-".into() };
+        let cf = r.candle_flash_ms.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
         println!(
-            "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7}",
+            "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7} {:>10}",
             r.pass,
             r.t,
             r.hkv,
@@ -73,7 +86,8 @@ pub fn print_rows(device: &str, rows: &[AttnRow]) {
             r.tflops,
             pct,
             if torch.is_empty() { "-".into() } else { torch.join(" / ") },
-            x
+            x,
+            cf
         );
     }
 }
@@ -139,6 +153,14 @@ mod gpu {
                     Ok(Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev)?.to_dtype(DType::BF16)?)
                 };
                 let (q, k, v, dout) = (mk(h)?, mk(hkv)?, mk(hkv)?, mk(h)?);
+                // candle-flash-attn's forward on the same q, k, v (before the storage guards below)
+                let cf_ms = cfg!(feature = "flash-attn")
+                    .then(|| {
+                        time(&dev, seconds, || {
+                            Ok(crate::ops::candle_flash::attention(&q, &k, &v, scale, true).map(|_| ())?)
+                        })
+                    })
+                    .transpose()?;
                 let (sq, lq) = q.storage_and_layout();
                 let (sk, lk) = k.storage_and_layout();
                 let (sv, lv) = v.storage_and_layout();
@@ -170,6 +192,7 @@ mod gpu {
                         tflops,
                         pct_peak: peak.map(|p| 100.0 * tflops / p),
                         torch_ms: Vec::new(),
+                        candle_flash_ms: if pass == "fwd" { cf_ms } else { None },
                     });
                 }
             }

@@ -693,6 +693,10 @@ pub struct EvalNiahArgs {
     /// prompt tokens per prefill forward pass (bounds activation memory)
     #[arg(long, default_value_t = 2048)]
     pub prefill_chunk: usize,
+    /// attention: harpe's kernels, or candle-flash-attn's forward (CUDA, --features flash-attn, bf16/f16,
+    /// head dim 64/128) [default: candle-flash where built and the model fits it, else harpe]
+    #[arg(long, value_enum)]
+    pub attention: Option<crate::model::attention::AttentionChoice>,
 }
 
 /// `predict(prompt, max_new_tokens) -> generated text`.
@@ -702,8 +706,14 @@ pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
 /// decode the new tokens with special tokens skipped (spec §5).
 fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
     let device = args.device.open("--device")?;
-    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?
-        .with_attention(crate::model::attention::AttentionImpl::for_device(&device));
+    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?;
+    let attention = crate::model::attention::AttentionImpl::for_eval(
+        args.attention,
+        &device,
+        args.dtype.dtype(),
+        model.cfg.head_dim,
+    )?;
+    let model = model.with_attention(attention);
     if max_length > model.max_context() {
         let msg = format!(
             "length {max_length} is beyond what {} can address under its RoPE scheme ({} positions)",

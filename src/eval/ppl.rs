@@ -10,7 +10,7 @@
 //! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here:
 //! YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
 use crate::device::{ComputeDtype, DeviceSpec};
-use crate::model::attention::AttentionImpl;
+use crate::model::attention::{AttentionChoice, AttentionImpl};
 use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -45,6 +45,10 @@ pub struct ScoringModel {
     /// positions per chunk of the chunked log-softmax
     #[arg(long, default_value_t = 1024)]
     pub loss_chunk: usize,
+    /// attention: harpe's kernels, or candle-flash-attn's forward (CUDA, --features flash-attn, bf16/f16,
+    /// head dim 64/128) [default: candle-flash where built and the model fits it, else harpe]
+    #[arg(long, value_enum)]
+    pub attention: Option<AttentionChoice>,
 }
 
 impl ScoringModel {
@@ -56,15 +60,17 @@ impl ScoringModel {
             device: DeviceSpec::Cpu,
             rope_parity: RopeParity::F64,
             loss_chunk: 1024,
+            attention: None,
         }
     }
 
-    /// Load the model on the chosen device in the chosen dtype and RoPE arithmetic.
+    /// Load the model on the chosen device in the chosen dtype, RoPE arithmetic and attention.
     pub fn load(&self) -> Result<Llama> {
         let device = self.device.open("--device")?;
         let mut model = load_model_dir(&self.model, self.dtype.dtype(), &device)?;
         model.parity = self.rope_parity;
-        Ok(model.with_attention(AttentionImpl::for_device(&device)))
+        let attention = AttentionImpl::for_eval(self.attention, &device, self.dtype.dtype(), model.cfg.head_dim)?;
+        Ok(model.with_attention(attention))
     }
 }
 

@@ -10,13 +10,17 @@
 //! `attend_doc` the same under a per-document causal mask of packed sequences (`ops::attention::DocStarts`,
 //! `train.document_mask`). Every built-in arm does document masks; a `Custom` one says whether it can
 //! (`AttentionFn::supports_document_mask`, default no), so the trainer refuses before the first step.
+//! `CandleFlash` (candle-flash-attn's FA2 forward, `--features flash-attn`) is forward only: the evaluation
+//! commands choose it with `--attention` (`AttentionChoice`, `AttentionImpl::for_eval`) and `harpe train`
+//! refuses it (`refuse_for_training`).
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
 use crate::kernels_emu::attention::HEAD_DIMS;
 use crate::ops::attention::{
     attention, attention_blocked, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference,
     CpuKernel, DocStarts,
 };
-use candle_core::{bail, Device, Result, Tensor};
+use crate::ops::candle_flash;
+use candle_core::{bail, DType, Device, Result, Tensor};
 use std::sync::Arc;
 
 /// Query rows per block of the blocked reference by default.
@@ -53,8 +57,30 @@ pub enum AttentionImpl {
     /// `ops::attention_blocked`: query blocks against all keys from plain candle ops (any device; the GPU
     /// reference the flash kernels are checked against).
     Blocked { block: usize },
+    /// `ops::candle_flash`: candle-flash-attn's FlashAttention-2 forward (CUDA, `--features flash-attn`,
+    /// bf16/f16, D 64/128; document masks through its varlen entry). NOT differentiable (the crate has no
+    /// backward): evaluation and generation only.
+    CandleFlash,
     /// Provided by the caller (sequence-parallel wrapper, experiments).
     Custom(Arc<dyn AttentionFn>),
+}
+
+/// `--attention` of the evaluation commands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionChoice {
+    /// harpe's own kernels (the device's default: flash kernels on CUDA, GEMM blocks on CPU)
+    Harpe,
+    /// candle-flash-attn's FlashAttention-2 forward (CUDA, --features flash-attn, bf16/f16, head dim
+    /// 64/128; forward only)
+    CandleFlash,
+}
+
+/// An error for an attention `harpe train` cannot run: candle-flash-attn has no backward.
+pub fn refuse_for_training(choice: AttentionChoice) -> Result<()> {
+    if choice == AttentionChoice::CandleFlash {
+        bail!("harpe train: --attention candle-flash has no backward (candle-flash-attn is forward only; gradients would stop silently)\nhint: train with --attention harpe (the default); candle-flash is for eval-ppl, eval-loss, eval-niah, eval-tasks and generate");
+    }
+    Ok(())
 }
 
 impl AttentionImpl {
@@ -68,7 +94,32 @@ impl AttentionImpl {
         }
     }
 
-    /// Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D); differentiable.
+    /// The attention of an evaluation command on `dev` for a model of `dtype` and `head_dim`: `choice` when
+    /// given (candle-flash checked: built, CUDA, dtype, head dim; each refusal names its limit), else
+    /// candle-flash where it is built and takes the model, else the device's default (`for_device`).
+    pub fn for_eval(choice: Option<AttentionChoice>, dev: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
+        let fits = || -> Result<()> {
+            if !cfg!(feature = "flash-attn") {
+                bail!("{}", candle_flash::NOT_BUILT);
+            }
+            if !dev.is_cuda() {
+                bail!("--attention candle-flash runs on CUDA only, and the device is {dev:?}\nhint: pass --device cuda, or --attention harpe");
+            }
+            candle_flash::check_supported(dtype, head_dim)
+        };
+        Ok(match choice {
+            Some(AttentionChoice::Harpe) => Self::for_device(dev),
+            Some(AttentionChoice::CandleFlash) => {
+                fits()?;
+                AttentionImpl::CandleFlash
+            }
+            None if fits().is_ok() => AttentionImpl::CandleFlash,
+            None => Self::for_device(dev),
+        })
+    }
+
+    /// Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D); differentiable (except
+    /// `CandleFlash`).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
         match self {
             AttentionImpl::Cpu => attention(q, k, v, scale, causal),
@@ -79,6 +130,7 @@ impl AttentionImpl {
             AttentionImpl::Flash => attention(q, k, v, scale, causal),
             AttentionImpl::CpuReference => attention_reference(q, k, v, scale, causal),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
+            AttentionImpl::CandleFlash => candle_flash::attention(q, k, v, scale, causal),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
         }
     }
@@ -94,6 +146,7 @@ impl AttentionImpl {
             }
             AttentionImpl::Flash => attention_doc(q, k, v, scale, docs),
             AttentionImpl::Blocked { block } => attention_blocked_doc(q, k, v, scale, docs, *block),
+            AttentionImpl::CandleFlash => candle_flash::attention_doc(q, k, v, scale, docs),
             AttentionImpl::Custom(f) => f.attend_doc(q, k, v, scale, docs),
         }
     }

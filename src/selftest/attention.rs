@@ -66,7 +66,7 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
     Ok(out)
 }
 
-fn round_fn(dt: Dt) -> fn(f32) -> f32 {
+pub(super) fn round_fn(dt: Dt) -> fn(f32) -> f32 {
     match dt {
         Dt::F32 => |x| x,
         Dt::Bf16 => |x| bf16::from_f32(x).to_f32(),
@@ -189,7 +189,7 @@ type NaiveRow = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 /// bound): [O, dQ, dK, dV]. Rows in parallel (p and dS of a head are kept: O(Tq Tk) host memory), then
 /// keys in parallel, each sum in the same order as a sequential loop over (head, row, key).
 #[allow(clippy::too_many_arguments)]
-fn naive16(
+pub(super) fn naive16(
     rd: fn(f32) -> f32,
     q: &[f32],
     k: &[f32],

@@ -36,6 +36,9 @@ pub struct TrainArgs {
     /// host path there (a CUDA run always uses it)
     #[arg(long, hide = true)]
     pub device_resident_state: bool,
+    /// attention: harpe's kernels only (candle-flash, the eval commands' other choice, has no backward)
+    #[arg(long, value_enum, default_value = "harpe")]
+    pub attention: crate::model::attention::AttentionChoice,
 }
 
 impl TrainArgs {
@@ -50,6 +53,7 @@ impl TrainArgs {
             force: false,
             nproc_per_node: None,
             device_resident_state: false,
+            attention: crate::model::attention::AttentionChoice::Harpe,
         }
     }
 

@@ -6,3 +6,4 @@
 
 mod comms_launch;
 mod comms_local;
+mod comms_torchrun;

@@ -15,4 +15,5 @@ mod ppl_windows;
 mod punkt;
 mod cli_eval_loss;
 mod cli_eval_ppl;
+mod cli_attention;
 mod cli_generate;

@@ -1,0 +1,142 @@
+//! `harpe selftest` rows comparing harpe's flash forward (kernels/attention.cu, tensor-core tiles, through
+//! `ops::attention`) with candle-flash-attn's FlashAttention-2 forward (`ops::candle_flash`) on the same
+//! inputs on the same GPU: an independent implementation as the GPU reference (CUDA, `--features
+//! flash-attn`; no rows elsewhere).
+//!
+//! Reference: flash-attention's tests (a 16-bit bound of 2x the error of a naive implementation in the
+//! same type, `selftest::attention::naive16`). Cases: bf16 causal GQA (D 128 and 64), a document mask
+//! (packed sequences through the crate's varlen entry), f16 with Tq < Tk (a prefill chunk or decode step
+//! against a longer cache), and bf16 at T = 4096 + 37 unless `HARPE_SELFTEST_SMALL`.
+//! The non-obvious decision: each case gives two rows, candle-flash-attn against the f32 reference (the
+//! crate is checked too, with the same bound as harpe's own rows), and harpe against candle-flash-attn
+//! with that same bound: two FA2 forwards that each round O once from f32 agree far closer than a naive
+//! 16-bit implementation does with the exact result, so a wrong tile in either shows up here even where
+//! the f32 reference is too slow to run.
+//! Does not: compare backward (the crate has none), f32 (the crate takes none), or time anything
+//! (`harpe bench attention` has a candle-flash-attn column).
+use super::attention::{naive16, round_fn};
+use super::{as_dt, ragged, uniform, Check, Dt, Target};
+use crate::ops::attention::{attention_fwd_cpu_doc, AttnDims, DocStarts};
+use anyhow::Result;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// The comparison rows on `target` (none unless it is CUDA and the build has candle-flash-attn).
+pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
+    let Target::Cuda(dev) = target else {
+        return Ok(vec![]);
+    };
+    if !cfg!(feature = "flash-attn") {
+        return Ok(vec![]);
+    }
+    let mut out = Vec::new();
+    let t = ragged(r, 100, 1000);
+    let gqa = AttnDims { b: 2, h: 8, hkv: 2, tq: t, tk: t, d: 128 };
+    out.extend(case(dev, Dt::Bf16, gqa, None, r)?);
+    out.extend(case(dev, Dt::Bf16, AttnDims { h: 8, hkv: 1, d: 64, ..gqa }, None, r)?);
+    // a document mask: 1-4 random document starts per sequence
+    let starts: Vec<Vec<usize>> =
+        (0..gqa.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
+    let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
+    let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
+    out.extend(case(dev, Dt::Bf16, AttnDims { d: 64, ..gqa }, Some(docs.host()), r)?);
+    // Tq < Tk: a prefill chunk or a decode step against a longer cache, f16
+    let tq = if r.random_bool(0.5) { 1 } else { ragged(r, 2, t) };
+    out.extend(case(dev, Dt::F16, AttnDims { tq, tk: t + ragged(r, 1, 100), ..gqa }, None, r)?);
+    if std::env::var_os("HARPE_SELFTEST_SMALL").is_none() {
+        let long = AttnDims { b: 1, h: 2, hkv: 1, tq: 4096 + 37, tk: 4096 + 37, d: 128 };
+        out.extend(case(dev, Dt::Bf16, long, None, r)?);
+    }
+    Ok(out)
+}
+
+/// One shape, causal: candle-flash-attn's O against the f32 reference, and harpe's O against it.
+fn case(
+    dev: &candle_core::Device,
+    dt: Dt,
+    dims: AttnDims,
+    docs: Option<&[u32]>,
+    r: &mut ChaCha8Rng,
+) -> Result<Vec<Check>> {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let q = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
+    let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (harpe, cflash) = cuda_run::run(dev, dt, &q, &k, &v, dims, scale, docs)?;
+    let (exact, _) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, true, docs);
+    let zeros = vec![0f32; q.len()];
+    let [naive, ..] = naive16(round_fn(dt), &q, &k, &v, &zeros, dims, scale, true, docs);
+    let ndocs = docs.map(|ds| ds.iter().enumerate().filter(|&(j, &s)| s as usize == j % tk).count());
+    let label =
+        format!("B{b} H{h}/{hkv} T{tq}/{tk} D{d} causal{}", ndocs.map(|n| format!(" {n} docs")).unwrap_or_default());
+    let bound = 2.0 * super::max_abs_diff(&naive, &exact).max(1e-30);
+    let rule = if dt == Dt::F16 { "<= 2x naive f16" } else { "<= 2x naive bf16" };
+    let row = |kernel: &str, got: &[f32], want: &[f32]| {
+        let max_err = super::max_abs_diff(got, want);
+        Check { kernel: kernel.into(), case: label.clone(), dtype: dt, max_err, bound, rule, pass: max_err <= bound }
+    };
+    Ok(vec![row("candle-flash-attn O", &cflash, &exact), row("attention tc O vs candle-flash-attn", &harpe, &cflash)])
+}
+
+#[cfg(not(feature = "flash-attn"))]
+mod cuda_run {
+    //! Without candle-flash-attn `checks` returns before calling this.
+    use super::{AttnDims, Dt};
+    use anyhow::{bail, Result};
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        _: &candle_core::Device,
+        _: Dt,
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: AttnDims,
+        _: f32,
+        _: Option<&[u32]>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        bail!(crate::ops::candle_flash::NOT_BUILT)
+    }
+}
+
+#[cfg(feature = "flash-attn")]
+mod cuda_run {
+    //! Both forwards on the same device tensors.
+    use super::{AttnDims, Dt};
+    use crate::ops::attention::DocStarts;
+    use crate::ops::{attention, candle_flash};
+    use crate::selftest::cuda_run::{down, up};
+    use anyhow::Result;
+    use candle_core::Device;
+
+    /// (harpe's O, candle-flash-attn's O) as host f32, (B, H, Tq, D).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        dev: &Device,
+        dt: Dt,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        dims: AttnDims,
+        scale: f32,
+        docs: Option<&[u32]>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let AttnDims { b, h, hkv, tq, tk, d } = dims;
+        let (qs, ks) = ((b, h, tq, d), (b, hkv, tk, d));
+        let (qt, kt, vt) = (up(q, qs, dt, dev)?, up(k, ks, dt, dev)?, up(v, ks, dt, dev)?);
+        let (harpe, cflash) = match docs {
+            Some(ds) => {
+                let ds = DocStarts::from_per_token(ds.to_vec(), b, tk, dev)?;
+                (
+                    attention::attention_doc(&qt, &kt, &vt, scale, &ds)?,
+                    candle_flash::attention_doc(&qt, &kt, &vt, scale, &ds)?,
+                )
+            }
+            None => (
+                attention::attention(&qt, &kt, &vt, scale, true)?,
+                candle_flash::attention(&qt, &kt, &vt, scale, true)?,
+            ),
+        };
+        Ok((down(&harpe)?, down(&cflash)?))
+    }
+}
