@@ -390,33 +390,39 @@ impl DistSection {
     pub fn validate(&self, origin: &str, world: usize, kv_heads: Option<usize>, stages: &[StageBatch]) -> Result<()> {
         self.check_keys(origin)?;
         let p = self.sp_degree;
-        if let Some(hkv) = kv_heads {
-            if p > hkv || !hkv.is_multiple_of(p) {
-                let valid: Vec<usize> = (1..=hkv).filter(|d| hkv.is_multiple_of(*d)).collect();
-                let nearest = valid.iter().min_by_key(|d| d.abs_diff(p)).copied().unwrap_or(1);
-                bail!(
-                    "{origin}: dist.sp_degree {p} does not divide the model's {hkv} kv heads (Ulysses gives each rank whole kv heads)\nhint: the nearest valid degree is {nearest}; valid: {valid:?}"
-                );
-            }
-        }
+        // (what is wrong, hint) of each SP rule that fails: all are named at once
+        let mut bad: Vec<(String, String)> = vec![];
         if p > 1 && (world == 0 || !world.is_multiple_of(p)) {
             let lo = world / p * p;
             let near = if lo > 0 { format!("{lo} or {}", lo + p) } else { format!("{p}") };
-            bail!(
-                "{origin}: dist.sp_degree = {p} must divide dist.world_size = {world} (world size {world} is not divisible by dist.sp_degree {p}: each sequence is split over {p} ranks)\nhint: nearest valid world size: --gpus {near} (dist.world_size), or an SP degree that divides {world}"
-            );
+            bad.push((
+                format!("dist.sp_degree = {p} must divide dist.world_size = {world} (world size {world} is not divisible by dist.sp_degree {p}: each sequence is split over {p} ranks)"),
+                format!("nearest valid world size: --gpus {near} (dist.world_size), or an SP degree that divides {world}"),
+            ));
+        }
+        if let Some(hkv) = kv_heads.filter(|&h| p > h || !h.is_multiple_of(p)) {
+            let valid: Vec<usize> = (1..=hkv).filter(|d| hkv.is_multiple_of(*d)).collect();
+            let nearest = valid.iter().min_by_key(|d| d.abs_diff(p)).copied().unwrap_or(1);
+            bad.push((
+                format!("dist.sp_degree {p} does not divide the model's {hkv} kv heads (Ulysses gives each rank whole kv heads)"),
+                format!("the nearest valid degree is {nearest}; valid: {valid:?}"),
+            ));
+        }
+        for (i, st) in stages.iter().enumerate().filter(|(_, st)| !st.seq_len.is_multiple_of(p)) {
+            bad.push((
+                format!("stage {i}: seq_len {} does not split into dist.sp_degree = {p} equal parts", st.seq_len),
+                format!("use a seq_len divisible by {p} (harpe does not pad sequence-parallel sequences)"),
+            ));
+        }
+        if !bad.is_empty() {
+            let what: Vec<String> = bad.iter().map(|(w, _)| format!("{origin}: {w}")).collect();
+            let hints: Vec<&str> = bad.iter().map(|(_, h)| h.as_str()).collect();
+            bail!("{}\nhint: {}", what.join("\n"), hints.join("; "));
         }
         let dp = world / p;
-        for (i, s) in stages.iter().enumerate() {
-            let stage = format!("stage {i}");
-            if dp > 1 {
-                rank_batching(origin, &stage, s.micro_batches, s.micro_batch, dp)?;
-            }
-            if !s.seq_len.is_multiple_of(p) {
-                bail!(
-                    "{origin}: {stage}: seq_len {} does not split into dist.sp_degree = {p} equal parts\nhint: use a seq_len divisible by {p} (harpe does not pad sequence-parallel sequences)",
-                    s.seq_len
-                );
+        if dp > 1 {
+            for (i, st) in stages.iter().enumerate() {
+                rank_batching(origin, &format!("stage {i}"), st.micro_batches, st.micro_batch, dp)?;
             }
         }
         Ok(())

@@ -32,7 +32,6 @@ pub struct Placement {
     pub launch: Option<LaunchEnv>,
 }
 
-
 /// Reconcile `[dist]` with the launcher's environment (`LaunchEnv::from_env()`), before any work.
 pub fn place(dist: &DistSection, origin: &str, launch: Option<LaunchEnv>) -> Result<Placement> {
     dist.check_keys(origin)?;
