@@ -25,6 +25,7 @@ pub mod optim;
 pub mod comms;
 pub mod checkpoint;
 pub mod metrics;
+pub mod plot_font;
 pub mod tensorboard;
 pub mod plan;
 pub mod train;
