@@ -260,7 +260,10 @@ pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()>
     let hi = pts.iter().map(|r| r.loss).fold(f64::NEG_INFINITY, f64::max);
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let err = |e: &dyn std::fmt::Display| {
-        anyhow!("drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full", path.display())
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
     };
     let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -313,7 +316,10 @@ pub fn plot_evals(records: &[EvalRecord], path: &Path) -> Result<()> {
         return Ok(());
     }
     let err = |e: &dyn std::fmt::Display| {
-        anyhow!("drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full", path.display())
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
     };
     let root = BitMapBackend::new(path, (600 * panels.len() as u32, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;

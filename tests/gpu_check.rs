@@ -12,7 +12,10 @@ fn script() -> PathBuf {
 
 fn gpu_check(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(script());
-    c.args(args).env_remove("HARPE_EMU_PERTURB").env_remove("HARPE_GPU_CHECK_STEPS").env_remove("HARPE_GPU_CHECK_BUDGET");
+    c.args(args)
+        .env_remove("HARPE_EMU_PERTURB")
+        .env_remove("HARPE_GPU_CHECK_STEPS")
+        .env_remove("HARPE_GPU_CHECK_BUDGET");
     for (k, v) in env {
         c.env(k, v);
     }
@@ -71,11 +74,20 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
     let bin = env!("CARGO_BIN_EXE_harpe");
     // the preflight alone passes: exit 0, its sections and the summary in the report
     let ok = tempfile::tempdir().unwrap();
-    let env = [("HARPE_BIN", bin), ("HARPE_GPU_CHECK_OUT", ok.path().to_str().unwrap()), ("HARPE_GPU_CHECK_STEPS", "preflight")];
+    let env = [
+        ("HARPE_BIN", bin),
+        ("HARPE_GPU_CHECK_OUT", ok.path().to_str().unwrap()),
+        ("HARPE_GPU_CHECK_STEPS", "preflight"),
+    ];
     let o = gpu_check(&["rehearse"], &env);
     let r = report(ok.path());
     assert!(o.status.success(), "{}\n{r}", text(&o));
-    for section in ["## preflight: shared libraries (ldd)", "## preflight: harpe --version", "## preflight: devices harpe sees", "## Summary"] {
+    for section in [
+        "## preflight: shared libraries (ldd)",
+        "## preflight: harpe --version",
+        "## preflight: devices harpe sees",
+        "## Summary",
+    ] {
         assert!(r.contains(section), "no {section:?} in:\n{r}");
     }
     assert!(r.contains("Run exit code: 0"), "{r}");
@@ -91,7 +103,10 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
     let r = report(bad.path());
     assert_eq!(o.status.code(), Some(1), "{}\n{r}", text(&o));
     let rows: Vec<&str> = r.lines().filter(|l| l.starts_with("rms_norm fwd")).collect();
-    assert!(!rows.is_empty() && rows.iter().all(|l| l.trim_end().ends_with("FAIL")), "rms_norm fwd rows:\n{rows:?}\n{r}");
+    assert!(
+        !rows.is_empty() && rows.iter().all(|l| l.trim_end().ends_with("FAIL")),
+        "rms_norm fwd rows:\n{rows:?}\n{r}"
+    );
     assert!(r.lines().any(|l| l.starts_with("rope fwd") && l.trim_end().ends_with("PASS")), "{r}");
     assert!(r.contains("| selftest | selftest (emulated kernels, 1 round) | FAIL | 1 |"), "{r}");
     assert!(r.contains("Run exit code: 1"), "{r}");

@@ -44,7 +44,11 @@ fn harpe_needs_only_glibc_and_libgcc() {
     let libs = needed(bin);
     assert!(libs.iter().any(|l| l == "libc.so.6"), "readelf found no NEEDED libc.so.6 in {}: {libs:?}", bin.display());
     let extra: Vec<&String> = libs.iter().filter(|l| !ALLOWED.contains(&l.as_str())).collect();
-    assert!(extra.is_empty(), "{} needs system libraries beyond glibc/libgcc/libstdc++: {extra:?} (all: {libs:?})", bin.display());
+    assert!(
+        extra.is_empty(),
+        "{} needs system libraries beyond glibc/libgcc/libstdc++: {extra:?} (all: {libs:?})",
+        bin.display()
+    );
 }
 
 /// Rows `rows` of a 24-bit BMP as RGB triples (the image crate writes BITMAPINFOHEADER, bottom-up).
@@ -85,7 +89,10 @@ fn title_dark_pixels(dir: &Path, title: &str) -> usize {
     harpe::metrics::plot_loss(&records, &out, title).unwrap();
     let (w, _, px) = bmp_pixels(&std::fs::read(&out).unwrap());
     // plot_loss: 900 x 500, margin 12, a 22 px caption centred above the chart: rows 8..34, middle 2/3
-    (8..34).flat_map(|y| (w / 6..w * 5 / 6).map(move |x| (x, y))).filter(|&(x, y)| px[y * w + x].iter().any(|&c| c < 128)).count()
+    (8..34)
+        .flat_map(|y| (w / 6..w * 5 / 6).map(move |x| (x, y)))
+        .filter(|&(x, y)| px[y * w + x].iter().any(|&c| c < 128))
+        .count()
 }
 
 #[test]

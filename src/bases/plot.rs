@@ -111,7 +111,10 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     }
 
     let mut cov = ChartBuilder::on(&bottom)
-        .caption("coverage: peaks (red triangles) and valleys (blue dots) of each head's base", (crate::plot_font::FAMILY, 20))
+        .caption(
+            "coverage: peaks (red triangles) and valleys (blue dots) of each head's base",
+            (crate::plot_font::FAMILY, 20),
+        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(110)

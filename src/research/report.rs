@@ -416,7 +416,12 @@ pub fn csv_text(rep: &Report) -> Result<String> {
 }
 
 fn plot_err(path: &Path) -> impl Fn(&dyn std::fmt::Display) -> anyhow::Error + '_ {
-    move |e| anyhow!("drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full", path.display())
+    move |e| {
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
+    }
 }
 
 /// Loss against tokens seen, every run, one colour per arm.

@@ -148,7 +148,9 @@ fn case(
         let (dq_ref, dk_ref, dv_ref) =
             attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
         let refs = [&o_ref, &lse_ref, &dq_ref, &dk_ref, &dv_ref];
-        return Ok((0..5).map(|i| check(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], refs[i], 1e-5)).collect());
+        return Ok((0..5)
+            .map(|i| check(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], refs[i], 1e-5))
+            .collect());
     }
     let inp = Inputs { q: &q, k: &k, v: &v, dout: &dout, o: &got[0], lse: &got[1], dims, scale, causal, docs };
     let exact = exact16(&inp);
