@@ -147,7 +147,11 @@ step() {
     return 1
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  put "" "## $name" "" "\`$*\` (limit $limit s)" "" '```'
+  local shown="" arg
+  for arg in "$@"; do
+    case "$arg" in *$'\n'*) shown+=" <inline script>" ;; *) shown+=" $arg" ;; esac
+  done
+  put "" "## $name" "" "\`${shown# }\` (limit $limit s)" "" '```'
   local t0=$SECONDS rc verdict=PASS
   timeout -k 10 "$limit" "$@" >>"$REPORT" 2>&1 </dev/null
   rc=$?
