@@ -1,47 +1,86 @@
 #!/usr/bin/env bash
-# THE script for a GPU machine: check and time harpe's CUDA build there, in two halves.
+# THE script for a GPU machine: check and time harpe's CUDA build there, and rehearse all of it here on CPU.
 #
-#   scripts/gpu-check.sh build   # here (no GPU; Rust + the CUDA toolchain from PyPI): builds the CUDA
-#                                # release binary, strips it and packs what must travel into gpu-bundle/
-#                                # (git-ignored, < 64 MiB; zstd-compressed only if it would not fit)
-#   scripts/gpu-check.sh run     # on the GPU machine (no Rust, no network; python3 with the NVIDIA CUDA 13
-#                                # wheels, e.g. torch cu130): runs from the repository root with
-#                                # gpu-bundle/ beside it and writes benches/results/gpu_<gpu>_<yyyymm>.md
+#   scripts/gpu-check.sh build              # here (no GPU; Rust + the CUDA toolchain from PyPI): the CUDA
+#                                           # release binary, stripped, its NEEDED list checked, xz-compressed
+#                                           # (Python's lzma unpacks it) into gpu-bundle/; prints the sizes and
+#                                           # fails when bundle + tracked tree exceed 64 MiB
+#   scripts/gpu-check.sh run [--second]     # on the GPU machine (no Rust, no network; python3 with the
+#                                           # NVIDIA CUDA 13 wheels, e.g. torch cu130), from the repository
+#                                           # root with gpu-bundle/ beside it
+#   scripts/gpu-check.sh rehearse [--second]  # here, on CPU: the same `run` code end to end (CPU device,
+#                                           # `selftest --target emulated`, the Local backend for the NCCL
+#                                           # steps, CPU stand-ins for the CUDA-only benchmarks), same report
+#   scripts/gpu-check.sh steps [--second]   # the step plan (ids, limits, their sum) without running anything
+#   scripts/gpu-check.sh sizes [DIR]        # the 64 MiB check of `build` on any bundle directory
 #
-# `run` does, each step under its own timeout and all within one budget (HARPE_GPU_CHECK_BUDGET, default
-# 450 s; steps that no longer fit are recorded as skipped), in this order:
-#   1. finds libcudart/libcublas/libcurand (site-packages/nvidia/cu13/lib) and libnccl (nvidia/nccl/lib)
-#      in python3's environment and puts them on LD_LIBRARY_PATH (the binary links them; cuda-build.md §2);
-#   2. `harpe selftest` (every kernel vs its CPU reference, f32/bf16/f16, fwd/bwd; exit 1 on FAIL);
-#   3. the tiny config, 20 f32 steps, on the GPU and on the CPU with the same binary, and the two loss
-#      curves compared step by step: they must agree to 1e-4 relative (`train_parity`); then the same GPU
-#      run as an NCCL group of one process (`--nproc-per-node 1`, ZeRO-0 and ZeRO-3: the collectives and
-#      the ragged gathers/reduces on device memory), which must equal the single-process GPU run to 1e-6,
-#      and as 2 `Local` rank threads sharing the GPU (ZeRO-3; Ulysses SP 2), equal to one rank to 1e-5;
-#   4. `harpe plan` vs the measured device peak (metrics.jsonl `device_peak_bytes`) for a Llama-2-7B-shaped
-#      4-layer stack at 16K and 32K tokens (configs/gpu-plan-check.toml; `plan_vs_measured`, goal 15%);
-#   5. `harpe bench` (per-kernel GB/s vs measured copy bandwidth; PyTorch beside it when importable),
-#      `harpe bench model --model-rows layer` (a Llama-2-7B decoder layer fwd+bwd at T = 4096 and 16384),
-#      `harpe bench model --model-rows step` (its own step and limit: the full 32-layer Llama-2-7B bf16
-#      training step with AdamW at the largest T, a multiple of 1024, whose `harpe plan` fits the free
-#      device memory, random init + 1 warm-up + 2 timed steps: tokens/s, TFLOP/s, MFU; a note instead
-#      where it does not fit, e.g. 80 GB; PyTorch's same step beside it), `harpe bench comms --nproc-per-node 1` (NCCL
-#      all-reduce / all-gather / reduce-scatter through harpe's Comm), then
-#      `harpe bench attention` (flash attention fwd/bwd/fwd+bwd at T = 8K/32K/128K, TFLOP/s and % of peak,
-#      PyTorch SDPA per backend beside it; `attention_steps` below);
-#   6. selftest's small cases under compute-sanitizer memcheck and racecheck when the machine has it;
-#   7. the results file with every command's output and exit code. The script's exit code is 1 when any
-#      step failed or was skipped, so a caller sees it; the file is written either way.
-# Environment: HARPE_GPU_BUNDLE (default gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for
-# build (default 80: PTX for A100, JIT-compiled on Hopper), HARPE_GPU_FEATURES for build (default nccl;
-# nccl,flash-attn with HARPE_GPU_BUNDLE=gpu-bundle-fa: the second bundle, README "Build for GPUs").
+# The report. `run` and `rehearse` write one Markdown file into HARPE_GPU_CHECK_OUT (default benches/results/
+# for `run`, target/gpu-check-rehearse/ for `rehearse`; point it at the GPU machine's output folder, the
+# only place whose files come back): a header first, then each step's section — command, its output
+# streamed into the file while it runs (selftest rows appear as they are computed), exit code, wall time,
+# PASS / FAIL / TIMEOUT — so a run cut short anywhere still leaves every row it made. Each step runs under
+# `timeout -k` (harpe train traps SIGTERM for its checkpoint; -k ends it anyway).
+#
+# One budget, in priority order: HARPE_GPU_CHECK_BUDGET seconds (default 420; the step limits of each half
+# sum to no more, `steps` prints them), each step's limit cut to what is left, a step that no longer fits
+# recorded as SKIPPED. First run: preflight (<= 20 s: nvidia-smi, ldd with anything "not found" named,
+# harpe --version, the devices and free memory harpe sees, torch's version and SDPA backends; a failure
+# here ends the run), `selftest --rounds 1`, tiny GPU-vs-CPU training parity (20 f32 steps, 1e-4),
+# `bench attention` at 8K and 32K with PyTorch SDPA beside it, the decoder-layer bench at 4K with torch
+# beside it, NCCL with one process vs the single-process run (ZeRO-0 and ZeRO-3, 1e-6), `harpe plan` vs
+# the measured device peak at 16K (3 steps; the run is stopped once its 3rd step is logged, before its
+# stage-end checkpoint, and its directory deleted). `--second`: the 7B training step at the largest T
+# that fits, attention at 128K, selftest's small cases under compute-sanitizer memcheck and racecheck,
+# 2 `Local` ranks sharing the GPU (ZeRO-3; Ulysses SP 2, 1e-5), plan vs measured at 32K.
+# Exit code 0 only when every step ran and passed; 1 otherwise (the report is complete either way).
+#
+# Environment: HARPE_GPU_CHECK_OUT, HARPE_GPU_CHECK_BUDGET, HARPE_GPU_CHECK_STEPS (comma-separated step
+# ids to run, the others left out: tests), HARPE_BIN (the harpe binary; default: gpu-bundle/harpe for
+# `run`, target/release/harpe or else target/debug/harpe for `rehearse`), HARPE_GPU_BUNDLE (default
+# gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for build (default 80: PTX for A100,
+# JIT-compiled on Hopper), HARPE_GPU_FEATURES for build (default nccl; nccl,flash-attn with
+# HARPE_GPU_BUNDLE=gpu-bundle-fa: the second bundle, README "Build for GPUs").
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+SELF="$ROOT/scripts/gpu-check.sh"
 BUNDLE="${HARPE_GPU_BUNDLE:-$ROOT/gpu-bundle}"
 PY="${PYTHON:-python3}"
 LIMIT=$((64 * 1024 * 1024))
+BUDGET="${HARPE_GPU_CHECK_BUDGET:-420}"
+ONLY="${HARPE_GPU_CHECK_STEPS:-}"
 
-die() { echo "gpu-check: $*" >&2; exit 1; }
+die() {
+  echo "gpu-check: $*" >&2
+  exit 1
+}
+
+# ---------------------------------------------------------------------------------------------- build
+
+# The shared libraries a harpe binary may need: glibc's, libgcc_s, libstdc++, and (CUDA builds) the
+# driver's libcuda and the CUDA/NCCL libraries NVIDIA's wheels ship (tests/tools/no_system_libs.rs: the CPU list).
+ALLOWED_LIBS='^(libc|libm|libpthread|libdl|librt|libutil)\.so\.[0-9]+$|^ld-linux[-a-z0-9_.]*\.so\.[0-9]+$|^libgcc_s\.so\.1$|^libstdc\+\+\.so\.6$|^lib(cuda|cudart|cublas|cublasLt|curand|nccl|nvrtc)\.so(\.[0-9]+)*$'
+
+needed() { # BIN: fail naming every NEEDED entry outside ALLOWED_LIBS
+  local bin="$1" libs extra
+  command -v readelf >/dev/null || die "readelf not found; hint: apt-get install binutils"
+  libs="$(readelf -d "$bin" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')" || die "readelf -d $bin failed"
+  echo "gpu-check: $bin needs: $(echo $libs)" >&2
+  extra="$(printf '%s\n' $libs | grep -Ev "$ALLOWED_LIBS")"
+  [ -z "$extra" ] || die "$bin needs libraries a GPU image need not have: $(echo $extra); hint: drop the crate feature that links them (cargo tree -e features -i <crate>)"
+}
+
+sizes() { # BUNDLE_DIR: print the sizes; fail when bundle + tracked tree exceed 64 MiB
+  local dir="$1" bundle tracked total
+  [ -d "$dir" ] || die "no bundle directory $dir; hint: run 'scripts/gpu-check.sh build' first"
+  bundle=$(find "$dir" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+  tracked=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 stat -c %s 2>/dev/null) | awk '{s += $1} END {print s + 0}')
+  total=$((bundle + tracked))
+  find "$dir" -type f -printf '  %-40f %12s bytes\n' >&2
+  printf 'gpu-check: bundle %d bytes (%.1f MiB) + tracked tree %d bytes (%.1f MiB) = %d bytes (%.1f MiB) of %.0f MiB\n' \
+    "$bundle" "$(awk "BEGIN {print $bundle / 1048576}")" "$tracked" "$(awk "BEGIN {print $tracked / 1048576}")" \
+    "$total" "$(awk "BEGIN {print $total / 1048576}")" "$(awk "BEGIN {print $LIMIT / 1048576}")" >&2
+  [ "$total" -le "$LIMIT" ] || die "bundle + tracked tree is $total bytes, over the $LIMIT-byte limit; hint: build with CUDA_COMPUTE_CAP=80 (PTX only, no per-arch SASS), or leave the torch scripts out"
+}
 
 build() {
   set -e
@@ -56,22 +95,365 @@ build() {
   echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
   strip -o "$BUNDLE/harpe" "$bin"
+  set +e
+  needed "$BUNDLE/harpe"
   cp scripts/bench_kernels_torch.py scripts/bench_attention_torch.py scripts/bench_model_torch.py "$BUNDLE/"
   git rev-parse HEAD >"$BUNDLE/COMMIT" 2>/dev/null || echo unknown >"$BUNDLE/COMMIT"
-  local size
-  size=$(du -sb "$BUNDLE" | cut -f1)
-  if [ "$size" -ge "$LIMIT" ]; then
-    command -v zstd >/dev/null || die "bundle is $size bytes (> 64 MiB) and zstd is not installed; hint: apt-get install zstd"
-    zstd -q -19 --rm "$BUNDLE/harpe" -o "$BUNDLE/harpe.zst"
-    size=$(du -sb "$BUNDLE" | cut -f1)
-    [ "$size" -lt "$LIMIT" ] || die "bundle is still $size bytes after zstd; hint: build with CUDA_COMPUTE_CAP=80 (no Hopper-only SASS)"
+  local raw
+  raw=$(stat -c %s "$BUNDLE/harpe")
+  # xz (or gzip): both unpack with Python's standard library (lzma, gzip) on a machine without the tools
+  if command -v xz >/dev/null; then
+    xz -9 -T0 "$BUNDLE/harpe" || die "xz failed"
+  else
+    gzip -9 "$BUNDLE/harpe" || die "gzip failed"
   fi
-  echo "gpu-check: $BUNDLE holds $(ls "$BUNDLE" | tr '\n' ' ')($size bytes); on the GPU machine run: scripts/gpu-check.sh run" >&2
+  echo "gpu-check: harpe $raw bytes stripped -> $(ls "$BUNDLE" | grep '^harpe\.') $(stat -c %s "$BUNDLE"/harpe.* ) bytes" >&2
+  sizes "$BUNDLE"
+  echo "gpu-check: $BUNDLE is ready; on the GPU machine run: HARPE_GPU_CHECK_OUT=<its output folder> scripts/gpu-check.sh run" >&2
+}
+
+# ------------------------------------------------------------------------------------ the run's steps
+
+MODE=gpu  # gpu | rehearse | dry (steps)
+HALF=first
+REPORT=/dev/null
+FAILED=0
+DEADLINE=0
+PLANNED=0
+SUMMARY=()
+WORK=""
+BIN=""
+
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+rehearse() { [ "$MODE" = rehearse ]; }
+put() { printf '%s\n' "$@" >>"$REPORT"; }
+
+# step ID NAME LIMIT CMD...: run CMD under `timeout -k`, its output streamed into the report; the section
+# is complete (exit code, wall time, verdict) as soon as the step ends. Returns 0 on PASS.
+step() {
+  local id="$1" name="$2" limit="$3"
+  shift 3
+  want "$id" || return 0
+  if [ "$MODE" = dry ]; then
+    PLANNED=$((PLANNED + limit))
+    printf '%-16s %4d s  %s\n' "$id" "$limit" "$name"
+    return 0
+  fi
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 5 ]; then
+    FAILED=1
+    put "" "## $name" "" "**SKIPPED**: the run's budget (HARPE_GPU_CHECK_BUDGET=$BUDGET s) was spent."
+    SUMMARY+=("| $id | $name | SKIPPED | - | - |")
+    echo "gpu-check: $name: SKIPPED (budget spent)" >&2
+    return 1
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  local shown="" arg
+  for arg in "$@"; do
+    case "$arg" in *$'\n'*) shown+=" <inline script>" ;; *) shown+=" $arg" ;; esac
+  done
+  put "" "## $name" "" "\`${shown# }\` (limit $limit s)" "" '```'
+  local t0=$SECONDS rc verdict=PASS
+  timeout -k 10 "$limit" "$@" >>"$REPORT" 2>&1 </dev/null
+  rc=$?
+  local wall=$((SECONDS - t0))
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    verdict=TIMEOUT
+  elif [ $rc -ne 0 ]; then
+    verdict=FAIL
+  fi
+  put "" '```' "" "exit code $rc, $wall s (limit $limit s): **$verdict**"
+  SUMMARY+=("| $id | $name | $verdict | $rc | $wall |")
+  echo "gpu-check: $name: $verdict (exit $rc, $wall s)" >&2
+  [ "$verdict" = PASS ] || { FAILED=1; return 1; }
+}
+
+# A note in the report (what a rehearsal stands in for, what was left out).
+note() { [ "$MODE" = dry ] || put "" "> $*"; }
+
+# Internal helpers, run under `timeout` through "$SELF" _NAME (timeout cannot run a shell function).
+_ldd() { # BIN: ldd, failing with the missing libraries named
+  ldd "$1" || exit 1
+  local missing
+  missing="$(ldd "$1" | awk '/not found/ {print $1}')"
+  [ -z "$missing" ] || { echo "MISSING: $(echo $missing) (hint: put their directories on LD_LIBRARY_PATH)"; exit 1; }
+}
+
+_torch() { # torch's version, CUDA, device and SDPA backends; a note (exit 0) when torch does not import
+  "$PY" - <<'PYEOF'
+try:
+    import torch
+except Exception as e:  # noqa: BLE001 - any import failure is the answer
+    print("torch does not import (%s: %s): the torch columns stay empty" % (type(e).__name__, e))
+    raise SystemExit(0)
+print("torch", torch.__version__, "built for CUDA", torch.version.cuda, "cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    free, total = torch.cuda.mem_get_info()
+    print("device 0:", torch.cuda.get_device_name(0), "%.1f GiB free of %.1f GiB" % (free / 2**30, total / 2**30))
+b = torch.backends.cuda
+for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled", "math_sdp_enabled", "is_flash_attention_available"):
+    f = getattr(b, name, None)
+    print("  %-30s %s" % (name, f() if f else "n/a in this torch"))
+PYEOF
+}
+
+_to_file() { # FILE CMD...: CMD's stdout into FILE (stderr to the report)
+  local f="$1"
+  shift
+  "$@" >"$f"
+}
+
+_train_until() { # N DIR CMD...: run a training CMD writing DIR until N steps are logged, then stop it
+  local n="$1" metrics="$2/metrics.jsonl" pid rc
+  shift 2
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ -f "$metrics" ] && [ "$(grep -c '"grad_norm"' "$metrics")" -ge "$n" ]; then
+      # the measurement is in; the stage-end checkpoint (~15 GB at the 7B shape) is not wanted
+      echo "gpu-check: $n steps logged; stopping the run before its checkpoint (SIGKILL)"
+      kill -9 "$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      exit 0
+    fi
+    sleep 0.5
+  done
+  wait "$pid"
+  rc=$?
+  [ $rc -eq 0 ] || exit $rc
+  [ "$(grep -c '"grad_norm"' "$metrics" 2>/dev/null)" -ge "$n" ] || { echo "only $(grep -c '"grad_norm"' "$metrics" 2>/dev/null) of $n steps logged"; exit 1; }
+}
+
+# Compares the per-step losses of two metrics.jsonl files: argv = reference, candidate, steps, tolerance.
+PARITY_PY='
+import json, sys
+def losses(p):
+    with open(p) as f:
+        recs = [json.loads(l) for l in f if l.strip()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r and "grad_norm" in r}
+ref, cand = losses(sys.argv[1]), losses(sys.argv[2])
+steps, tol = int(sys.argv[3]), float(sys.argv[4])
+worst = 0.0
+print("step  reference    candidate    rel diff")
+for s in sorted(ref):
+    if s in cand:
+        rel = abs(ref[s] - cand[s]) / max(abs(ref[s]), 1e-12)
+        worst = max(worst, rel)
+        print("%4d  %.8f  %.8f  %.2e" % (s, ref[s], cand[s], rel))
+ok = len(ref) == steps and sorted(ref) == sorted(cand) and worst <= tol
+print("%d / %d steps, max relative difference %.3e (bound %.0e): %s" % (len(ref), len(cand), worst, tol, "PASS" if ok else "FAIL"))
+sys.exit(0 if ok else 1)
+'
+
+# harpe plan vs the measured peak: argv = plan JSON, metrics.jsonl, "gpu" | "rehearse". A rehearsal (CPU:
+# no device peak) prints the host RSS peak beside the plan and does not judge the ratio.
+PLAN_PY='
+import json, sys
+plan = json.load(open(sys.argv[1]))
+with open(sys.argv[2]) as f:
+    recs = [json.loads(l) for l in f if l.strip() and "grad_norm" in l]
+rehearse = sys.argv[3] == "rehearse"
+key = "step_peak_bytes" if rehearse else "device_peak_bytes"
+peaks = [r.get(key) for r in recs if r.get(key)]
+if not peaks:
+    sys.exit("no %s in %s" % (key, sys.argv[2]))
+gib = 1 << 30
+fixed = plan["terms"].get("fixed_overhead", 0)
+measured, planned = max(peaks), plan["total_bytes"]
+print("terms (GiB): " + ", ".join("%s %.3f" % (k, v / gib) for k, v in plan["terms"].items()))
+print("planned %.3f GiB (%.3f without the fixed overhead, which the allocator peak does not see); measured %s %.3f GiB" % (planned / gib, (planned - fixed) / gib, key, measured / gib))
+ratio = measured / max(planned - fixed, 1)
+print("measured / planned-without-overhead = %.3f (goal: within 15%%)" % ratio)
+if rehearse:
+    print("rehearsal: the CPU has no device peak; the host RSS is not what the plan sizes, so the ratio is not judged")
+    sys.exit(0)
+sys.exit(0 if abs(ratio - 1) <= 0.15 else 1)
+'
+
+TINY=(train --config configs/tiny-cpu.toml --set 'train.dtype="f32"' --set log.progress=false --set log.plot=false --steps 20)
+
+# The device of the "GPU" runs: cuda, or the CPU in a rehearsal.
+gpu_dev() { if rehearse; then echo '"cpu"'; else echo '"cuda"'; fi; }
+
+preflight() {
+  if rehearse; then
+    note "rehearsal on $(hostname): no GPU; the host stands in for nvidia-smi"
+    step preflight "preflight: host (rehearsal)" 4 sh -c 'nproc; free -m; uname -sr'
+  else
+    step preflight "preflight: nvidia-smi" 4 nvidia-smi --query-gpu=index,name,driver_version,compute_cap,memory.total,memory.used,memory.free --format=csv
+  fi
+  step preflight "preflight: shared libraries (ldd)" 3 "$SELF" _ldd "$BIN"
+  step preflight "preflight: harpe --version" 3 "$BIN" --version
+  step preflight "preflight: devices harpe sees" 5 "$BIN" selftest --devices
+  step preflight "preflight: torch and its SDPA backends" 5 "$SELF" _torch
+}
+
+selftest_step() {
+  if rehearse; then
+    step selftest "selftest (emulated kernels, 1 round)" 90 "$BIN" selftest --target emulated --seed "$SEED" --rounds 1
+  else
+    step selftest "selftest (every kernel vs its reference, 1 round)" 90 "$BIN" selftest --target cuda --seed "$SEED" --rounds 1
+  fi
+}
+
+# The tiny config trained 20 f32 steps on the GPU (device-resident state, harpe's kernels) and on the CPU
+# by the same binary; the losses must agree to 1e-4 relative at every step (issue 10's parity target).
+parity() {
+  local d="$WORK/parity"
+  rehearse && note "rehearsal: the \"GPU\" run is a second CPU run (the comparison code is what is rehearsed)"
+  step parity "tiny config on the GPU (20 f32 steps)" 30 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" --out "$d/gpu"
+  step parity "tiny config on the CPU (20 f32 steps)" 20 "$BIN" "${TINY[@]}" --set 'train.device="cpu"' --out "$d/cpu"
+  step parity "tiny config: GPU vs CPU losses (1e-4 relative)" 5 "$PY" -c "$PARITY_PY" "$d/cpu/metrics.jsonl" "$d/gpu/metrics.jsonl" 20 1e-4
+}
+
+attention() { # T list
+  if rehearse; then
+    note "rehearsal: \`harpe bench attention\` is CUDA-only; the CPU decoder layer (its attention included) stands in"
+    step "$1" "bench attention at T = $2 (rehearsal: CPU decoder layer)" "$3" "$BIN" bench model --model-rows layer --device cpu --iters 2
+  else
+    step "$1" "bench attention at T = $2 (PyTorch SDPA beside it)" "$3" "$BIN" bench attention --attn-tokens "$2" --attn-seconds 0.5
+  fi
+}
+
+layer() {
+  if rehearse; then
+    step layer "bench model: decoder layer (rehearsal: CPU, T 128)" 45 "$BIN" bench model --model-rows layer --device cpu --iters 2
+  else
+    step layer "bench model: Llama-2-7B decoder layer at T = 4096 (torch beside it)" 45 "$BIN" bench model --model-rows layer --model-tokens 4096
+  fi
+}
+
+# issue 12: NCCL with one process equals the single-process run (ZeRO-0: all-reduce; ZeRO-3: per-layer
+# all-gather-v and reduce-scatter-v on device buffers). A rehearsal runs the Local backend with one rank.
+nccl() {
+  local d="$WORK/nccl" z backend=(--set 'dist.backend="nccl"' --nproc-per-node 1)
+  rehearse && backend=(--set 'dist.backend="local"' --set dist.world_size=1)
+  rehearse && note "rehearsal: the Local backend with one rank stands in for NCCL with one process"
+  step nccl "tiny config, single process (the reference)" 10 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" --out "$d/single"
+  for z in 0 3; do
+    step nccl "tiny config over NCCL, 1 process, ZeRO-$z" 15 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" \
+      "${backend[@]}" --set "dist.zero_stage=$z" --out "$d/nccl$z"
+    step nccl "tiny config: NCCL ZeRO-$z vs single process (1e-6 relative)" 5 "$PY" -c "$PARITY_PY" \
+      "$d/single/metrics.jsonl" "$d/nccl$z/metrics.jsonl" 20 1e-6
+  done
+}
+
+# Issue 13: harpe plan vs the measured peak for the Llama-2-7B-shaped stack (configs/gpu-plan-check.toml),
+# 3 bf16 steps, stopped before its checkpoint; a rehearsal plans and runs the tiny config on the CPU.
+plan_vs_measured() { # ID T
+  local id="$1" t="$2" d="$WORK/plan$2" cfg=configs/gpu-plan-check.toml
+  local sets=(--set "stage.0.seq_len=$t" --set "train.global_batch_tokens=$t") gpu=(--gpu h200)
+  if rehearse; then
+    cfg=configs/tiny-cpu.toml
+    sets=(--set 'train.dtype="f32"' --set log.progress=false --set log.plot=false)
+    gpu=()
+    note "rehearsal: the tiny config on the CPU (a CPU plan) stands in for the 7B-shaped stack at T = $t"
+  fi
+  step "$id" "harpe plan at T = $t" 10 "$SELF" _to_file "$d.json" "$BIN" plan --config "$cfg" --gpus 1 "${gpu[@]}" --json "${sets[@]}"
+  step "$id" "train at T = $t (3 steps, stopped before the checkpoint)" 50 "$SELF" _train_until 3 "$d" "$BIN" train --config "$cfg" "${sets[@]}" --out "$d"
+  step "$id" "plan vs measured at T = $t" 5 "$PY" -c "$PLAN_PY" "$d.json" "$d/metrics.jsonl" "$MODE"
+  [ "$MODE" = dry ] || rm -rf "$d"
+}
+
+sanitizer() {
+  if rehearse; then
+    note "rehearsal: no compute-sanitizer; the same small selftest runs on the emulated kernels"
+    export HARPE_SELFTEST_SMALL=1
+    step sanitizer "selftest small cases (rehearsal: emulated, for memcheck)" 45 "$BIN" selftest --target emulated --seed "$SEED" --rounds 1
+    step sanitizer "selftest small cases (rehearsal: nothing, for racecheck)" 45 true
+    unset HARPE_SELFTEST_SMALL
+  elif command -v compute-sanitizer >/dev/null || [ "$MODE" = dry ]; then
+    # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers
+    export HARPE_SELFTEST_SMALL=1
+    step sanitizer "selftest under compute-sanitizer memcheck" 45 compute-sanitizer --tool memcheck --error-exitcode 1 "$BIN" selftest --target cuda --seed "$SEED" --rounds 1
+    step sanitizer "selftest under compute-sanitizer racecheck" 45 compute-sanitizer --tool racecheck --error-exitcode 1 "$BIN" selftest --target cuda --seed "$SEED" --rounds 1
+    unset HARPE_SELFTEST_SMALL
+  else
+    FAILED=1
+    put "" "## compute-sanitizer" "" "**NOT RUN**: compute-sanitizer is not installed on this machine (memcheck/racecheck)."
+    SUMMARY+=("| sanitizer | compute-sanitizer memcheck/racecheck | NOT RUN | - | - |")
+  fi
+}
+
+# 2 Local rank threads sharing one GPU (ZeRO-3; Ulysses SP 2) equal one rank to 1e-5.
+local_ranks() {
+  local d="$WORK/local" name sets
+  step local "tiny config, 1 rank (the reference)" 10 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" --out "$d/one"
+  for name in zero3 sp2; do
+    sets=(--set 'dist.zero_stage=3')
+    [ "$name" = sp2 ] && sets=(--set 'dist.sp_degree=2' --set 'dist.zero_stage=1')
+    step local "tiny config, 2 Local ranks on one device ($name)" 20 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" \
+      --set 'dist.backend="local"' --set 'dist.world_size=2' "${sets[@]}" --out "$d/$name"
+    step local "tiny config: 2 Local ranks ($name) vs 1 rank (1e-5 relative)" 5 "$PY" -c "$PARITY_PY" \
+      "$d/one/metrics.jsonl" "$d/$name/metrics.jsonl" 20 1e-5
+  done
+}
+
+step7b() {
+  if rehearse; then
+    step step7b "bench model: training step (rehearsal: CPU, 2 layers)" 115 "$BIN" bench model --model-rows step --device cpu --iters 2
+  else
+    # ~20 s of random init (6.7B parameters), 1 warm-up + 2 steps at the largest T that fits, then torch's
+    step step7b "bench model: Llama-2-7B training step at the largest T (torch beside it)" 115 "$BIN" bench model --model-rows step
+  fi
+}
+
+first_half() {
+  preflight
+  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
+    put "" "**The preflight failed: the run stops here** (the sections above say why)."
+    return
+  fi
+  selftest_step
+  parity
+  attention attention 8192,32768 60
+  layer
+  nccl
+  plan_vs_measured plan 16384
+}
+
+second_half() {
+  preflight
+  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
+    put "" "**The preflight failed: the run stops here** (the sections above say why)."
+    return
+  fi
+  step7b
+  attention attention-128k 131072 70
+  sanitizer
+  local_ranks
+  plan_vs_measured plan-32k 32768
+}
+
+# The harpe binary: HARPE_BIN, else the bundle's (unpacked with Python's lzma/gzip when compressed), else
+# (rehearsal) the CPU build in target/.
+find_bin() {
+  if [ -n "${HARPE_BIN:-}" ]; then
+    BIN="$HARPE_BIN"
+  elif rehearse; then
+    BIN="$ROOT/target/release/harpe"
+    [ -x "$BIN" ] || BIN="$ROOT/target/debug/harpe"
+    [ -x "$BIN" ] || die "no harpe binary in target/; hint: cargo build --release (or set HARPE_BIN)"
+  else
+    [ -d "$BUNDLE" ] || die "no bundle at $BUNDLE; hint: run 'scripts/gpu-check.sh build' on the build machine and copy gpu-bundle/ here"
+    BIN="$BUNDLE/harpe"
+    local packed
+    for packed in "$BUNDLE/harpe.xz" "$BUNDLE/harpe.gz"; do
+      if [ ! -x "$BIN" ] && [ -f "$packed" ]; then
+        "$PY" -c 'import sys, shutil, lzma, gzip
+op = lzma.open if sys.argv[1].endswith(".xz") else gzip.open
+with op(sys.argv[1]) as f, open(sys.argv[2], "wb") as g:
+    shutil.copyfileobj(f, g)' "$packed" "$BIN" && chmod +x "$BIN" || die "cannot unpack $packed with $PY"
+      fi
+    done
+  fi
+  [ -x "$BIN" ] || die "$BIN missing or not executable"
+  case "$BIN" in /*) ;; *) BIN="$PWD/$BIN" ;; esac
 }
 
 # site-packages dirs of python3 that hold nvidia/cu13/lib (CUDA 13 wheels) and nvidia/nccl/lib.
 nvidia_libs() {
-  "$PY" - <<'PYEOF'
+  "$PY" - <<'PYEOF' 2>/dev/null
 import os, site, sys
 dirs = []
 for p in list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path:
@@ -83,179 +465,82 @@ print(":".join(dirs))
 PYEOF
 }
 
-REPORT=""
-FAILED=0
-
-# Compares the per-step losses of two metrics.jsonl files: argv = CPU file, GPU file, steps, tolerance.
-PARITY_PY='
-import json, sys
-def losses(p):
-    with open(p) as f:
-        recs = [json.loads(l) for l in f if l.strip()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r and "grad_norm" in r}
-cpu, gpu = losses(sys.argv[1]), losses(sys.argv[2])
-steps, tol = int(sys.argv[3]), float(sys.argv[4])
-worst = 0.0
-print("step  cpu loss     gpu loss     rel diff")
-for s in sorted(cpu):
-    if s in gpu:
-        rel = abs(cpu[s] - gpu[s]) / max(abs(cpu[s]), 1e-12)
-        worst = max(worst, rel)
-        print("%4d  %.8f  %.8f  %.2e" % (s, cpu[s], gpu[s], rel))
-ok = len(cpu) == steps and sorted(cpu) == sorted(gpu) and worst <= tol
-print("%d cpu / %d gpu steps, max relative difference %.3e (bound %.0e): %s" % (len(cpu), len(gpu), worst, tol, "PASS" if ok else "FAIL"))
-sys.exit(0 if ok else 1)
-'
-
-# The tiny config trained 20 f32 steps on the GPU (device-resident state, harpe's kernels) and on the CPU
-# by the same binary; the losses must agree to 1e-4 relative at every step (issue 10's parity target).
-train_parity() {
-  local bin="$1" dir steps=20
-  dir="$(mktemp -d)"
-  local common=(train --config configs/tiny-cpu.toml --set 'train.dtype="f32"' --set log.progress=false --steps "$steps")
-  step "tiny config on the GPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' --out "$dir/cuda"
-  step "tiny config on the CPU ($steps f32 steps)" 120 "$bin" "${common[@]}" --set 'train.device="cpu"' --out "$dir/cpu"
-  step "tiny config: GPU vs CPU losses (1e-4 relative)" 30 "$PY" -c "$PARITY_PY" "$dir/cpu/metrics.jsonl" "$dir/cuda/metrics.jsonl" "$steps" 1e-4
-  # issue 12: NCCL with world size 1 equals Single (ZeRO-0: all-reduce; ZeRO-3: per-layer all-gather-v and
-  # reduce-scatter-v, the grouped broadcasts/reduces, on device buffers)
-  local z
-  for z in 0 3; do
-    step "tiny config over NCCL, 1 process, ZeRO-$z" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' \
-      --set 'dist.backend="nccl"' --set "dist.zero_stage=$z" --nproc-per-node 1 --out "$dir/nccl$z"
-    step "tiny config: NCCL ZeRO-$z vs single-process GPU losses (1e-6 relative)" 30 "$PY" -c "$PARITY_PY" \
-      "$dir/cuda/metrics.jsonl" "$dir/nccl$z/metrics.jsonl" "$steps" 1e-6
-  done
-  # Local: 2 rank threads sharing this GPU (ZeRO-3; and Ulysses SP 2) equal one rank (exchanges via the host)
-  local name sets
-  for name in zero3 sp2; do
-    sets=(--set 'dist.zero_stage=3')
-    [ "$name" = sp2 ] && sets=(--set 'dist.sp_degree=2' --set 'dist.zero_stage=1')
-    step "tiny config, 2 Local ranks on one GPU ($name)" 120 "$bin" "${common[@]}" --set 'train.device="cuda"' \
-      --set 'dist.backend="local"' --set 'dist.world_size=2' "${sets[@]}" --out "$dir/local_$name"
-    step "tiny config: 2 Local ranks ($name) vs 1 rank on the GPU (1e-5 relative)" 30 "$PY" -c "$PARITY_PY" \
-      "$dir/cuda/metrics.jsonl" "$dir/local_$name/metrics.jsonl" "$steps" 1e-5
-  done
-}
-
-# Compares harpe plan's per-GPU total with the measured device peaks: argv = plan JSON, metrics.jsonl.
-PLAN_PY='
-import json, sys
-plan = json.load(open(sys.argv[1]))
-with open(sys.argv[2]) as f:
-    peaks = [json.loads(l).get("device_peak_bytes") for l in f if l.strip() and "loss" in l]
-peaks = [p for p in peaks if p]
-if not peaks:
-    sys.exit("no device_peak_bytes in " + sys.argv[2])
-gib = 1 << 30
-fixed = plan["terms"].get("fixed_overhead", 0)
-measured, planned = max(peaks), plan["total_bytes"]
-print("terms (GiB): " + ", ".join("%s %.2f" % (k, v / gib) for k, v in plan["terms"].items()))
-print("planned %.2f GiB (%.2f without the fixed overhead, which the allocator peak does not see); measured peak %.2f GiB" % (planned / gib, (planned - fixed) / gib, measured / gib))
-ratio = measured / (planned - fixed)
-print("measured / planned-without-overhead = %.3f (goal: within 15%%)" % ratio)
-sys.exit(0 if abs(ratio - 1) <= 0.15 else 1)
-'
-
-# Issue 13: harpe plan vs the measured peak for a Llama-2-7B-shaped layer stack (configs/gpu-plan-check.toml)
-# at 16K and 32K tokens, 3 bf16 steps each on this GPU.
-plan_vs_measured() { # BIN
-  local bin="$1" dir t
-  dir="$(mktemp -d)"
-  for t in 16384 32768; do
-    local sets=(--set "stage.0.seq_len=$t" --set "train.global_batch_tokens=$t")
-    # the plan is host arithmetic (no GPU): its JSON goes to a file, its errors show in the comparison step
-    timeout 30 "$bin" plan --config configs/gpu-plan-check.toml --gpus 1 --gpu h200 --json "${sets[@]}" >"$dir/plan$t.json" 2>&1
-    step "train the 7B-shaped stack at T=$t (3 bf16 steps)" 150 "$bin" train --config configs/gpu-plan-check.toml "${sets[@]}" --out "$dir/run$t"
-    step "plan vs measured at T=$t" 20 "$PY" -c "$PLAN_PY" "$dir/plan$t.json" "$dir/run$t/metrics.jsonl"
-  done
-}
-
-# Issue 11 (flash attention): the attention benchmark, one step of its own (selftest's attention rows run in
-# the selftest step). Budget: 18 rows of about 3 x 2 s each plus PyTorch's 54 (the 128K rows dominate).
-attention_steps() { # BIN
-  step "bench attention" 420 "$1" bench attention --attn-seconds 1
-}
-# The whole run shares one time budget (HARPE_GPU_CHECK_BUDGET seconds, default 450: GPU time is lent in
-# minutes, and one rerun must fit): each step's limit is cut to what is left, and a step that would get
-# under 15 s is recorded as skipped (and counts as a failure), never silently dropped.
-DEADLINE=0
-step() { # NAME TIMEOUT CMD... : run, record output and exit code in the report
-  local name="$1" limit="$2"
-  shift 2
-  local left=$((DEADLINE - SECONDS))
-  if [ "$left" -lt 15 ]; then
-    FAILED=1
-    echo "== $name: skipped (time budget spent)" >&2
-    REPORT+=$'\n'"## $name"$'\n\n'"skipped: the run's time budget (HARPE_GPU_CHECK_BUDGET=${HARPE_GPU_CHECK_BUDGET:-450} s) was spent"$'\n'
-    return
-  fi
-  [ "$limit" -le "$left" ] || limit=$left
-  local t0=$SECONDS out rc
-  out="$(timeout "$limit" "$@" 2>&1)"
-  rc=$?
-  [ $rc -eq 0 ] || FAILED=1
-  echo "== $name: exit $rc in $((SECONDS - t0)) s" >&2
-  REPORT+=$'\n'"## $name"$'\n\n'"\`$*\` — exit code $rc, $((SECONDS - t0)) s (limit $limit s)"$'\n\n```\n'"$(printf '%s' "$out" | tail -n 80)"$'\n```\n'
-}
-
 run() {
   cd "$ROOT"
-  [ -d "$BUNDLE" ] || die "no bundle at $BUNDLE; hint: run 'scripts/gpu-check.sh build' on the build machine and copy gpu-bundle/ here"
-  local bin="$BUNDLE/harpe"
-  if [ ! -x "$bin" ] && [ -f "$BUNDLE/harpe.zst" ]; then
-    command -v zstd >/dev/null || die "harpe.zst needs zstd to unpack; hint: apt-get install zstd, or rebuild the bundle uncompressed"
-    zstd -q -d "$BUNDLE/harpe.zst" -o "$BUNDLE/harpe" && chmod +x "$bin"
+  if [ "$MODE" = dry ]; then
+    SEED=0 BIN=harpe WORK=/nonexistent
+    if [ "$HALF" = second ]; then second_half; else first_half; fi
+    echo "total of the step limits: $PLANNED s (budget $BUDGET s)"
+    [ "$PLANNED" -le "$BUDGET" ] || die "the step limits ($PLANNED s) exceed the budget ($BUDGET s)"
+    return 0
   fi
-  [ -x "$bin" ] || die "$bin missing"
-  command -v nvidia-smi >/dev/null || die "nvidia-smi not found: no NVIDIA driver on this machine"
-  local libs
-  libs="$(nvidia_libs)" || die "$PY failed; hint: set PYTHON to the python3 of the environment that has torch / the nvidia-*-cu13 wheels"
-  [ -n "$libs" ] || die "no site-packages/nvidia/cu13/lib in $PY's environment; hint: pip install nvidia-cuda-runtime nvidia-cublas nvidia-curand nvidia-nccl-cu13 (or torch built for cu13x)"
-  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  local gpu driver cap
-  IFS=',' read -r gpu driver cap < <(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -n 1)
-  local slug
-  slug="$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia//; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
-  local out="benches/results/gpu_${slug}_$(date +%Y%m).md"
-  local seed=$(( $(date +%s) % 100000 ))
-  DEADLINE=$((SECONDS + ${HARPE_GPU_CHECK_BUDGET:-450}))
-  # most important first: kernels vs CPU references, GPU training vs CPU, the plan, then speed, then the
-  # sanitizers (slowest per finding)
-  # 300 s: the attention rows' T = 4096 + 37 case checks against the CPU reference and the naive bf16 bound
-  step "selftest" 300 "$bin" selftest --target cuda --seed "$seed" --rounds 3
-  train_parity "$bin"
-  plan_vs_measured "$bin"
-  step "bench" 180 "$bin" bench
-  step "bench model" 120 "$bin" bench model --model-rows layer
-  # the 7B step: ~20 s of random init (6.7B parameters), 3 steps at T ~ 32K on an H200, then torch's 3
-  step "bench model (7B train step)" 180 "$bin" bench model --model-rows step
-  # issue 12: the collectives over NCCL, one process (what one GPU's NCCL path costs; on an 8-GPU node
-  # `bench comms --nproc-per-node 8` gives the bus bandwidth to compare with NVLink)
-  step "bench comms (NCCL, 1 process)" 60 "$bin" bench comms --nproc-per-node 1 --comm-mib 1,64,512
-  attention_steps "$bin"
-  if command -v compute-sanitizer >/dev/null; then
-    # HARPE_SELFTEST_SMALL: no T = 4096 + 37 attention case under the (10-100x slower) sanitizers
-    export HARPE_SELFTEST_SMALL=1
-    step "selftest under compute-sanitizer memcheck" 100 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin" selftest --target cuda --seed "$seed" --rounds 1
-    step "selftest under compute-sanitizer racecheck" 100 compute-sanitizer --tool racecheck --error-exitcode 1 "$bin" selftest --target cuda --seed "$seed" --rounds 1
-    unset HARPE_SELFTEST_SMALL
+  find_bin
+  local out_dir slug gpu="cpu" driver="-" cap="-"
+  if rehearse; then
+    out_dir="${HARPE_GPU_CHECK_OUT:-$ROOT/target/gpu-check-rehearse}"
+    slug="rehearse-cpu"
   else
-    REPORT+=$'\n'"## compute-sanitizer"$'\n\n'"not installed on this machine: memcheck/racecheck skipped."$'\n'
+    out_dir="${HARPE_GPU_CHECK_OUT:-$ROOT/benches/results}"
+    local libs
+    libs="$(nvidia_libs)"
+    [ -n "$libs" ] && export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    if command -v nvidia-smi >/dev/null; then
+      IFS=',' read -r gpu driver cap < <(timeout 5 nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -n 1)
+    else
+      gpu="no-nvidia-smi"
+    fi
+    slug="gpu-check_$(echo "$gpu" | tr 'A-Z' 'a-z' | sed -E 's/nvidia//; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')"
   fi
+  mkdir -p "$out_dir" || die "cannot create $out_dir"
+  local base="$out_dir/${slug}_$(date +%Y%m)" n=1
+  [ "$HALF" = second ] && base="${base}_second"
+  REPORT="$base.md"
+  while [ -e "$REPORT" ]; do n=$((n + 1)) && REPORT="$base-$n.md"; done
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")" || die "mktemp failed"
+  trap 'rm -rf "$WORK"' EXIT
+  SEED=$(($(date +%s) % 100000))
+  echo "gpu-check: writing $REPORT" >&2
   {
-    echo "# harpe on $gpu (driver $driver, compute capability $cap), $(date -u +%Y-%m-%d)"
+    echo "# harpe gpu-check ($MODE, $HALF half) on $gpu (driver $driver, compute capability $cap), $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo
-    echo "Written by \`scripts/gpu-check.sh run\` from bundle commit $(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown);"
-    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH. Each section is one command with its exit code and the last 80 lines"
-    echo "of its output."
-    echo "$REPORT"
-  } >"$out"
-  echo "gpu-check: wrote $out (any step failed: $FAILED)" >&2
-  exit $FAILED
+    echo "Written by \`scripts/gpu-check.sh ${ARGS[*]}\` from commit $(cat "$BUNDLE/COMMIT" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "with $BIN; budget $BUDGET s; seed $SEED; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}."
+    echo "Each section: the command, its output as it ran, its exit code, wall time and verdict."
+  } >>"$REPORT"
+  DEADLINE=$((SECONDS + BUDGET))
+  if [ "$HALF" = second ]; then second_half; else first_half; fi
+  {
+    echo
+    echo "## Summary"
+    echo
+    echo "| step | section | verdict | exit | s |"
+    echo "|---|---|---|---|---|"
+    printf '%s\n' "${SUMMARY[@]}"
+    echo
+    echo "Run exit code: $FAILED (0 only when every step ran and passed); $SECONDS s in all."
+  } >>"$REPORT"
+  echo "gpu-check: wrote $REPORT (exit $FAILED)" >&2
+  exit "$FAILED"
 }
 
+ARGS=("$@")
 case "${1:-}" in
   build) build ;;
-  run) run ;;
-  *) echo "usage: $0 build|run   (see the header of this script)" >&2; exit 2 ;;
+  sizes) sizes "${2:-$BUNDLE}" ;;
+  run | rehearse | steps)
+    [ "$1" = rehearse ] && MODE=rehearse
+    [ "$1" = steps ] && MODE=dry
+    [ "${2:-}" = --second ] && HALF=second
+    [ -z "${2:-}" ] || [ "${2:-}" = --second ] || die "unknown option ${2}; hint: the only option is --second"
+    run
+    ;;
+  _ldd | _torch | _to_file | _train_until)
+    f="$1"
+    shift
+    "$f" "$@"
+    ;;
+  *)
+    echo "usage: $0 build | run [--second] | rehearse [--second] | steps [--second] | sizes [DIR]   (see the header)" >&2
+    exit 2
+    ;;
 esac

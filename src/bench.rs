@@ -139,6 +139,10 @@ pub struct BenchArgs {
     /// seconds of timed calls per attention row (at least one call after one warm-up)
     #[arg(long, default_value_t = 2.0)]
     pub attn_seconds: f64,
+    /// `attention`: the sequence lengths T of the rows (scripts/gpu-check.sh runs 8K and 32K first, 128K in
+    /// its second run)
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
+    pub attn_tokens: Vec<usize>,
     /// timed repetitions per kernel (after 3 warm-up runs)
     #[arg(long, default_value_t = 20)]
     pub iters: usize,

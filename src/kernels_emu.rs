@@ -11,6 +11,7 @@ use candle_core::{bail, Result};
 use half::bf16;
 
 pub mod attention;
+pub mod perturb;
 
 /// A launch shape: `grid` blocks of `block` threads (1-D; block a multiple of 32, at most 1024).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -403,6 +404,7 @@ pub fn rope<T: EmuFloat>(
             sin_sign,
         )
     };
+    perturb::scale("rope", &mut y, T::to_f32, T::from_f32);
     Ok(y)
 }
 
@@ -434,6 +436,7 @@ pub fn rms_norm_fwd<T: EmuFloat>(
             eps,
         )
     };
+    perturb::scale("rms_norm_fwd", &mut y, T::to_f32, T::from_f32);
     Ok((y, rstd))
 }
 
@@ -479,6 +482,7 @@ pub fn rms_norm_bwd<T: EmuFloat>(
         );
         T::RMS_DW(c32.div_ceil(dims.block).max(1), dims.block, 0, partial.as_ptr(), dw.as_mut_ptr(), dims.grid, c32);
     }
+    perturb::scale("rms_norm_bwd", &mut dx, T::to_f32, T::from_f32);
     Ok((dx, dw))
 }
 
@@ -538,6 +542,7 @@ pub fn cross_entropy<T: EmuFloat>(
         (None, true) => Some(buf),
         (None, false) => None,
     };
+    perturb::scale("cross_entropy", &mut nll, |x| x, |x| x);
     Ok(CeOut { nll, lse, dlogits })
 }
 

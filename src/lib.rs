@@ -24,6 +24,7 @@ pub mod flatbuf;
 pub mod grads;
 pub mod optim;
 pub mod comms;
+pub mod plot_font;
 pub mod plan;
 pub mod train;
 pub mod eval;

@@ -49,6 +49,7 @@ fn kilo(x: &f64) -> String {
 /// Draw `sets` (head order) into a PNG at `path`: waveform envelopes with peaks (▲) and valleys (●)
 /// on top, and below one row per head with its peak and valley distances over the grid.
 pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()> {
+    crate::plot_font::register()?;
     if sets.is_empty() {
         bail!("nothing to plot: the base set is empty\nhint: pass --heads N with N >= 1");
     }
@@ -83,7 +84,7 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     let mut chart = ChartBuilder::on(&top)
         .caption(
             format!("RoPE waveforms w_b(m) = (2/sqrt(d)) sum_j cos(m b^(-2j/d)), d = {}, {} bases", p.head_dim, n),
-            ("sans-serif", 22),
+            (crate::plot_font::FAMILY, 22),
         )
         .margin(12)
         .x_label_area_size(40)
@@ -110,7 +111,10 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     }
 
     let mut cov = ChartBuilder::on(&bottom)
-        .caption("coverage: peaks (red triangles) and valleys (blue dots) of each head's base", ("sans-serif", 20))
+        .caption(
+            "coverage: peaks (red triangles) and valleys (blue dots) of each head's base",
+            (crate::plot_font::FAMILY, 20),
+        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(110)

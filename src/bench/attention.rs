@@ -143,7 +143,7 @@ mod gpu {
         let name = ctx.name().unwrap_or_else(|_| "CUDA device 0".into());
         let peak = ctx.compute_capability().ok().and_then(peak_tflops);
         let (h, d) = (32usize, 128usize);
-        let tokens = [8192usize, 32768, 131072];
+        let tokens = args.attn_tokens.clone();
         let seconds = args.attn_seconds;
         let scale = 1.0 / (d as f32).sqrt();
         let mut rows = Vec::new();

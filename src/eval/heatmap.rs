@@ -51,6 +51,7 @@ pub fn color(v: f64) -> RGBColor {
 
 /// Render `h` to a PNG at `path`.
 pub fn draw(h: &Heatmap, path: &Path) -> Result<()> {
+    crate::plot_font::register()?;
     let rows = h.y_ticks.len().max(1);
     let cols = h.x_ticks.len().max(1);
     let (left, right, top, bottom) = (150i32, 130i32, 90i32, 110i32);
@@ -65,7 +66,7 @@ pub fn draw(h: &Heatmap, path: &Path) -> Result<()> {
     {
         let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
-        let font = |size: f64| ("sans-serif", size).into_font();
+        let font = |size: f64| (crate::plot_font::FAMILY, size).into_font();
         for (i, line) in h.title.lines().enumerate() {
             root.draw_text(
                 line,

@@ -417,11 +417,17 @@ pub fn csv_text(rep: &Report) -> Result<String> {
 }
 
 fn plot_err(path: &Path) -> impl Fn(&dyn std::fmt::Display) -> anyhow::Error + '_ {
-    move |e| anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display())
+    move |e| {
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
+    }
 }
 
 /// Loss against tokens seen, every run, one colour per arm.
 pub fn plot_curves(rep: &Report, path: &Path) -> Result<()> {
+    crate::plot_font::register()?;
     use plotters::prelude::*;
     let pts: Vec<&(f64, f64)> = rep.runs.iter().flat_map(|r| r.curve.iter()).collect();
     if pts.is_empty() {
@@ -435,7 +441,7 @@ pub fn plot_curves(rep: &Report, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (1000, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("training loss, all runs", ("sans-serif", 22))
+        .caption("training loss, all runs", (crate::plot_font::FAMILY, 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -461,6 +467,7 @@ pub fn plot_curves(rep: &Report, path: &Path) -> Result<()> {
 
 /// Score against length for one retrieval task: mean per arm with ± std bars.
 pub fn plot_task(rep: &Report, task: &str, lens: &[u64], path: &Path) -> Result<()> {
+    crate::plot_font::register()?;
     use plotters::prelude::*;
     let err = plot_err(path);
     let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
@@ -468,7 +475,7 @@ pub fn plot_task(rep: &Report, task: &str, lens: &[u64], path: &Path) -> Result<
     let xs: Vec<f64> = lens.iter().map(|&l| (l as f64).log2()).collect();
     let (x0, x1) = (xs[0] - 0.3, xs[xs.len() - 1] + 0.3);
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{task}: score by length (mean ± std over seeds)"), ("sans-serif", 22))
+        .caption(format!("{task}: score by length (mean ± std over seeds)"), (crate::plot_font::FAMILY, 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(50)

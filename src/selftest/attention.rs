@@ -1,19 +1,24 @@
 //! `harpe selftest` rows for flash attention (kernels/attention.cu, FMA and tensor-core tiles) and for the
-//! tensor-core fragment probe (kernels/mma_probe.cu), against the CPU reference
-//! (`ops::attention::{attention_fwd_cpu, attention_bwd_cpu}`), forward (O) and backward (dQ, dK, dV).
+//! tensor-core fragment probe (kernels/mma_probe.cu): forward (O and lse) and backward (dQ, dK, dV).
 //!
-//! Reference: flash-attention's tests (a bf16 bound of 2x the error of a naive implementation in the
-//! same type, here `naive16`, every intermediate rounded) and the issue's shapes: ragged T, GQA 1/4/8,
-//! D 64 and 128, Tq < Tk, a document mask (packed sequences, random document starts), and on a GPU
-//! T = 4096 + 37.
+//! Reference: flash-attention's tests and the issue's shapes: ragged T, GQA 1/4/8, D 64 and 128, Tq < Tk,
+//! a document mask (packed sequences, random document starts), and on a GPU T = 4096 + 37.
+//! f32 rows compare with the f32 CPU op (`ops::attention::{attention_fwd_cpu_doc, attention_bwd_cpu_doc}`,
+//! f32 tolerance); 16-bit rows with [`exact16`], dense attention in f64 from the kernel's own rounded
+//! inputs under the bound derived in `selftest`'s header: M is sum_j p_j |v_j| for O (the operands the
+//! tensor-core tiles round: P before P V, dS before dS K and dS^T Q, and P before P^T dO), M_f folds in
+//! each score's magnitude a_j = scale sum |q k_j|; L = Tq + Tk + D. lse (f32 in every case) gets its own
+//! row with the same f32 term. The backward's exact values start from the kernel's own forward outputs
+//! (O in the storage type, lse): the backward kernel is checked on what it is given, the forward by its
+//! own rows.
 //! The non-obvious decision: on CUDA the tensor-core rows go through `ops::attention` with autograd (what
-//! the model calls: the op's cuda_fwd, its packed O|lse layout and the backward op), the FMA rows
-//! through the launchers with the FMA tiles asked for by name; on the emulated target both through
-//! `kernels_emu::attention`. The probe's rows check the emulated mma/ldmatrix layouts against the
-//! hardware's when run on a GPU.
+//! the model calls: the op's cuda_fwd, its packed O|lse layout and the backward op; lse from one more
+//! launch of the same tiles), the FMA rows through the launchers with the FMA tiles asked for by name; on
+//! the emulated target both through `kernels_emu::attention`. The probe's rows check the emulated
+//! mma/ldmatrix layouts against the hardware's when run on a GPU.
 //! `HARPE_SELFTEST_SMALL` (set by scripts/gpu-check.sh around compute-sanitizer) drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
-use super::{as_dt, check, ragged, uniform, Check, Dt, Target};
+use super::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
 use crate::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
 use crate::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
 use anyhow::Result;
@@ -25,8 +30,14 @@ use rayon::prelude::*;
 /// Every attention row for one round.
 pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
     let mut out = Vec::new();
+    checks_each(target, r, &mut |cs: &[Check]| out.extend_from_slice(cs))?;
+    Ok(out)
+}
+
+/// `checks`, each case's rows handed to `sink` as soon as they are computed.
+pub fn checks_each(target: &Target, r: &mut ChaCha8Rng, sink: &mut dyn FnMut(&[Check])) -> Result<()> {
     for dt in [Dt::Bf16, Dt::F16] {
-        out.push(probe_check(target, dt, r)?);
+        sink(&[probe_check(target, dt, r)?]);
     }
     let big = matches!(target, Target::Cuda(_));
     for (dt, kernel) in [
@@ -43,11 +54,11 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
         let t = ragged(r, 1, if big { 1000 } else { 80 });
         let causal = r.random_bool(0.75);
         let dims = AttnDims { b: if big { r.random_range(1..3) } else { 1 }, h: hkv * rep, hkv, tq: t, tk: t, d };
-        out.extend(case(target, dt, kernel, dims, causal, None, r)?);
+        sink(&case(target, dt, kernel, dims, causal, None, r)?);
         // Tq < Tk: a decode step or a prefill chunk against a longer cache
         let tq = if r.random_bool(0.5) { 1 } else { ragged(r, 2, t.max(3)) };
         let dims_c = AttnDims { tq, tk: t + ragged(r, 1, if big { 100 } else { 40 }), ..dims };
-        out.extend(case(target, dt, kernel, dims_c, true, None, r)?);
+        sink(&case(target, dt, kernel, dims_c, true, None, r)?);
         // a document mask: packed sequences with 1-4 random document starts each
         let t = ragged(r, 2, if big { 1000 } else { 80 });
         let dims = AttnDims { tq: t, tk: t, ..dims };
@@ -55,23 +66,15 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
             (0..dims.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
         let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
         let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
-        out.extend(case(target, dt, kernel, dims, true, Some(docs.host()), r)?);
+        sink(&case(target, dt, kernel, dims, true, Some(docs.host()), r)?);
     }
     if big && std::env::var_os("HARPE_SELFTEST_SMALL").is_none() {
         // the long ragged case of the issue on the tensor-core tiles (skipped under compute-sanitizer)
-        // (two kv heads: the CPU reference's backward runs one task per kv head)
+        // (two kv heads: the references run one task per row, then one per key)
         let dims = AttnDims { b: 1, h: 2, hkv: 2, tq: 4096 + 37, tk: 4096 + 37, d: 128 };
-        out.extend(case(target, Dt::Bf16, AttnKernel::TensorCore, dims, true, None, r)?);
+        sink(&case(target, Dt::Bf16, AttnKernel::TensorCore, dims, true, None, r)?);
     }
-    Ok(out)
-}
-
-pub(super) fn round_fn(dt: Dt) -> fn(f32) -> f32 {
-    match dt {
-        Dt::F32 => |x| x,
-        Dt::Bf16 => |x| bf16::from_f32(x).to_f32(),
-        Dt::F16 => |x| f16::from_f32(x).to_f32(),
-    }
+    Ok(())
 }
 
 /// A (16x16) B (16x16) through kernels/mma_probe.cu's four fragment paths against the plain product.
@@ -94,7 +97,7 @@ fn probe_check(target: &Target, dt: Dt, r: &mut ChaCha8Rng) -> Result<Check> {
         }
     }
     // products of 16-bit values are exact in f32; only the f32 sums round
-    Ok(check("mma probe (4 paths)", "16x16x16".into(), dt, &got, &want, None, 1e-5))
+    Ok(check("mma probe (4 paths)", "16x16x16".into(), dt, &got, &want, 1e-5))
 }
 
 fn to_t<T: AttnFloat>(v: &[f32]) -> Vec<T> {
@@ -104,8 +107,8 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// One shape: O, dQ, dK, dV of the kernel against the CPU reference; `docs` a document mask (per key, the
-/// start of its document).
+/// One shape: O, lse, dQ, dK, dV of the kernel against the reference; `docs` a document mask (per key,
+/// the start of its document).
 fn case(
     target: &Target,
     dt: Dt,
@@ -129,10 +132,6 @@ fn case(
         },
         Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
     };
-    let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
-    let (dq_ref, dk_ref, dv_ref) =
-        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
-    let naive = (dt != Dt::F32).then(|| naive16(round_fn(dt), &q, &k, &v, &dout, dims, scale, causal, docs));
     let name = match kernel {
         AttnKernel::Fma => "attention fma",
         AttnKernel::TensorCore => "attention tc",
@@ -143,13 +142,27 @@ fn case(
         if causal { " causal" } else { "" },
         ndocs.map(|n| format!(" {n} docs")).unwrap_or_default()
     );
-    let parts = [("O", &got[0], &o_ref), ("dQ", &got[1], &dq_ref), ("dK", &got[2], &dk_ref), ("dV", &got[3], &dv_ref)];
-    Ok(parts
-        .into_iter()
-        .enumerate()
-        .map(|(i, (what, g, exact))| {
-            let nv = naive.as_ref().map(|n| &n[i][..]);
-            check(&format!("{name} {what}"), label.clone(), dt, g, exact, nv, 1e-5)
+    let what = ["O", "lse", "dQ", "dK", "dV"];
+    if dt == Dt::F32 {
+        let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
+        let (dq_ref, dk_ref, dv_ref) =
+            attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+        let refs = [&o_ref, &lse_ref, &dq_ref, &dk_ref, &dv_ref];
+        return Ok((0..5)
+            .map(|i| check(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], refs[i], 1e-5))
+            .collect());
+    }
+    let inp = Inputs { q: &q, k: &k, v: &v, dout: &dout, o: &got[0], lse: &got[1], dims, scale, causal, docs };
+    let exact = exact16(&inp);
+    let len = tq + tk + d;
+    let ops = (kernel == AttnKernel::TensorCore).then_some(dt);
+    Ok((0..5)
+        .map(|i| {
+            let bd = match i {
+                1 => Bound16 { out: Dt::F32, operands: None, len },
+                _ => Bound16 { out: dt, operands: ops, len },
+            };
+            check16(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], &exact[i], bd)
         })
         .collect())
 }
@@ -165,102 +178,176 @@ fn emu_run<T: AttnFloat>(
     scale: f32,
     causal: bool,
     docs: Option<&[u32]>,
-) -> Result<[Vec<f32>; 4]> {
+) -> Result<[Vec<f32>; 5]> {
     let (q, k, v, dout) = (to_t::<T>(q), to_t::<T>(k), to_t::<T>(v), to_t::<T>(dout));
-    let (o, (dq, dk, dv)) = match docs {
+    let (o, lse, (dq, dk, dv)) = match docs {
         Some(ds) => {
             let (o, lse) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, scale, ds)?;
             let g = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, ds)?;
-            (o, g)
+            (o, lse, g)
         }
         None => {
             let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, scale, causal)?;
             let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal)?;
-            (o, g)
+            (o, lse, g)
         }
     };
-    Ok([of_t(&o), of_t(&dq), of_t(&dk), of_t(&dv)])
+    Ok([of_t(&o), lse, of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
-/// One query row of `naive16`: (O_i, dQ_i, p_i, dS_i).
-type NaiveRow = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
-
-/// Dense attention with every intermediate rounded by `rd` (the naive 16-bit implementation of the
-/// bound): [O, dQ, dK, dV]. Rows in parallel (p and dS of a head are kept: O(Tq Tk) host memory), then
-/// keys in parallel, each sum in the same order as a sequential loop over (head, row, key).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn naive16(
-    rd: fn(f32) -> f32,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dout: &[f32],
+/// What the exact 16-bit reference reads: the case's rounded inputs and the kernel's forward outputs.
+struct Inputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    dout: &'a [f32],
+    /// the kernel's O (storage-type values) and lse: the backward kernel's inputs
+    o: &'a [f32],
+    lse: &'a [f32],
     dims: AttnDims,
     scale: f32,
     causal: bool,
-    docs: Option<&[u32]>,
-) -> [Vec<f32>; 4] {
-    let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let rep = h / hkv;
-    let dot = |a: &[f32], c: &[f32]| rd(a.iter().zip(c).map(|(x, y)| rd(x * y)).fold(0.0, |s, p| rd(s + p)));
-    let (mut o, mut dq) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-    let (mut dk, mut dv) = (vec![0f32; k.len()], vec![0f32; v.len()]);
-    let lim = |i: usize| if causal { tk - tq + i + 1 } else { tk };
-    for bi in 0..b {
-        // first key of row i: its document's start (0 without a mask); p_i and dS_i are over lo(i)..lim(i)
-        let lo = |i: usize| docs.map_or(0, |ds| ds[bi * tk + tk - tq + i] as usize);
-        for hi in 0..h {
-            let (bh, kvh) = (bi * h + hi, bi * hkv + hi / rep);
-            let row = |x: &[f32], i: usize| x[(bh * tq + i) * d..(bh * tq + i + 1) * d].to_vec();
-            let kj = |j: usize| &k[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
-            let vj = |j: usize| &v[(kvh * tk + j) * d..(kvh * tk + j + 1) * d];
-            // per row: (O_i, dQ_i, p_i, dS_i)
-            let rows: Vec<NaiveRow> = (0..tq)
-                .into_par_iter()
-                .map(|i| {
-                    let (qi, doi) = (row(q, i), row(dout, i));
-                    let s: Vec<f32> = (lo(i)..lim(i)).map(|j| rd(dot(&qi, kj(j)) * scale)).collect();
-                    let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    let e: Vec<f32> = s.iter().map(|x| rd((x - m).exp())).collect();
-                    let l = e.iter().fold(0.0, |a, x| rd(a + x));
-                    let p: Vec<f32> = e.iter().map(|x| rd(x / l)).collect();
-                    let lo = lo(i);
-                    let oi: Vec<f32> =
-                        (0..d).map(|c| (0..p.len()).fold(0.0, |a, j| rd(a + rd(p[j] * vj(lo + j)[c])))).collect();
-                    let delta = dot(&doi, &oi);
-                    let ds: Vec<f32> = (0..p.len()).map(|j| rd(p[j] * rd(dot(&doi, vj(lo + j)) - delta))).collect();
-                    let mut dqi = vec![0f32; d];
-                    for (j, &dsj) in ds.iter().enumerate() {
-                        for (a, kc) in dqi.iter_mut().zip(kj(lo + j)) {
-                            *a = rd(*a + rd(scale * rd(dsj * kc)));
-                        }
-                    }
-                    (oi, dqi, p, ds)
-                })
-                .collect();
-            for (i, (oi, dqi, _, _)) in rows.iter().enumerate() {
-                o[(bh * tq + i) * d..(bh * tq + i + 1) * d].copy_from_slice(oi);
-                dq[(bh * tq + i) * d..(bh * tq + i + 1) * d].copy_from_slice(dqi);
+    docs: Option<&'a [u32]>,
+}
+
+impl Inputs<'_> {
+    /// Keys query row `i` of batch `bi` sees: its document's start (0 without a mask) .. the causal limit.
+    fn keys(&self, bi: usize, i: usize) -> std::ops::Range<usize> {
+        let AttnDims { tq, tk, .. } = self.dims;
+        let lo = self.docs.map_or(0, |ds| ds[bi * tk + tk - tq + i] as usize);
+        lo..if self.causal { tk - tq + i + 1 } else { tk }
+    }
+}
+
+/// One query row's exact values: O_i (D), lse_i, dQ_i (D), each with (M, M_f).
+struct RowExact {
+    o: Vec<(f64, f64, f64)>,
+    lse: (f64, f64, f64),
+    dq: Vec<(f64, f64, f64)>,
+    /// dO_i . O_i (the kernel's O) and its magnitude: the backward's row term
+    delta: (f64, f64),
+}
+
+/// The exact values of [O, lse, dQ, dK, dV] in f64 with the magnitudes of `selftest`'s bound: per query
+/// row (in parallel) the forward and dQ, then per key (in parallel) dK and dV, recomputing each pair's
+/// P and dS instead of keeping the (Tq, Tk) matrices. The backward uses the kernel's O and lse (see the
+/// header); P = exp(s - lse), dS = P (dO.v - dO.O), with M = P (|dO||v| + |dO||O|).
+fn exact16(inp: &Inputs) -> [Exact; 5] {
+    let AttnDims { b, h, hkv, tq, tk, d } = inp.dims;
+    let (rep, sc) = (h / hkv, inp.scale as f64);
+    /// Row r of a (rows, D) buffer.
+    fn sl(x: &[f32], r: usize, d: usize) -> &[f32] {
+        &x[r * d..(r + 1) * d]
+    }
+    /// (sum a_c c_c, sum |a_c c_c|) in f64.
+    fn dot(a: &[f32], c: &[f32]) -> (f64, f64) {
+        a.iter().zip(c).map(|(&x, &y)| x as f64 * y as f64).fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()))
+    }
+    // per (batch, query head): rows in parallel
+    let rows: Vec<RowExact> = (0..b * h * tq)
+        .into_par_iter()
+        .map(|row| {
+            let (bh, i) = (row / tq, row % tq);
+            let (bi, kvh) = (bh / h, (bh / h) * hkv + (bh % h) / rep);
+            let (qi, doi, oi) = (sl(inp.q, row, d), sl(inp.dout, row, d), sl(inp.o, row, d));
+            let keys: Vec<(&[f32], &[f32])> =
+                inp.keys(bi, i).map(|j| (sl(inp.k, kvh * tk + j, d), sl(inp.v, kvh * tk + j, d))).collect();
+            let sa: Vec<(f64, f64)> = keys.iter().map(|(kj, _)| dot(qi, kj)).map(|(s, a)| (s * sc, a * sc)).collect();
+            let mx = sa.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+            let lse = mx + sa.iter().map(|x| (x.0 - mx).exp()).sum::<f64>().ln();
+            let amax = sa.iter().map(|x| x.1).fold(0.0, f64::max);
+            let mut o = vec![(0.0, 0.0, 0.0); d];
+            let mut dq = vec![(0.0, 0.0, 0.0); d];
+            let (delta, mdelta) = dot(doi, oi);
+            let lse_k = inp.lse[row] as f64;
+            for ((s, a), (kj, vj)) in sa.iter().zip(&keys) {
+                let p = (s - lse).exp();
+                for (oc, &vc) in o.iter_mut().zip(*vj) {
+                    let vc = vc as f64;
+                    oc.0 += p * vc;
+                    oc.1 += p * vc.abs();
+                    oc.2 += p * vc.abs() * (1.0 + a);
+                }
+                let pk = (s - lse_k).exp();
+                let (dp, mdp) = dot(doi, vj);
+                let ds = pk * (dp - delta);
+                let mds = pk * (mdp + mdelta);
+                let mfds = mds + (ds.abs() * (1.0 + a));
+                for (qc, &kc) in dq.iter_mut().zip(*kj) {
+                    let kc = kc as f64;
+                    qc.0 += sc * ds * kc;
+                    qc.1 += sc * mds * kc.abs();
+                    qc.2 += sc * mfds * kc.abs();
+                }
             }
-            let kv_rows = (kvh * tk * d)..((kvh + 1) * tk * d);
-            dk[kv_rows.clone()].par_chunks_mut(d).zip(dv[kv_rows].par_chunks_mut(d)).enumerate().for_each(
-                |(j, (dkj, dvj))| {
-                    for (i, (_, _, p, ds)) in rows.iter().enumerate() {
-                        let lo = lo(i);
-                        if j < lo || j >= lo + p.len() {
-                            continue;
-                        }
-                        let (qi, doi) = (&q[(bh * tq + i) * d..], &dout[(bh * tq + i) * d..]);
-                        for c in 0..d {
-                            dvj[c] = rd(dvj[c] + rd(p[j - lo] * doi[c]));
-                            dkj[c] = rd(dkj[c] + rd(scale * rd(ds[j - lo] * qi[c])));
-                        }
-                    }
-                },
-            );
+            // lse: no rounded operands; its f32 error scales with the scores and the log of the sum
+            if keys.len() == 1 {
+                // one visible key: P = 1 and dS = 0 exactly, no operand is rounded
+                o.iter_mut().chain(dq.iter_mut()).for_each(|e| e.1 = 0.0);
+            }
+            RowExact { o, lse: (lse, 0.0, 1.0 + amax + mx.abs()), dq, delta: (delta, mdelta) }
+        })
+        .collect();
+    let mut out: [Exact; 5] = [
+        Exact::zeros(b * h * tq * d),
+        Exact::zeros(b * h * tq),
+        Exact::zeros(b * h * tq * d),
+        Exact::zeros(b * hkv * tk * d),
+        Exact::zeros(b * hkv * tk * d),
+    ];
+    for (row, re) in rows.iter().enumerate() {
+        out[1].y[row] = re.lse.0;
+        (out[1].mag[row], out[1].magf[row]) = (re.lse.1, re.lse.2);
+        for c in 0..d {
+            let e = row * d + c;
+            (out[0].y[e], out[0].mag[e], out[0].magf[e]) = re.o[c];
+            (out[2].y[e], out[2].mag[e], out[2].magf[e]) = re.dq[c];
         }
     }
-    [o, dq, dk, dv]
+    // per key row of each kv head: dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the rows that see j
+    let per_key: Vec<[Vec<(f64, f64, f64)>; 2]> = (0..b * hkv * tk)
+        .into_par_iter()
+        .map(|krow| {
+            let (bk, j) = (krow / tk, krow % tk);
+            let (bi, g) = (bk / hkv, bk % hkv);
+            let (kj, vj) = (sl(inp.k, krow, d), sl(inp.v, krow, d));
+            let (mut dk, mut dv) = (vec![(0.0, 0.0, 0.0); d], vec![(0.0, 0.0, 0.0); d]);
+            for hq in g * rep..(g + 1) * rep {
+                for i in 0..tq {
+                    if !inp.keys(bi, i).contains(&j) {
+                        continue;
+                    }
+                    let row = (bi * h + hq) * tq + i;
+                    let (qi, doi) = (sl(inp.q, row, d), sl(inp.dout, row, d));
+                    let (s, a) = dot(qi, kj);
+                    let (s, a) = (s * sc, a * sc);
+                    let pk = (s - inp.lse[row] as f64).exp();
+                    let ((dp, mdp), (delta, mdelta)) = (dot(doi, vj), rows[row].delta);
+                    let ds = pk * (dp - delta);
+                    let mds = pk * (mdp + mdelta);
+                    let mfds = mds + ds.abs() * (1.0 + a);
+                    for c in 0..d {
+                        let (qc, dc) = (qi[c] as f64, doi[c] as f64);
+                        dk[c].0 += sc * ds * qc;
+                        dk[c].1 += sc * mds * qc.abs();
+                        dk[c].2 += sc * mfds * qc.abs();
+                        dv[c].0 += pk * dc;
+                        dv[c].1 += pk * dc.abs();
+                        dv[c].2 += pk * dc.abs() * (1.0 + a);
+                    }
+                }
+            }
+            [dk, dv]
+        })
+        .collect();
+    for (krow, [dk, dv]) in per_key.iter().enumerate() {
+        for c in 0..d {
+            let e = krow * d + c;
+            (out[3].y[e], out[3].mag[e], out[3].magf[e]) = dk[c];
+            (out[4].y[e], out[4].mag[e], out[4].magf[e]) = dv[c];
+        }
+    }
+    out
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -287,7 +374,7 @@ mod cuda_run {
         _: f32,
         _: bool,
         _: Option<&[u32]>,
-    ) -> Result<[Vec<f32>; 4]> {
+    ) -> Result<[Vec<f32>; 5]> {
         bail!(MSG)
     }
 }
@@ -320,13 +407,27 @@ mod cuda_run {
         scale: f32,
         causal: bool,
         docs: Option<&[u32]>,
-    ) -> Result<[Vec<f32>; 4]> {
+    ) -> Result<[Vec<f32>; 5]> {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let (qs, ks) = ((b, h, tq, d), (b, hkv, tk, d));
         let (qt, kt, vt, dt_) = (up(q, qs, dt, dev)?, up(k, ks, dt, dev)?, up(v, ks, dt, dev)?, up(dout, qs, dt, dev)?);
         let docs = docs.map(|ds| DocStarts::from_per_token(ds.to_vec(), b, tk, dev)).transpose()?;
+        let cdev = dev.as_cuda_device()?;
         match kernel {
             AttnKernel::TensorCore => {
+                // lse from one more launch of the tiles the op runs (the op keeps it packed inside)
+                let lse = {
+                    let (sq, lq) = qt.storage_and_layout();
+                    let (sk, lk) = kt.storage_and_layout();
+                    let (sv, lv) = vt.storage_and_layout();
+                    let (Storage::Cuda(cq), Storage::Cuda(ck), Storage::Cuda(cv)) = (&*sq, &*sk, &*sv) else {
+                        bail!("attention selftest: inputs are not on the CUDA device");
+                    };
+                    let dtens = docs.as_ref().map(|ds| ds.tensor());
+                    let (_, lse, _) =
+                        attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                    cdev.clone_dtoh(&lse)?
+                };
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
                 let (qa, ka, va) = (qv.as_tensor(), kv.as_tensor(), vv.as_tensor());
                 let o = match &docs {
@@ -337,7 +438,7 @@ mod cuda_run {
                 let grad = |x: &Var, n: &str| {
                     g.get(x.as_tensor()).cloned().ok_or_else(|| anyhow!("attention: no gradient reached {n}"))
                 };
-                Ok([down(&o)?, down(&grad(&qv, "q")?)?, down(&grad(&kv, "k")?)?, down(&grad(&vv, "v")?)?])
+                Ok([down(&o)?, lse, down(&grad(&qv, "q")?)?, down(&grad(&kv, "k")?)?, down(&grad(&vv, "v")?)?])
             }
             AttnKernel::Fma => {
                 let (sq, lq) = qt.storage_and_layout();
@@ -368,7 +469,7 @@ mod cuda_run {
                     let t = Tensor::from_storage(Storage::Cuda(s), shape, candle_core::op::BackpropOp::none(), false);
                     down(&t)
                 };
-                Ok([back(o, qs)?, back(dq, qs)?, back(dk, ks)?, back(dv, ks)?])
+                Ok([back(o, qs)?, cdev.clone_dtoh(&lse)?, back(dq, qs)?, back(dk, ks)?, back(dv, ks)?])
             }
         }
     }

@@ -249,6 +249,7 @@ pub mod mem {
 
 /// Draw loss against step (one series per stage) into a PNG.
 pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()> {
+    crate::plot_font::register()?;
     use plotters::prelude::*;
     let pts: Vec<&StepRecord> = records.iter().filter(|r| !r.skipped && r.loss.is_finite()).collect();
     if pts.is_empty() {
@@ -259,12 +260,15 @@ pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()>
     let hi = pts.iter().map(|r| r.loss).fold(f64::NEG_INFINITY, f64::max);
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let err = |e: &dyn std::fmt::Display| {
-        anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display())
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
     };
     let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
+        .caption(title, (crate::plot_font::FAMILY, 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -290,6 +294,7 @@ pub fn plot_loss(records: &[StepRecord], path: &Path, title: &str) -> Result<()>
 /// Draw the evaluations over steps into a PNG: NLLs (perplexity inputs, loss buckets) on the left,
 /// passkey accuracy on the right; a panel with nothing to show is left out.
 pub fn plot_evals(records: &[EvalRecord], path: &Path) -> Result<()> {
+    crate::plot_font::register()?;
     use plotters::prelude::*;
     type Series = BTreeMap<String, Vec<(f64, f64)>>;
     let (mut nll, mut acc): (Series, Series) = Default::default();
@@ -311,7 +316,10 @@ pub fn plot_evals(records: &[EvalRecord], path: &Path) -> Result<()> {
         return Ok(());
     }
     let err = |e: &dyn std::fmt::Display| {
-        anyhow!("drawing {} failed: {e}\nhint: are fonts installed (fontconfig, DejaVu)?", path.display())
+        anyhow!(
+            "drawing {} failed: {e}\nhint: check that the directory is writable and the disk not full",
+            path.display()
+        )
     };
     let root = BitMapBackend::new(path, (600 * panels.len() as u32, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -322,7 +330,7 @@ pub fn plot_evals(records: &[EvalRecord], path: &Path) -> Result<()> {
         let (lo, hi) = pts.fold((f64::INFINITY, f64::NEG_INFINITY), |a, p| (a.0.min(p.1), a.1.max(p.1)));
         let pad = ((hi - lo) * 0.05).max(1e-3);
         let mut chart = ChartBuilder::on(area)
-            .caption(format!("harpe train: eval {desc}"), ("sans-serif", 20))
+            .caption(format!("harpe train: eval {desc}"), (crate::plot_font::FAMILY, 20))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)

@@ -18,3 +18,4 @@ mod golden;
 mod init_random;
 mod device;
 mod search_bases;
+mod selftest_perturbed;

@@ -6,5 +6,7 @@
 
 mod cli_bench;
 mod demo;
+mod gpu_check;
+mod no_system_libs;
 mod report;
 mod sweep;

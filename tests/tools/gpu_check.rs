@@ -1,0 +1,113 @@
+//! scripts/gpu-check.sh, exercised here on CPU (issue 26): its step plan fits the budget, `sizes` holds
+//! bundles to 64 MiB, and its `rehearse` mode (the `run` code with the CPU device and the emulated
+//! kernels) writes the report section by section and turns a broken kernel into a FAIL row and exit 1.
+//! The whole rehearsal runs in .ci/run; these tests run the preflight and selftest steps of it, with the
+//! debug `harpe` this test build made.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-check.sh")
+}
+
+fn gpu_check(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(script());
+    c.args(args)
+        .env_remove("HARPE_EMU_PERTURB")
+        .env_remove("HARPE_GPU_CHECK_STEPS")
+        .env_remove("HARPE_GPU_CHECK_BUDGET");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("scripts/gpu-check.sh runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// The one report file a rehearsal wrote into `dir`.
+fn report(dir: &Path) -> String {
+    let files: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "expected one report in {}: {files:?}", dir.display());
+    std::fs::read_to_string(&files[0]).unwrap()
+}
+
+#[test]
+fn the_step_limits_of_each_half_fit_the_budget() {
+    for half in [None, Some("--second")] {
+        let args: Vec<&str> = std::iter::once("steps").chain(half).collect();
+        let o = gpu_check(&args, &[]);
+        let t = text(&o);
+        assert!(o.status.success(), "{t}");
+        let total: u64 = t
+            .lines()
+            .find_map(|l| l.strip_prefix("total of the step limits: "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no total in:\n{t}"));
+        assert!(total <= 420, "{half:?}: limits sum to {total} s > 420 s");
+        assert!(t.starts_with("preflight"), "{half:?}: the preflight is not first:\n{t}");
+        // a budget smaller than the plan is refused
+        let o = gpu_check(&args, &[("HARPE_GPU_CHECK_BUDGET", "100")]);
+        assert!(!o.status.success(), "{half:?}: a 100 s budget was accepted:\n{}", text(&o));
+    }
+}
+
+#[test]
+fn sizes_accepts_a_small_bundle_and_refuses_one_over_64_mib() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("harpe.xz"), vec![7u8; 1 << 20]).unwrap();
+    let o = gpu_check(&["sizes", d.path().to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("bundle 1048576 bytes"), "{}", text(&o));
+    // a sparse 64 MiB file: with the tracked tree the total is over the limit
+    let f = std::fs::File::create(d.path().join("big")).unwrap();
+    f.set_len(64 << 20).unwrap();
+    let o = gpu_check(&["sizes", d.path().to_str().unwrap()], &[]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("over the 67108864-byte limit"), "{}", text(&o));
+}
+
+#[test]
+fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
+    let bin = env!("CARGO_BIN_EXE_harpe");
+    // the preflight alone passes: exit 0, its sections and the summary in the report
+    let ok = tempfile::tempdir().unwrap();
+    let env = [
+        ("HARPE_BIN", bin),
+        ("HARPE_GPU_CHECK_OUT", ok.path().to_str().unwrap()),
+        ("HARPE_GPU_CHECK_STEPS", "preflight"),
+    ];
+    let o = gpu_check(&["rehearse"], &env);
+    let r = report(ok.path());
+    assert!(o.status.success(), "{}\n{r}", text(&o));
+    for section in [
+        "## preflight: shared libraries (ldd)",
+        "## preflight: harpe --version",
+        "## preflight: devices harpe sees",
+        "## Summary",
+    ] {
+        assert!(r.contains(section), "no {section:?} in:\n{r}");
+    }
+    assert!(r.contains("Run exit code: 0"), "{r}");
+    // RMSNorm's forward 1% off: its selftest rows FAIL, the run exits 1
+    let bad = tempfile::tempdir().unwrap();
+    let env = [
+        ("HARPE_BIN", bin),
+        ("HARPE_GPU_CHECK_OUT", bad.path().to_str().unwrap()),
+        ("HARPE_GPU_CHECK_STEPS", "preflight,selftest"),
+        ("HARPE_EMU_PERTURB", "rms_norm_fwd"),
+    ];
+    let o = gpu_check(&["rehearse"], &env);
+    let r = report(bad.path());
+    assert_eq!(o.status.code(), Some(1), "{}\n{r}", text(&o));
+    let rows: Vec<&str> = r.lines().filter(|l| l.starts_with("rms_norm fwd")).collect();
+    assert!(
+        !rows.is_empty() && rows.iter().all(|l| l.trim_end().ends_with("FAIL")),
+        "rms_norm fwd rows:\n{rows:?}\n{r}"
+    );
+    assert!(r.lines().any(|l| l.starts_with("rope fwd") && l.trim_end().ends_with("PASS")), "{r}");
+    assert!(r.contains("| selftest | selftest (emulated kernels, 1 round) | FAIL | 1 |"), "{r}");
+    assert!(r.contains("Run exit code: 1"), "{r}");
+}
