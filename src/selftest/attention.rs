@@ -14,8 +14,9 @@
 //! `HARPE_SELFTEST_SMALL` (set by scripts/gpu-check.sh around compute-sanitizer) drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
 use super::{as_dt, check, ragged, uniform, Check, Dt, Target};
-use crate::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
-use crate::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
+use crate::kernels_emu::attention::{self as ka, AttnFloat};
+use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
+use crate::ops::attention_shape::{AttnDims, AttnKernel};
 use anyhow::Result;
 use half::{bf16, f16};
 use rand::Rng;
@@ -129,9 +130,8 @@ fn case(
         },
         Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
     };
-    let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
-    let (dq_ref, dk_ref, dv_ref) =
-        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal, docs);
+    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
     let naive = (dt != Dt::F32).then(|| naive16(round_fn(dt), &q, &k, &v, &dout, dims, scale, causal, docs));
     let name = match kernel {
         AttnKernel::Fma => "attention fma",
@@ -167,18 +167,8 @@ fn emu_run<T: AttnFloat>(
     docs: Option<&[u32]>,
 ) -> Result<[Vec<f32>; 4]> {
     let (q, k, v, dout) = (to_t::<T>(q), to_t::<T>(k), to_t::<T>(v), to_t::<T>(dout));
-    let (o, (dq, dk, dv)) = match docs {
-        Some(ds) => {
-            let (o, lse) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, scale, ds)?;
-            let g = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, ds)?;
-            (o, g)
-        }
-        None => {
-            let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, scale, causal)?;
-            let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal)?;
-            (o, g)
-        }
-    };
+    let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, scale, causal, docs)?;
+    let (dq, dk, dv) = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal, docs)?;
     Ok([of_t(&o), of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
@@ -329,10 +319,7 @@ mod cuda_run {
             AttnKernel::TensorCore => {
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
                 let (qa, ka, va) = (qv.as_tensor(), kv.as_tensor(), vv.as_tensor());
-                let o = match &docs {
-                    Some(ds) => crate::ops::attention::attention_doc(qa, ka, va, scale, ds)?,
-                    None => crate::ops::attention::attention(qa, ka, va, scale, causal)?,
-                };
+                let o = crate::ops::attention::attention(qa, ka, va, scale, causal, docs.as_ref())?;
                 let g = (&o * &dt_)?.sum_all()?.backward()?;
                 let grad = |x: &Var, n: &str| {
                     g.get(x.as_tensor()).cloned().ok_or_else(|| anyhow!("attention: no gradient reached {n}"))
@@ -350,9 +337,9 @@ mod cuda_run {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
                 let dtens = docs.as_ref().map(|ds| ds.tensor());
-                let (o, lse, _) = attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                let (o, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
                 let lo = candle_core::Layout::contiguous(qs);
-                let (dq, dk, dv) = attention_cuda::bwd_docs(
+                let (dq, dk, dv) = attention_cuda::bwd(
                     (cq, lq),
                     (ck, lk),
                     (cv, lv),
