@@ -300,7 +300,6 @@ pub fn fwd(
         let (o, lse) = unsafe { (dev.alloc::<T>(rows * dims.d)?, dev.alloc::<f32>(rows)?) };
         let out = FwdOut { o: o.slice(..), lse: lse.slice(..), ldo: dims.d as u32, ldl: 1 };
         with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
-        drop(out);
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse, kernel))
     })
 }
@@ -396,7 +395,6 @@ pub fn fwd_packed(
         let all = packed.slice(..);
         let out = FwdOut { o: from(&all, 0)?, lse: from(&all, d)?, ldo: w as u32, ldl: lay.floats(w) as u32 };
         with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
-        drop((out, all));
         Ok((CudaStorage::wrap_cuda_slice(packed, dev.clone()), Shape::from_dims(&[b, h, tq, w])))
     })
 }
