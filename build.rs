@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 6] = ["rope", "rms_norm", "cross_entropy", "adamw", "attention", "mma_probe"];
+const KERNELS: [&str; 7] = ["rope", "rms_norm", "cross_entropy", "adamw", "attention", "mma_probe", "emu_toys"];
 
 fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));

@@ -69,10 +69,11 @@ fn main() {
                 continue; // minutes of scalar loops
             }
             let fwd = time(reps, || {
-                attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, kernel).expect("fwd");
+                attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, None, kernel).expect("fwd");
             });
             let total = time(reps, || {
-                let o = attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, kernel).expect("fwd");
+                let o = attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, None, kernel)
+                    .expect("fwd");
                 o.sum_all().and_then(|s| s.backward()).expect("bwd");
             });
             let gflops = 2.0 * macs * 7.0 / total / 1e9;

@@ -1,7 +1,12 @@
 // attention.cu — causal GQA flash attention (FlashAttention-2), forward and backward, f32 accumulation.
 //
-// Layouts: q, o, dq, do (B, H, Tq, D); k, v, dk, dv (B, Hkv, Tk, D); lse, delta (B, H, Tq) f32; all
-// contiguous. Query head h reads kv head h / (H / Hkv) directly (no repeated K/V copy). Causal: query row i
+// Layouts: q, o, dq, do (B, H, Tq, D); k, v, dk, dv (B, Hkv, Tk, D); lse, delta (B, H, Tq) f32. k, v, dk,
+// dv, dq and delta are contiguous; the rows of o and lse (forward) and of q, do and lse (backward) have a
+// stride (`ldo`/`ldq` elements, `ldl` floats), so the kernels read and write the op's packed rows in place:
+// the forward's O|lse rows (D + E elements, lse's f32 in the first slots after O) and the backward's
+// [q | O | lse | dO | .] rows (3D + 2E), E = 1 for f32 and 8 for 16-bit types (lse's 4 bytes plus padding
+// that keeps 16-bit rows 16-byte aligned for copy16) — `ops::attention_shape::PackedRows`. Nothing is
+// converted to f32 but lse, delta and the dQ accumulator. Query head h reads kv head h / (H / Hkv) directly (no repeated K/V copy). Causal: query row i
 // sits at key position (Tk - Tq) + i and sees keys j <= that (Tq < Tk is the KV-cache decode / chunked
 // prefill; Tq == Tk is training). Scores s = scale * q.k; lse_i = log sum_j exp(s_ij) is saved per row.
 // Reference: Dao 2023, FlashAttention-2, Algorithms 1 (forward) and 2 (backward); the CPU reference
@@ -27,15 +32,15 @@
 // The non-obvious decision: correctness first, proven by the host emulation (kernels/emu.h, whose twins of
 // mma.sync/ldmatrix reproduce the PTX per-lane fragment layouts; tests/attention_emu.rs) before any GPU
 // sees it. Grids are 1-D (block index decoded into tile, head, batch) so the same entry macro serves the
-// emulator. `attn_pack_fwd_*`/`attn_unpack_bwd_*` convert between these buffers and the op layouts of
-// `ops::attention` (O|lse rows of D + 1 f32; [q | O | lse | dO | .] rows of 3D + 2 f32).
+// emulator.
 // Document masks (packed sequences; `docs` non-null, causal only): docs (B, Tk) u32 holds, per key
 // position, where its document starts, so query row i at position p sees keys docs[p] ..= p — one range,
 // a lower bound beside the causal upper one (`ops::attention::DocStarts` says why this and not cu_seqlens).
 // Starts are non-decreasing in p, so the forward begins at the key tile holding its first row's start (key
 // tiles entirely before it are never loaded: the speed point of varlen), and the backward stops at the
 // first query tile whose first row's document starts past the key tile's last key.
-// Does not: wgmma/TMA (Hopper), cp.async double buffering, deterministic dQ (atomics: summation order
+// Does not: wgmma/TMA (Hopper), cp.async double buffering (the instructions are in kernels/mma.cuh and the
+// emulator, not yet in these loops), 128-row forward tiles, deterministic dQ (atomics: summation order
 // varies run to run on a GPU), dropout, sliding windows, head dims other than 16, 32, 64, 128 (tensor
 // cores: 64, 128).
 #include "common.cuh"
@@ -61,7 +66,7 @@ template <class T, int D>
 __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               T* __restrict__ o, float* __restrict__ lse, const unsigned* __restrict__ docs,
                               unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale,
-                              int causal) {
+                              int causal, unsigned ldo, unsigned ldl) {
   constexpr int BQ = AttnTile<D>::BQ, BK = AttnTile<D>::BK, PER = BQ * D / ATTN_NT;
   __shared__ float qs[BQ][D];
   __shared__ float ks[BK][D];
@@ -147,29 +152,29 @@ __device__ void attn_fwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
     __syncthreads();  // ks/vs/ss are rewritten by the next tile
   }
 
+  T* oh = o + ((size_t)bh * tq + q0) * ldo;  // this tile's first output row
   #pragma unroll
-
   for (int p = 0; p < PER; ++p) {
     const unsigned e = tid + p * ATTN_NT, r = e / D, c = e % D;
     if (q0 + r < tq) {
       const float l = row_l[r];
-      o[((size_t)bh * tq + q0 + r) * D + c] = store_as<T>(l > 0.0f ? acc[p] / l : 0.0f);
+      oh[r * ldo + c] = store_as<T>(l > 0.0f ? acc[p] / l : 0.0f);
     }
   }
   if (tid < BQ && q0 + tid < tq) {
     const float l = row_l[tid];
-    lse[(size_t)bh * tq + q0 + tid] = l > 0.0f ? row_m[tid] + logf(l) : -INFINITY;
+    lse[((size_t)bh * tq + q0 + tid) * ldl] = l > 0.0f ? row_m[tid] + logf(l) : -INFINITY;
   }
 }
 
-// delta_i = dO_i . O_i over `rows` rows of D; one warp per row.
+// delta_i = dO_i . O_i over `rows` rows of D (row stride `ld` elements for O and dO); one warp per row.
 template <class T>
 __device__ void attn_bwd_delta_impl(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta,
-                                    unsigned rows, unsigned d) {
+                                    unsigned rows, unsigned d, unsigned ld) {
   const unsigned lane = threadIdx.x % 32, wpb = blockDim.x / 32;
   for (unsigned row = blockIdx.x * wpb + threadIdx.x / 32; row < rows; row += gridDim.x * wpb) {
     float s = 0.0f;
-    for (unsigned c = lane; c < d; c += 32) s += load_f32(o[(size_t)row * d + c]) * load_f32(dout[(size_t)row * d + c]);
+    for (unsigned c = lane; c < d; c += 32) s += load_f32(o[(size_t)row * ld + c]) * load_f32(dout[(size_t)row * ld + c]);
     s = warp_sum(s);
     if (lane == 0) delta[row] = s;
   }
@@ -180,7 +185,8 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
                               const T* __restrict__ dout, const float* __restrict__ lse,
                               const float* __restrict__ delta, const unsigned* __restrict__ docs,
                               float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv, unsigned nb,
-                              unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal) {
+                              unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal,
+                              unsigned ldq, unsigned ldl) {
   constexpr int BQ = AttnTile<D>::BQ, BK = AttnTile<D>::BK, PER = BK * D / ATTN_NT;
   __shared__ float ks[BK][D];
   __shared__ float vs[BK][D];
@@ -215,8 +221,8 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
 
   for (unsigned r = 0; r < rep; ++r) {
     const unsigned bh = bi * h + g * rep + r;
-    const T* qh = q + (size_t)bh * tq * D;
-    const T* doh = dout + (size_t)bh * tq * D;
+    const T* qh = q + (size_t)bh * tq * ldq;
+    const T* doh = dout + (size_t)bh * tq * ldq;
     float* dqh = dq_acc + (size_t)bh * tq * D;
     for (unsigned q0 = qstart; q0 < tq; q0 += BQ) {
       // document mask: this and every later query tile start their documents past this key tile
@@ -224,12 +230,12 @@ __device__ void attn_bwd_impl(const T* __restrict__ q, const T* __restrict__ k, 
       for (unsigned e = tid; e < BQ * D; e += ATTN_NT) {
         const unsigned i = e / D, c = e % D;
         const bool in = q0 + i < tq;
-        qs[i][c] = in ? load_f32(qh[(size_t)(q0 + i) * D + c]) : 0.0f;
-        dos[i][c] = in ? load_f32(doh[(size_t)(q0 + i) * D + c]) : 0.0f;
+        qs[i][c] = in ? load_f32(qh[(size_t)(q0 + i) * ldq + c]) : 0.0f;
+        dos[i][c] = in ? load_f32(doh[(size_t)(q0 + i) * ldq + c]) : 0.0f;
       }
       if (tid < BQ) {
         const bool in = q0 + tid < tq;
-        lse_s[tid] = in ? lse[(size_t)bh * tq + q0 + tid] : -INFINITY;
+        lse_s[tid] = in ? lse[((size_t)bh * tq + q0 + tid) * ldl] : -INFINITY;
         delta_s[tid] = in ? delta[(size_t)bh * tq + q0 + tid] : 0.0f;
         lo_s[tid] = attn_lo(docs, bi, q0 + tid, tq, tk);
       }
@@ -303,6 +309,11 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
 // dS^T goes to shared memory, and the block computes dQ (BQ x D) = dS K with each warp owning 4 of the
 // 8-column tiles (A = dS via ldmatrix_x4_trans of dS^T, B = K via ldmatrix_x4_trans), atomically added to
 // the f32 dQ accumulator. Inputs must be 16-byte aligned (the launcher checks; copy16 loads).
+// FA2's softmax details in both: scores in the log2 domain (scale folded into log2 e, exp2f; lse stays natural
+// log at the boundary), and the mask evaluated only on tiles that straddle the diagonal, a document start or
+// the ends of the sequence — a warp whose rows (forward) or keys (backward) lie wholly inside every window
+// skips it (`full`). Each dQ element gets one atomicAdd per (query tile, key tile) (the block sums its BK keys
+// first).
 template <int D>
 struct AttnTc {
   static constexpr int NW = 4, BQ = 64, BK = D >= 128 ? 32 : 64;  // forward tiles
@@ -310,13 +321,15 @@ struct AttnTc {
   static constexpr int DP = D + 8;                                  // padded shared row (elements)
 };
 
-// Rows [r0, r0 + n) of a (rows, D) tensor into a padded shared tile; rows at or past `valid` are zero.
+// Rows [r0, r0 + n) of a (rows, D) tensor with row stride `ld` elements (a multiple of 8: 16-byte rows) into a
+// padded shared tile; rows at or past `valid` are zero.
 template <class T, int D, int DP>
-__device__ __forceinline__ void attn_tile_load(T (*dst)[DP], const T* src, unsigned r0, int n, unsigned valid) {
+__device__ __forceinline__ void attn_tile_load(T (*dst)[DP], const T* src, unsigned r0, int n, unsigned valid,
+                                               unsigned ld) {
   for (unsigned e = threadIdx.x; e < (unsigned)n * (D / 8); e += blockDim.x) {
     const unsigned r = e / (D / 8), c = e % (D / 8) * 8;
     if (r0 + r < valid) {
-      copy16(&dst[r][c], src + (size_t)(r0 + r) * D + c);
+      copy16(&dst[r][c], src + (size_t)(r0 + r) * ld + c);
     } else {
       for (int i = 0; i < 8; ++i) dst[r][c + i] = store_as<T>(0.0f);
     }
@@ -327,7 +340,7 @@ template <class T, int D>
 __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  T* __restrict__ o, float* __restrict__ lse, const unsigned* __restrict__ docs,
                                  unsigned nb, unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale,
-                                 int causal) {
+                                 int causal, unsigned ldo, unsigned ldl) {
   using P = AttnTc<D>;
   constexpr int BQ = P::BQ, BK = P::BK, DP = P::DP, KD = D / 16, NS = BK / 8, NO = D / 8;
   __shared__ __align__(16) T qs[BQ][DP];
@@ -339,7 +352,7 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   const unsigned kvh = bi * hkv + hi / (h / hkv), q0 = qt * BQ;
   const T* kh = k + (size_t)kvh * tk * D;
   const T* vh = v + (size_t)kvh * tk * D;
-  attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq);
+  attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq, D);
   __syncthreads();
   uint32_t qf[KD][4];  // this warp's 16 query rows as A fragments, one per 16-wide k step
   #pragma unroll
@@ -356,10 +369,20 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   if (kend > (long)tk) kend = tk;
   if (kend < 0) kend = 0;
   const unsigned kstart = attn_lo(docs, bi, q0, tq, tk) / BK * BK;  // document mask: earlier tiles skipped
+  // scores in the log2 domain (FA2): s = q.k * scale * log2(e), p = exp2(s - m); lse = m ln 2 + ln l
+  const float sl2 = scale * 1.4426950408889634f;
+  // a key tile inside every row window of this warp's 16 rows needs no mask (FA2: masks only on the tiles
+  // that straddle the diagonal, a document start or the ends); row windows grow with the row, so the first
+  // row bounds the causal side and the last row the document side
+  const unsigned wr0 = q0 + w * 16;
+  const bool rows_full = wr0 + 16 <= tq;
+  const long wlimit = attn_qpos(wr0, tq, tk);
+  const unsigned wlo = rows_full ? attn_lo(docs, bi, wr0 + 15, tq, tk) : 0u;
 
   for (unsigned k0 = kstart; k0 < (unsigned)kend; k0 += BK) {
-    attn_tile_load<T, D, DP>(ks, kh, k0, BK, tk);
-    attn_tile_load<T, D, DP>(vs, vh, k0, BK, tk);
+    const bool full = rows_full && k0 + BK <= tk && (!causal || (long)(k0 + BK - 1) <= wlimit) && k0 >= wlo;
+    attn_tile_load<T, D, DP>(ks, kh, k0, BK, tk, D);
+    attn_tile_load<T, D, DP>(vs, vh, k0, BK, tk, D);
     __syncthreads();
     float s[NS][4];
     #pragma unroll
@@ -374,22 +397,32 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
       }
     }
     float mx[2] = {-INFINITY, -INFINITY};
-    #pragma unroll
-    for (int n = 0; n < NS; ++n)
+    if (full) {  // warp-uniform
       #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const unsigned r = row[e / 2], kj = k0 + n * 8 + 2 * t + (e & 1);
-        const bool ok = r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(r, tq, tk)) && kj >= lo[e / 2];
-        s[n][e] = ok ? s[n][e] * scale : -INFINITY;
-        mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
-      }
+      for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] *= sl2;
+          mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
+        }
+    } else {
+      #pragma unroll
+      for (int n = 0; n < NS; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const unsigned r = row[e / 2], kj = k0 + n * 8 + 2 * t + (e & 1);
+          const bool ok = r < tq && kj < tk && (!causal || (long)kj <= attn_qpos(r, tq, tk)) && kj >= lo[e / 2];
+          s[n][e] = ok ? s[n][e] * sl2 : -INFINITY;
+          mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
+        }
+    }
     float corr[2];
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       const float mnew = fmaxf(m[i], mx[i]);
-      corr[i] = mnew == -INFINITY || m[i] == -INFINITY ? (mnew == -INFINITY ? 1.0f : 0.0f) : expf(m[i] - mnew);
+      corr[i] = mnew == -INFINITY || m[i] == -INFINITY ? (mnew == -INFINITY ? 1.0f : 0.0f) : exp2f(m[i] - mnew);
       m[i] = mnew;
       lsum[i] *= corr[i];
     }
@@ -397,7 +430,7 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
     for (int n = 0; n < NS; ++n)
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e / 2]);
+        const float p = s[n][e] == -INFINITY ? 0.0f : exp2f(s[n][e] - m[e / 2]);
         s[n][e] = p;
         lsum[e / 2] += p;  // this lane's part of the row sum; the row's 4 lanes are summed at the end
       }
@@ -431,11 +464,12 @@ __device__ void attn_fwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
     for (int e = 0; e < 4; ++e) {
       const unsigned r = row[e / 2];
       const float lv = lsum[e / 2];
-      if (r < tq) o[((size_t)bh * tq + r) * D + n * 8 + 2 * t + (e & 1)] = store_as<T>(lv > 0.0f ? acc[n][e] / lv : 0.0f);
+      if (r < tq) o[((size_t)bh * tq + r) * ldo + n * 8 + 2 * t + (e & 1)] = store_as<T>(lv > 0.0f ? acc[n][e] / lv : 0.0f);
     }
   #pragma unroll
   for (int i = 0; i < 2; ++i)
-    if (t == 0 && row[i] < tq) lse[(size_t)bh * tq + row[i]] = lsum[i] > 0.0f ? m[i] + logf(lsum[i]) : -INFINITY;
+    if (t == 0 && row[i] < tq)
+      lse[((size_t)bh * tq + row[i]) * ldl] = lsum[i] > 0.0f ? m[i] * 0.6931471805599453f + logf(lsum[i]) : -INFINITY;
 }
 
 template <class T, int D>
@@ -443,7 +477,8 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
                                  const T* __restrict__ dout, const float* __restrict__ lse,
                                  const float* __restrict__ delta, const unsigned* __restrict__ docs,
                                  float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv, unsigned nb,
-                                 unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal) {
+                                 unsigned h, unsigned hkv, unsigned tq, unsigned tk, float scale, int causal,
+                                 unsigned ldq, unsigned ldl) {
   using P = AttnTc<D>;
   constexpr int BK = P::BKB, BQ = P::BQB, DP = P::DP, KD = D / 16, NS = BQ / 8, NO = D / 8;
   constexpr int WPM = D / 32;  // warps per 16-row m tile of dQ (each owns 4 of its D/8 column tiles)
@@ -460,10 +495,12 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
   const unsigned kt0 = blockIdx.x % ntiles, bg = blockIdx.x / ntiles, bi = bg / hkv, gi = bg % hkv;
   const unsigned rep = h / hkv, k0 = kt0 * BK;
   const size_t kvoff = (size_t)bg * tk * D;
-  attn_tile_load<T, D, DP>(ks, k + kvoff, k0, BK, tk);
-  attn_tile_load<T, D, DP>(vs, v + kvoff, k0, BK, tk);
+  attn_tile_load<T, D, DP>(ks, k + kvoff, k0, BK, tk, D);
+  attn_tile_load<T, D, DP>(vs, v + kvoff, k0, BK, tk, D);
   // this lane's two key rows: g and g + 8 of the warp's 16
   const unsigned key[2] = {k0 + w * 16 + g, k0 + w * 16 + g + 8};
+  const unsigned kw0 = k0 + w * 16;                 // this warp's first key
+  const float sl2 = scale * 1.4426950408889634f;  // P = exp2(s scale log2 e - lse log2 e), as in the forward
   float dka[NO][4], dva[NO][4];
   #pragma unroll
   for (int n = 0; n < NO; ++n)
@@ -483,15 +520,18 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
       // document mask: this and every later query tile start their documents past this key tile
       if (attn_lo(docs, bi, q0, tq, tk) >= k0 + BK) break;
       __syncthreads();  // the previous tile's readers of qs/dos/dst are done (and ks/vs are loaded)
-      attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * D, q0, BQ, tq);
-      attn_tile_load<T, D, DP>(dos, dout + (size_t)bh * tq * D, q0, BQ, tq);
+      attn_tile_load<T, D, DP>(qs, q + (size_t)bh * tq * ldq, q0, BQ, tq, ldq);
+      attn_tile_load<T, D, DP>(dos, dout + (size_t)bh * tq * ldq, q0, BQ, tq, ldq);
       for (unsigned i = threadIdx.x; i < (unsigned)BQ; i += blockDim.x) {
         const bool in = q0 + i < tq;
-        lse_s[i] = in ? lse[(size_t)bh * tq + q0 + i] : -INFINITY;
+        lse_s[i] = in ? lse[((size_t)bh * tq + q0 + i) * ldl] * 1.4426950408889634f : -INFINITY;  // log2 domain
         delta_s[i] = in ? delta[(size_t)bh * tq + q0 + i] : 0.0f;
         lo_s[i] = attn_lo(docs, bi, q0 + i, tq, tk);
       }
       __syncthreads();
+      // every query of the tile sees all 16 keys of this warp: no mask (and every such row has a finite lse)
+      const bool full = kw0 + 16 <= tk && q0 + BQ <= tq && (!causal || (long)(kw0 + 15) <= attn_qpos(q0, tq, tk)) &&
+                        kw0 >= attn_lo(docs, bi, q0 + BQ - 1 < tq ? q0 + BQ - 1 : q0, tq, tk);
       float st[NS][4], dpt[NS][4];  // S^T and dP^T: the warp's 16 keys x BQ queries
       #pragma unroll
       for (int n = 0; n < NS; ++n)
@@ -516,9 +556,9 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const unsigned kj = key[e / 2], qc = n * 8 + 2 * t + (e & 1), qi = q0 + qc;
-          const bool ok = qi < tq && kj < tk && lse_s[qc] != -INFINITY &&
-                          (!causal || (long)kj <= attn_qpos(qi, tq, tk)) && kj >= lo_s[qc];
-          const float p = ok ? expf(st[n][e] * scale - lse_s[qc]) : 0.0f;
+          const bool ok = full || (qi < tq && kj < tk && lse_s[qc] != -INFINITY &&
+                                   (!causal || (long)kj <= attn_qpos(qi, tq, tk)) && kj >= lo_s[qc]);
+          const float p = ok ? exp2f(st[n][e] * sl2 - lse_s[qc]) : 0.0f;
           st[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - delta_s[qc]);  // dS^T
         }
@@ -584,51 +624,19 @@ __device__ void attn_bwd_tc_impl(const T* __restrict__ q, const T* __restrict__ 
     }
 }
 
-// The layouts of the `ops::attention` custom ops: the forward's output packs O and lse as f32 rows of D + 1;
-// the backward's input rows [q | O | lse | dO | unused] (3D + 2 f32) are split into the kernels' buffers.
-template <class T>
-__device__ void attn_pack_fwd_impl(const T* __restrict__ o, const float* __restrict__ lse, float* __restrict__ packed,
-                                   unsigned rows, unsigned d) {
-  const unsigned long long n = (unsigned long long)rows * (d + 1);
-  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) {
-    const unsigned long long r = i / (d + 1), c = i % (d + 1);
-    packed[i] = c < d ? load_f32(o[r * d + c]) : lse[r];
-  }
-}
-
-template <class T>
-__device__ void attn_unpack_bwd_impl(const float* __restrict__ packed, T* __restrict__ q, T* __restrict__ o,
-                                     T* __restrict__ dout, float* __restrict__ lse, unsigned rows, unsigned d) {
-  const unsigned long long w = 3ull * d + 2, n = (unsigned long long)rows * w;
-  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x) {
-    const unsigned long long r = i / w, c = i % w;
-    const float x = packed[i];
-    if (c < d) q[r * d + c] = store_as<T>(x);
-    else if (c < 2ull * d) o[r * d + c - d] = store_as<T>(x);
-    else if (c == 2ull * d) lse[r] = x;
-    else if (c < 3ull * d + 1) dout[r * d + c - 2ull * d - 1] = store_as<T>(x);
-  }
-}
-
 #define ATTN_FWD_PARAMS(T)                                                                                 \
   (const T* q, const T* k, const T* v, T* o, float* lse, const unsigned* docs, unsigned nb, unsigned h,      \
-   unsigned hkv, unsigned tq, unsigned tk, float scale, int causal)
-#define ATTN_FWD_ARGS (q, k, v, o, lse, docs, nb, h, hkv, tq, tk, scale, causal)
+   unsigned hkv, unsigned tq, unsigned tk, float scale, int causal, unsigned ldo, unsigned ldl)
+#define ATTN_FWD_ARGS (q, k, v, o, lse, docs, nb, h, hkv, tq, tk, scale, causal, ldo, ldl)
 #define ATTN_BWD_PARAMS(T)                                                                                   \
   (const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,                  \
    const unsigned* docs, float* dq_acc, T* dk, T* dv, unsigned nb, unsigned h, unsigned hkv, unsigned tq,     \
-   unsigned tk, float scale, int causal)
-#define ATTN_BWD_ARGS (q, k, v, dout, lse, delta, docs, dq_acc, dk, dv, nb, h, hkv, tq, tk, scale, causal)
-#define ATTN_DELTA_PARAMS(T) (const T* o, const T* dout, float* delta, unsigned rows, unsigned d)
-#define ATTN_DELTA_ARGS (o, dout, delta, rows, d)
+   unsigned tk, float scale, int causal, unsigned ldq, unsigned ldl)
+#define ATTN_BWD_ARGS (q, k, v, dout, lse, delta, docs, dq_acc, dk, dv, nb, h, hkv, tq, tk, scale, causal, ldq, ldl)
+#define ATTN_DELTA_PARAMS(T) (const T* o, const T* dout, float* delta, unsigned rows, unsigned d, unsigned ld)
+#define ATTN_DELTA_ARGS (o, dout, delta, rows, d, ld)
 #define ATTN_CONV_PARAMS(T) (const float* acc, T* dq, unsigned long long n)
 #define ATTN_CONV_ARGS (acc, dq, n)
-#define ATTN_PACK_PARAMS(T) (const T* o, const float* lse, float* packed, unsigned rows, unsigned d)
-#define ATTN_PACK_ARGS (o, lse, packed, rows, d)
-#define ATTN_UNPACK_PARAMS(T) (const float* packed, T* q, T* o, T* dout, float* lse, unsigned rows, unsigned d)
-#define ATTN_UNPACK_ARGS (packed, q, o, dout, lse, rows, d)
 
 #define ATTN_KERNELS_D(sfx, T, D)                                                                       \
   extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_##sfx##_d##D ATTN_FWD_PARAMS(T) {      \
@@ -648,11 +656,7 @@ __device__ void attn_unpack_bwd_impl(const float* __restrict__ packed, T* __rest
   extern "C" __global__ void attn_bwd_delta_##sfx ATTN_DELTA_PARAMS(T) { attn_bwd_delta_impl<T> ATTN_DELTA_ARGS; } \
   EMU_ENTRY(attn_bwd_delta_##sfx, ATTN_DELTA_PARAMS(T), ATTN_DELTA_ARGS)                                    \
   extern "C" __global__ void attn_dq_convert_##sfx ATTN_CONV_PARAMS(T) { attn_dq_convert_impl<T> ATTN_CONV_ARGS; } \
-  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)                                    \
-  extern "C" __global__ void attn_pack_fwd_##sfx ATTN_PACK_PARAMS(T) { attn_pack_fwd_impl<T> ATTN_PACK_ARGS; }   \
-  EMU_ENTRY(attn_pack_fwd_##sfx, ATTN_PACK_PARAMS(T), ATTN_PACK_ARGS)                                       \
-  extern "C" __global__ void attn_unpack_bwd_##sfx ATTN_UNPACK_PARAMS(T) { attn_unpack_bwd_impl<T> ATTN_UNPACK_ARGS; } \
-  EMU_ENTRY(attn_unpack_bwd_##sfx, ATTN_UNPACK_PARAMS(T), ATTN_UNPACK_ARGS)
+  EMU_ENTRY(attn_dq_convert_##sfx, ATTN_CONV_PARAMS(T), ATTN_CONV_ARGS)
 
 #define ATTN_TC_KERNELS_D(sfx, T, D)                                                                     \
   extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_fwd_tc_##sfx##_d##D ATTN_FWD_PARAMS(T) {   \

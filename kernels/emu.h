@@ -16,9 +16,14 @@
 // blocks keeps a fast thread from starting block b+1 while a slow one still reads block b's shared data.
 // A barrier that waits longer than HARPE_EMU_TIMEOUT_S seconds (default 60) aborts with a message
 // (threads that skip a __syncthreads, divergent warps) instead of hanging the test.
-// What it does not do: model timing, memory coalescing, bank conflicts, warp divergence semantics
-// beyond "all lanes of a warp call the shuffle", cooperative groups, or race detection (use
-// compute-sanitizer racecheck on a GPU for that).
+// cp.async (cp_async16 / cp_async_commit / cp_async_wait<N>) keeps each lane's copies in commit groups: the
+// destination holds poison (0xff bytes, NaN) until the lane's wait completes the group, so a kernel that
+// reads before its wait fails its tests. Measuring (emu_profile_enable): per launch and kernel name, global
+// traffic in 32-byte sectors beside the bytes asked for, shared-memory wavefronts and bank conflicts per warp
+// instruction, barriers, atomics, mma — for the accesses routed through copy16, cp_async16, ldmatrix and the
+// gld/gst/sld/sst accessors (`harpe::kernels_emu::profile` says how a warp instruction is recognised).
+// What it does not do: model timing or caches, warp divergence semantics beyond "all lanes of a warp call
+// the shuffle", cooperative groups, or race detection (use compute-sanitizer racecheck on a GPU for that).
 #pragma once
 
 #include <atomic>
@@ -29,7 +34,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -84,12 +91,41 @@ class Barrier {
   unsigned n_, count_ = 0, gen_ = 0;
 };
 
+// ---- Measuring (off unless emu_profile_enable(1)): what a launch does to memory, counted per warp instruction.
+// One launch's counts (`harpe::kernels_emu::profile::Profile` on the Rust side: same fields, same order).
+struct Profile {
+  unsigned long long launches, global_instr, global_sectors, useful_bytes, shared_instr, shared_wavefronts,
+      bank_conflicts, barriers, atomics, mma, cp_async;
+};
+inline bool& profiling() {
+  static bool on = false;
+  return on;
+}
+// One lane's part of a memory instruction.
+struct Access {
+  uint64_t addr;
+  uint32_t bytes, lane;
+};
+// A warp's memory instructions of the current block: the lanes' accesses keyed by (call site, the lane's n-th
+// execution of that site), so one key is one warp instruction as long as the lanes run the site in step.
+struct WarpLog {
+  std::mutex m;
+  std::map<std::pair<unsigned, uint64_t>, std::vector<Access>> global, shared;
+};
+
 struct Warp {
   explicit Warp(unsigned size) : size(size), bar(size) {}
   unsigned size;
   Barrier bar;
   uint64_t slot[32] = {};
   uint32_t frag[2][32][8] = {};  // the tensor-core twins' exchange, double-buffered (one barrier per call)
+  WarpLog log;
+};
+
+// A cp.async copy not yet completed: its 16 bytes (read at issue) and where they go.
+struct PendingCopy {
+  void* dst;
+  unsigned char data[16];
 };
 
 // Per-thread view of where it is in the launch.
@@ -101,6 +137,10 @@ struct Ctx {
   Warp* warp = nullptr;
   unsigned char* dyn_smem = nullptr;
   unsigned frag_parity = 0;  // which half of Warp::frag this lane's next gather uses
+  std::map<unsigned, uint64_t> site_count;          // per call site, how often this lane ran it (this block)
+  std::vector<PendingCopy> cp_open;                 // cp.async copies since the last commit
+  std::vector<std::vector<PendingCopy>> cp_groups;  // committed groups, oldest first
+  Profile* prof = nullptr;                          // this launch's counts (null: not measuring)
 };
 inline thread_local Ctx ctx;
 
@@ -109,10 +149,95 @@ inline std::mutex& launch_mutex() {
   return m;
 }
 
+// The measured launches, by kernel name (summed over launches until reset).
+inline std::map<std::string, Profile>& profiles() {
+  static std::map<std::string, Profile> p;
+  return p;
+}
+
+// Record one lane's access at `site` into its warp's log (global or shared).
+inline void log_access(bool global, const void* p, unsigned bytes, unsigned site) {
+  if (!ctx.prof) return;
+  const uint64_t k = ctx.site_count[site]++;
+  WarpLog& w = ctx.warp->log;
+  std::lock_guard<std::mutex> g(w.m);
+  (global ? w.global : w.shared)[{site, k}].push_back(Access{reinterpret_cast<uint64_t>(p), bytes, ctx.lane});
+}
+
+// Shared-memory wavefronts of one warp instruction: lanes are served in phases of 128 bytes (32 lanes of 4
+// bytes, 16 of 8, 8 of 16); within a phase each of the 32 banks (4-byte words, bank = word % 32) serves one
+// distinct word per wavefront, so a phase takes as many wavefronts as its busiest bank has distinct words.
+inline unsigned long long wavefronts(const std::vector<Access>& acc) {
+  unsigned bytes = 4;
+  for (const Access& a : acc) bytes = a.bytes > bytes ? a.bytes : bytes;
+  const unsigned per_phase = 128 / bytes;
+  std::map<unsigned, std::map<unsigned, std::vector<uint64_t>>> phase_bank_words;
+  for (const Access& a : acc)
+    for (uint64_t wd = a.addr / 4; wd < (a.addr + a.bytes + 3) / 4; ++wd) {
+      auto& words = phase_bank_words[a.lane / per_phase][static_cast<unsigned>(wd % 32)];
+      bool seen = false;
+      for (uint64_t x : words) seen |= x == wd;
+      if (!seen) words.push_back(wd);
+    }
+  unsigned long long total = 0;
+  for (auto& ph : phase_bank_words) {
+    size_t most = 1;
+    for (auto& b : ph.second) most = b.second.size() > most ? b.second.size() : most;
+    total += most;
+  }
+  return total;
+}
+
+// Fold a warp's log of the block just finished into the launch's counts: per global instruction the distinct
+// 32-byte sectors and the bytes asked for, per shared instruction its wavefronts (conflicts = wavefronts -
+// phases).
+inline void flush_log(Warp& w, Profile& p) {
+  std::lock_guard<std::mutex> g(w.log.m);
+  for (auto& kv : w.log.global) {
+    std::vector<uint64_t> sectors;
+    for (const Access& a : kv.second) {
+      p.useful_bytes += a.bytes;
+      for (uint64_t sct = a.addr / 32; sct <= (a.addr + a.bytes - 1) / 32; ++sct) {
+        bool seen = false;
+        for (uint64_t x : sectors) seen |= x == sct;
+        if (!seen) sectors.push_back(sct);
+      }
+    }
+    p.global_sectors += sectors.size();
+    p.global_instr += 1;
+  }
+  for (auto& kv : w.log.shared) {
+    unsigned bytes = 4;
+    unsigned lanes_max = 0;
+    for (const Access& a : kv.second) {
+      bytes = a.bytes > bytes ? a.bytes : bytes;
+      lanes_max = a.lane > lanes_max ? a.lane : lanes_max;
+    }
+    std::map<unsigned, bool> phases;
+    for (const Access& a : kv.second) phases[a.lane / (128 / bytes)] = true;
+    const unsigned long long wf = wavefronts(kv.second);
+    p.shared_instr += 1;
+    p.shared_wavefronts += wf;
+    p.bank_conflicts += wf - phases.size();
+  }
+  w.log.global.clear();
+  w.log.shared.clear();
+}
+
+// Complete this lane's cp.async groups until at most `keep` are pending (cp.async.wait_group keep).
+inline void cp_complete(size_t keep) {
+  while (ctx.cp_groups.size() > keep) {
+    for (PendingCopy& c : ctx.cp_groups.front()) std::memcpy(c.dst, c.data, 16);
+    ctx.cp_groups.erase(ctx.cp_groups.begin());
+  }
+}
+
 // Run `body` as a kernel over grid x block with `smem` bytes of dynamic shared memory.
 template <class F>
-void launch(dim3 grid, dim3 block, size_t smem, F body) {
+void launch(const char* name, dim3 grid, dim3 block, size_t smem, F body) {
   std::lock_guard<std::mutex> guard(launch_mutex());
+  Profile prof{};
+  Profile* measure = profiling() ? &prof : nullptr;
   const unsigned nt = block.x * block.y * block.z;
   if (nt == 0 || nt > 1024) {
     std::fprintf(stderr, "emu: block of %u threads (CUDA allows 1..1024)\n", nt);
@@ -134,17 +259,32 @@ void launch(dim3 grid, dim3 block, size_t smem, F body) {
       ctx.warp = warps[t / 32];
       ctx.dyn_smem = dyn.data();
       ctx.frag_parity = 0;
+      ctx.prof = measure;
       for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
           for (unsigned bx = 0; bx < grid.x; ++bx) {
             ctx.block = uint3{bx, by, bz};
+            ctx.site_count.clear();
             body();
-            bar.wait();  // the block is done before any thread starts the next one
+            cp_complete(0);  // copies still in flight land before the block's shared memory is reused
+            bar.wait();      // the block is done before any thread starts the next one
+            if (measure) {
+              if (ctx.lane == 0) flush_log(*ctx.warp, *measure);
+              bar.wait();
+            }
           }
+      ctx.prof = nullptr;
     });
   }
   for (auto& th : threads) th.join();
   for (auto* w : warps) delete w;
+  if (measure) {
+    prof.launches = 1;
+    Profile& acc = profiles()[name];
+    unsigned long long* a = &acc.launches;
+    const unsigned long long* b = &prof.launches;
+    for (size_t i = 0; i < sizeof(Profile) / sizeof(unsigned long long); ++i) a[i] += b[i];
+  }
 }
 
 template <class T>
@@ -200,7 +340,11 @@ T atomic_rmw(T* addr, T val, T (*op)(T, T)) {
 #define gridDim (emu::ctx.grid_dim)
 #define warpSize 32
 
-inline void __syncthreads() { emu::ctx.block_bar->wait(); }
+inline void __syncthreads() {
+  if (emu::ctx.prof && emu::ctx.thread.x == 0 && emu::ctx.thread.y == 0 && emu::ctx.thread.z == 0)
+    __atomic_fetch_add(&emu::ctx.prof->barriers, 1ull, __ATOMIC_RELAXED);
+  emu::ctx.block_bar->wait();
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::ctx.warp->bar.wait(); }
 template <class T>
 T __shfl_sync(unsigned, T v, int src) {
@@ -231,6 +375,7 @@ inline int __all_sync(unsigned m, int pred) {
 }
 
 inline float atomicAdd(float* a, float v) {
+  if (emu::ctx.prof) __atomic_fetch_add(&emu::ctx.prof->atomics, 1ull, __ATOMIC_RELAXED);
   return emu::atomic_rmw<float>(a, v, [](float x, float y) { return x + y; });
 }
 inline double atomicAdd(double* a, double v) {
@@ -300,7 +445,7 @@ inline __half __float2half(float f) {
 // Host entry point for one kernel: `extern "C" void emu_NAME(dim3 grid, dim3 block, size_t smem, PARAMS)`.
 #define EMU_ENTRY(name, params, args)                                                  \
   extern "C" void emu_##name(unsigned gx, unsigned bx, size_t smem, EMU_UNPAREN params) { \
-    emu::launch(dim3(gx), dim3(bx), smem, [&] { name args; });                          \
+    emu::launch(#name, dim3(gx), dim3(bx), smem, [&] { name args; });                   \
   }
 #define EMU_UNPAREN(...) __VA_ARGS__
 #define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::ctx.dyn_smem)
@@ -329,6 +474,15 @@ inline const uint16_t* addr_of(const uint32_t (*tab)[8], unsigned lane) {
 inline void ldmatrix(uint32_t* r, const void* row, int nmat, bool trans) {
   const uint32_t(*tab)[8] = gather_addr(row);
   const unsigned l = ctx.lane, g = l / 4, t = l % 4;
+  if (ctx.prof && l == 0) {  // one instruction: matrix i's 8 rows of 16 bytes are one phase
+    std::vector<Access> acc;
+    for (unsigned i = 0; i < 8u * nmat; ++i)
+      acc.push_back(Access{reinterpret_cast<uint64_t>(addr_of(tab, i)), 16, i});
+    const unsigned long long wf = wavefronts(acc);
+    ctx.prof->shared_instr += 1;
+    ctx.prof->shared_wavefronts += wf;
+    ctx.prof->bank_conflicts += wf - nmat;
+  }
   for (int i = 0; i < nmat; ++i) {
     uint16_t lo, hi;
     if (!trans) {
@@ -355,6 +509,7 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
   const uint32_t(*tab)[8] = emu::gather(mine, 6);
   const unsigned l = emu::ctx.lane, g = l / 4, t = l % 4;
+  if (emu::ctx.prof && l == 0) emu::ctx.prof->mma += 1;
   const T* tag = nullptr;
   for (int e = 0; e < 4; ++e) {
     const unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
@@ -368,6 +523,76 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   }
 }
 
-// 16 bytes from `src` to `dst`.
-inline void copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+// 16 bytes from `src` (global) to `dst` (shared): one 16-byte load and one 16-byte shared store per lane.
+inline void copy16(void* dst, const void* src, unsigned site = __builtin_LINE()) {
+  emu::log_access(true, src, 16, site);
+  emu::log_access(false, dst, 16, site);
+  std::memcpy(dst, src, 16);
+}
+
+// cp.async.cg.shared.global 16 bytes: the source is read now, the destination holds poison (0xff bytes: NaN in
+// f32, bf16 and f16) until this lane's cp_async_wait completes the group holding the copy.
+inline void cp_async16(void* dst, const void* src, unsigned site = __builtin_LINE()) {
+  emu::log_access(true, src, 16, site);
+  emu::log_access(false, dst, 16, site);
+  if (emu::ctx.prof) __atomic_fetch_add(&emu::ctx.prof->cp_async, 1ull, __ATOMIC_RELAXED);
+  emu::PendingCopy c;
+  c.dst = dst;
+  std::memcpy(c.data, src, 16);
+  std::memset(dst, 0xff, 16);
+  emu::ctx.cp_open.push_back(c);
+}
+// cp.async.commit_group: this lane's copies since the last commit form one group.
+inline void cp_async_commit() {
+  emu::ctx.cp_groups.push_back(emu::ctx.cp_open);
+  emu::ctx.cp_open.clear();
+}
+// cp.async.wait_group N: all but this lane's N most recent groups have landed.
+template <int N>
+inline void cp_async_wait() {
+  emu::cp_complete(N);
+}
+
+// Global and shared loads and stores the measuring counts (plain accesses elsewhere are not seen).
+template <class T>
+inline T gld(const T* p, unsigned site = __builtin_LINE()) {
+  emu::log_access(true, p, sizeof(T), site);
+  return *p;
+}
+template <class T>
+inline void gst(T* p, T v, unsigned site = __builtin_LINE()) {
+  emu::log_access(true, p, sizeof(T), site);
+  *p = v;
+}
+template <class T>
+inline T sld(const T* p, unsigned site = __builtin_LINE()) {
+  emu::log_access(false, p, sizeof(T), site);
+  return *p;
+}
+template <class T>
+inline void sst(T* p, T v, unsigned site = __builtin_LINE()) {
+  emu::log_access(false, p, sizeof(T), site);
+  *p = v;
+}
+
+// The measuring's host entry points (defined once, in kernels/emu_toys.cu, which defines
+// EMU_DEFINE_PROFILE_EXPORTS before including common.cuh).
+extern "C" void emu_profile_enable(int on);
+extern "C" void emu_profile_reset();
+extern "C" int emu_profile_get(const char* name, emu::Profile* out);
+#ifdef EMU_DEFINE_PROFILE_EXPORTS
+extern "C" void emu_profile_enable(int on) { emu::profiling() = on != 0; }
+extern "C" void emu_profile_reset() {
+  std::lock_guard<std::mutex> g(emu::launch_mutex());
+  emu::profiles().clear();
+}
+// The summed counts of kernel `name` since the last reset; 0 if it has not run measured.
+extern "C" int emu_profile_get(const char* name, emu::Profile* out) {
+  std::lock_guard<std::mutex> g(emu::launch_mutex());
+  auto it = emu::profiles().find(name);
+  if (it == emu::profiles().end()) return 0;
+  *out = it->second;
+  return 1;
+}
+#endif
 #define __align__(n) __attribute__((aligned(n)))

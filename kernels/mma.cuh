@@ -15,7 +15,8 @@
 // The non-obvious decision: this file is the only one with PTX; kernels/emu.h defines the same functions
 // with the same signatures for the host, reproducing these per-lane layouts exactly (through the warp's
 // exchange), so the kernels' fragment bookkeeping is tested on CPU (tests/attention_emu.rs, mma_probe).
-// Does not: wgmma / TMA (Hopper-only; a later, run-time-chosen extra path), cp.async (a later speed step).
+// `cp_async16` / `cp_async_commit` / `cp_async_wait<N>`: sm_80's asynchronous global -> shared copies.
+// Does not: wgmma / TMA (Hopper-only; a later, run-time-chosen extra path).
 #pragma once
 
 template <class T>
@@ -68,6 +69,27 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t* r, const void* row) 
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
+
+// cp.async.cg.shared.global of 16 bytes (`src` global, `dst` shared, both 16-byte aligned), its commit_group
+// and wait_group N (all but the N most recent groups of this thread have landed in shared memory).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Plain global and shared loads and stores; the host emulation's twins also measure them (kernels/emu.h).
+template <class T>
+__device__ __forceinline__ T gld(const T* p) { return *p; }
+template <class T>
+__device__ __forceinline__ void gst(T* p, T v) { *p = v; }
+template <class T>
+__device__ __forceinline__ T sld(const T* p) { return *p; }
+template <class T>
+__device__ __forceinline__ void sst(T* p, T v) { *p = v; }
 
 __device__ __forceinline__ uint16_t bits16(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ uint16_t bits16(__half v) { return __half_as_ushort(v); }

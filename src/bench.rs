@@ -155,6 +155,12 @@ pub struct BenchArgs {
     /// print JSON instead of a table
     #[arg(long)]
     pub json: bool,
+    /// `attention`: run the kernels on `cuda` (timed) or `emulated` (the host emulation; needs --profile)
+    #[arg(long, default_value = "cuda", value_parser = ["cuda", "emulated"])]
+    pub target: String,
+    /// `attention --target emulated`: measure each kernel (sectors, bank conflicts, barriers, atomics, mma)
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// `harpe bench`.
@@ -164,6 +170,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.what.as_deref() == Some("comms") {
         return comms::run(&args);
+    }
+    if args.what.as_deref() == Some("attention") && args.target == "emulated" {
+        return attention::run_emulated(&args);
     }
     if !cfg!(feature = "cuda") {
         bail!("harpe bench times the CUDA kernels, and this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs); on CPU, `harpe selftest` checks the kernels' source through the host emulation");

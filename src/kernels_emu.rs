@@ -12,6 +12,7 @@ use half::bf16;
 
 pub mod attention;
 pub mod perturb;
+pub mod profile;
 
 /// A launch shape: `grid` blocks of `block` threads (1-D; block a multiple of 32, at most 1024).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -506,6 +506,28 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         ws,
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
+    if !cpu {
+        // one layer's flash-attention backward at a time: the op's own workspace function (Ulysses: H/p heads
+        // over the whole sequence)
+        let dims = crate::ops::attention_shape::AttnDims {
+            b: shape.micro_batch,
+            h: (arch.heads / p).max(1),
+            hkv: (arch.kv_heads / p).max(1),
+            tq: shape.seq_len,
+            tk: shape.seq_len,
+            d: arch.head_dim,
+        };
+        let aw = crate::ops::attention_shape::attention_workspace(dims, wb as usize);
+        add(
+            "attention_workspace",
+            aw.total() as f64,
+            format!(
+                "one layer's attention backward: packed [q|O|lse|dO] rows {:.2} GiB + f32 delta and dQ accumulator {:.2} GiB",
+                gib(aw.bwd_packed as f64),
+                gib(aw.bwd_scratch as f64)
+            ),
+        );
+    }
     if world.gpus > 1 {
         if cpu {
             // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the

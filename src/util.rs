@@ -60,6 +60,17 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
+/// "6.00B" / "2.00M" / "512" style counts.
+pub fn human_count(n: u64) -> String {
+    let v = n as f64;
+    match n {
+        _ if n >= 1_000_000_000 => format!("{:.2}B", v / 1e9),
+        _ if n >= 1_000_000 => format!("{:.2}M", v / 1e6),
+        _ if n >= 10_000 => format!("{:.1}K", v / 1e3),
+        _ => n.to_string(),
+    }
+}
+
 /// An exclusive advisory lock (`flock`) on `DIR/.lock`, held until dropped.
 ///
 /// One writer per directory: `train` (run directory), `prepare-data --out`, `eval-niah --out` and

@@ -8,10 +8,12 @@
 //! backward 2.5x the forward (five matmuls against two), forward+backward 3.5x.
 //! The non-obvious decision: the rows time the launchers directly (`ops::attention_cuda::{fwd, bwd}`, the
 //! tensor-core tiles for bf16), not the autograd op, so the numbers are the kernels' and compare to SDPA's
-//! kernels; the op adds one pack/unpack pass over O and dO. Repetitions adapt to the problem (at least one
+//! kernels; the op adds its one packing copy of q, O and dO (`Tensor::cat` in its backward). Repetitions adapt to the problem (at least one
 //! timed call after one warm-up, about `--attn-seconds` per row).
 //! With `--features flash-attn` the forward rows also time candle-flash-attn's FA2 forward on the same
 //! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
+//! `--target emulated --profile` (`run_emulated`) runs no GPU: it measures the tensor-core kernels on the host
+//! emulation (`kernels_emu::profile`: sectors, bank conflicts, barriers, atomics, mma) with a roofline bound.
 //! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the benchmark is bf16, D = 128).
 use super::BenchArgs;
 use anyhow::Result;
@@ -98,6 +100,125 @@ pub fn torch_sdpa(tokens: &[usize], seconds: f64) -> Option<serde_json::Value> {
     super::torch_script("bench_attention_torch.py", &["--tokens", &t.join(","), "--seconds", &seconds.to_string()])
 }
 
+/// One measured kernel launch of `harpe bench attention --target emulated --profile`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProfileRow {
+    pub kernel: String,
+    /// "B1 H2/2 T256 D128 causal"
+    pub shape: String,
+    pub global_sectors: u64,
+    pub useful_bytes: u64,
+    pub sector_efficiency: f64,
+    pub bank_conflicts: u64,
+    pub barriers: u64,
+    pub atomics: u64,
+    pub mma: u64,
+    /// roofline bound of the pass's causal FLOPs: max(sector bytes / bandwidth, mma FLOPs / peak), per GPU
+    pub predicted_tflops: PredictedTflops,
+}
+
+/// `ProfileRow::predicted_tflops` for the A100 (SXM 80 GB: 2.04 TB/s, 312 TFLOP/s bf16) and H100 (SXM:
+/// 3.35 TB/s, 989 TFLOP/s).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct PredictedTflops {
+    pub a100: f64,
+    pub h100: f64,
+}
+
+/// FLOPs of one mma.sync m16n8k16 (a warp instruction).
+const MMA_FLOPS: f64 = 2.0 * 16.0 * 8.0 * 16.0;
+
+fn roofline(useful_flops: f64, p: &crate::kernels_emu::profile::Profile) -> PredictedTflops {
+    let at = |bw_tb_s: f64, peak_tflops: f64| {
+        let s =
+            (p.global_sectors as f64 * 32.0 / (bw_tb_s * 1e12)).max(p.mma as f64 * MMA_FLOPS / (peak_tflops * 1e12));
+        if s > 0.0 {
+            useful_flops / s / 1e12
+        } else {
+            0.0
+        }
+    };
+    PredictedTflops { a100: at(2.04, 312.0), h100: at(3.35, 989.0) }
+}
+
+/// `harpe bench attention --target emulated --profile`: the tensor-core kernels (bf16) run once each on the
+/// host emulation with measuring on, one row per kernel and shape. The shapes are small (the emulator runs a
+/// thread per GPU thread); per-tile counts do not depend on T beyond the causal tile count.
+pub fn run_emulated(args: &BenchArgs) -> Result<()> {
+    use crate::kernels_emu::{attention as ka, profile};
+    use crate::ops::attention_shape::{AttnDims, AttnKernel};
+    if !args.profile {
+        anyhow::bail!(
+            "harpe bench attention --target emulated only measures (it cannot time a GPU)\nhint: add --profile"
+        );
+    }
+    let mut rows = vec![];
+    for d in [128usize, 64] {
+        let dims = AttnDims { b: 1, h: 2, hkv: 2, tq: 256, tk: 256, d };
+        let n = dims.b * dims.h * dims.tq * d;
+        let x: Vec<half::bf16> =
+            (0..n).map(|i| half::bf16::from_f32(((i * 7919) % 997) as f32 / 997.0 - 0.5)).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        profile::reset();
+        profile::enable(true);
+        let run = (|| -> candle_core::Result<()> {
+            let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, &x, &x, &x, dims, scale, true, None)?;
+            ka::attention_bwd(AttnKernel::TensorCore, &x, &x, &x, &o, &lse, &x, dims, scale, true, None)?;
+            Ok(())
+        })();
+        profile::enable(false);
+        run?;
+        let shape = format!("B{} H{}/{} T{} D{d} causal", dims.b, dims.h, dims.hkv, dims.tq);
+        let fwd = flops("fwd", dims.h, dims.tq, d);
+        for (kernel, useful) in [
+            (format!("attn_fwd_tc_bf16_d{d}"), fwd),
+            ("attn_bwd_delta_bf16".to_string(), 0.0),
+            (format!("attn_bwd_tc_bf16_d{d}"), 2.5 * fwd),
+            ("attn_dq_convert_bf16".to_string(), 0.0),
+        ] {
+            let Some(p) = profile::get(&kernel) else { anyhow::bail!("{kernel} did not run while measuring") };
+            rows.push(ProfileRow {
+                kernel,
+                shape: shape.clone(),
+                global_sectors: p.global_sectors,
+                useful_bytes: p.useful_bytes,
+                sector_efficiency: p.sector_efficiency(),
+                bank_conflicts: p.bank_conflicts,
+                barriers: p.barriers,
+                atomics: p.atomics,
+                mma: p.mma,
+                predicted_tflops: roofline(useful, &p),
+            });
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("harpe bench attention --target emulated --profile (measured accesses only: copy16/cp.async tiles, gld/gst sites, ldmatrix, mma)");
+    println!(
+        "{:<24} {:<24} {:>9} {:>10} {:>6} {:>9} {:>8} {:>8} {:>8} {:>12}",
+        "kernel", "shape", "sectors", "useful B", "eff", "conflicts", "barriers", "atomics", "mma", "TF A100/H100"
+    );
+    for r in &rows {
+        println!(
+            "{:<24} {:<24} {:>9} {:>10} {:>5.0}% {:>9} {:>8} {:>8} {:>8} {:>5.0}/{:<6.0}",
+            r.kernel,
+            r.shape,
+            r.global_sectors,
+            r.useful_bytes,
+            100.0 * r.sector_efficiency,
+            r.bank_conflicts,
+            r.barriers,
+            r.atomics,
+            r.mma,
+            r.predicted_tflops.a100,
+            r.predicted_tflops.h100
+        );
+    }
+    Ok(())
+}
+
 /// `harpe bench attention`.
 pub fn run(args: &BenchArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
@@ -170,15 +291,17 @@ mod gpu {
                 else {
                     bail!("bench attention: tensors are not on the CUDA device");
                 };
-                let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None)?;
+                let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
                 let lo = candle_core::Layout::contiguous((1, h, t, d));
-                let f_ms = time(&dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None).map(|_| ())?))?;
+                let f_ms =
+                    time(&dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None).map(|_| ())?))?;
                 let b_ms = time(&dev, seconds, || {
-                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None).map(|_| ())?)
+                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None, None)
+                        .map(|_| ())?)
                 })?;
                 let fb_ms = time(&dev, seconds, || {
-                    let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None)?;
-                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None)
+                    let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
+                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None, None)
                         .map(|_| ())?)
                 })?;
                 eprintln!("bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms");

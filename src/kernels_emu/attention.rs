@@ -1,8 +1,8 @@
 //! Host twins of kernels/attention.cu (flash attention forward, delta pre-kernel, backward, dQ convert; the
 //! FMA tiles and the tensor-core tiles) and of kernels/mma_probe.cu: the kernels' own source compiled
 //! against kernels/emu.h, behind safe wrappers with the shapes of `ops::attention` (q (B, H, Tq, D), k/v
-//! (B, Hkv, Tk, D), lse (B, H, Tq)); `attention_{fwd,bwd}_doc` pass a document mask (per key, the start of
-//! its document: `ops::attention::DocStarts::host`), the others a null pointer.
+//! (B, Hkv, Tk, D), lse (B, H, Tq)); `attention_{fwd,bwd}` take an optional document mask (per key, the
+//! start of its document: `ops::attention::DocStarts::host`; None passes a null pointer).
 //!
 //! Reference: kernels/attention.cu (header: algorithm, tiles, what a block owns), kernels/mma.cuh (the
 //! fragment layouts the emulated mma/ldmatrix reproduce); the CPU reference
@@ -10,82 +10,13 @@
 //! The non-obvious decision: the launch shape is not the caller's choice here (unlike the row kernels):
 //! the kernels are written for exactly 128 threads per block and one block per (tile, head, batch), so
 //! the wrapper derives the grid from the shapes exactly as the CUDA launcher does — and both take the
-//! tile heights and the kernel choice from `AttnKernel`, one owner for both targets.
+//! tile heights and the kernel choice from `ops::attention_shape::AttnKernel`, one owner for both targets
+//! (this file depends on the op's types, never the op on this file).
 //! Does not: run fast (one OS thread per emulated GPU thread; every mma is a warp barrier).
 use super::{check_len, u32_of};
-use crate::ops::attention::AttnDims;
+use crate::ops::attention_shape::{attention_workspace, check_dims, AttnDims, AttnKernel, PackedRows, ATTN_THREADS};
 use candle_core::{bail, Result};
 use half::{bf16, f16};
-
-/// Threads per block of the attention kernels (`ATTN_NT` in kernels/attention.cu).
-pub const ATTN_THREADS: u32 = 128;
-/// Head dims the kernels are instantiated for (FMA tiles; the tensor-core tiles take 64 and 128).
-pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
-/// Head dims of the tensor-core kernels.
-pub const TC_HEAD_DIMS: [usize; 2] = [64, 128];
-
-/// Which tiles of kernels/attention.cu run: the FMA reference tiles or the tensor-core (mma.sync) tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttnKernel {
-    /// plain FMA loops over shared memory (every dtype and head dim; the readable reference)
-    Fma,
-    /// sm_80 mma.sync m16n8k16 + ldmatrix (bf16/f16 inputs, D = 64 or 128, 16-byte aligned inputs)
-    TensorCore,
-}
-
-impl AttnKernel {
-    /// The fastest kernel for a storage type of `elem_bytes` bytes and head dim `d`.
-    pub fn best(elem_bytes: usize, d: usize) -> AttnKernel {
-        if elem_bytes == 2 && TC_HEAD_DIMS.contains(&d) {
-            AttnKernel::TensorCore
-        } else {
-            AttnKernel::Fma
-        }
-    }
-
-    /// Query rows per forward block (`AttnTile<D>::BQ` / `AttnTc<D>::BQ` in the kernel).
-    pub fn fwd_rows(self, d: usize) -> usize {
-        match self {
-            AttnKernel::Fma => fma_tile(d),
-            AttnKernel::TensorCore => 64,
-        }
-    }
-
-    /// Keys per backward block (`AttnTile<D>::BK` / `AttnTc<D>::BKB`).
-    pub fn bwd_keys(self, d: usize) -> usize {
-        match self {
-            AttnKernel::Fma => fma_tile(d),
-            AttnKernel::TensorCore => 64,
-        }
-    }
-
-    /// Kernel-name stem: `attn_fwd` or `attn_fwd_tc` (and `attn_bwd`, `attn_bwd_tc`).
-    pub fn stem(self, pass: &str) -> String {
-        match self {
-            AttnKernel::Fma => format!("attn_{pass}"),
-            AttnKernel::TensorCore => format!("attn_{pass}_tc"),
-        }
-    }
-
-    /// An error unless this kernel is instantiated for `elem_bytes`-byte inputs and head dim `d`.
-    pub fn check(self, elem_bytes: usize, d: usize) -> Result<()> {
-        if self == AttnKernel::TensorCore && (elem_bytes != 2 || !TC_HEAD_DIMS.contains(&d)) {
-            bail!(
-                "attention kernel: the tensor-core tiles take bf16/f16 inputs with D in {TC_HEAD_DIMS:?}, got {elem_bytes}-byte elements and D = {d}\nhint: use AttnKernel::Fma (or AttnKernel::best)"
-            );
-        }
-        Ok(())
-    }
-}
-
-/// Query (forward) and key (backward) tile height of the FMA kernels for head dim `d` (`AttnTile<D>`).
-pub fn fma_tile(d: usize) -> usize {
-    if d >= 128 {
-        16
-    } else {
-        32
-    }
-}
 
 type FwdFn<T> = unsafe extern "C" fn(
     u32,
@@ -104,6 +35,8 @@ type FwdFn<T> = unsafe extern "C" fn(
     u32,
     f32,
     i32,
+    u32,
+    u32,
 );
 type BwdFn<T> = unsafe extern "C" fn(
     u32,
@@ -126,11 +59,11 @@ type BwdFn<T> = unsafe extern "C" fn(
     u32,
     f32,
     i32,
+    u32,
+    u32,
 );
-type DeltaFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *mut f32, u32, u32);
+type DeltaFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *mut f32, u32, u32, u32);
 type ConvFn<T> = unsafe extern "C" fn(u32, u32, usize, *const f32, *mut T, u64);
-type PackFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const f32, *mut f32, u32, u32);
-type UnpackFn<T> = unsafe extern "C" fn(u32, u32, usize, *const f32, *mut T, *mut T, *mut T, *mut f32, u32, u32);
 type ProbeFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *const T, *mut f32);
 
 mod ffi {
@@ -154,6 +87,8 @@ mod ffi {
                 tk: u32,
                 scale: f32,
                 causal: i32,
+                ldo: u32,
+                ldl: u32,
             );
             pub fn $bwd(
                 gx: u32,
@@ -176,11 +111,13 @@ mod ffi {
                 tk: u32,
                 scale: f32,
                 causal: i32,
+                ldq: u32,
+                ldl: u32,
             );
         )*};
     }
     macro_rules! decl_rows {
-        ($t:ty, $delta:ident, $conv:ident, $pack:ident, $unpack:ident) => {
+        ($t:ty, $delta:ident, $conv:ident) => {
             pub fn $delta(
                 gx: u32,
                 bx: u32,
@@ -190,30 +127,9 @@ mod ffi {
                 delta: *mut f32,
                 rows: u32,
                 d: u32,
+                ld: u32,
             );
             pub fn $conv(gx: u32, bx: u32, smem: usize, acc: *const f32, dq: *mut $t, n: u64);
-            pub fn $pack(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                o: *const $t,
-                lse: *const f32,
-                packed: *mut f32,
-                rows: u32,
-                d: u32,
-            );
-            pub fn $unpack(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                packed: *const f32,
-                q: *mut $t,
-                o: *mut $t,
-                dout: *mut $t,
-                lse: *mut f32,
-                rows: u32,
-                d: u32,
-            );
         };
     }
     #[link(name = "harpe_kernels_emu", kind = "static")]
@@ -259,15 +175,9 @@ mod ffi {
             emu_attn_fwd_tc_f16_d128,
             emu_attn_bwd_tc_f16_d128
         );
-        decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32, emu_attn_pack_fwd_f32, emu_attn_unpack_bwd_f32);
-        decl_rows!(
-            bf16,
-            emu_attn_bwd_delta_bf16,
-            emu_attn_dq_convert_bf16,
-            emu_attn_pack_fwd_bf16,
-            emu_attn_unpack_bwd_bf16
-        );
-        decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16, emu_attn_pack_fwd_f16, emu_attn_unpack_bwd_f16);
+        decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32);
+        decl_rows!(bf16, emu_attn_bwd_delta_bf16, emu_attn_dq_convert_bf16);
+        decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16);
         pub fn emu_mma_probe_bf16(
             gx: u32,
             bx: u32,
@@ -304,15 +214,11 @@ pub trait AttnFloat: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     #[doc(hidden)]
     const CONV: ConvFn<Self>;
     #[doc(hidden)]
-    const PACK: PackFn<Self>;
-    #[doc(hidden)]
-    const UNPACK: UnpackFn<Self>;
-    #[doc(hidden)]
     const PROBE: Option<ProbeFn<Self>>;
 }
 
 macro_rules! attn_float {
-    ($t:ty, $to:expr, $from:expr, $delta:ident, $conv:ident, $pack:ident, $unpack:ident, $probe:expr,
+    ($t:ty, $to:expr, $from:expr, $delta:ident, $conv:ident, $probe:expr,
      fma [$(($d:literal, $fwd:ident, $bwd:ident)),*], tc [$(($dt:literal, $tfwd:ident, $tbwd:ident)),*]) => {
         impl AttnFloat for $t {
             fn to_f32(self) -> f32 {
@@ -337,8 +243,6 @@ macro_rules! attn_float {
             }
             const DELTA: DeltaFn<Self> = ffi::$delta;
             const CONV: ConvFn<Self> = ffi::$conv;
-            const PACK: PackFn<Self> = ffi::$pack;
-            const UNPACK: UnpackFn<Self> = ffi::$unpack;
             const PROBE: Option<ProbeFn<Self>> = $probe;
         }
     };
@@ -349,8 +253,6 @@ attn_float!(
     |x: f32| x,
     emu_attn_bwd_delta_f32,
     emu_attn_dq_convert_f32,
-    emu_attn_pack_fwd_f32,
-    emu_attn_unpack_bwd_f32,
     None,
     fma [
         (16, emu_attn_fwd_f32_d16, emu_attn_bwd_f32_d16),
@@ -366,8 +268,6 @@ attn_float!(
     bf16::from_f32,
     emu_attn_bwd_delta_bf16,
     emu_attn_dq_convert_bf16,
-    emu_attn_pack_fwd_bf16,
-    emu_attn_unpack_bwd_bf16,
     Some(ffi::emu_mma_probe_bf16 as ProbeFn<bf16>),
     fma [
         (16, emu_attn_fwd_bf16_d16, emu_attn_bwd_bf16_d16),
@@ -383,8 +283,6 @@ attn_float!(
     f16::from_f32,
     emu_attn_bwd_delta_f16,
     emu_attn_dq_convert_f16,
-    emu_attn_pack_fwd_f16,
-    emu_attn_unpack_bwd_f16,
     Some(ffi::emu_mma_probe_f16 as ProbeFn<f16>),
     fma [
         (16, emu_attn_fwd_f16_d16, emu_attn_bwd_f16_d16),
@@ -394,65 +292,6 @@ attn_float!(
     ],
     tc [(64, emu_attn_fwd_tc_f16_d64, emu_attn_bwd_tc_f16_d64), (128, emu_attn_fwd_tc_f16_d128, emu_attn_bwd_tc_f16_d128)]
 );
-
-/// The shape checks the CUDA launcher makes too: head dim, GQA ratio, causal Tk >= Tq, sizes in u32.
-pub fn check_dims(dims: AttnDims, causal: bool) -> Result<()> {
-    let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    if !HEAD_DIMS.contains(&d) {
-        bail!("attention kernel: head dim D = {d} is not one of {HEAD_DIMS:?}\nhint: use the CPU reference (ops::attention) for other head dims");
-    }
-    if hkv == 0 || h % hkv != 0 {
-        bail!("attention kernel: H = {h} query heads is not a multiple of Hkv = {hkv} kv heads\nhint: check num_key_value_heads in config.json");
-    }
-    if b == 0 || tq == 0 || tk == 0 {
-        bail!("attention kernel: empty problem (B {b}, Tq {tq}, Tk {tk})\nhint: skip the call for empty batches");
-    }
-    if causal && tk < tq {
-        bail!("attention kernel: causal attention needs Tk >= Tq, got Tq {tq}, Tk {tk}\nhint: the KV cache must hold the queries' own keys");
-    }
-    u32_of("B*H*Tq*D", b * h * tq * d)?;
-    u32_of("B*Hkv*Tk*D", b * hkv * tk * d)?;
-    Ok(())
-}
-
-/// Flash-attention forward on the emulator with the fastest kernel for T and D (`AttnKernel::best`).
-pub fn attention_fwd<T: AttnFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> Result<(Vec<T>, Vec<f32>)> {
-    attention_fwd_with(AttnKernel::best(std::mem::size_of::<T>(), dims.d), q, k, v, dims, scale, causal)
-}
-
-/// Flash-attention forward on the emulator with the given tiles: (O (B, H, Tq, D), lse (B, H, Tq)).
-pub fn attention_fwd_with<T: AttnFloat>(
-    kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> Result<(Vec<T>, Vec<f32>)> {
-    fwd_impl(kernel, q, k, v, dims, scale, causal, None)
-}
-
-/// `attention_fwd_with` under a document mask (causal): `docs` (B*Tk) per key position, the start of its
-/// document (`ops::attention::DocStarts::host`).
-pub fn attention_fwd_doc<T: AttnFloat>(
-    kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    dims: AttnDims,
-    scale: f32,
-    docs: &[u32],
-) -> Result<(Vec<T>, Vec<f32>)> {
-    fwd_impl(kernel, q, k, v, dims, scale, true, Some(docs))
-}
 
 /// The shape rule of a document mask: one start per key of every sequence.
 pub fn check_docs(dims: AttnDims, causal: bool, docs: Option<&[u32]>) -> Result<()> {
@@ -465,8 +304,29 @@ pub fn check_docs(dims: AttnDims, causal: bool, docs: Option<&[u32]>) -> Result<
     Ok(())
 }
 
+/// Where a forward writes: O rows `ldo` elements apart, lse values `ldl` floats apart.
+struct FwdOut<T> {
+    o: *mut T,
+    lse: *mut f32,
+    ldo: usize,
+    ldl: usize,
+}
+
+/// What a backward reads besides k and v: q, O and dO rows `ldq` elements apart, lse `ldl` floats apart.
+struct BwdIn<T> {
+    q: *const T,
+    o: *const T,
+    dout: *const T,
+    lse: *const f32,
+    ldq: usize,
+    ldl: usize,
+}
+
+/// Flash-attention forward on the emulator with the given tiles: (O (B, H, Tq, D), lse (B, H, Tq)); `docs`
+/// an optional document mask (causal only): per key position (B*Tk), the start of its document
+/// (`ops::attention::DocStarts::host`).
 #[allow(clippy::too_many_arguments)]
-fn fwd_impl<T: AttnFloat>(
+pub fn attention_fwd<T: AttnFloat>(
     kernel: AttnKernel,
     q: &[T],
     k: &[T],
@@ -476,6 +336,69 @@ fn fwd_impl<T: AttnFloat>(
     causal: bool,
     docs: Option<&[u32]>,
 ) -> Result<(Vec<T>, Vec<f32>)> {
+    let AttnDims { b, h, tq, d, .. } = dims;
+    let mut o = vec![T::default(); b * h * tq * d];
+    let mut lse = vec![0f32; b * h * tq];
+    let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
+    // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
+    unsafe { fwd_launch(kernel, q, k, v, dims, scale, causal, docs, out)? };
+    super::perturb::attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
+    Ok((o, lse))
+}
+
+/// The CUDA launcher's `fwd_packed` on the emulator: the op's forward output, rows of O | lse | pad
+/// (`PackedRows::fwd_width` elements of T; lse's f32 in the first slots after O, `packed_lse` reads it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_packed<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Result<Vec<T>> {
+    let AttnDims { b, h, tq, d, .. } = dims;
+    let lay = PackedRows { d, elem_bytes: std::mem::size_of::<T>() };
+    let mut packed = vec![T::default(); b * h * tq * lay.fwd_width()];
+    check_aligned("packed output", packed.as_ptr())?;
+    let out = FwdOut {
+        // SAFETY (both adds): within the buffer (row 0 has fwd_width >= D + 1 elements)
+        o: packed.as_mut_ptr(),
+        lse: unsafe { packed.as_mut_ptr().add(d) } as *mut f32,
+        ldo: lay.fwd_width(),
+        ldl: lay.floats(lay.fwd_width()),
+    };
+    // SAFETY: B*H*Tq rows of fwd_width elements; the lse float of row r lies at byte (r * width + D) * size
+    // of T, 4-byte aligned because the buffer is 16-byte aligned and D is even.
+    unsafe { fwd_launch(kernel, q, k, v, dims, scale, causal, docs, out)? };
+    Ok(packed)
+}
+
+/// An error unless `p` is 16-byte aligned (the tensor-core tiles' copy16 and the f32 lse slots need it).
+fn check_aligned<T>(what: &str, p: *const T) -> Result<()> {
+    if !(p as usize).is_multiple_of(16) {
+        bail!("emulated kernel: `{what}` is not 16-byte aligned\nhint: pass a buffer from a fresh Vec");
+    }
+    Ok(())
+}
+
+/// The checks and the launch of one forward.
+/// SAFETY: `out` must address B*H*Tq rows of O (D elements each, `ldo` apart) and B*H*Tq lse floats
+/// (`ldl` apart), valid for writes and overlapping no input.
+#[allow(clippy::too_many_arguments)]
+unsafe fn fwd_launch<T: AttnFloat>(
+    kernel: AttnKernel,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+    out: FwdOut<T>,
+) -> Result<()> {
     check_dims(dims, causal)?;
     check_docs(dims, causal, docs)?;
     kernel.check(std::mem::size_of::<T>(), dims.d)?;
@@ -485,9 +408,8 @@ fn fwd_impl<T: AttnFloat>(
     check_len("v", v.len(), b * hkv * tk * d)?;
     let Some(f) = T::fwd_fn(kernel, d) else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
     let grid = u32_of("forward grid", tq.div_ceil(kernel.fwd_rows(d)) * b * h)?;
-    let mut o = vec![T::default(); q.len()];
-    let mut lse = vec![0f32; b * h * tq];
-    // SAFETY: lengths checked above; the grid covers exactly the tiles the kernel decodes.
+    // SAFETY: input lengths checked above, the outputs are the caller's promise; the grid covers exactly
+    // the tiles the kernel decodes.
     unsafe {
         f(
             grid,
@@ -496,8 +418,8 @@ fn fwd_impl<T: AttnFloat>(
             q.as_ptr(),
             k.as_ptr(),
             v.as_ptr(),
-            o.as_mut_ptr(),
-            lse.as_mut_ptr(),
+            out.o,
+            out.lse,
             docs.map_or(std::ptr::null(), |ds| ds.as_ptr()),
             b as u32,
             h as u32,
@@ -506,65 +428,17 @@ fn fwd_impl<T: AttnFloat>(
             tk as u32,
             scale,
             causal as i32,
+            u32_of("ldo", out.ldo)?,
+            u32_of("ldl", out.ldl)?,
         )
     };
-    super::perturb::attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
-    Ok((o, lse))
+    Ok(())
 }
 
-/// Flash-attention backward on the emulator with the fastest kernel for T and D (`AttnKernel::best`).
+/// Flash-attention backward on the emulator with the given tiles: (dQ, dK, dV) from q, k, v, the forward's
+/// O and lse, and dO, under `attention_fwd`'s optional document mask `docs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd<T: AttnFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
-    dout: &[T],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
-    let kernel = AttnKernel::best(std::mem::size_of::<T>(), dims.d);
-    attention_bwd_with(kernel, q, k, v, o, lse, dout, dims, scale, causal)
-}
-
-/// Flash-attention backward on the emulator: (dQ, dK, dV) from q, k, v, the forward's O and lse, and dO.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_bwd_with<T: AttnFloat>(
-    kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
-    dout: &[T],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
-    bwd_impl(kernel, q, k, v, o, lse, dout, dims, scale, causal, None)
-}
-
-/// `attention_bwd_with` under a document mask (`attention_fwd_doc`'s `docs`).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_bwd_doc<T: AttnFloat>(
-    kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
-    dout: &[T],
-    dims: AttnDims,
-    scale: f32,
-    docs: &[u32],
-) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
-    bwd_impl(kernel, q, k, v, o, lse, dout, dims, scale, true, Some(docs))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn bwd_impl<T: AttnFloat>(
     kernel: AttnKernel,
     q: &[T],
     k: &[T],
@@ -577,46 +451,119 @@ fn bwd_impl<T: AttnFloat>(
     causal: bool,
     docs: Option<&[u32]>,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
-    check_dims(dims, causal)?;
-    check_docs(dims, causal, docs)?;
-    kernel.check(std::mem::size_of::<T>(), dims.d)?;
-    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let AttnDims { b, h, tq, d, .. } = dims;
     check_len("q", q.len(), b * h * tq * d)?;
     check_len("o", o.len(), b * h * tq * d)?;
     check_len("dout", dout.len(), b * h * tq * d)?;
     check_len("lse", lse.len(), b * h * tq)?;
+    let inp = BwdIn { q: q.as_ptr(), o: o.as_ptr(), dout: dout.as_ptr(), lse: lse.as_ptr(), ldq: d, ldl: 1 };
+    // SAFETY: q, o, dout hold B*H*Tq rows of D and lse B*H*Tq values (checked), as `inp` says.
+    let (flat, _) = unsafe { bwd_launch(kernel, inp, k, v, dims, scale, causal, docs)? };
+    let (nq, nkv) = (q.len(), k.len());
+    Ok((flat[..nq].to_vec(), flat[nq..nq + nkv].to_vec(), flat[nq + nkv..].to_vec()))
+}
+
+/// What `attention_bwd_packed` returns: dQ | dK | dV flattened (the op's backward output) and the bytes of
+/// the scratch it allocated (delta and the dQ accumulator; `AttnWorkspace::bwd_scratch` by construction).
+#[derive(Debug)]
+pub struct BwdPacked<T> {
+    pub grads: Vec<T>,
+    pub scratch_bytes: usize,
+}
+
+/// The CUDA launcher's `bwd_packed` on the emulator: from the op's backward rows [q | O | lse | dO | .]
+/// (`PackedRows::bwd_width` elements of T, read in place; `bwd_rows` builds them) and k, v.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_packed<T: AttnFloat>(
+    kernel: AttnKernel,
+    packed: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Result<BwdPacked<T>> {
+    let AttnDims { b, h, tq, d, .. } = dims;
+    let lay = PackedRows { d, elem_bytes: std::mem::size_of::<T>() };
+    let w = lay.bwd_width();
+    check_len("packed", packed.len(), b * h * tq * w)?;
+    check_aligned("packed", packed.as_ptr())?;
+    let p = packed.as_ptr();
+    // SAFETY (the adds): offsets inside row 0 (width 3D + 2E)
+    let inp = unsafe {
+        BwdIn {
+            q: p,
+            o: p.add(d),
+            dout: p.add(lay.dout_at()),
+            lse: p.add(2 * d) as *const f32,
+            ldq: w,
+            ldl: lay.floats(w),
+        }
+    };
+    // SAFETY: B*H*Tq rows of width w (checked); the lse float of a row lies at byte (r * w + 2D) * size of T,
+    // 4-byte aligned (16-byte aligned buffer, even D, even w for 16-bit types).
+    let (grads, scratch_bytes) = unsafe { bwd_launch(kernel, inp, k, v, dims, scale, causal, docs)? };
+    Ok(BwdPacked { grads, scratch_bytes })
+}
+
+/// The checks and the launches of one backward (delta pre-kernel, backward, dQ convert): dQ | dK | dV
+/// flattened, and the scratch bytes allocated (`attention_workspace(..).bwd_scratch`, one buffer).
+/// SAFETY: `inp` must address B*H*Tq rows of q, O and dO (D elements each, `ldq` apart) and B*H*Tq lse
+/// floats (`ldl` apart), valid for reads.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bwd_launch<T: AttnFloat>(
+    kernel: AttnKernel,
+    inp: BwdIn<T>,
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    scale: f32,
+    causal: bool,
+    docs: Option<&[u32]>,
+) -> Result<(Vec<T>, usize)> {
+    check_dims(dims, causal)?;
+    check_docs(dims, causal, docs)?;
+    kernel.check(std::mem::size_of::<T>(), dims.d)?;
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
     check_len("k", k.len(), b * hkv * tk * d)?;
     check_len("v", v.len(), b * hkv * tk * d)?;
     let Some(f) = T::bwd_fn(kernel, d) else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
     let rows = b * h * tq;
-    let mut delta = vec![0f32; rows];
-    let mut dq_acc = vec![0f32; q.len()];
-    let (mut dq, mut dk, mut dv) =
-        (vec![T::default(); q.len()], vec![T::default(); k.len()], vec![T::default(); v.len()]);
+    let (nq, nkv) = (rows * d, b * hkv * tk * d);
+    // one scratch buffer, as the CUDA launcher allocates it: delta (rows) then the dQ accumulator (zeroed)
+    let ws = attention_workspace(dims, std::mem::size_of::<T>());
+    let mut scratch = vec![0f32; ws.scratch_floats()];
+    let (delta, dq_acc) = scratch.split_at_mut(rows);
+    let mut flat = vec![T::default(); nq + 2 * nkv];
+    let (dq, rest) = flat.split_at_mut(nq);
+    let (dk, dv) = rest.split_at_mut(nkv);
     let wpb = (ATTN_THREADS / 32) as usize;
     let grid = u32_of("backward grid", tk.div_ceil(kernel.bwd_keys(d)) * b * hkv)?;
-    // SAFETY: lengths checked above; dq_acc is zeroed (the backward adds into it); the convert kernel
-    // reads and writes q.len() elements.
+    let (ldq, ldl) = (u32_of("ldq", inp.ldq)?, u32_of("ldl", inp.ldl)?);
+    // SAFETY: the inputs are the caller's promise, k and v checked; delta holds rows, dq_acc rows * D
+    // (zeroed: the backward adds into it); the convert kernel reads and writes nq elements.
     unsafe {
         T::DELTA(
             rows.div_ceil(wpb).min(65535) as u32,
             ATTN_THREADS,
             0,
-            o.as_ptr(),
-            dout.as_ptr(),
+            inp.o,
+            inp.dout,
             delta.as_mut_ptr(),
-            rows as u32,
+            u32_of("rows", rows)?,
             d as u32,
+            ldq,
         );
         f(
             grid,
             ATTN_THREADS,
             0,
-            q.as_ptr(),
+            inp.q,
             k.as_ptr(),
             v.as_ptr(),
-            dout.as_ptr(),
-            lse.as_ptr(),
+            inp.dout,
+            inp.lse,
             delta.as_ptr(),
             docs.map_or(std::ptr::null(), |ds| ds.as_ptr()),
             dq_acc.as_mut_ptr(),
@@ -629,17 +576,48 @@ fn bwd_impl<T: AttnFloat>(
             tk as u32,
             scale,
             causal as i32,
+            ldq,
+            ldl,
         );
         T::CONV(
-            q.len().div_ceil(ATTN_THREADS as usize).min(65535) as u32,
+            nq.div_ceil(ATTN_THREADS as usize).min(65535) as u32,
             ATTN_THREADS,
             0,
             dq_acc.as_ptr(),
             dq.as_mut_ptr(),
-            q.len() as u64,
+            nq as u64,
         );
     }
-    Ok((dq, dk, dv))
+    Ok((flat, scratch.len() * 4))
+}
+
+/// The rows the op's backward concatenates (`Tensor::cat([q, forward output, grad of it], 3)`): per row
+/// q (D) | the forward's O | lse | pad row (`PackedRows::fwd_width`) | dO (D) | E zeros.
+pub fn bwd_rows<T: AttnFloat>(q: &[T], fwd: &[T], dout: &[T], d: usize) -> Result<Vec<T>> {
+    let lay = PackedRows { d, elem_bytes: std::mem::size_of::<T>() };
+    let rows = q.len() / d.max(1);
+    check_len("q", q.len(), rows * d)?;
+    check_len("fwd", fwd.len(), rows * lay.fwd_width())?;
+    check_len("dout", dout.len(), rows * d)?;
+    let mut out = Vec::with_capacity(rows * lay.bwd_width());
+    for r in 0..rows {
+        out.extend_from_slice(&q[r * d..(r + 1) * d]);
+        out.extend_from_slice(&fwd[r * lay.fwd_width()..(r + 1) * lay.fwd_width()]);
+        out.extend_from_slice(&dout[r * d..(r + 1) * d]);
+        out.extend(std::iter::repeat_n(T::default(), lay.lse_slots()));
+    }
+    Ok(out)
+}
+
+/// The lse values of packed rows of `width` elements whose f32 lse sits right after D elements of O.
+pub fn packed_lse<T: AttnFloat>(rows: &[T], width: usize, d: usize) -> Vec<f32> {
+    rows.chunks_exact(width)
+        .map(|row| {
+            // SAFETY: a whole row holds width >= D + 4 / size_of::<T>() elements (`PackedRows`); the read
+            // is unaligned-safe.
+            unsafe { std::ptr::read_unaligned(row.as_ptr().add(d) as *const f32) }
+        })
+        .collect()
 }
 
 /// kernels/mma_probe.cu on the emulator: A (16x16) times B (16x16, row-major; `bt` its transpose) through
@@ -653,49 +631,4 @@ pub fn mma_probe<T: AttnFloat>(a: &[T], b: &[T], bt: &[T]) -> Result<Vec<f32>> {
     // SAFETY: lengths checked; one block of one warp, as the kernel is written.
     unsafe { f(1, 32, 0, a.as_ptr(), b.as_ptr(), bt.as_ptr(), out.as_mut_ptr()) };
     Ok(out)
-}
-
-/// The forward op's output layout (kernels/attention.cu `attn_pack_fwd_*`): O (rows, D) and lse (rows) as
-/// f32 rows of D + 1.
-pub fn pack_fwd<T: AttnFloat>(o: &[T], lse: &[f32], d: usize) -> Result<Vec<f32>> {
-    let rows = lse.len();
-    check_len("o", o.len(), rows * d)?;
-    let mut packed = vec![0f32; rows * (d + 1)];
-    let grid = u32_of("pack grid", packed.len().div_ceil(ATTN_THREADS as usize).min(65535))?;
-    // SAFETY: lengths checked; a grid-stride loop over rows * (d + 1).
-    unsafe {
-        T::PACK(grid, ATTN_THREADS, 0, o.as_ptr(), lse.as_ptr(), packed.as_mut_ptr(), u32_of("rows", rows)?, d as u32)
-    };
-    Ok(packed)
-}
-
-/// The backward op's input split (`attn_unpack_bwd_*`): rows of 3D + 2 f32 [q | O | lse | dO | .] ->
-/// (q, O, dO, lse).
-#[allow(clippy::type_complexity)]
-pub fn unpack_bwd<T: AttnFloat>(packed: &[f32], d: usize) -> Result<(Vec<T>, Vec<T>, Vec<T>, Vec<f32>)> {
-    let w = 3 * d + 2;
-    if !packed.len().is_multiple_of(w) {
-        bail!("attention unpack: {} values are not rows of 3 * {d} + 2", packed.len());
-    }
-    let rows = packed.len() / w;
-    let (mut q, mut o, mut dout) =
-        (vec![T::default(); rows * d], vec![T::default(); rows * d], vec![T::default(); rows * d]);
-    let mut lse = vec![0f32; rows];
-    let grid = u32_of("unpack grid", packed.len().div_ceil(ATTN_THREADS as usize).min(65535))?;
-    // SAFETY: every buffer holds `rows` rows of its width; a grid-stride loop over rows * w.
-    unsafe {
-        T::UNPACK(
-            grid,
-            ATTN_THREADS,
-            0,
-            packed.as_ptr(),
-            q.as_mut_ptr(),
-            o.as_mut_ptr(),
-            dout.as_mut_ptr(),
-            lse.as_mut_ptr(),
-            u32_of("rows", rows)?,
-            d as u32,
-        )
-    };
-    Ok((q, o, dout, lse))
 }

@@ -37,7 +37,7 @@ pub fn scale<T: Copy>(kernel: &str, out: &mut [T], to_f32: impl Fn(T) -> f32, fr
 pub fn attention_fwd<T: super::attention::AttnFloat>(
     kernel: super::attention::AttnKernel,
     (q, k, v): (&[T], &[T], &[T]),
-    dims: crate::ops::attention::AttnDims,
+    dims: crate::ops::attention_shape::AttnDims,
     scale: f32,
     causal: bool,
     o: &mut [T],
@@ -46,11 +46,11 @@ pub fn attention_fwd<T: super::attention::AttnFloat>(
     match mode("attention_fwd").as_deref() {
         Some("") => self::scale("attention_fwd", o, T::to_f32, T::from_f32),
         Some("mask") if causal => {
-            let crate::ops::attention::AttnDims { tq, tk, d, .. } = dims;
+            let crate::ops::attention_shape::AttnDims { tq, tk, d, .. } = dims;
             let rows = kernel.fwd_rows(d).min(tq);
             let keys = (tk - tq + rows).min(tk);
-            let sub = crate::ops::attention::AttnDims { b: 1, h: 1, hkv: 1, tq: rows, tk: keys, d };
-            let (o2, l2) = super::attention::attention_fwd_with(
+            let sub = crate::ops::attention_shape::AttnDims { b: 1, h: 1, hkv: 1, tq: rows, tk: keys, d };
+            let (o2, l2) = super::attention::attention_fwd(
                 kernel,
                 &q[..rows * d],
                 &k[..keys * d],
@@ -58,6 +58,7 @@ pub fn attention_fwd<T: super::attention::AttnFloat>(
                 sub,
                 scale,
                 false,
+                None,
             )?;
             o[..rows * d].copy_from_slice(&o2);
             lse[..rows].copy_from_slice(&l2);

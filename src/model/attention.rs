@@ -14,11 +14,8 @@
 //! commands choose it with `--attention` (`AttentionChoice`, `AttentionImpl::for_eval`) and `harpe train`
 //! refuses it (`refuse_for_training`).
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
-use crate::kernels_emu::attention::HEAD_DIMS;
-use crate::ops::attention::{
-    attention, attention_blocked, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference,
-    CpuKernel, DocStarts,
-};
+use crate::ops::attention::{attention, attention_blocked, attention_with, CpuKernel, DocStarts};
+use crate::ops::attention_shape::HEAD_DIMS;
 use crate::ops::candle_flash;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::sync::Arc;
@@ -48,7 +45,8 @@ pub enum AttentionImpl {
     /// `ops::attention`: the flash-style op with its own backward op, on CPU as GEMM blocks (the default).
     #[default]
     Cpu,
-    /// `ops::attention_reference`: the same op running its scalar reference loops (tests, debugging).
+    /// `ops::attention_with(.., CpuKernel::Reference)`: the same op running its scalar reference loops (tests,
+    /// debugging).
     CpuReference,
     /// `ops::attention` on a CUDA device: the flash kernels of kernels/attention.cu (tensor cores for
     /// bf16/f16 at D = 64, 128), forward and backward. The same op as `Cpu`; on a CPU tensor it runs the
@@ -122,14 +120,14 @@ impl AttentionImpl {
     /// `CandleFlash`).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
         match self {
-            AttentionImpl::Cpu => attention(q, k, v, scale, causal),
+            AttentionImpl::Cpu => attention(q, k, v, scale, causal, None),
             // the kernels take head dims 16, 32, 64, 128; other models run the blocked reference
             AttentionImpl::Flash if !HEAD_DIMS.contains(&q.dim(3)?) => {
-                attention_blocked(q, k, v, scale, causal, DEFAULT_BLOCK)
+                attention_blocked(q, k, v, scale, causal, None, DEFAULT_BLOCK)
             }
-            AttentionImpl::Flash => attention(q, k, v, scale, causal),
-            AttentionImpl::CpuReference => attention_reference(q, k, v, scale, causal),
-            AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, *block),
+            AttentionImpl::Flash => attention(q, k, v, scale, causal, None),
+            AttentionImpl::CpuReference => attention_with(q, k, v, scale, causal, None, CpuKernel::Reference),
+            AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, None, *block),
             AttentionImpl::CandleFlash => candle_flash::attention(q, k, v, scale, causal),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
         }
@@ -139,13 +137,13 @@ impl AttentionImpl {
     /// (B, Tk) per key: its document's start); q (B, H, Tq, D), k, v (B, Hkv, Tk, D) -> (B, H, Tq, D).
     pub fn attend_doc(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
         match self {
-            AttentionImpl::Cpu => attention_doc(q, k, v, scale, docs),
-            AttentionImpl::CpuReference => attention_doc_with(q, k, v, scale, docs, CpuKernel::Reference),
+            AttentionImpl::Cpu => attention(q, k, v, scale, true, Some(docs)),
+            AttentionImpl::CpuReference => attention_with(q, k, v, scale, true, Some(docs), CpuKernel::Reference),
             AttentionImpl::Flash if !HEAD_DIMS.contains(&q.dim(3)?) => {
-                attention_blocked_doc(q, k, v, scale, docs, DEFAULT_BLOCK)
+                attention_blocked(q, k, v, scale, true, Some(docs), DEFAULT_BLOCK)
             }
-            AttentionImpl::Flash => attention_doc(q, k, v, scale, docs),
-            AttentionImpl::Blocked { block } => attention_blocked_doc(q, k, v, scale, docs, *block),
+            AttentionImpl::Flash => attention(q, k, v, scale, true, Some(docs)),
+            AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, true, Some(docs), *block),
             AttentionImpl::CandleFlash => candle_flash::attention_doc(q, k, v, scale, docs),
             AttentionImpl::Custom(f) => f.attend_doc(q, k, v, scale, docs),
         }

@@ -8,16 +8,20 @@
 //! saving lse = m + ln l per row. Nothing of size (Tq x Tk) is ever allocated: memory is O(T D).
 //! Backward, per (b, kv head) so that dK/dV have one owner: Δ_i = dO_i·O_i; for each allowed (i, j):
 //! p = exp(s_ij - lse_i), dV_j += p dO_i, ds = p (dO_i·V_j - Δ_i), dQ_i += scale ds K_j,
-//! dK_j += scale ds Q_i. The backward is its own op (`AttentionBwd`, `cpu_fwd` now, `cuda_fwd` later),
-//! fed by tensors only: the forward's output packs O with lse as a (B, H, Tq, D + 1) tensor, so the lse
-//! autograd saves lives where O lives (no host copy, no state in the op).
+//! dK_j += scale ds Q_i. The backward is its own op (`AttentionBwd`, with its `cpu_fwd` and `cuda_fwd`),
+//! fed by tensors only: the forward's output packs O with lse as a (B, H, Tq, D + E) tensor in the run dtype
+//! (`ops::attention_shape::PackedRows`: E = 1 for f32, lse's f32 plus a pad in 8 slots for bf16/f16), so the
+//! lse autograd saves lives where O lives (no host copy, no state in the op, no f32 copy of O on CUDA).
 //! `attention_blocked` (query blocks against all keys, plain candle ops) and `attention_slow` (full
 //! (Tq x Tk) scores) are the references; `model::attention::AttentionImpl` chooses among them.
-//! The op runs either the scalar loops below (`CpuKernel::Reference`, `attention_reference`) or the
+//! The op runs either the scalar loops below (`CpuKernel::Reference` through `attention_with`) or the
 //! same algorithm on GEMM blocks (`CpuKernel::Gemm`, `ops::attention_gemm`, what `attention` runs); on a
 //! CUDA device its `cuda_fwd`s launch kernels/attention.cu (`ops::attention_cuda`) with the same packed
 //! layouts, in the inputs' dtype (bf16/f16: the tensor-core tiles).
-//! Document masks (packed sequences, `attention_doc`): query i sees key j only if j <= i and both lie in
+//! One public entry per level, each taking the document mask as `Option<&DocStarts>`: `attention` (the op;
+//! `attention_with` chooses its CPU loops), `attention_blocked` and `attention_slow` (candle-op references),
+//! `attention_fwd_cpu` / `attention_bwd_cpu` (the scalar loops on slices).
+//! Document masks (packed sequences, `docs: Some(..)`): query i sees key j only if j <= i and both lie in
 //! one document. Documents are given as `DocStarts`, per token the position its document starts at, a
 //! (B, Tk) u32 tensor — not cu_seqlens offsets, because (1) the allowed keys of row i are then one range
 //! `doc_start[i] ..= i`, so every loop below (and every kernel tile loop) just gets a lower bound beside the
@@ -27,46 +31,13 @@
 //! whole (global) sequence. The GEMM blocks (`ops::attention_gemm`) take the same mask.
 //! Not done here: dropout, sliding windows.
 use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
+use crate::ops::attention_shape::{AttnDims, PackedRows};
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
 
 const BLOCK_K: usize = 64;
-
-/// Problem sizes shared by forward and backward.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnDims {
-    pub b: usize,
-    pub h: usize,
-    pub hkv: usize,
-    pub tq: usize,
-    pub tk: usize,
-    pub d: usize,
-}
-
-impl AttnDims {
-    /// Keys query row `i` may see: 0..limit.
-    pub(crate) fn limit(&self, causal: bool, i: usize) -> usize {
-        if causal {
-            (self.tk - self.tq + i + 1).min(self.tk)
-        } else {
-            self.tk
-        }
-    }
-
-    /// First key query row `i` of sequence `bi` may see under the document mask `docs` (B*Tk, per key its
-    /// document's start): the start of its own document; 0 without a mask (a mask is only defined with
-    /// causal attention and ignored without it).
-    #[inline]
-    pub(crate) fn first_key(&self, causal: bool, docs: Option<&[u32]>, bi: usize, i: usize) -> usize {
-        let hi = self.limit(causal, i);
-        match docs {
-            Some(ds) if causal && hi > 0 => ds[bi * self.tk + hi - 1] as usize,
-            _ => 0,
-        }
-    }
-}
 
 /// Document boundaries of packed sequences: for sequence b and token j, the position where j's document
 /// starts (`<= j`; equal to the previous token's start or to j itself). (B, T) u32 on the compute device,
@@ -143,7 +114,7 @@ impl DocStarts {
     fn check(&self, b: usize, tk: usize, causal: bool) -> Result<()> {
         if !causal {
             candle_core::bail!(
-                "attention: a document mask needs causal attention\nhint: call attention_doc (always causal)"
+                "attention: a document mask needs causal attention\nhint: pass causal = true with a document mask"
             );
         }
         if (self.b, self.t) != (b, tk) {
@@ -168,21 +139,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Forward reference: returns (O (B,H,Tq,D), lse (B,H,Tq)).
+/// Forward reference: returns (O (B,H,Tq,D), lse (B,H,Tq)). `docs` an optional document mask: (B*Tk) per key
+/// position, the start of its document (`DocStarts::host`); query row i (at key position p) sees keys
+/// docs[p]..=p.
 pub fn attention_fwd_cpu(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> (Vec<f32>, Vec<f32>) {
-    attention_fwd_cpu_doc(q, k, v, dims, scale, causal, None)
-}
-
-/// `attention_fwd_cpu` with an optional document mask: `docs` (B*Tk) per key position, the start of its
-/// document (`DocStarts::host`); query row i (at key position p) sees keys docs[p]..=p.
-pub fn attention_fwd_cpu_doc(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -239,25 +199,10 @@ pub fn attention_fwd_cpu_doc(
     (out, lse)
 }
 
-/// Backward reference: returns (dQ, dK, dV) with the shapes of q, k, v.
+/// Backward reference: returns (dQ, dK, dV) with the shapes of q, k, v, under `attention_fwd_cpu`'s optional
+/// document mask `docs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_cpu(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &[f32],
-    lse: &[f32],
-    dout: &[f32],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    attention_bwd_cpu_doc(q, k, v, o, lse, dout, dims, scale, causal, None)
-}
-
-/// `attention_bwd_cpu` with an optional document mask (`attention_fwd_cpu_doc`'s `docs`).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_bwd_cpu_doc(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -312,9 +257,9 @@ pub fn attention_bwd_cpu_doc(
     (dq, dk, dv)
 }
 
-/// The forward op. Its output packs O and the log-sum-exp as one (B, H, Tq, D + 1) tensor
-/// (`[.., ..D]` = O, `[.., D]` = lse), so the lse the backward needs is a tensor autograd keeps
-/// for us (on the device of the op), not state inside the op.
+/// The forward op. Its output packs O and the log-sum-exp as one (B, H, Tq, D + E) tensor in the run dtype
+/// (`[.., ..D]` = O, lse's f32 in the slots after it: `PackedRows`), so the lse the backward needs is a
+/// tensor autograd keeps for us (on the device of the op), not state inside the op.
 struct AttentionFwd {
     scale: f32,
     causal: bool,
@@ -384,7 +329,7 @@ impl CustomOp3 for AttentionFwd {
         let packed = match self.kernel {
             CpuKernel::Gemm => attention_fwd_gemm(q, k, v, dims, self.scale, self.causal, docs),
             CpuKernel::Reference => {
-                let (o, lse) = attention_fwd_cpu_doc(q, k, v, dims, self.scale, self.causal, docs);
+                let (o, lse) = attention_fwd_cpu(q, k, v, dims, self.scale, self.causal, docs);
                 pack_o_lse(&o, &lse, d)
             }
         };
@@ -416,9 +361,10 @@ impl CustomOp3 for AttentionFwd {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = q.dim(3)?;
-        // (B, H, Tq, 3D + 2) f32: q | O | lse | dO | d(lse) (zero: lse is not an output of `attention`);
-        // q is 16-bit on CUDA (exact in f32), res and grad are f32 already
-        let packed = Tensor::cat(&[&q.detach().to_dtype(DType::F32)?, &res.detach(), &grad.detach()], 3)?;
+        // (B, H, Tq, 3D + 2E) in the run dtype: q | O | lse | dO | d(lse) (zero: lse is not an output of
+        // `attention`) — the op's one packing copy (`AttnWorkspace::bwd_packed`), read in place by the kernels
+        let run = res.dtype();
+        let packed = Tensor::cat(&[&q.detach().to_dtype(run)?, &res.detach(), &grad.detach().to_dtype(run)?], 3)?;
         let flat = packed.apply_op3(
             &k.detach(),
             &v.detach(),
@@ -430,8 +376,8 @@ impl CustomOp3 for AttentionFwd {
     }
 }
 
-/// The backward op: inputs `packed` (B, H, Tq, 3D + 2) f32 = [q | O | lse | dO | unused], k, v;
-/// output dQ, dK, dV flattened one after the other (len q + len k + len v) in k's dtype (f32 on CPU).
+/// The backward op: inputs `packed` (B, H, Tq, 3D + 2E) = [q | O | lse | dO | unused] (`PackedRows`; f32 on
+/// CPU: E = 1), k, v; output dQ, dK, dV flattened one after the other (len q + len k + len v) in k's dtype.
 struct AttentionBwd {
     scale: f32,
     causal: bool,
@@ -456,7 +402,8 @@ impl CustomOp3 for AttentionBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let (b, h, tq, w) = l1.shape().dims4()?;
         let d = self.d;
-        if w != 3 * d + 2 {
+        let rows_layout = PackedRows { d, elem_bytes: 4 };
+        if w != rows_layout.bwd_width() {
             candle_core::bail!("attention backward: packed input has last dim {w}, expected 3 * {d} + 2");
         }
         let q_layout = Layout::contiguous((b, h, tq, d));
@@ -483,7 +430,7 @@ impl CustomOp3 for AttentionBwd {
             lse.push(row[2 * d]);
             dout.extend_from_slice(&row[2 * d + 1..3 * d + 1]);
         }
-        let (mut dq, dk, dv) = attention_bwd_cpu_doc(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal, docs);
+        let (mut dq, dk, dv) = attention_bwd_cpu(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal, docs);
         dq.reserve(dk.len() + dv.len());
         dq.extend(dk);
         dq.extend(dv);
@@ -508,55 +455,30 @@ impl CustomOp3 for AttentionBwd {
     }
 }
 
-/// Causal (or full) attention softmax(q k^T * scale) v with GQA; differentiable in q, k, v.
+/// Causal (or full) attention softmax(q k^T * scale) v with GQA; differentiable in q, k, v. With `docs`
+/// (causal only) a document mask of packed sequences: query i sees keys j <= i of its own document.
 /// On CPU it runs the GEMM-block kernel (`CpuKernel::Gemm`); on CUDA the flash kernels (kernels/attention.cu).
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
-    attention_with(q, k, v, scale, causal, CpuKernel::Gemm)
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    docs: Option<&DocStarts>,
+) -> Result<Tensor> {
+    attention_with(q, k, v, scale, causal, docs, CpuKernel::Gemm)
 }
 
-/// `attention` running the scalar reference loops (tests, and the readable twin of every kernel).
-pub fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
-    attention_with(q, k, v, scale, causal, CpuKernel::Reference)
-}
-
-/// `attention` with the CPU loops chosen explicitly (on CUDA the kernel is chosen by dtype and head dim).
+/// `attention` with the CPU loops chosen explicitly (`CpuKernel::Reference`: the scalar reference loops, the
+/// readable twin of every kernel); on CUDA the kernel is chosen by dtype and head dim.
 pub fn attention_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f32,
     causal: bool,
-    kernel: CpuKernel,
-) -> Result<Tensor> {
-    attention_op(q, k, v, scale, causal, kernel, None)
-}
-
-/// Per-document causal attention of packed sequences (`DocStarts`: query i sees keys j <= i of its own
-/// document); differentiable in q, k, v. On CPU the GEMM blocks, on CUDA the flash kernels.
-pub fn attention_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
-    attention_op(q, k, v, scale, true, CpuKernel::Gemm, Some(docs))
-}
-
-/// `attention_doc` with the CPU loops chosen explicitly.
-pub fn attention_doc_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    docs: &DocStarts,
-    kernel: CpuKernel,
-) -> Result<Tensor> {
-    attention_op(q, k, v, scale, true, kernel, Some(docs))
-}
-
-fn attention_op(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    causal: bool,
-    kernel: CpuKernel,
     docs: Option<&DocStarts>,
+    kernel: CpuKernel,
 ) -> Result<Tensor> {
     let dtype = q.dtype();
     let d = q.dim(3)?;
@@ -571,31 +493,16 @@ fn attention_op(
 }
 
 /// Query blocks of `block` rows against all keys, from plain candle ops (autograd gives the
-/// backward): O(block x Tk) scores at a time in the forward. The twin of a GPU kernel's tiling.
-pub fn attention_blocked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool, block: usize) -> Result<Tensor> {
-    blocked_masked(q, k, v, scale, causal, block, None)
-}
-
-/// `attention_blocked` with a document mask (`attention_doc`'s function, from plain candle ops).
-pub fn attention_blocked_doc(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    docs: &DocStarts,
-    block: usize,
-) -> Result<Tensor> {
-    blocked_masked(q, k, v, scale, true, block, Some(docs))
-}
-
-fn blocked_masked(
+/// backward): O(block x Tk) scores at a time in the forward. The twin of a GPU kernel's tiling; `docs` as in
+/// `attention`.
+pub fn attention_blocked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f32,
     causal: bool,
-    block: usize,
     docs: Option<&DocStarts>,
+    block: usize,
 ) -> Result<Tensor> {
     let (b, _h, tq, _d) = q.dims4()?;
     let (_, _, tk, _) = k.dims4()?;
@@ -624,17 +531,21 @@ fn blocked_masked(
     Tensor::cat(&outs, 2)
 }
 
-/// The same attention from plain candle ops (materializes (Tq x Tk): tests and tiny shapes only).
-pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
-    slow_masked(q, k, v, scale, causal, None)
-}
-
-/// `attention_slow` with a document mask: the dense (B, 1, Tq, Tk) mask of "same document and j <= i",
-/// built from the per-token starts (tests and tiny shapes only).
-pub fn attention_slow_doc(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, docs: &DocStarts) -> Result<Tensor> {
+/// The same attention from plain candle ops (materializes (Tq x Tk): tests and tiny shapes only); with
+/// `docs` (causal only) the dense (B, 1, Tq, Tk) mask of "same document and j <= i", built from the per-token
+/// starts.
+pub fn attention_slow(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    docs: Option<&DocStarts>,
+) -> Result<Tensor> {
+    let Some(docs) = docs else { return slow_masked(q, k, v, scale, causal, None) };
     let (b, _h, tq, _d) = q.dims4()?;
     let tk = k.dim(2)?;
-    docs.check(b, tk, true)?;
+    docs.check(b, tk, causal)?;
     if tk < tq {
         candle_core::bail!("attention: causal attention needs Tk >= Tq, got Tq {tq} Tk {tk}");
     }

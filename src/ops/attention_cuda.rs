@@ -4,17 +4,19 @@
 //!
 //! Reference: kernels/attention.cu (algorithm, tiles, what a block owns); `kernels_emu::attention`, the
 //! host twin with the same launch shapes, which tests/stage_model/attention_emu.rs checks against the CPU reference.
-//! The non-obvious decision: the shape rules (head dim, H % Hkv, causal Tk >= Tq, u32 sizes) are the
-//! emulator's `check_dims` and the tile heights and kernel choice `AttnKernel`'s, one owner for both
-//! targets; every check runs before anything is allocated or launched. The tensor-core tiles load 16
+//! The non-obvious decision: the shape rules (head dim, H % Hkv, causal Tk >= Tq, u32 sizes) are
+//! `ops::attention_shape::check_dims` and the tile heights and kernel choice `AttnKernel`'s, one owner for
+//! this launcher and the emulator; every check runs before anything is allocated or launched. The tensor-core tiles load 16
 //! bytes at a time, so a 16-bit input whose storage offset is not 16-byte aligned runs the FMA tiles
 //! (or, when the tensor-core tiles were asked for by name, is an error).
 //! Document masks: the per-token starts (`ops::attention::DocStarts`, (B, Tk) u32 on the device) go to the
 //! kernels as one pointer, null without a mask (`DocsArg`).
-//! Does not: wgmma/TMA (Hopper-only) tiles, or keep O in the input dtype across the op boundary (the
-//! packed O|lse is f32, as on CPU; `ops::attention` converts O back).
-use crate::kernels_emu::attention::{check_dims, AttnKernel, ATTN_THREADS};
-use crate::ops::attention::AttnDims;
+//! The op's layouts (`ops::attention_shape::PackedRows`): the forward writes O and lse straight into its
+//! packed output rows in the input type, the backward reads q, O, lse and dO in place from its packed input
+//! rows; the only other allocation is the scratch of `attention_workspace` (delta and the f32 dQ
+//! accumulator), so nothing of q/k/v/O/dO is ever copied to f32.
+//! Does not: wgmma/TMA (Hopper-only) tiles.
+use crate::ops::attention_shape::{attention_workspace, check_dims, AttnDims, AttnKernel, PackedRows, ATTN_THREADS};
 use crate::ops::cuda::{cfg, contiguous, grid_for, same_device, u32_arg, view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -150,57 +152,69 @@ fn same_dtype(a: &CudaStorage, b: &CudaStorage, what: &str) -> Result<()> {
     same_device(a, b, "attention")
 }
 
-/// The forward kernel on device views: (O (B*H*Tq*D) of T, lse (B*H*Tq) f32).
+/// Where a forward writes: O rows `ldo` elements apart and lse values `ldl` floats apart (two plain buffers,
+/// or one buffer of the op's packed rows with lse viewed from element D on: `L` is then T).
+struct FwdOut<'a, T, L> {
+    o: CudaView<'a, T>,
+    lse: CudaView<'a, L>,
+    ldo: u32,
+    ldl: u32,
+}
+
+/// The forward kernel on device views, writing into `out`.
 #[allow(clippy::too_many_arguments)]
-fn fwd_t<T: DeviceRepr>(
+fn fwd_t<T: DeviceRepr, L>(
     dev: &CudaDevice,
     kernel: AttnKernel,
-    q: &CudaView<T>,
-    k: &CudaView<T>,
-    v: &CudaView<T>,
+    (q, k, v): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
+    out: &FwdOut<'_, T, L>,
     dtype: DType,
     dims: AttnDims,
     scale: f32,
     causal: bool,
     docs: &DocsArg<'_>,
-) -> Result<(CudaSlice<T>, CudaSlice<f32>)> {
+) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let func =
         dev.get_or_load_custom_func(&format!("{}_{}_d{d}", kernel.stem("fwd"), suffix(dtype)), MODULE, ATTENTION_PTX)?;
     let grid = u32_arg(tq.div_ceil(kernel.fwd_rows(d)) * b * h, "attention", "forward blocks")?;
     let (b32, h32, hkv32, tq32, tk32) = (b as u32, h as u32, hkv as u32, tq as u32, tk as u32);
     let causal32 = causal as i32;
-    // SAFETY: both written in full by the kernel (every valid row of every head, and its lse).
-    let (o, lse) = unsafe { (dev.alloc::<T>(b * h * tq * d)?, dev.alloc::<f32>(b * h * tq)?) };
     let mut bld = func.builder();
     let null = 0u64;
-    bld.arg(q).arg(k).arg(v).arg(&o).arg(&lse);
+    bld.arg(q).arg(k).arg(v).arg(&out.o).arg(&out.lse);
     push_docs(&mut bld, docs, &null);
     bld.arg(&b32).arg(&h32).arg(&hkv32).arg(&tq32).arg(&tk32).arg(&scale).arg(&causal32);
-    // SAFETY: shapes checked by dims_of; the grid is the kernel's (q tile, head, batch) decode.
+    bld.arg(&out.ldo).arg(&out.ldl);
+    // SAFETY: shapes checked by dims_of; `out` holds every row (the callers size it); the grid is the
+    // kernel's (q tile, head, batch) decode.
     unsafe { bld.launch(cfg(grid, ATTN_THREADS)) }.w()?;
-    Ok((o, lse))
+    Ok(())
 }
 
-/// Device views of one backward's inputs and outputs.
-struct BwdBufs<'a, 'b, T> {
+/// Device views of one backward's inputs and outputs: q, O and dO rows `ldq` elements apart, lse values
+/// `ldl` floats apart (plain buffers, or views into the op's packed rows with `L` = T).
+struct BwdBufs<'a, 'b, T, L> {
     q: CudaView<'a, T>,
     k: CudaView<'a, T>,
     v: CudaView<'a, T>,
     o: CudaView<'a, T>,
-    lse: CudaView<'a, f32>,
+    lse: CudaView<'a, L>,
     dout: CudaView<'a, T>,
+    ldq: u32,
+    ldl: u32,
     dq: CudaViewMut<'b, T>,
     dk: CudaViewMut<'b, T>,
     dv: CudaViewMut<'b, T>,
 }
 
-/// delta pre-kernel, backward, dQ convert into the given outputs.
+/// delta pre-kernel, backward, dQ convert into the given outputs; the only allocation is the op's scratch
+/// (`attention_workspace(..).bwd_scratch`: delta, then the zeroed dQ accumulator).
 #[allow(clippy::too_many_arguments)]
-fn bwd_t<T: DeviceRepr>(
+fn bwd_t<T: DeviceRepr, L>(
     dev: &CudaDevice,
     kernel: AttnKernel,
-    bufs: &mut BwdBufs<'_, '_, T>,
+    bufs: &mut BwdBufs<'_, '_, T, L>,
     dtype: DType,
     dims: AttnDims,
     scale: f32,
@@ -220,12 +234,13 @@ fn bwd_t<T: DeviceRepr>(
     let wpb = (ATTN_THREADS / 32) as usize;
     let grid_delta = rows.div_ceil(wpb).min(65535) as u32;
     let grid_bwd = u32_arg(tk.div_ceil(kernel.bwd_keys(d)) * b * hkv, "attention", "backward blocks")?;
-    // SAFETY: written in full by the delta kernel; dq_acc is zeroed because the backward adds into it.
-    let delta = unsafe { dev.alloc::<f32>(rows)? };
-    let dq_acc = dev.alloc_zeros::<f32>(rows * d)?;
+    // zeroed because the backward adds into dq_acc (delta is written in full by its kernel)
+    let ws = attention_workspace(dims, dtype.size_in_bytes());
+    let scratch = dev.alloc_zeros::<f32>(ws.scratch_floats())?;
+    let (delta, dq_acc) = (part(&scratch, 0..rows)?, part(&scratch, rows..ws.scratch_floats())?);
     let mut bld = f_delta.builder();
-    bld.arg(&bufs.o).arg(&bufs.dout).arg(&delta).arg(&rows32).arg(&d32);
-    // SAFETY: o, dout hold rows*d; delta rows.
+    bld.arg(&bufs.o).arg(&bufs.dout).arg(&delta).arg(&rows32).arg(&d32).arg(&bufs.ldq);
+    // SAFETY: o, dout hold rows rows of d, ldq apart; delta rows.
     unsafe { bld.launch(cfg(grid_delta, ATTN_THREADS)) }.w()?;
     let mut bld = f_bwd.builder();
     let null = 0u64;
@@ -234,6 +249,7 @@ fn bwd_t<T: DeviceRepr>(
     bld.arg(&dq_acc);
     bld.arg(&mut bufs.dk).arg(&mut bufs.dv);
     bld.arg(&b32).arg(&h32).arg(&hkv32).arg(&tq32).arg(&tk32).arg(&scale).arg(&causal32);
+    bld.arg(&bufs.ldq).arg(&bufs.ldl);
     // SAFETY: shapes checked by dims_of; the grid is the kernel's (key tile, kv head, batch) decode.
     unsafe { bld.launch(cfg(grid_bwd, ATTN_THREADS)) }.w()?;
     let mut bld = f_conv.builder();
@@ -243,25 +259,23 @@ fn bwd_t<T: DeviceRepr>(
     Ok(())
 }
 
-/// Forward: (O with q's shape and dtype, lse (B*H*Tq) f32, the kernel that ran); `want` None chooses.
-#[allow(clippy::too_many_arguments)]
-pub fn fwd(
-    sq: &CudaStorage,
-    lq: &Layout,
-    sk: &CudaStorage,
-    lk: &Layout,
-    sv: &CudaStorage,
-    lv: &Layout,
-    scale: f32,
-    causal: bool,
-    want: Option<AttnKernel>,
-) -> Result<(CudaStorage, CudaSlice<f32>, AttnKernel)> {
-    fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, want, None)
+/// Elements `r` of a device buffer as a view, or an error (cudarc's `slice` would panic).
+fn part<T>(s: &CudaSlice<T>, r: std::ops::Range<usize>) -> Result<CudaView<'_, T>> {
+    let (lo, hi) = (r.start, r.end.min(s.len()));
+    s.try_slice(lo..hi)
+        .ok_or_else(|| candle_core::Error::Msg(format!("attention (cuda): buffer of {} has no {lo}..{hi}", s.len())))
 }
 
-/// `fwd` with an optional document mask: `docs` the document starts ((B, Tk) u32, `DocStarts::tensor`).
+/// Elements `at..` of a device view, or an error.
+fn from<'a, T>(v: &CudaView<'a, T>, at: usize) -> Result<CudaView<'a, T>> {
+    v.try_slice(at..)
+        .ok_or_else(|| candle_core::Error::Msg(format!("attention (cuda): view of {} has no element {at}", v.len())))
+}
+
+/// Forward: (O with q's shape and dtype, lse (B*H*Tq) f32, the kernel that ran); `want` None chooses;
+/// `docs` an optional document mask, the document starts ((B, Tk) u32, `DocStarts::tensor`).
 #[allow(clippy::too_many_arguments)]
-pub fn fwd_docs(
+pub fn fwd(
     sq: &CudaStorage,
     lq: &Layout,
     sk: &CudaStorage,
@@ -281,30 +295,19 @@ pub fn fwd_docs(
         let kernel = choose(dtype, dims.d, &[lq, lk, lv], want)?;
         let dev = sq.device();
         let (q, k, v) = (view::<T>(sq, lq, "attention", "q")?, view::<T>(sk, lk, "attention", "k")?, view::<T>(sv, lv, "attention", "v")?);
-        let (o, lse) = with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, &q, &k, &v, dtype, dims, scale, causal, &dv))?;
+        let rows = dims.b * dims.h * dims.tq;
+        // SAFETY: both written in full by the kernel (every valid row of every head, and its lse).
+        let (o, lse) = unsafe { (dev.alloc::<T>(rows * dims.d)?, dev.alloc::<f32>(rows)?) };
+        let out = FwdOut { o: o.slice(..), lse: lse.slice(..), ldo: dims.d as u32, ldl: 1 };
+        with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse, kernel))
     })
 }
 
-/// Backward: (dQ, dK, dV) with the shapes and dtype of q, k, v, from the forward's O and lse and dO.
+/// Backward: (dQ, dK, dV) with the shapes and dtype of q, k, v, from the forward's O and lse and dO, under
+/// `fwd`'s optional document mask `docs`.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd(
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
-    o: (&CudaStorage, &Layout),
-    lse: &CudaSlice<f32>,
-    dout: (&CudaStorage, &Layout),
-    scale: f32,
-    causal: bool,
-    want: Option<AttnKernel>,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    bwd_docs(q, k, v, o, lse, dout, scale, causal, want, None)
-}
-
-/// `bwd` with an optional document mask (`fwd_docs`'s `docs`).
-#[allow(clippy::too_many_arguments)]
-pub fn bwd_docs(
     (sq, lq): (&CudaStorage, &Layout),
     (sk, lk): (&CudaStorage, &Layout),
     (sv, lv): (&CudaStorage, &Layout),
@@ -344,6 +347,8 @@ pub fn bwd_docs(
                 o: view::<T>(so, lo, "attention", "O")?,
                 lse: lse.slice(..),
                 dout: view::<T>(sd, ld, "attention", "dO")?,
+                ldq: d as u32,
+                ldl: 1,
                 dq: dq.slice_mut(..),
                 dk: dk.slice_mut(..),
                 dv: dv.slice_mut(..),
@@ -358,7 +363,8 @@ pub fn bwd_docs(
     })
 }
 
-/// `AttentionFwd::cuda_fwd`: q, k, v (one dtype: f32, bf16 or f16) -> O|lse packed (B, H, Tq, D + 1) f32.
+/// `AttentionFwd::cuda_fwd`: q, k, v (one dtype T: f32, bf16 or f16) -> the op's packed rows O | lse | pad
+/// (B, H, Tq, D + E) in T (`PackedRows`): O written in place, lse's f32 in the slots after it. No f32 O.
 #[allow(clippy::too_many_arguments)]
 pub fn fwd_packed(
     sq: &CudaStorage,
@@ -371,30 +377,31 @@ pub fn fwd_packed(
     causal: bool,
     docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
-    let AttnDims { b, h, tq, d, .. } = dims_of(lq, lk, lv, causal)?;
-    let rows = b * h * tq;
-    let rows32 = u32_arg(rows, "attention", "rows")?;
-    u32_arg(rows * (d + 1), "attention", "packed output")?;
-    // the forward with its checks and kernel choice, then one pack kernel
-    let (o, lse, _) = fwd_docs(sq, lq, sk, lk, sv, lv, scale, causal, None, docs)?;
+    let dims = dims_of(lq, lk, lv, causal)?;
+    same_dtype(sq, sk, "k")?;
+    same_dtype(sq, sv, "v")?;
+    let AttnDims { b, h, tq, d, .. } = dims;
     let dtype = sq.dtype();
+    let lay = PackedRows { d, elem_bytes: dtype.size_in_bytes() };
+    let w = lay.fwd_width();
+    let rows = b * h * tq;
+    u32_arg(rows * w, "attention", "packed output")?;
     by_dtype!(dtype, "q", T => {
+        let kernel = choose(dtype, d, &[lq, lk, lv], None)?;
         let dev = sq.device();
-        let o = o.as_cuda_slice::<T>()?;
-        // SAFETY: written in full by the pack kernel.
-        let packed = unsafe { dev.alloc::<f32>(rows * (d + 1))? };
-        let func = dev.get_or_load_custom_func(&format!("attn_pack_fwd_{}", suffix(dtype)), MODULE, ATTENTION_PTX)?;
-        let d32 = d as u32;
-        let mut bld = func.builder();
-        bld.arg(o).arg(&lse).arg(&packed).arg(&rows32).arg(&d32);
-        // SAFETY: o holds rows*d, lse rows, packed rows*(d+1).
-        unsafe { bld.launch(cfg(grid_for(rows * (d + 1), ATTN_THREADS), ATTN_THREADS)) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(packed, dev.clone()), Shape::from_dims(&[b, h, tq, d + 1])))
+        let (q, k, v) = (view::<T>(sq, lq, "attention", "q")?, view::<T>(sk, lk, "attention", "k")?, view::<T>(sv, lv, "attention", "v")?);
+        // zeroed: the pad slots after lse are never written by the kernel
+        let packed = dev.alloc_zeros::<T>(rows * w)?;
+        let all = packed.slice(..);
+        let out = FwdOut { o: from(&all, 0)?, lse: from(&all, d)?, ldo: w as u32, ldl: lay.floats(w) as u32 };
+        with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
+        Ok((CudaStorage::wrap_cuda_slice(packed, dev.clone()), Shape::from_dims(&[b, h, tq, w])))
     })
 }
 
-/// `AttentionBwd::cuda_fwd`: packed (B, H, Tq, 3D + 2) f32 = [q | O | lse | dO | .], k, v of dtype T ->
-/// dQ, dK, dV flattened one after the other (len q + len k + len v) in T.
+/// `AttentionBwd::cuda_fwd`: the op's backward rows (B, H, Tq, 3D + 2E) in T = [q | O | lse | dO | .]
+/// (`PackedRows`, read in place: no unpacking, no f32 copies), k, v of dtype T -> dQ, dK, dV flattened one
+/// after the other (len q + len k + len v) in T.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_packed(
     sp: &CudaStorage,
@@ -407,11 +414,14 @@ pub fn bwd_packed(
     docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
     let (b, h, tq, w) = lp.shape().dims4()?;
-    if w != 3 * d + 2 || sp.dtype() != DType::F32 {
+    let dtype = sk.dtype();
+    let lay = PackedRows { d, elem_bytes: dtype.size_in_bytes() };
+    if w != lay.bwd_width() || sp.dtype() != dtype {
         bail!(
-            "attention backward (cuda): packed input is {:?} {:?}, expected (B, H, Tq, 3 * {d} + 2) f32",
+            "attention backward (cuda): packed input is {:?} {:?}, expected (B, H, Tq, {}) {dtype:?}\nhint: the rows are [q | O | lse | dO | .] (ops::attention_shape::PackedRows)",
             lp.shape(),
-            sp.dtype()
+            sp.dtype(),
+            lay.bwd_width()
         );
     }
     let lq = Layout::contiguous((b, h, tq, d));
@@ -420,34 +430,26 @@ pub fn bwd_packed(
     same_device(sp, sk, "attention backward")?;
     let AttnDims { hkv, tk, .. } = dims;
     let rows = b * h * tq;
-    let rows32 = u32_arg(rows, "attention", "rows")?;
     u32_arg(rows * w, "attention", "packed input")?;
-    let dtype = sk.dtype();
     by_dtype!(dtype, "k", T => {
-        let kernel = choose(dtype, d, &[lk, lv], None)?;
+        let kernel = choose(dtype, d, &[lk, lv, lp], None)?;
         let dev = sk.device();
-        let packed = view::<f32>(sp, lp, "attention backward", "packed")?;
+        let packed = view::<T>(sp, lp, "attention backward", "packed")?;
         let (nq, nkv) = (rows * d, b * hkv * tk * d);
-        // SAFETY: written in full by the unpack kernel.
-        let (q, o, dout, lse) = unsafe { (dev.alloc::<T>(nq)?, dev.alloc::<T>(nq)?, dev.alloc::<T>(nq)?, dev.alloc::<f32>(rows)?) };
-        let func = dev.get_or_load_custom_func(&format!("attn_unpack_bwd_{}", suffix(dtype)), MODULE, ATTENTION_PTX)?;
-        let d32 = d as u32;
-        let mut bld = func.builder();
-        bld.arg(&packed).arg(&q).arg(&o).arg(&dout).arg(&lse).arg(&rows32).arg(&d32);
-        // SAFETY: packed holds rows*(3d+2); q, o, dout rows*d; lse rows.
-        unsafe { bld.launch(cfg(grid_for(rows * w, ATTN_THREADS), ATTN_THREADS)) }.w()?;
         // SAFETY: dq, dk, dv (the three parts) are written in full by bwd_t.
         let mut flat = unsafe { dev.alloc::<T>(nq + 2 * nkv)? };
         {
             let (dq, mut rest) = flat.split_at_mut(nq);
             let (dk, dv) = rest.split_at_mut(nkv);
             let mut bufs = BwdBufs {
-                q: q.slice(..),
+                q: from(&packed, 0)?,
                 k: view::<T>(sk, lk, "attention", "k")?,
                 v: view::<T>(sv, lv, "attention", "v")?,
-                o: o.slice(..),
-                lse: lse.slice(..),
-                dout: dout.slice(..),
+                o: from(&packed, d)?,
+                lse: from(&packed, 2 * d)?,
+                dout: from(&packed, lay.dout_at())?,
+                ldq: w as u32,
+                ldl: lay.floats(w) as u32,
                 dq,
                 dk,
                 dv,

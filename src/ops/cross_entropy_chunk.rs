@@ -11,9 +11,11 @@
 //! Does not: the matmuls, the chunk loop or the target range check against V (a kernel cannot return
 //! an error: training checks ids when it builds the batch, `train::batch_tensors`; `check_targets` is
 //! the host check for callers with their own targets, e.g. selftest; an unchecked target >= V gives NaN).
-use crate::train::loss::IGNORE_INDEX;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
+
+/// Target value that is skipped (no loss, no gradient); `loss` re-exports it as `loss::IGNORE_INDEX`.
+pub const IGNORE_INDEX: u32 = u32::MAX;
 
 /// Per-row nll, lse and (with `g`) dlogits of logits (n, V) — the reference loops (f32 arithmetic).
 pub fn ce_rows_cpu<T: Copy>(

@@ -2,6 +2,7 @@
 //! version from plain candle ops; CUDA launches slot in beside the CPU path.
 pub mod attention;
 pub mod attention_gemm;
+pub mod attention_shape;
 pub mod candle_flash;
 pub mod cpu_vec;
 pub mod cross_entropy_chunk;

@@ -19,6 +19,7 @@ use crate::research::stats::{paired_diff, summarize, IntervalMethod, PairedDiff,
 use crate::research::sweep::{read_marker, EvalSpec, RunState, SweepIndex};
 use crate::train::metrics::read_records;
 use crate::train::RunDir;
+use crate::util::human_count;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -77,17 +78,6 @@ pub struct Report {
     pub metrics: Vec<String>,
     pub arms: Vec<ArmStats>,
     pub runs: Vec<RunData>,
-}
-
-/// "6.00B" / "2.00M" / "512" style counts.
-pub fn human_count(n: u64) -> String {
-    let v = n as f64;
-    match n {
-        _ if n >= 1_000_000_000 => format!("{:.2}B", v / 1e9),
-        _ if n >= 1_000_000 => format!("{:.2}M", v / 1e6),
-        _ if n >= 10_000 => format!("{:.1}K", v / 1e3),
-        _ => n.to_string(),
-    }
 }
 
 /// The seed of a plain `harpe train` run directory (its config.toml's train.seed).

@@ -818,7 +818,7 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
         for i in 0..c.stages.len() {
             let (steps, per) = c.stage_steps(i);
             tokens += steps * per;
-            stages.push(format!("{}x{}", c.stages[i].seq_len, crate::research::report::human_count(steps * per)));
+            stages.push(format!("{}x{}", c.stages[i].seq_len, crate::util::human_count(steps * per)));
             if let Some(m) = &arch {
                 flops += (steps * per) as f64
                     * crate::train::metrics::flops_per_token(
@@ -839,7 +839,7 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
             "{:<48} {:>6} {:>14} {:>12}  {}",
             p.id,
             p.seed,
-            crate::research::report::human_count(tokens),
+            crate::util::human_count(tokens),
             h,
             stages.join(" -> ")
         );
@@ -847,7 +847,7 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
     println!(
         "{} runs, {} tokens, {} GPU-hours at {:.0}% MFU (6N + 12LCT FLOPs per token, no recompute){}",
         plans.len(),
-        crate::research::report::human_count(total_tokens),
+        crate::util::human_count(total_tokens),
         if have_cost { format!("{total_h:.0}") } else { "?".into() },
         args.mfu * 100.0,
         if have_cost { "" } else { "; ? = the model's config.json is not readable here" }

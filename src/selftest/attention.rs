@@ -3,7 +3,7 @@
 //!
 //! Reference: flash-attention's tests and the shapes: ragged T, GQA 1/4/8, D 64 and 128, Tq < Tk,
 //! a document mask (packed sequences, random document starts), and on a GPU T = 4096 + 37.
-//! f32 rows compare with the f32 CPU op (`ops::attention::{attention_fwd_cpu_doc, attention_bwd_cpu_doc}`,
+//! f32 rows compare with the f32 CPU op (`ops::attention::{attention_fwd_cpu, attention_bwd_cpu}`,
 //! f32 tolerance); 16-bit rows with [`exact16`], dense attention in f64 from the kernel's own rounded
 //! inputs under the bound derived in `selftest`'s header: M is sum_j p_j |v_j| for O (the operands the
 //! tensor-core tiles round: P before P V, dS before dS K and dS^T Q, and P before P^T dO), M_f folds in
@@ -19,8 +19,9 @@
 //! `HARPE_SELFTEST_SMALL` (set by scripts/gpu-check.sh around compute-sanitizer) drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
 use super::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
-use crate::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
-use crate::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
+use crate::kernels_emu::attention::{self as ka, AttnFloat};
+use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
+use crate::ops::attention_shape::{AttnDims, AttnKernel};
 use anyhow::Result;
 use half::{bf16, f16};
 use rand::Rng;
@@ -144,9 +145,9 @@ fn case(
     );
     let what = ["O", "lse", "dQ", "dK", "dV"];
     if dt == Dt::F32 {
-        let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
+        let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal, docs);
         let (dq_ref, dk_ref, dv_ref) =
-            attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+            attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
         let refs = [&o_ref, &lse_ref, &dq_ref, &dk_ref, &dv_ref];
         return Ok((0..5)
             .map(|i| check(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], refs[i], 1e-5))
@@ -180,34 +181,24 @@ fn emu_run<T: AttnFloat>(
     docs: Option<&[u32]>,
 ) -> Result<[Vec<f32>; 5]> {
     let (q, k, v, dout) = (to_t::<T>(q), to_t::<T>(k), to_t::<T>(v), to_t::<T>(dout));
-    let (o, lse, (dq, dk, dv)) = match docs {
-        Some(ds) => {
-            let (o, lse) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, scale, ds)?;
-            let g = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, ds)?;
-            (o, lse, g)
-        }
-        None => {
-            let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, scale, causal)?;
-            let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal)?;
-            (o, lse, g)
-        }
-    };
+    let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, scale, causal, docs)?;
+    let (dq, dk, dv) = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal, docs)?;
     Ok([of_t(&o), lse, of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
 /// What the exact 16-bit reference reads: the case's rounded inputs and the kernel's forward outputs.
-struct Inputs<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    dout: &'a [f32],
+pub(super) struct Inputs<'a> {
+    pub(super) q: &'a [f32],
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
+    pub(super) dout: &'a [f32],
     /// the kernel's O (storage-type values) and lse: the backward kernel's inputs
-    o: &'a [f32],
-    lse: &'a [f32],
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&'a [u32]>,
+    pub(super) o: &'a [f32],
+    pub(super) lse: &'a [f32],
+    pub(super) dims: AttnDims,
+    pub(super) scale: f32,
+    pub(super) causal: bool,
+    pub(super) docs: Option<&'a [u32]>,
 }
 
 impl Inputs<'_> {
@@ -232,7 +223,7 @@ struct RowExact {
 /// row (in parallel) the forward and dQ, then per key (in parallel) dK and dV, recomputing each pair's
 /// P and dS instead of keeping the (Tq, Tk) matrices. The backward uses the kernel's O and lse (see the
 /// header); P = exp(s - lse), dS = P (dO.v - dO.O), with M = P (|dO||v| + |dO||O|).
-fn exact16(inp: &Inputs) -> [Exact; 5] {
+pub(super) fn exact16(inp: &Inputs) -> [Exact; 5] {
     let AttnDims { b, h, hkv, tq, tk, d } = inp.dims;
     let (rep, sc) = (h / hkv, inp.scale as f64);
     /// Row r of a (rows, D) buffer.
@@ -424,16 +415,12 @@ mod cuda_run {
                         bail!("attention selftest: inputs are not on the CUDA device");
                     };
                     let dtens = docs.as_ref().map(|ds| ds.tensor());
-                    let (_, lse, _) =
-                        attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                    let (_, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
                     cdev.clone_dtoh(&lse)?
                 };
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
                 let (qa, ka, va) = (qv.as_tensor(), kv.as_tensor(), vv.as_tensor());
-                let o = match &docs {
-                    Some(ds) => crate::ops::attention::attention_doc(qa, ka, va, scale, ds)?,
-                    None => crate::ops::attention::attention(qa, ka, va, scale, causal)?,
-                };
+                let o = crate::ops::attention::attention(qa, ka, va, scale, causal, docs.as_ref())?;
                 let g = (&o * &dt_)?.sum_all()?.backward()?;
                 let grad = |x: &Var, n: &str| {
                     g.get(x.as_tensor()).cloned().ok_or_else(|| anyhow!("attention: no gradient reached {n}"))
@@ -451,9 +438,9 @@ mod cuda_run {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
                 let dtens = docs.as_ref().map(|ds| ds.tensor());
-                let (o, lse, _) = attention_cuda::fwd_docs(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                let (o, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
                 let lo = candle_core::Layout::contiguous(qs);
-                let (dq, dk, dv) = attention_cuda::bwd_docs(
+                let (dq, dk, dv) = attention_cuda::bwd(
                     (cq, lq),
                     (ck, lk),
                     (cv, lv),

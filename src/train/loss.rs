@@ -15,11 +15,9 @@
 //! the same cuBLAS matmuls; the logits are f32 on both paths. `chunked_cross_entropy_with(.., fused)`
 //! picks the path explicitly (tests run the fused path's CPU reference against the plain ops).
 //! Not done here: z-loss, label smoothing.
+pub use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
 use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
-
-/// Target value that is skipped (no loss, no gradient).
-pub const IGNORE_INDEX: u32 = u32::MAX;
 
 /// The loss's autograd node: input 0 is the nll (N) already computed from the detached hidden and weight
 /// (`chunked_nll`, candle's gemm reading the tensors in place), inputs 1, 2 are hidden and weight, so

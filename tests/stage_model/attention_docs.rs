@@ -1,4 +1,4 @@
-//! Document masks of packed sequences (`ops::attention::{attention_doc, DocStarts}`, `train.document_mask`):
+//! Document masks of packed sequences (`ops::attention::{attention, DocStarts}` with `docs: Some(..)`, `train.document_mask`):
 //! the CPU op (GEMM blocks and reference loops) forward and backward (dQ, dK, dV through the op's own
 //! backward) against the dense-mask slow op (segment ids compared element by element) and the blocked reference; one document
 //! equals plain causal attention bit for bit; `DocStarts` refuses malformed starts; the model seam refuses an
@@ -10,10 +10,7 @@ use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_config;
 use harpe::model::weights::init_random;
 use harpe::model::Llama;
-use harpe::ops::attention::{
-    attention, attention_blocked_doc, attention_doc, attention_doc_with, attention_reference, attention_slow_doc,
-    CpuKernel, DocStarts,
-};
+use harpe::ops::attention::{attention, attention_blocked, attention_slow, attention_with, CpuKernel, DocStarts};
 use std::sync::Arc;
 
 fn make(shape: (usize, usize, usize, usize), seed: f32) -> Tensor {
@@ -67,10 +64,11 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
             make((b, h, t, d), 3.7),
         );
         let scale = 1.0 / (d as f32).sqrt();
-        let refs = fwd_bwd(&|q, k, v| attention_slow_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
-        let got = fwd_bwd(&|q, k, v| attention_doc(q, k, v, scale, &docs), &q, &k, &v, &w);
-        let loops = fwd_bwd(&|q, k, v| attention_doc_with(q, k, v, scale, &docs, CpuKernel::Reference), &q, &k, &v, &w);
-        let blk = fwd_bwd(&|q, k, v| attention_blocked_doc(q, k, v, scale, &docs, 7), &q, &k, &v, &w);
+        let refs = fwd_bwd(&|q, k, v| attention_slow(q, k, v, scale, true, Some(&docs)), &q, &k, &v, &w);
+        let got = fwd_bwd(&|q, k, v| attention(q, k, v, scale, true, Some(&docs)), &q, &k, &v, &w);
+        let loops =
+            fwd_bwd(&|q, k, v| attention_with(q, k, v, scale, true, Some(&docs), CpuKernel::Reference), &q, &k, &v, &w);
+        let blk = fwd_bwd(&|q, k, v| attention_blocked(q, k, v, scale, true, Some(&docs), 7), &q, &k, &v, &w);
         for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
             let e = max_diff(&got[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the GEMM blocks differs from slow by {e}");
@@ -81,7 +79,7 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
         }
         // the mask is real: without it the output differs (every case but the one-token one)
         if t > 1 {
-            let causal = attention_reference(&q, &k, &v, scale, true).unwrap();
+            let causal = attention_with(&q, &k, &v, scale, true, None, CpuKernel::Reference).unwrap();
             assert!(max_diff(&causal, &refs[0]) > 1e-3, "case {n}: the document mask changed nothing");
         }
     }
@@ -93,10 +91,11 @@ fn one_document_equals_causal_attention_bit_for_bit() {
     let docs = DocStarts::from_starts(&[&[], &[0]], t, &Device::Cpu).unwrap();
     let (q, k, v, w) =
         (make((b, h, t, d), 0.3), make((b, hkv, t, d), 1.2), make((b, hkv, t, d), 2.1), make((b, h, t, d), 0.9));
-    let plain = fwd_bwd(&|q, k, v| attention_reference(q, k, v, 0.25, true), &q, &k, &v, &w);
-    let masked = fwd_bwd(&|q, k, v| attention_doc_with(q, k, v, 0.25, &docs, CpuKernel::Reference), &q, &k, &v, &w);
-    let plain_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true), &q, &k, &v, &w);
-    let masked_gemm = fwd_bwd(&|q, k, v| attention_doc(q, k, v, 0.25, &docs), &q, &k, &v, &w);
+    let plain = fwd_bwd(&|q, k, v| attention_with(q, k, v, 0.25, true, None, CpuKernel::Reference), &q, &k, &v, &w);
+    let masked =
+        fwd_bwd(&|q, k, v| attention_with(q, k, v, 0.25, true, Some(&docs), CpuKernel::Reference), &q, &k, &v, &w);
+    let plain_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true, None), &q, &k, &v, &w);
+    let masked_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true, Some(&docs)), &q, &k, &v, &w);
     for i in 0..4 {
         assert_eq!(max_diff(&plain[i], &masked[i]), 0.0, "reference loops: output {i}");
         assert_eq!(max_diff(&plain_gemm[i], &masked_gemm[i]), 0.0, "GEMM blocks: output {i}");
@@ -116,7 +115,7 @@ fn doc_starts_expand_offsets_and_refuse_malformed_ones() {
     assert!(e.contains("token 2"), "{e}");
     // starts for another batch or length are refused by the op, naming both
     let (q, k) = (make((1, 2, 10, 8), 0.0), make((1, 2, 10, 8), 1.0));
-    let e = attention_doc(&q, &k, &k, 1.0, &ds).unwrap_err().to_string();
+    let e = attention(&q, &k, &k, 1.0, true, Some(&ds)).unwrap_err().to_string();
     assert!(e.contains("B 2") && e.contains("hint:"), "{e}");
 }
 

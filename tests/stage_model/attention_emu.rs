@@ -13,8 +13,9 @@
 //! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
 //! implementation in that type (every intermediate rounded, `naive16` below).
 use half::{bf16, f16};
-use harpe::kernels_emu::attention::{self as ka, AttnFloat, AttnKernel};
-use harpe::ops::attention::{attention_bwd_cpu_doc, attention_fwd_cpu_doc, AttnDims, DocStarts};
+use harpe::kernels_emu::attention::{self as ka, AttnFloat};
+use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
+use harpe::ops::attention_shape::{attention_workspace, AttnDims, AttnKernel, PackedRows};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -127,21 +128,13 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
     let scale = 1.0 / (d as f32).sqrt();
     let case = format!("{kernel:?} {dims:?} causal={causal} docs={} {}", docs.is_some(), std::any::type_name::<T>());
 
-    let (o_ref, lse_ref) = attention_fwd_cpu_doc(&q, &k, &v, dims, scale, causal, docs);
+    let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal, docs);
     let (qt, kt, vt, dt) = (to_t::<T>(&q), to_t::<T>(&k), to_t::<T>(&v), to_t::<T>(&dout));
-    let (o_t, lse) = match docs {
-        Some(ds) => ka::attention_fwd_doc::<T>(kernel, &qt, &kt, &vt, dims, scale, ds),
-        None => ka::attention_fwd_with::<T>(kernel, &qt, &kt, &vt, dims, scale, causal),
-    }
-    .unwrap();
+    let (o_t, lse) = ka::attention_fwd::<T>(kernel, &qt, &kt, &vt, dims, scale, causal, docs).unwrap();
     let o = of_t(&o_t);
-    let (dq_ref, dk_ref, dv_ref) =
-        attention_bwd_cpu_doc(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
-    let (dq, dk, dv) = match docs {
-        Some(ds) => ka::attention_bwd_doc::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, ds),
-        None => ka::attention_bwd_with::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, causal),
-    }
-    .unwrap();
+    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let (dq, dk, dv) =
+        ka::attention_bwd::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, causal, docs).unwrap();
     let (dq, dk, dv) = (of_t(&dq), of_t(&dk), of_t(&dv));
 
     // lse is f32 in both dtypes: the f32 tolerance applies
@@ -216,10 +209,11 @@ fn decode_rows_equal_the_full_recomputation_bit_for_bit() {
     let q = uniform(&mut r, 4 * 70 * 16);
     let k = uniform(&mut r, 2 * 70 * 16);
     let v = uniform(&mut r, 2 * 70 * 16);
-    let (o_full, lse_full) = ka::attention_fwd::<f32>(&q, &k, &v, dims, 0.25, true).unwrap();
+    let (o_full, lse_full) = ka::attention_fwd::<f32>(AttnKernel::Fma, &q, &k, &v, dims, 0.25, true, None).unwrap();
     for n in [1usize, 3, 40] {
         let qs: Vec<f32> = (0..4).flat_map(|h| q[(h * 70 + 70 - n) * 16..(h + 1) * 70 * 16].to_vec()).collect();
-        let (o, lse) = ka::attention_fwd::<f32>(&qs, &k, &v, dm(1, 4, 2, n, 70, 16), 0.25, true).unwrap();
+        let (o, lse) =
+            ka::attention_fwd::<f32>(AttnKernel::Fma, &qs, &k, &v, dm(1, 4, 2, n, 70, 16), 0.25, true, None).unwrap();
         for h in 0..4 {
             assert_eq!(
                 &o[h * n * 16..(h + 1) * n * 16],
@@ -237,7 +231,7 @@ fn bad_shapes_are_refused_before_any_launch() {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let q = vec![0f32; b * h * tq * d];
         let kv = vec![0f32; b * hkv * tk * d];
-        ka::attention_fwd::<f32>(&q, &kv, &kv, dims, 1.0, causal).unwrap_err().to_string()
+        ka::attention_fwd::<f32>(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, causal, None).unwrap_err().to_string()
     };
     let e = err(dm(1, 2, 1, 4, 4, 24), true);
     assert!(e.contains("D = 24") && e.contains("hint:"), "{e}");
@@ -247,7 +241,9 @@ fn bad_shapes_are_refused_before_any_launch() {
     assert!(e.contains("Tq 8") && e.contains("Tk 4") && e.contains("hint:"), "{e}");
     // a buffer of the wrong length names the argument
     let dims = dm(1, 2, 1, 4, 4, 16);
-    let e = ka::attention_fwd::<f32>(&[0.0; 10], &[0.0; 64], &[0.0; 64], dims, 1.0, true).unwrap_err().to_string();
+    let e = ka::attention_fwd::<f32>(AttnKernel::Fma, &[0.0; 10], &[0.0; 64], &[0.0; 64], dims, 1.0, true, None)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`q`"), "{e}");
 }
 
@@ -332,40 +328,82 @@ fn tensor_core_tiles_refuse_what_they_do_not_take() {
     let dims = dm(1, 2, 1, 4, 4, 32);
     let q = vec![bf16::ZERO; 2 * 4 * 32];
     let kv = vec![bf16::ZERO; 4 * 32];
-    let e = ka::attention_fwd_with(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true, None).unwrap_err().to_string();
     assert!(e.contains("D = 32") && e.contains("hint:"), "{e}");
     let dims = dm(1, 2, 1, 4, 4, 64);
     let q = vec![0f32; 2 * 4 * 64];
     let kv = vec![0f32; 4 * 64];
-    let e = ka::attention_fwd_with(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true, None).unwrap_err().to_string();
     assert!(e.contains("4-byte") && e.contains("hint:"), "{e}");
     assert_eq!(AttnKernel::best(2, 128), AttnKernel::TensorCore);
     assert_eq!(AttnKernel::best(4, 128), AttnKernel::Fma);
     assert_eq!(AttnKernel::best(2, 16), AttnKernel::Fma);
 }
 
+/// The op's launchers (`fwd_packed`/`bwd_packed`, here their emulated twins): O and lse written straight into
+/// the packed output rows, q/O/lse/dO read in place from the backward rows, give exactly the plain buffers'
+/// results, and the backward allocates exactly the op's workspace function's scratch.
+fn check_packed<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, docs: Option<&[u32]>, seed: u64) {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let q: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
+    let k: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
+    let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
+    let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
+    let case = format!("{kernel:?} {dims:?} docs={} {}", docs.is_some(), std::any::type_name::<T>());
+    let eb = std::mem::size_of::<T>();
+    let lay = PackedRows { d, elem_bytes: eb };
+    let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, docs).unwrap();
+    let fwd = ka::attention_fwd_packed(kernel, &q, &k, &v, dims, 0.3, true, docs).unwrap();
+    assert_eq!(fwd.len(), b * h * tq * lay.fwd_width(), "{case}");
+    for (i, row) in fwd.chunks(lay.fwd_width()).enumerate() {
+        assert!(row[..d] == o[i * d..(i + 1) * d], "{case}: O row {i}");
+        assert!(row[d + 4 / eb..].iter().all(|x| x.to_f32() == 0.0), "{case}: pad of row {i}");
+    }
+    let lse_p = ka::packed_lse(&fwd, lay.fwd_width(), d);
+    assert_eq!(
+        lse_p.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "{case}: lse"
+    );
+    let rows = ka::bwd_rows(&q, &fwd, &dout, d).unwrap();
+    let ws = attention_workspace(dims, eb);
+    assert_eq!(rows.len() * eb, ws.bwd_packed, "{case}: the packing copy is the workspace's");
+    assert_eq!(ka::packed_lse(&rows[2 * d..], lay.bwd_width(), 0)[..], lse[..lse.len() - 1], "{case}: bwd lse");
+    let (dq, dk, dv) = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, docs).unwrap();
+    let got = ka::attention_bwd_packed(kernel, &rows, &k, &v, dims, 0.3, true, docs).unwrap();
+    assert_eq!(got.scratch_bytes, ws.bwd_scratch, "{case}: the launcher allocates the op's scratch");
+    assert_eq!(ws.bwd_scratch, b * h * tq * (d + 1) * 4, "{case}");
+    let want: Vec<T> = dq.into_iter().chain(dk).chain(dv).collect();
+    assert!(got.grads == want, "{case}: gradients differ from the plain buffers'");
+}
+
 #[test]
-fn pack_and_unpack_kernels_follow_the_op_layouts() {
-    // the layouts `ops::attention`'s custom ops use: O|lse rows of D + 1, [q | O | lse | dO | .] rows of 3D + 2
-    let (rows, d) = (5usize, 64usize);
-    let mut r = ChaCha8Rng::seed_from_u64(9);
-    let o: Vec<bf16> = to_t(&uniform(&mut r, rows * d));
-    let lse = uniform(&mut r, rows);
-    let packed = ka::pack_fwd(&o, &lse, d).unwrap();
-    for i in 0..rows {
-        assert_eq!(&packed[i * (d + 1)..i * (d + 1) + d], &of_t(&o[i * d..(i + 1) * d])[..], "row {i}");
-        assert_eq!(packed[i * (d + 1) + d], lse[i]);
+fn packed_launchers_read_and_write_the_op_rows_in_place() {
+    check_packed::<f32>(AttnKernel::Fma, dm(1, 4, 2, 17, 17, 16), None, 960);
+    check_packed::<bf16>(AttnKernel::Fma, dm(2, 2, 1, 33, 33, 32), None, 961);
+    check_packed::<bf16>(AttnKernel::TensorCore, dm(1, 4, 2, 70, 70, 64), None, 962);
+    check_packed::<f16>(AttnKernel::TensorCore, dm(1, 2, 1, 40, 40, 128), None, 963);
+    let docs = docs_of(1, 70, &[&[0, 9, 40]]);
+    check_packed::<bf16>(AttnKernel::TensorCore, dm(1, 2, 2, 70, 70, 64), Some(&docs), 964);
+}
+
+#[test]
+fn packed_rows_keep_16_bit_parts_aligned_and_f32_rows_as_before() {
+    for d in [64usize, 128] {
+        let lay = PackedRows { d, elem_bytes: 2 };
+        assert_eq!((lay.fwd_width(), lay.bwd_width(), lay.dout_at()), (d + 8, 3 * d + 16, 2 * d + 8));
+        // every row and every part of it starts on 16 bytes (copy16 of q and dO rows; lse's f32 slot)
+        for at in [lay.bwd_width(), d, 2 * d, lay.dout_at(), lay.fwd_width()] {
+            assert_eq!(at * 2 % 16, 0, "D {d}: element {at}");
+        }
     }
-    let w = 3 * d + 2;
-    let big: Vec<f32> = to_t::<f16>(&uniform(&mut r, rows * w)).iter().map(|x| x.to_f32()).collect();
-    let (q, o2, dout, lse2) = ka::unpack_bwd::<f16>(&big, d).unwrap();
-    for i in 0..rows {
-        let row = &big[i * w..(i + 1) * w];
-        assert_eq!(of_t(&q[i * d..(i + 1) * d]), &row[..d]);
-        assert_eq!(of_t(&o2[i * d..(i + 1) * d]), &row[d..2 * d]);
-        assert_eq!(lse2[i], row[2 * d]);
-        assert_eq!(of_t(&dout[i * d..(i + 1) * d]), &row[2 * d + 1..3 * d + 1]);
-    }
+    let f = PackedRows { d: 64, elem_bytes: 4 };
+    assert_eq!((f.fwd_width(), f.bwd_width(), f.dout_at()), (65, 194, 129));
+    // Llama-2-7B at 4K tokens, bf16: 32 heads x (3 x 128 + 16) x 2 B + 32 x 129 x 4 B per token
+    let ws = attention_workspace(dm(1, 32, 32, 4096, 4096, 128), 2);
+    assert_eq!((ws.bwd_packed, ws.bwd_scratch), (4096 * 32 * 400 * 2, 4096 * 32 * 129 * 4));
+    assert_eq!(ws.total(), ws.bwd_packed + ws.bwd_scratch);
 }
 
 #[test]
@@ -438,11 +476,11 @@ fn one_document_equals_causal_bit_for_bit() {
         let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
         let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
         let docs = vec![0u32; b * tk];
-        let (o, lse) = ka::attention_fwd_with(kernel, &q, &k, &v, dims, 0.3, true).unwrap();
-        let (od, lsed) = ka::attention_fwd_doc(kernel, &q, &k, &v, dims, 0.3, &docs).unwrap();
+        let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, None).unwrap();
+        let (od, lsed) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, Some(&docs)).unwrap();
         assert!(o == od && lse == lsed, "{kernel:?} {dims:?}: forward differs");
-        let g = ka::attention_bwd_with(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true).unwrap();
-        let gd = ka::attention_bwd_doc(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, &docs).unwrap();
+        let g = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, None).unwrap();
+        let gd = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, Some(&docs)).unwrap();
         assert!(g == gd, "{kernel:?} {dims:?}: backward differs");
     }
     go::<f32>(AttnKernel::Fma, dm(2, 4, 2, 70, 70, 16), 950);
@@ -453,6 +491,6 @@ fn one_document_equals_causal_bit_for_bit() {
 fn document_masks_refuse_bad_input() {
     let dims = dm(1, 2, 1, 4, 4, 16);
     let (q, kv) = (vec![0f32; 2 * 4 * 16], vec![0f32; 4 * 16]);
-    let e = ka::attention_fwd_doc(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, &[0; 3]).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, true, Some(&[0; 3])).unwrap_err().to_string();
     assert!(e.contains("`docs`"), "{e}");
 }

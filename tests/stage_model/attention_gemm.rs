@@ -1,12 +1,12 @@
 //! The GEMM-block CPU attention (`ops::attention_gemm`, what `attention` runs) against the scalar
-//! reference loops of the same op (`attention_reference`), forward and backward, on shapes that cross
+//! reference loops of the same op (`attention_with(.., CpuKernel::Reference)`), forward and backward, on shapes that cross
 //! its query (64) and key (128) block edges: ragged, GQA / MQA / MHA, training (Tq = Tk), chunked
 //! prefill and single-token decode (Tq < Tk), full attention, large logits, and the backward's split
 //! over key ranges when threads outnumber B * Hkv.
 use crate::ops_common;
 use candle_core::{Device, Tensor, Var};
 use harpe::model::attention::AttentionImpl;
-use harpe::ops::attention::{attention, attention_reference, attention_slow};
+use harpe::ops::attention::{attention, attention_slow, attention_with, CpuKernel};
 use ops_common::randn;
 
 fn max_abs(a: &Tensor) -> f32 {
@@ -26,8 +26,8 @@ fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: 
     let w = randn(&[b, h, tq, d], 34, 1.0);
     let scale = 1.0 / (d as f32).sqrt();
     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-    let fast = attention(qt, kt, vt, scale, causal).unwrap();
-    let reference = attention_reference(qt, kt, vt, scale, causal).unwrap();
+    let fast = attention(qt, kt, vt, scale, causal, None).unwrap();
+    let reference = attention_with(qt, kt, vt, scale, causal, None, CpuKernel::Reference).unwrap();
     let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} d{d} causal {causal} amp {amp}");
     let e = rel_err(&fast, &reference);
     assert!(e < 1e-5, "{tag}: forward differs by {e}");
@@ -78,7 +78,10 @@ fn gemm_attention_backward_split_over_key_ranges_matches_reference() {
 fn gemm_attention_matches_full_matrix_version() {
     // independent of the op's own reference: the plain-candle (Tq x Tk) version
     let (q, k, v) = (randn(&[1, 4, 90, 8], 1, 1.0), randn(&[1, 2, 200, 8], 2, 1.0), randn(&[1, 2, 200, 8], 3, 1.0));
-    let e = rel_err(&attention(&q, &k, &v, 0.5, true).unwrap(), &attention_slow(&q, &k, &v, 0.5, true).unwrap());
+    let e = rel_err(
+        &attention(&q, &k, &v, 0.5, true, None).unwrap(),
+        &attention_slow(&q, &k, &v, 0.5, true, None).unwrap(),
+    );
     assert!(e < 1e-5, "forward vs slow differs by {e}");
 }
 
@@ -88,7 +91,7 @@ fn cpu_default_is_the_gemm_op() {
     assert!(matches!(imp, AttentionImpl::Cpu), "CPU default is {imp:?}");
     let (q, k, v) = (randn(&[1, 2, 9, 8], 4, 1.0), randn(&[1, 1, 9, 8], 5, 1.0), randn(&[1, 1, 9, 8], 6, 1.0));
     let via_seam = imp.attend(&q, &k, &v, 0.3, true).unwrap();
-    let e = rel_err(&via_seam, &attention_reference(&q, &k, &v, 0.3, true).unwrap());
+    let e = rel_err(&via_seam, &attention_with(&q, &k, &v, 0.3, true, None, CpuKernel::Reference).unwrap());
     assert!(e < 1e-5, "seam vs reference differs by {e}");
 }
 
@@ -101,8 +104,8 @@ fn gemm_attention_backward_is_the_same_on_every_run() {
         pool.install(|| {
             let (qv, kv, vv) =
                 (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
-            let o =
-                harpe::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), 0.35, true).unwrap();
+            let o = harpe::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), 0.35, true, None)
+                .unwrap();
             let g = (o.sqr().unwrap().sum_all().unwrap()).backward().unwrap();
             [&qv, &kv, &vv].map(|x| g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
         })

@@ -129,8 +129,8 @@ fn attn_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, cau
     let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 13)).unwrap();
     let w = randn(&[b, h, tq, d], 14);
     let scale = 1.0 / (d as f32).sqrt() * 2.0;
-    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal).unwrap();
-    let ys = attention_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal).unwrap();
+    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
+    let ys = attention_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
     let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal}");
     assert!(max_abs_diff(&y, &ys) < 1e-5, "{tag}: forward {}", max_abs_diff(&y, &ys));
     let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
@@ -155,11 +155,11 @@ fn attention_finite_differences() {
     let (q0, k0, v0) = (randn(&[1, 2, 6, 4], 21), randn(&[1, 1, 6, 4], 22), randn(&[1, 1, 6, 4], 23));
     let w = randn(&[1, 2, 6, 4], 24);
     let (q, k, v) = (Var::from_tensor(&q0).unwrap(), Var::from_tensor(&k0).unwrap(), Var::from_tensor(&v0).unwrap());
-    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.7, true).unwrap();
+    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.7, true, None).unwrap();
     let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let fq = |x: &Tensor| (attention(x, &k0, &v0, 0.7, true).unwrap() * &w).unwrap().sum_all().unwrap();
-    let fk = |x: &Tensor| (attention(&q0, x, &v0, 0.7, true).unwrap() * &w).unwrap().sum_all().unwrap();
-    let fv = |x: &Tensor| (attention(&q0, &k0, x, 0.7, true).unwrap() * &w).unwrap().sum_all().unwrap();
+    let fq = |x: &Tensor| (attention(x, &k0, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
+    let fk = |x: &Tensor| (attention(&q0, x, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
+    let fv = |x: &Tensor| (attention(&q0, &k0, x, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
     fd_check("dq", &q0, &fq, g.get(q.as_tensor()).unwrap());
     fd_check("dk", &k0, &fk, g.get(k.as_tensor()).unwrap());
     fd_check("dv", &v0, &fv, g.get(v.as_tensor()).unwrap());
@@ -171,8 +171,8 @@ fn attention_is_stable_with_large_logits() {
     let q = (randn(&[1, 1, 4, 4], 31) * 100.0).unwrap();
     let k = (randn(&[1, 1, 4, 4], 32) * 100.0).unwrap();
     let v = randn(&[1, 1, 4, 4], 33);
-    let y = attention(&q, &k, &v, 1.0, true).unwrap();
-    let ys = attention_slow(&q, &k, &v, 1.0, true).unwrap();
+    let y = attention(&q, &k, &v, 1.0, true, None).unwrap();
+    let ys = attention_slow(&q, &k, &v, 1.0, true, None).unwrap();
     assert!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|x| x.is_finite()));
     assert!(max_abs_diff(&y, &ys) < 1e-4);
 }
@@ -181,7 +181,7 @@ fn attention_is_stable_with_large_logits() {
 fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     let q = randn(&[1, 2, 5, 8], 41).to_dtype(DType::BF16).unwrap();
     let k = randn(&[1, 2, 5, 8], 42).to_dtype(DType::BF16).unwrap();
-    let y = attention(&q, &k, &k, 0.3, true).unwrap();
+    let y = attention(&q, &k, &k, 0.3, true, None).unwrap();
     assert_eq!(y.dtype(), DType::BF16);
     let (cos, sin) = tables(&[1e4], 8, 5, 0);
     let r = rope(&q, &cos, &sin).unwrap();
@@ -190,8 +190,8 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     // 2x the error of a naive bf16 computation (STYLE: the ggml / flash-attention criterion), and no worse
     // than one bf16 rounding of the output.
     let (q32, k32) = (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap());
-    let want = attention_slow(&q32, &k32, &k32, 0.3, true).unwrap();
-    let naive = attention_slow(&q, &k, &k, 0.3, true).unwrap();
+    let want = attention_slow(&q32, &k32, &k32, 0.3, true, None).unwrap();
+    let naive = attention_slow(&q, &k, &k, 0.3, true, None).unwrap();
     let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let (e_fused, e_naive) = (max_abs_diff(&f32_of(&y), &want), max_abs_diff(&f32_of(&naive), &want));
     assert!(e_fused <= 2.0 * e_naive + 1e-6, "attention bf16 error {e_fused} vs naive bf16 {e_naive}");
@@ -213,9 +213,9 @@ fn three_way_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize
     let scale = 0.9;
     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
     let outs = [
-        ("op", attention(qt, kt, vt, scale, causal).unwrap()),
-        ("blocked", attention_blocked(qt, kt, vt, scale, causal, block).unwrap()),
-        ("slow", attention_slow(qt, kt, vt, scale, causal).unwrap()),
+        ("op", attention(qt, kt, vt, scale, causal, None).unwrap()),
+        ("blocked", attention_blocked(qt, kt, vt, scale, causal, None, block).unwrap()),
+        ("slow", attention_slow(qt, kt, vt, scale, causal, None).unwrap()),
     ];
     let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal} block {block}");
     let grads: Vec<_> = outs.iter().map(|(_, y)| (y * &w).unwrap().sum_all().unwrap().backward().unwrap()).collect();

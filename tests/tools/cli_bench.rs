@@ -74,3 +74,37 @@ fn bench_comms_times_every_collective_over_thread_ranks() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--comm-mib 0") && err.contains("hint:"), "{err}");
 }
+
+#[test]
+fn bench_attention_profiles_the_emulated_kernels_as_json() {
+    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["bench", "attention", "--target", "emulated", "--profile", "--json"])
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "harpe bench attention --target emulated failed: {out}\n{err}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["kernel"].as_str().unwrap()).collect();
+    assert!(names.contains(&"attn_fwd_tc_bf16_d128") && names.contains(&"attn_bwd_tc_bf16_d64"), "{names:?}");
+    for r in &rows {
+        for k in ["global_sectors", "useful_bytes", "sector_efficiency", "bank_conflicts", "barriers", "atomics", "mma"]
+        {
+            assert!(r[k].is_number(), "{k} of {r}");
+        }
+        assert!(r["shape"].as_str().unwrap().contains("T256"), "{r}");
+    }
+    // the main kernels run mma and move memory; the backward adds dQ atomically, the forward does not
+    let row = |n: &str| rows.iter().find(|r| r["kernel"] == n).unwrap();
+    let (f, b) = (row("attn_fwd_tc_bf16_d128"), row("attn_bwd_tc_bf16_d128"));
+    assert!(f["mma"].as_u64().unwrap() > 0 && f["global_sectors"].as_u64().unwrap() > 0, "{f}");
+    assert_eq!(f["atomics"].as_u64(), Some(0), "{f}");
+    assert!(b["atomics"].as_u64().unwrap() > 0, "{b}");
+    assert!(f["predicted_tflops"]["h100"].as_f64().unwrap() > f["predicted_tflops"]["a100"].as_f64().unwrap(), "{f}");
+    // without --profile it says what to add
+    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        .args(["bench", "attention", "--target", "emulated"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--profile") && err.contains("hint:"), "{err}");
+}

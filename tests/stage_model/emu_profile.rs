@@ -1,0 +1,120 @@
+//! The host emulation's measuring (`kernels_emu::profile`, kernels/emu.h) on toy kernels whose counts are
+//! computed here by hand (kernels/emu_toys.cu), cp.async's commit/wait semantics with its poison, and the
+//! attention kernels' counts that follow from their tiling.
+//! Measuring is process-wide, so every test takes `LOCK` and resets the table first.
+use half::bf16;
+use harpe::kernels_emu::attention as ka;
+use harpe::kernels_emu::profile::{self, Profile};
+use harpe::ops::attention_shape::{AttnDims, AttnKernel};
+use std::sync::Mutex;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// Run `f` measured and return the counts of kernel `name`.
+fn measured(name: &str, f: impl FnOnce()) -> Profile {
+    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    profile::reset();
+    profile::enable(true);
+    f();
+    profile::enable(false);
+    profile::get(name).unwrap_or_else(|| panic!("{name} did not run measured"))
+}
+
+#[test]
+fn coalesced_and_strided_loads_count_their_sectors() {
+    let x: Vec<f32> = (0..32 * 8).map(|i| i as f32).collect();
+    // one warp, 32 floats: 128 contiguous aligned bytes are 4 sectors, for the load and for the store
+    let p = measured("toy_copy", || assert_eq!(profile::toy_copy(&x, 1).unwrap(), x[..32]));
+    assert_eq!((p.launches, p.global_instr, p.global_sectors, p.useful_bytes), (1, 2, 8, 256));
+    assert_eq!(p.sector_efficiency(), 1.0);
+    // stride 8 floats = 32 bytes: every lane's float in its own sector (32 sectors for 128 useful bytes);
+    // the store stays 4 sectors
+    let want: Vec<f32> = (0..32).map(|i| (8 * i) as f32).collect();
+    let p = measured("toy_copy", || assert_eq!(profile::toy_copy(&x, 8).unwrap(), want));
+    assert_eq!((p.global_instr, p.global_sectors, p.useful_bytes), (2, 36, 256));
+    assert!((p.sector_efficiency() - 256.0 / (36.0 * 32.0)).abs() < 1e-12);
+    assert_eq!((p.shared_instr, p.bank_conflicts, p.barriers, p.atomics, p.mma), (0, 0, 0, 0, 0));
+}
+
+#[test]
+fn a_column_of_an_unpadded_tile_is_a_32_way_bank_conflict() {
+    let want: Vec<f32> = (0..32).map(|l| (32 * l) as f32).collect();
+    // 32 row stores (lane l -> bank l: one wavefront each), one column load (every lane in bank 0: 32
+    // wavefronts for 32 distinct words, 31 of them conflicts), one barrier
+    let p = measured("toy_shared_column", || assert_eq!(profile::toy_shared_column(false), want));
+    assert_eq!((p.shared_instr, p.shared_wavefronts, p.bank_conflicts, p.barriers), (33, 64, 31, 1));
+    // rows of 33 floats: lane l's column word sits in bank l, and every row store still spans 32 banks
+    let p = measured("toy_shared_column_padded", || assert_eq!(profile::toy_shared_column(true), want));
+    assert_eq!((p.shared_instr, p.shared_wavefronts, p.bank_conflicts, p.barriers), (33, 33, 0, 1));
+}
+
+#[test]
+fn cp_async_lands_group_by_group_and_poisons_early_reads() {
+    let x: Vec<f32> = (0..256).map(|i| i as f32 + 0.5).collect();
+    let p = measured("toy_cp_async", || {
+        let y = profile::toy_cp_async(&x, false).unwrap();
+        // after wait_group 1 the first group (floats 0..128) has landed, the second has not
+        assert_eq!(y[..128], x[..128]);
+        assert!(y[128..256].iter().all(|v| v.to_bits() == u32::MAX), "the pending group reads as poison");
+        // after wait_group 0 everything has
+        assert_eq!(y[256..], x[..]);
+    });
+    // 2 x 32 copies of 16 bytes: per group 512 contiguous bytes = 16 sectors, and 4 conflict-free phases of
+    // 8 lanes on the shared side
+    assert_eq!((p.cp_async, p.global_instr, p.global_sectors, p.useful_bytes), (64, 2, 32, 1024));
+    assert_eq!((p.shared_instr, p.shared_wavefronts, p.bank_conflicts), (2, 8, 0));
+}
+
+#[test]
+fn reading_cp_async_data_before_the_wait_fails() {
+    // the broken kernel (reads before cp.async.wait_group) sees poison, never the data: a test comparing
+    // its output with the input fails, as it must
+    let x: Vec<f32> = (0..256).map(|i| i as f32).collect();
+    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let y = profile::toy_cp_async(&x, true).unwrap();
+    assert!(y.iter().all(|v| v.is_nan()), "an early read must not see the copied data");
+    assert_ne!(y[..256], x[..]);
+}
+
+#[test]
+fn attention_forward_counts_follow_from_its_tiles() {
+    // tensor-core forward, D = 64, one 64-row query tile against one 64-key tile (causal, Tq = Tk = 64):
+    // per warp S = Q K^T is (64 / 8) x (64 / 16) mma and O += P V (64 / 16) x (64 / 8): 64; 4 warps
+    let dims = AttnDims { b: 1, h: 1, hkv: 1, tq: 64, tk: 64, d: 64 };
+    let q = vec![bf16::from_f32(0.1); 64 * 64];
+    let p = measured("attn_fwd_tc_bf16_d64", || {
+        ka::attention_fwd(AttnKernel::TensorCore, &q, &q, &q, dims, 0.125, true, None).unwrap();
+    });
+    assert_eq!(p.mma, 4 * 64);
+    // the Q tile's barrier, then per key tile one after loading K/V and one before they are overwritten
+    assert_eq!(p.barriers, 3);
+    // every tile load is whole 128-byte rows of bf16: fully used sectors
+    assert_eq!(p.sector_efficiency(), 1.0);
+    assert!(p.global_sectors >= 3 * 64 * 128 / 32, "Q, K and V tiles: {p:?}");
+    assert_eq!(p.atomics, 0);
+}
+
+#[test]
+fn attention_backward_adds_each_dq_element_once_per_tile_pair() {
+    // tensor-core backward, D = 64: key tiles of 64, query tiles of 32; Tq = Tk = 64 causal gives one key
+    // tile against two query tiles, so at most 2 x 32 x 64 atomics (FA2's bound: one per dQ element per
+    // (query tile, key tile)). Zero partial sums are skipped: query row 0 sees key 0 alone (p = 1, so
+    // dS = dO.v0 - dO.O = 0 exactly) and adds nothing; every other row's D elements are added once
+    let dims = AttnDims { b: 1, h: 1, hkv: 1, tq: 64, tk: 64, d: 64 };
+    let mut seed = 12345u32;
+    let mut next = || {
+        seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+        bf16::from_f32((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+    };
+    let x: Vec<bf16> = (0..3 * 64 * 64).map(|_| next()).collect();
+    let (q, k, v) = (&x[..4096], &x[4096..8192], &x[8192..]);
+    let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, q, k, v, dims, 0.125, true, None).unwrap();
+    let p = measured("attn_bwd_tc_bf16_d64", || {
+        ka::attention_bwd(AttnKernel::TensorCore, q, k, v, &o, &lse, q, dims, 0.125, true, None).unwrap();
+    });
+    assert_eq!(p.atomics, 2 * 32 * 64 - 64);
+    // per warp and query tile: S^T and dP^T (32 / 8) x (64 / 16) x 2, dV and dK (32 / 16) x (64 / 8) x 2;
+    // dQ per warp (64 / 16) x 4: 4 warps x 2 tiles x (32 + 32 + 16)
+    assert_eq!(p.mma, 4 * 2 * (32 + 32 + 16));
+    assert_eq!(p.bank_conflicts, 0, "{p:?}");
+}
