@@ -35,7 +35,7 @@ pub fn scale<T: Copy>(kernel: &str, out: &mut [T], to_f32: impl Fn(T) -> f32, fr
 /// (batch 0, head 0) with every key up to the end of its diagonal tile visible.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd<T: super::attention::AttnFloat>(
-    kernel: super::attention::AttnKernel,
+    kernel: crate::ops::attention_shape::AttnKernel,
     (q, k, v): (&[T], &[T], &[T]),
     dims: crate::ops::attention_shape::AttnDims,
     scale: f32,

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 const HOLD_ENV: &str = "HARPE_TEST_HOLD_LOCK";
 
 /// Not a test on its own: the holder process `holds_the_lock_of_another_process` starts (it re-runs
-/// this test binary with `--ignored --exact lock_holder`). Takes the lock, says so, then sleeps.
+/// this test binary with `--ignored --exact dir_lock::lock_holder`). Takes the lock, says so, then sleeps.
 #[test]
 #[ignore = "helper process of dir_lock tests"]
 fn lock_holder() {
@@ -22,7 +22,7 @@ fn lock_holder() {
 #[allow(clippy::zombie_processes)]
 fn spawn_holder(dir: &Path) -> (Child, u32) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "lock_holder", "--nocapture", "--test-threads", "1"])
+        .args(["--ignored", "--exact", "dir_lock::lock_holder", "--nocapture", "--test-threads", "1"])
         .env(HOLD_ENV, dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

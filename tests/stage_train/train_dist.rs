@@ -61,12 +61,17 @@ fn train(cfg: &Path, out: &Path, extra: &[&str]) {
 }
 
 fn losses(run: &Path) -> Vec<(u64, f64)> {
+    series(run, "loss")
+}
+
+/// Every step line's (step, `key`) of a finished run's metrics.jsonl.
+fn series(run: &Path, key: &str) -> Vec<(u64, f64)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            (v["step"].as_u64().unwrap(), v[key].as_f64().unwrap())
         })
         .collect()
 }
@@ -135,14 +140,7 @@ fn noise_floor(cfg: &Path, one: &Path, dir: &Path) -> f64 {
 
 /// Every step's logged gradient norm (before clipping) by step.
 fn grad_norms(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["grad_norm"].as_f64().unwrap())
-        })
-        .collect()
+    series(run, "grad_norm")
 }
 
 /// The same steps with the same losses and the same gradient norms (1e-6 relative): the norm sees the

@@ -84,9 +84,9 @@ fn title_dark_pixels(dir: &Path, title: &str) -> usize {
         })
         .collect();
     std::fs::write(&jsonl, lines.join("\n") + "\n").unwrap();
-    let records = harpe::metrics::read_records(&jsonl).unwrap();
+    let records = harpe::train::metrics::read_records(&jsonl).unwrap();
     let out = dir.join(format!("loss{}.bmp", title.len()));
-    harpe::metrics::plot_loss(&records, &out, title).unwrap();
+    harpe::train::metrics::plot_loss(&records, &out, title).unwrap();
     let (w, _, px) = bmp_pixels(&std::fs::read(&out).unwrap());
     // plot_loss: 900 x 500, margin 12, a 22 px caption centred above the chart: rows 8..34, middle 2/3
     (8..34)
