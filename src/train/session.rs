@@ -370,33 +370,44 @@ fn agreed_resume_point(comm: &Comm, run_dir: &RunDir, resume: bool, hash: &str) 
     comm.all_reduce_sum_f64(&mut told)?;
     let [step, hash0] = told;
     let path = (step >= 0.0).then(|| root.join(checkpoint::step_dir_name(step as u64)));
-    let mine = mine.and_then(|m| Ok((step_of(&m)?, m)));
-    let own = match &mine {
-        Err(e) => Err(anyhow!("rank {} cannot read {}: {e:#}", mesh.rank(), root.display())),
-        Ok(_) if hash0 != hash48 => Err(anyhow!(
-            "rank {}: its config differs from rank 0's (config hash {} vs rank 0's)\nhint: every rank must run the same config and --set values",
-            mesh.rank(),
-            &hash[..12]
-        )),
-        Ok((s, m)) if *s != step => Err(anyhow!(
-            "rank {} sees {} as the newest complete checkpoint, but rank 0 resumes from {}\nhint: {} must be one shared directory that every rank sees the same (a stale or node-local file system?)",
-            mesh.rank(),
-            m.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into()),
-            path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none (a fresh start)".into()),
-            root.display()
-        )),
-        Ok(_) => Ok(()),
+    let mine = mine.and_then(|m| step_of(&m));
+    // what every rank sees, told to all so that each rank's error names every disagreeing rank and what
+    // it sees: [code per rank] with code = 0 agrees, 1 unreadable, 2 another config, 3 no checkpoint,
+    // 4 + its newest step
+    let code = match &mine {
+        Err(_) => 1.0,
+        Ok(_) if hash0 != hash48 => 2.0,
+        Ok(s) if *s == step => 0.0,
+        Ok(s) if *s < 0.0 => 3.0,
+        Ok(s) => 4.0 + s,
     };
-    // who failed, told to every rank, so each error names the ranks
-    let mut bad = vec![0.0; mesh.world()];
-    bad[mesh.rank()] = f64::from(u8::from(own.is_err()));
-    comm.all_reduce_sum_f64(&mut bad)?;
-    let failed: Vec<usize> = (0..bad.len()).filter(|&r| bad[r] > 0.0).collect();
-    own?;
-    if !failed.is_empty() {
+    let mut seen = vec![0.0; mesh.world()];
+    seen[mesh.rank()] = code;
+    comm.all_reduce_sum_f64(&mut seen)?;
+    let chosen = path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none (a fresh start)".into());
+    let lines: Vec<String> = (0..seen.len())
+        .filter(|&r| seen[r] != 0.0)
+        .map(|r| match seen[r] {
+            1.0 => format!("rank {r} cannot read its checkpoints directory"),
+            2.0 => format!("rank {r}: its config differs from rank 0's (another config hash)"),
+            3.0 => format!("rank {r} sees none as the newest complete checkpoint, but rank 0 resumes from {chosen}"),
+            c => format!(
+                "rank {r} sees {} as the newest complete checkpoint, but rank 0 resumes from {chosen}",
+                checkpoint::step_dir_name((c - 4.0) as u64)
+            ),
+        })
+        .collect();
+    if let Err(e) = &mine {
         bail!(
-            "rank(s) {failed:?} disagree with rank 0 about the checkpoint to resume from ({}); every rank stopped\nhint: their own errors say what they see; {} must be one shared directory",
-            path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "a fresh start".into()),
+            "rank {} cannot read {}: {e:#}\nhint: every rank must see the run directory",
+            mesh.rank(),
+            root.display()
+        );
+    }
+    if !lines.is_empty() {
+        bail!(
+            "{}; every rank stopped\nhint: {} must be one shared directory that every rank sees the same (a stale or node-local file system?), and every rank must run the same config and --set values",
+            lines.join("; "),
             root.display()
         );
     }
