@@ -60,6 +60,14 @@ fn train(cfg: &Path, out: &Path, extra: &[&str]) {
     assert!(ok, "harpe {a:?} failed:\n{text}");
 }
 
+/// `train` with `n` `Local` ranks at ZeRO stage `z`, then `extra`.
+fn train_ranks(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[&str]) {
+    let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
+    let mut a = vec!["--set", "dist.backend=local", "--set", &ws, "--set", &zs];
+    a.extend_from_slice(extra);
+    train(cfg, out, &a);
+}
+
 fn losses(run: &Path) -> Vec<(u64, f64)> {
     series(run, "loss")
 }
@@ -219,10 +227,7 @@ fn n_ranks_equal_one_rank_with_clipping_out_of_the_way() {
     train(&cfg, &one, &noclip);
     for (n, z) in [(2, 1), (4, 3)] {
         let out = d.path().join(format!("w{n}z{z}"));
-        let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
-        let mut a = vec!["--set", "dist.backend=local", "--set", &ws, "--set", &zs];
-        a.extend(noclip);
-        train(&cfg, &out, &a);
+        train_ranks(&cfg, &out, (n, z), &noclip);
         assert_same_losses(&one, &out, &format!("{n} ranks, ZeRO-{z}, no clipping"));
     }
 }
@@ -640,10 +645,7 @@ fn n_ranks_equal_one_rank_in_bf16_within_the_bf16_noise_floor() {
     assert!(floor_loss > 0.0 || floor_w > 0.0, "bf16 at one rank is order-independent?");
     for (n, z) in [(2, 1), (4, 3)] {
         let out = d.path().join(format!("w{n}z{z}"));
-        let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
-        let mut a = vec!["--set", "dist.backend=local", "--set", &ws, "--set", &zs];
-        a.extend(bf16);
-        train(&cfg, &out, &a);
+        train_ranks(&cfg, &out, (n, z), &bf16);
         let what = format!("bf16, {n} ranks, ZeRO-{z}");
         let dl = max_rel_diff(&losses(&one), &losses(&out));
         assert!(dl <= 4.0 * floor_loss.max(1e-4), "{what}: losses differ by {dl:e}, floor {floor_loss:e}");
