@@ -8,7 +8,7 @@
 //! fragment layouts the emulated mma/ldmatrix reproduce); the CPU reference
 //! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` they are tested against (tests/stage_model/attention_emu.rs).
 //! The non-obvious decision: the launch shape is not the caller's choice here (unlike the row kernels):
-//! the kernels are written for exactly 128 threads per block and one block per (tile, head, batch), so
+//! the kernels are written for exactly `AttnKernel::threads` per block and one block per (tile, head, batch), so
 //! the wrapper derives the grid from the shapes exactly as the CUDA launcher does — and both take the
 //! tile heights and the kernel choice from `ops::attention_shape::AttnKernel`, one owner for both targets
 //! (this file depends on the op's types, never the op on this file).
@@ -175,6 +175,7 @@ mod ffi {
             emu_attn_fwd_tc_f16_d128,
             emu_attn_bwd_tc_f16_d128
         );
+        decl!(bf16, emu_attn_fwd_tc_early_bf16_d64, emu_attn_bwd_tc_early_bf16_d64);
         decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32);
         decl_rows!(bf16, emu_attn_bwd_delta_bf16, emu_attn_dq_convert_bf16);
         decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16);
@@ -341,7 +342,7 @@ pub fn attention_fwd<T: AttnFloat>(
     let mut lse = vec![0f32; b * h * tq];
     let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
     // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
-    unsafe { fwd_launch(kernel, q, k, v, dims, scale, causal, docs, out)? };
+    unsafe { fwd_launch(T::fwd_fn(kernel, dims.d), kernel, q, k, v, dims, scale, causal, docs, out)? };
     super::perturb::attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
     Ok((o, lse))
 }
@@ -372,7 +373,7 @@ pub fn attention_fwd_packed<T: AttnFloat>(
     };
     // SAFETY: B*H*Tq rows of fwd_width elements; the lse float of row r lies at byte (r * width + D) * size
     // of T, 4-byte aligned because the buffer is 16-byte aligned and D is even.
-    unsafe { fwd_launch(kernel, q, k, v, dims, scale, causal, docs, out)? };
+    unsafe { fwd_launch(T::fwd_fn(kernel, d), kernel, q, k, v, dims, scale, causal, docs, out)? };
     Ok(packed)
 }
 
@@ -384,11 +385,12 @@ fn check_aligned<T>(what: &str, p: *const T) -> Result<()> {
     Ok(())
 }
 
-/// The checks and the launch of one forward.
+/// The checks and the launch of one forward through `f` (`T::fwd_fn`, or a test-only variant of `kernel`).
 /// SAFETY: `out` must address B*H*Tq rows of O (D elements each, `ldo` apart) and B*H*Tq lse floats
 /// (`ldl` apart), valid for writes and overlapping no input.
 #[allow(clippy::too_many_arguments)]
 unsafe fn fwd_launch<T: AttnFloat>(
+    f: Option<FwdFn<T>>,
     kernel: AttnKernel,
     q: &[T],
     k: &[T],
@@ -406,14 +408,14 @@ unsafe fn fwd_launch<T: AttnFloat>(
     check_len("q", q.len(), b * h * tq * d)?;
     check_len("k", k.len(), b * hkv * tk * d)?;
     check_len("v", v.len(), b * hkv * tk * d)?;
-    let Some(f) = T::fwd_fn(kernel, d) else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
+    let Some(f) = f else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
     let grid = u32_of("forward grid", tq.div_ceil(kernel.fwd_rows(d)) * b * h)?;
     // SAFETY: input lengths checked above, the outputs are the caller's promise; the grid covers exactly
     // the tiles the kernel decodes.
     unsafe {
         f(
             grid,
-            ATTN_THREADS,
+            kernel.threads(),
             0,
             q.as_ptr(),
             k.as_ptr(),
@@ -458,7 +460,7 @@ pub fn attention_bwd<T: AttnFloat>(
     check_len("lse", lse.len(), b * h * tq)?;
     let inp = BwdIn { q: q.as_ptr(), o: o.as_ptr(), dout: dout.as_ptr(), lse: lse.as_ptr(), ldq: d, ldl: 1 };
     // SAFETY: q, o, dout hold B*H*Tq rows of D and lse B*H*Tq values (checked), as `inp` says.
-    let (flat, _) = unsafe { bwd_launch(kernel, inp, k, v, dims, scale, causal, docs)? };
+    let (flat, _) = unsafe { bwd_launch(T::bwd_fn(kernel, dims.d), kernel, inp, k, v, dims, scale, causal, docs)? };
     let (nq, nkv) = (q.len(), k.len());
     Ok((flat[..nq].to_vec(), flat[nq..nq + nkv].to_vec(), flat[nq + nkv..].to_vec()))
 }
@@ -503,16 +505,18 @@ pub fn attention_bwd_packed<T: AttnFloat>(
     };
     // SAFETY: B*H*Tq rows of width w (checked); the lse float of a row lies at byte (r * w + 2D) * size of T,
     // 4-byte aligned (16-byte aligned buffer, even D, even w for 16-bit types).
-    let (grads, scratch_bytes) = unsafe { bwd_launch(kernel, inp, k, v, dims, scale, causal, docs)? };
+    let (grads, scratch_bytes) = unsafe { bwd_launch(T::bwd_fn(kernel, d), kernel, inp, k, v, dims, scale, causal, docs)? };
     Ok(BwdPacked { grads, scratch_bytes })
 }
 
-/// The checks and the launches of one backward (delta pre-kernel, backward, dQ convert): dQ | dK | dV
-/// flattened, and the scratch bytes allocated (`attention_workspace(..).bwd_scratch`, one buffer).
+/// The checks and the launches of one backward (delta pre-kernel, backward through `f` (`T::bwd_fn`, or a
+/// test-only variant of `kernel`), dQ convert): dQ | dK | dV flattened, and the scratch bytes allocated
+/// (`attention_workspace(..).bwd_scratch`, one buffer).
 /// SAFETY: `inp` must address B*H*Tq rows of q, O and dO (D elements each, `ldq` apart) and B*H*Tq lse
 /// floats (`ldl` apart), valid for reads.
 #[allow(clippy::too_many_arguments)]
 unsafe fn bwd_launch<T: AttnFloat>(
+    f: Option<BwdFn<T>>,
     kernel: AttnKernel,
     inp: BwdIn<T>,
     k: &[T],
@@ -528,7 +532,7 @@ unsafe fn bwd_launch<T: AttnFloat>(
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     check_len("k", k.len(), b * hkv * tk * d)?;
     check_len("v", v.len(), b * hkv * tk * d)?;
-    let Some(f) = T::bwd_fn(kernel, d) else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
+    let Some(f) = f else { bail!("attention kernel: no {kernel:?} instance for D = {d}") };
     let rows = b * h * tq;
     let (nq, nkv) = (rows * d, b * hkv * tk * d);
     // one scratch buffer, as the CUDA launcher allocates it: delta (rows) then the dQ accumulator (zeroed)
@@ -557,7 +561,7 @@ unsafe fn bwd_launch<T: AttnFloat>(
         );
         f(
             grid,
-            ATTN_THREADS,
+            kernel.threads(),
             0,
             inp.q,
             k.as_ptr(),
@@ -589,6 +593,59 @@ unsafe fn bwd_launch<T: AttnFloat>(
         );
     }
     Ok((flat, scratch.len() * 4))
+}
+
+/// Test-only: `attention_fwd` and `attention_bwd` of the tensor-core tiles (bf16, D = 64) built with each
+/// cp.async wait moved after the reads it guards (kernels/attention.cu `EARLY`): a broken kernel that reads
+/// the emulator's poison, which the reference comparisons must catch (tests/stage_model/attention_emu.rs).
+pub mod early_read {
+    use super::*;
+
+    /// The broken forward: (O, lse) as `attention_fwd` returns them.
+    pub fn fwd(q: &[bf16], k: &[bf16], v: &[bf16], dims: AttnDims, scale: f32, causal: bool) -> Result<(Vec<bf16>, Vec<f32>)> {
+        let AttnDims { b, h, tq, d, .. } = dims;
+        if d != 64 {
+            bail!("attention early_read: built for D = 64 only, got {d}");
+        }
+        let mut o = vec![bf16::ZERO; b * h * tq * d];
+        let mut lse = vec![0f32; b * h * tq];
+        let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
+        let f = Some(ffi::emu_attn_fwd_tc_early_bf16_d64 as FwdFn<bf16>);
+        // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
+        unsafe { fwd_launch(f, AttnKernel::TensorCore, q, k, v, dims, scale, causal, None, out)? };
+        Ok((o, lse))
+    }
+
+    /// The broken backward: (dQ, dK, dV) as `attention_bwd` returns them.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn bwd(
+        q: &[bf16],
+        k: &[bf16],
+        v: &[bf16],
+        o: &[bf16],
+        lse: &[f32],
+        dout: &[bf16],
+        dims: AttnDims,
+        scale: f32,
+        causal: bool,
+    ) -> Result<(Vec<bf16>, Vec<bf16>, Vec<bf16>)> {
+        let AttnDims { b, h, tq, d, .. } = dims;
+        if d != 64 {
+            bail!("attention early_read: built for D = 64 only, got {d}");
+        }
+        for (what, n, want) in
+            [("q", q.len(), b * h * tq * d), ("o", o.len(), b * h * tq * d), ("dout", dout.len(), b * h * tq * d)]
+        {
+            check_len(what, n, want)?;
+        }
+        check_len("lse", lse.len(), b * h * tq)?;
+        let inp = BwdIn { q: q.as_ptr(), o: o.as_ptr(), dout: dout.as_ptr(), lse: lse.as_ptr(), ldq: d, ldl: 1 };
+        let f = Some(ffi::emu_attn_bwd_tc_early_bf16_d64 as BwdFn<bf16>);
+        // SAFETY: q, o, dout hold B*H*Tq rows of D and lse B*H*Tq values (checked), as `inp` says.
+        let (flat, _) = unsafe { bwd_launch(f, AttnKernel::TensorCore, inp, k, v, dims, scale, causal, None)? };
+        let (nq, nkv) = (q.len(), k.len());
+        Ok((flat[..nq].to_vec(), flat[nq..nq + nkv].to_vec(), flat[nq + nkv..].to_vec()))
+    }
 }
 
 /// The rows the op's backward concatenates (`Tensor::cat([q, forward output, grad of it], 3)`): per row

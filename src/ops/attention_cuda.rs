@@ -188,7 +188,7 @@ fn fwd_t<T: DeviceRepr, L>(
     bld.arg(&out.ldo).arg(&out.ldl);
     // SAFETY: shapes checked by dims_of; `out` holds every row (the callers size it); the grid is the
     // kernel's (q tile, head, batch) decode.
-    unsafe { bld.launch(cfg(grid, ATTN_THREADS)) }.w()?;
+    unsafe { bld.launch(cfg(grid, kernel.threads())) }.w()?;
     Ok(())
 }
 
@@ -251,7 +251,7 @@ fn bwd_t<T: DeviceRepr, L>(
     bld.arg(&b32).arg(&h32).arg(&hkv32).arg(&tq32).arg(&tk32).arg(&scale).arg(&causal32);
     bld.arg(&bufs.ldq).arg(&bufs.ldl);
     // SAFETY: shapes checked by dims_of; the grid is the kernel's (key tile, kv head, batch) decode.
-    unsafe { bld.launch(cfg(grid_bwd, ATTN_THREADS)) }.w()?;
+    unsafe { bld.launch(cfg(grid_bwd, kernel.threads())) }.w()?;
     let mut bld = f_conv.builder();
     bld.arg(&dq_acc).arg(&mut bufs.dq).arg(&nq);
     // SAFETY: dq_acc and dq hold nq elements.

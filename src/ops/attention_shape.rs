@@ -2,7 +2,7 @@
 //! (`AttnDims`), the shape rules the kernels need (`check_dims`), the head dims they are instantiated for,
 //! and which tiles run (`AttnKernel`, with the tile heights the launchers derive their grids from).
 //!
-//! Reference: kernels/attention.cu (`ATTN_NT`, `AttnTile<D>`, `AttnTc<D>`).
+//! Reference: kernels/attention.cu (`ATTN_NT`, `ATTN_TC_NT`, `AttnTile<D>`, `AttnTc<D>`).
 //! The non-obvious decision: this file imports nothing of the crate. The op (`ops::attention`), its GEMM
 //! blocks (`ops::attention_gemm`), its CUDA launcher (`ops::attention_cuda`) and the host emulator
 //! (`kernels_emu::attention`) all read these types, so they live below all of them: the emulator depends on
@@ -44,8 +44,10 @@ impl AttnDims {
     }
 }
 
-/// Threads per block of the attention kernels (`ATTN_NT` in kernels/attention.cu).
+/// Threads per block of the FMA tiles and the row kernels (delta, dQ convert) (`ATTN_NT` in kernels/attention.cu).
 pub const ATTN_THREADS: u32 = 128;
+/// Threads per block of the tensor-core tiles, forward and backward: 8 warps (`ATTN_TC_NT`).
+pub const ATTN_TC_THREADS: u32 = 256;
 /// Head dims the kernels are instantiated for (FMA tiles; the tensor-core tiles take 64 and 128).
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// Head dims of the tensor-core kernels.
@@ -74,7 +76,15 @@ impl AttnKernel {
     pub fn fwd_rows(self, d: usize) -> usize {
         match self {
             AttnKernel::Fma => fma_tile(d),
-            AttnKernel::TensorCore => 64,
+            AttnKernel::TensorCore => 128,
+        }
+    }
+
+    /// Threads per block of this kernel's forward and backward tiles.
+    pub fn threads(self) -> u32 {
+        match self {
+            AttnKernel::Fma => ATTN_THREADS,
+            AttnKernel::TensorCore => ATTN_TC_THREADS,
         }
     }
 

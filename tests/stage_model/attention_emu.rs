@@ -323,6 +323,35 @@ fn tensor_core_decode_chunks() {
     check_kernel::<f16>(AttnKernel::TensorCore, dm(1, 4, 1, 70, 130, 64), true, 801);
 }
 
+/// The cp.async waits guard real reads: the tensor-core tiles built with each wait moved after the reads it
+/// guards (`ka::early_read`, the same source with `EARLY`) read the emulator's poison, so the comparison
+/// `check_kernel` makes fails for them (an infinite error), while the same case passes with the waits in place.
+#[test]
+fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
+    let dims = dm(1, 2, 1, 100, 100, 64);
+    check_kernel::<bf16>(AttnKernel::TensorCore, dims, true, 990);
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let mut r = ChaCha8Rng::seed_from_u64(991);
+    let q: Vec<bf16> = to_t(&uniform(&mut r, b * h * tq * d));
+    let k: Vec<bf16> = to_t(&uniform(&mut r, b * hkv * tk * d));
+    let v: Vec<bf16> = to_t(&uniform(&mut r, b * hkv * tk * d));
+    let dout: Vec<bf16> = to_t(&uniform(&mut r, b * h * tq * d));
+    let (qf, kf, vf, df) = (of_t(&q), of_t(&k), of_t(&v), of_t(&dout));
+    let (o_ref, lse_ref) = attention_fwd_cpu(&qf, &kf, &vf, dims, 0.125, true, None);
+    let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, &q, &k, &v, dims, 0.125, true, None).unwrap();
+    assert!(max_err(&of_t(&o), &o_ref) < 0.02, "the correct forward");
+    let (ob, lseb) = ka::early_read::fwd(&q, &k, &v, dims, 0.125, true).unwrap();
+    assert_eq!(max_err(&of_t(&ob), &o_ref), f64::INFINITY, "a forward reading K/V before its wait must fail");
+    assert_eq!(max_err(&lseb, &lse_ref), f64::INFINITY);
+    let refs = attention_bwd_cpu(&qf, &kf, &vf, &o_ref, &lse_ref, &df, dims, 0.125, true, None);
+    let good = ka::attention_bwd(AttnKernel::TensorCore, &q, &k, &v, &o, &lse, &dout, dims, 0.125, true, None).unwrap();
+    let bad = ka::early_read::bwd(&q, &k, &v, &o, &lse, &dout, dims, 0.125, true).unwrap();
+    for (name, g, x, want) in [("dQ", &good.0, &bad.0, &refs.0), ("dK", &good.1, &bad.1, &refs.1), ("dV", &good.2, &bad.2, &refs.2)] {
+        assert!(max_err(&of_t(g), want) < 0.05, "the correct backward's {name}");
+        assert_eq!(max_err(&of_t(x), want), f64::INFINITY, "a backward reading Q/dO before its wait must fail ({name})");
+    }
+}
+
 #[test]
 fn tensor_core_tiles_refuse_what_they_do_not_take() {
     let dims = dm(1, 2, 1, 4, 4, 32);
@@ -447,8 +476,8 @@ fn document_masks_fma_tiles_match_the_reference() {
     check_kernel_docs::<f16>(AttnKernel::Fma, dims, true, Some(&docs_of(1, 37, &[&[0, 17, 18]])), 920);
 }
 
-/// Tensor-core tiles (forward 64 query rows, backward 64 keys): a query tile whose first row's document
-/// starts at 65 skips key tile 0, a document of length 1 at the end, documents crossing 64, GQA 4, D 64/128.
+/// Tensor-core tiles (forward 128 query rows, backward 64 keys): warps whose rows' documents start at 65 skip
+/// key tile 0 (D = 64: 64-key tiles), a document of length 1 at the end, documents crossing 64, GQA 4, D 64/128.
 #[test]
 fn document_masks_tensor_core_tiles_match_the_reference() {
     let cases: [(AttnDims, &[&[usize]]); 4] = [

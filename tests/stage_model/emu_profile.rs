@@ -78,20 +78,35 @@ fn reading_cp_async_data_before_the_wait_fails() {
 
 #[test]
 fn attention_forward_counts_follow_from_its_tiles() {
-    // tensor-core forward, D = 64, one 64-row query tile against one 64-key tile (causal, Tq = Tk = 64):
-    // per warp S = Q K^T is (64 / 8) x (64 / 16) mma and O += P V (64 / 16) x (64 / 8): 64; 4 warps
+    // tensor-core forward, D = 64: one 128-row query tile (8 warps of 16 rows) against 64-key tiles
+    let q = vec![bf16::from_f32(0.1); 128 * 64];
+    // Tq = Tk = 64, causal: warps 4-7 hold no valid row and skip the one key tile; per live warp S = Q K^T is
+    // (64 / 8) x (64 / 16) mma and O += P V (64 / 16) x (64 / 8): 64
     let dims = AttnDims { b: 1, h: 1, hkv: 1, tq: 64, tk: 64, d: 64 };
-    let q = vec![bf16::from_f32(0.1); 64 * 64];
+    let p = measured("attn_fwd_tc_bf16_d64", || {
+        ka::attention_fwd(AttnKernel::TensorCore, &q[..64 * 64], &q[..64 * 64], &q[..64 * 64], dims, 0.125, true, None)
+            .unwrap();
+    });
+    assert_eq!(p.mma, 4 * 64);
+    // the Q tile landed, every warp holds its Q fragments (the rows become K/V stages), one per key tile
+    assert_eq!(p.barriers, 3);
+    // every tile load is whole 128-byte rows of bf16 by 16-byte cp.async: fully used sectors; Q's 64 valid
+    // rows, K's and V's 64 rows, 8 copies each
+    assert_eq!(p.sector_efficiency(), 1.0);
+    assert_eq!(p.cp_async, 3 * 64 * 8);
+    assert_eq!(p.global_sectors, 3 * 64 * 128 / 32);
+    assert_eq!((p.atomics, p.bank_conflicts), (0, 0));
+    // Tq = Tk = 128, causal: two key tiles; warps 0-3 (rows 0..63) see only the first and skip the second,
+    // warps 4-7 compute both: 4 x 64 + 4 x 128 mma (8 x 128 without the per-warp skip); the second tile's
+    // cp.async group is in flight while the first is computed
+    let dims = AttnDims { tq: 128, tk: 128, ..dims };
     let p = measured("attn_fwd_tc_bf16_d64", || {
         ka::attention_fwd(AttnKernel::TensorCore, &q, &q, &q, dims, 0.125, true, None).unwrap();
     });
-    assert_eq!(p.mma, 4 * 64);
-    // the Q tile's barrier, then per key tile one after loading K/V and one before they are overwritten
-    assert_eq!(p.barriers, 3);
-    // every tile load is whole 128-byte rows of bf16: fully used sectors
-    assert_eq!(p.sector_efficiency(), 1.0);
-    assert!(p.global_sectors >= 3 * 64 * 128 / 32, "Q, K and V tiles: {p:?}");
-    assert_eq!(p.atomics, 0);
+    assert_eq!(p.mma, 4 * 64 + 4 * 128);
+    assert_eq!(p.barriers, 2 + 2);
+    assert_eq!(p.cp_async, (128 + 2 * 2 * 64) * 8);
+    assert_eq!((p.sector_efficiency(), p.bank_conflicts), (1.0, 0));
 }
 
 #[test]
@@ -113,8 +128,13 @@ fn attention_backward_adds_each_dq_element_once_per_tile_pair() {
         ka::attention_bwd(AttnKernel::TensorCore, q, k, v, &o, &lse, q, dims, 0.125, true, None).unwrap();
     });
     assert_eq!(p.atomics, 2 * 32 * 64 - 64);
-    // per warp and query tile: S^T and dP^T (32 / 8) x (64 / 16) x 2, dV and dK (32 / 16) x (64 / 8) x 2;
-    // dQ per warp (64 / 16) x 4: 4 warps x 2 tiles x (32 + 32 + 16)
-    assert_eq!(p.mma, 4 * 2 * (32 + 32 + 16));
+    // per warp (16 keys, a half) and query tile: S^T and dP^T over its 16 queries (16 / 8) x (64 / 16) x 2,
+    // dV and dK over its 32 columns (32 / 16) x (32 / 8) x 2, its dQ tile (64 / 16) x 2: 8 warps x 2 tiles x
+    // (16 + 16 + 8) — the 4-warp layout's 4 x 2 x 80, split without duplicated work
+    assert_eq!(p.mma, 8 * 2 * (16 + 16 + 8));
+    // K and V landed, every warp holds its V fragments (the rows become Q/dO stages), then two per query tile
+    assert_eq!(p.barriers, 2 + 2 * 2);
+    // K, V: 64 rows; Q, dO: 2 tiles x 32 rows; 8 copies of 16 bytes per row
+    assert_eq!(p.cp_async, (2 * 64 + 2 * 2 * 32) * 8);
     assert_eq!(p.bank_conflicts, 0, "{p:?}");
 }
