@@ -155,6 +155,9 @@ inline std::map<std::string, Profile>& profiles() {
   return p;
 }
 
+// Add `n` to one count of the launch's Profile: lane 0 of every warp counts, and warps run concurrently.
+inline void count(unsigned long long& field, unsigned long long n) { __atomic_fetch_add(&field, n, __ATOMIC_RELAXED); }
+
 // Record one lane's access at `site` into its warp's log (global or shared).
 inline void log_access(bool global, const void* p, unsigned bytes, unsigned site) {
   if (!ctx.prof) return;
@@ -190,21 +193,22 @@ inline unsigned long long wavefronts(const std::vector<Access>& acc) {
 
 // Fold a warp's log of the block just finished into the launch's counts: per global instruction the distinct
 // 32-byte sectors and the bytes asked for, per shared instruction its wavefronts (conflicts = wavefronts -
-// phases).
+// phases). The warps of a block fold concurrently, so every count is an atomic add (plain `+=` lost updates:
+// the launch's totals came out a few per mille low, at random).
 inline void flush_log(Warp& w, Profile& p) {
   std::lock_guard<std::mutex> g(w.log.m);
   for (auto& kv : w.log.global) {
     std::vector<uint64_t> sectors;
     for (const Access& a : kv.second) {
-      p.useful_bytes += a.bytes;
+      count(p.useful_bytes, a.bytes);
       for (uint64_t sct = a.addr / 32; sct <= (a.addr + a.bytes - 1) / 32; ++sct) {
         bool seen = false;
         for (uint64_t x : sectors) seen |= x == sct;
         if (!seen) sectors.push_back(sct);
       }
     }
-    p.global_sectors += sectors.size();
-    p.global_instr += 1;
+    count(p.global_sectors, sectors.size());
+    count(p.global_instr, 1);
   }
   for (auto& kv : w.log.shared) {
     unsigned bytes = 4;
@@ -216,9 +220,9 @@ inline void flush_log(Warp& w, Profile& p) {
     std::map<unsigned, bool> phases;
     for (const Access& a : kv.second) phases[a.lane / (128 / bytes)] = true;
     const unsigned long long wf = wavefronts(kv.second);
-    p.shared_instr += 1;
-    p.shared_wavefronts += wf;
-    p.bank_conflicts += wf - phases.size();
+    count(p.shared_instr, 1);
+    count(p.shared_wavefronts, wf);
+    count(p.bank_conflicts, wf - phases.size());
   }
   w.log.global.clear();
   w.log.shared.clear();
@@ -479,9 +483,9 @@ inline void ldmatrix(uint32_t* r, const void* row, int nmat, bool trans) {
     for (unsigned i = 0; i < 8u * nmat; ++i)
       acc.push_back(Access{reinterpret_cast<uint64_t>(addr_of(tab, i)), 16, i});
     const unsigned long long wf = wavefronts(acc);
-    ctx.prof->shared_instr += 1;
-    ctx.prof->shared_wavefronts += wf;
-    ctx.prof->bank_conflicts += wf - nmat;
+    count(ctx.prof->shared_instr, 1);
+    count(ctx.prof->shared_wavefronts, wf);
+    count(ctx.prof->bank_conflicts, wf - nmat);
   }
   for (int i = 0; i < nmat; ++i) {
     uint16_t lo, hi;
@@ -509,7 +513,7 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
   const uint32_t(*tab)[8] = emu::gather(mine, 6);
   const unsigned l = emu::ctx.lane, g = l / 4, t = l % 4;
-  if (emu::ctx.prof && l == 0) emu::ctx.prof->mma += 1;
+  if (emu::ctx.prof && l == 0) emu::count(emu::ctx.prof->mma, 1);
   const T* tag = nullptr;
   for (int e = 0; e < 4; ++e) {
     const unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
