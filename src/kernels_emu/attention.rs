@@ -505,7 +505,8 @@ pub fn attention_bwd_packed<T: AttnFloat>(
     };
     // SAFETY: B*H*Tq rows of width w (checked); the lse float of a row lies at byte (r * w + 2D) * size of T,
     // 4-byte aligned (16-byte aligned buffer, even D, even w for 16-bit types).
-    let (grads, scratch_bytes) = unsafe { bwd_launch(T::bwd_fn(kernel, d), kernel, inp, k, v, dims, scale, causal, docs)? };
+    let (grads, scratch_bytes) =
+        unsafe { bwd_launch(T::bwd_fn(kernel, d), kernel, inp, k, v, dims, scale, causal, docs)? };
     Ok(BwdPacked { grads, scratch_bytes })
 }
 
@@ -602,7 +603,14 @@ pub mod early_read {
     use super::*;
 
     /// The broken forward: (O, lse) as `attention_fwd` returns them.
-    pub fn fwd(q: &[bf16], k: &[bf16], v: &[bf16], dims: AttnDims, scale: f32, causal: bool) -> Result<(Vec<bf16>, Vec<f32>)> {
+    pub fn fwd(
+        q: &[bf16],
+        k: &[bf16],
+        v: &[bf16],
+        dims: AttnDims,
+        scale: f32,
+        causal: bool,
+    ) -> Result<(Vec<bf16>, Vec<f32>)> {
         let AttnDims { b, h, tq, d, .. } = dims;
         if d != 64 {
             bail!("attention early_read: built for D = 64 only, got {d}");

@@ -348,9 +348,15 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     let refs = attention_bwd_cpu(&qf, &kf, &vf, &o_ref, &lse_ref, &df, dims, 0.125, true, None);
     let good = ka::attention_bwd(AttnKernel::TensorCore, &q, &k, &v, &o, &lse, &dout, dims, 0.125, true, None).unwrap();
     let bad = ka::early_read::bwd(&q, &k, &v, &o, &lse, &dout, dims, 0.125, true).unwrap();
-    for (name, g, x, want) in [("dQ", &good.0, &bad.0, &refs.0), ("dK", &good.1, &bad.1, &refs.1), ("dV", &good.2, &bad.2, &refs.2)] {
+    for (name, g, x, want) in
+        [("dQ", &good.0, &bad.0, &refs.0), ("dK", &good.1, &bad.1, &refs.1), ("dV", &good.2, &bad.2, &refs.2)]
+    {
         assert!(max_err(&of_t(g), want) < 0.05, "the correct backward's {name}");
-        assert_eq!(max_err(&of_t(x), want), f64::INFINITY, "a backward reading Q/dO before its wait must fail ({name})");
+        assert_eq!(
+            max_err(&of_t(x), want),
+            f64::INFINITY,
+            "a backward reading Q/dO before its wait must fail ({name})"
+        );
     }
 }
 
