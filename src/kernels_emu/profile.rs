@@ -91,13 +91,47 @@ pub fn get(name: &str) -> Option<Profile> {
     (unsafe { ffi::emu_profile_get(c.as_ptr(), &mut p) } == 1).then_some(p)
 }
 
-/// A slice of `n` floats starting on a 128-byte boundary inside `buf` (so the toys' sector counts are exact).
-fn aligned(buf: &mut [f32], n: usize) -> Result<&mut [f32]> {
+/// A slice of `n` elements starting on a 128-byte boundary inside `buf` (so the toys' sector counts are exact).
+fn aligned<T>(buf: &mut [T], n: usize) -> Result<&mut [T]> {
     let skip = buf.as_ptr().align_offset(128);
     if skip + n > buf.len() {
-        bail!("emulated toy: buffer of {} floats has no 128-byte aligned run of {n}", buf.len());
+        bail!("emulated toy: buffer of {} elements has no 128-byte aligned run of {n}", buf.len());
     }
     Ok(&mut buf[skip..skip + n])
+}
+
+/// A copy of a slice that starts on a 128-byte boundary, as a GPU allocation does (cudaMalloc: 256 bytes).
+/// Sectors are counted by address, and a heap `Vec` is only 16-byte aligned: a kernel input 16 bytes past a
+/// sector boundary makes every 512-byte warp copy of whole rows touch 17 sectors instead of 16 (efficiency
+/// 16/17), whatever the kernel does. Measured inputs go through this so their counts do not depend on where
+/// the allocator put them.
+pub struct Aligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    pub fn new(src: &[T]) -> Self {
+        let len = src.len();
+        let mut buf = vec![T::default(); len + 128 / std::mem::size_of::<T>().max(1)];
+        let start = buf.as_ptr().align_offset(128);
+        // align_offset is at most 128 / size - 1 for a power-of-two size (usize::MAX if unreachable)
+        assert!(
+            start <= buf.len() - len,
+            "no 128-byte boundary in a Vec of {}-byte elements",
+            std::mem::size_of::<T>()
+        );
+        buf[start..start + len].copy_from_slice(src);
+        Aligned { buf, start, len }
+    }
+}
+
+impl<T> std::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
 }
 
 /// kernels/emu_toys.cu `toy_copy` on one warp: y[i] = x[i * stride] for i < 32, x 128-byte aligned.

@@ -78,8 +78,10 @@ fn reading_cp_async_data_before_the_wait_fails() {
 
 #[test]
 fn attention_forward_counts_follow_from_its_tiles() {
-    // tensor-core forward, D = 64: one 128-row query tile (8 warps of 16 rows) against 64-key tiles
-    let q = vec![bf16::from_f32(0.1); 128 * 64];
+    // tensor-core forward, D = 64: one 128-row query tile (8 warps of 16 rows) against 64-key tiles. The input
+    // starts on a 128-byte boundary as a GPU tensor does: sectors are counted by address, and the heap puts a
+    // Vec only 16-byte aligned (the shifted run below)
+    let q = profile::Aligned::new(&vec![bf16::from_f32(0.1); 128 * 64 + 8]);
     // Tq = Tk = 64, causal: warps 4-7 hold no valid row and skip the one key tile; per live warp S = Q K^T is
     // (64 / 8) x (64 / 16) mma and O += P V (64 / 16) x (64 / 8): 64
     let dims = AttnDims { b: 1, h: 1, hkv: 1, tq: 64, tk: 64, d: 64 };
@@ -96,12 +98,22 @@ fn attention_forward_counts_follow_from_its_tiles() {
     assert_eq!(p.cp_async, 3 * 64 * 8);
     assert_eq!(p.global_sectors, 3 * 64 * 128 / 32);
     assert_eq!((p.atomics, p.bank_conflicts), (0, 0));
+    // the same launch on inputs 16 bytes past a sector boundary (still 16-byte aligned, as cp.async needs):
+    // each warp copy is 32 x 16 = 512 contiguous bytes (4 rows), 16 per tensor, and now straddles 17 sectors:
+    // 16/17 of the bytes moved are used, with no change to the kernel
+    let shifted = &q[8..8 + 64 * 64];
+    let p = measured("attn_fwd_tc_bf16_d64", || {
+        ka::attention_fwd(AttnKernel::TensorCore, shifted, shifted, shifted, dims, 0.125, true, None).unwrap();
+    });
+    assert_eq!((p.global_instr, p.useful_bytes, p.global_sectors), (3 * 16, 3 * 16 * 512, 3 * 16 * 17));
+    assert_eq!(p.sector_efficiency(), 16.0 / 17.0);
     // Tq = Tk = 128, causal: two key tiles; warps 0-3 (rows 0..63) see only the first and skip the second,
     // warps 4-7 compute both: 4 x 64 + 4 x 128 mma (8 x 128 without the per-warp skip); the second tile's
     // cp.async group is in flight while the first is computed
     let dims = AttnDims { tq: 128, tk: 128, ..dims };
     let p = measured("attn_fwd_tc_bf16_d64", || {
-        ka::attention_fwd(AttnKernel::TensorCore, &q, &q, &q, dims, 0.125, true, None).unwrap();
+        let q = &q[..128 * 64];
+        ka::attention_fwd(AttnKernel::TensorCore, q, q, q, dims, 0.125, true, None).unwrap();
     });
     assert_eq!(p.mma, 4 * 64 + 4 * 128);
     assert_eq!(p.barriers, 2 + 2);
