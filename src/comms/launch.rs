@@ -267,6 +267,20 @@ fn run_workers(
     token: &str,
     pending: &AtomicUsize,
 ) -> Result<WorkersOutcome> {
+    let mut children = start_ranks(n, program, args, opts, port, token)?;
+    eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+    supervise(&mut children, opts, pending)
+}
+
+/// Start ranks 0..n with torchrun's variables; on a failed start, kill those already started.
+fn start_ranks(
+    n: usize,
+    program: &PathBuf,
+    args: &[OsString],
+    opts: &SpawnOptions,
+    port: u16,
+    token: &str,
+) -> Result<Vec<Child>> {
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(program);
@@ -293,7 +307,13 @@ fn run_workers(
             }
         }
     }
-    eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+    Ok(children)
+}
+
+/// Wait for every worker: forward a signal the launcher receives, stop the others when one fails, and
+/// kill those that outlive the grace period.
+fn supervise(children: &mut [Child], opts: &SpawnOptions, pending: &AtomicUsize) -> Result<WorkersOutcome> {
+    let n = children.len();
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
     let mut first_failure = None;
     let mut forwarded_signal = None;

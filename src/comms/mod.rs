@@ -31,18 +31,17 @@ pub mod local;
 pub mod nccl;
 pub mod rendezvous;
 pub mod sequence;
-pub mod stage;
 pub mod store;
 pub mod watch;
 pub mod zero;
 
+pub use crate::config::zero_stage::{GradReduce, ZeroStage};
 use crate::config::{Backend, DistSection};
 use crate::device::DeviceSpec;
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use local::{LocalComm, ReduceOp};
-pub use stage::ZeroStage;
 use std::sync::Arc;
 use zero::ShardMap;
 

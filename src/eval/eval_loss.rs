@@ -87,7 +87,7 @@ pub fn bucket_labels(bounds: &[usize]) -> Vec<String> {
 
 /// Evaluate.
 pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
-    check_buckets(&args.buckets, "--buckets")?;
+    crate::config::check_buckets(&args.buckets, "--buckets")?;
     let model = args.scoring.load()?;
     let seq_len = crate::data::Manifest::load(&args.data)?.seq_len;
     let loader = Loader::open(&args.data, LoaderConfig { seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 })?;
@@ -106,14 +106,6 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
         eprintln!("warning: sequences of {seq_len} tokens exceed max_position_embeddings {}", model.max_context());
     }
     loss_report(&model, &loader, &args.data, &args.buckets, args.max_sequences, args.scoring.loss_chunk)
-}
-
-/// Bucket boundaries must be positive and strictly ascending; `what` names the flag or config key.
-pub fn check_buckets(buckets: &[usize], what: &str) -> Result<()> {
-    if buckets.is_empty() || buckets.windows(2).any(|w| w[0] >= w[1]) || buckets[0] == 0 {
-        bail!("{what} {buckets:?} must be positive and strictly ascending\nhint: e.g. {what} 4096,32768,131072");
-    }
-    Ok(())
 }
 
 /// Score the first `max_sequences` sequences of an opened (unshuffled) dataset under `model`, by source

@@ -3,7 +3,6 @@
 pub mod eval_loss;
 pub mod generate;
 pub mod heatmap;
-pub mod in_training;
 pub mod needle_grid;
 pub mod niah;
 pub mod niah_io;

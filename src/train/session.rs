@@ -86,6 +86,9 @@ impl Run {
     pub(super) fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
         let resolved = RunConfig::load(&args.config, &args.set)?;
+        if let Some(e) = &resolved.cfg.eval {
+            crate::eval::tasks::check_section(e, &origin)?;
+        }
         let cfg = resolved.cfg;
         let hash = results_hash(&resolved.toml)?;
         let mesh = comm.mesh();
@@ -94,25 +97,7 @@ impl Run {
         let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
         let tokenizer = tokenizer_of(&cfg, &run_dir);
-        // one writer per run directory, held until the run ends (issue 16): rank 0 prepares it first
-        let mut lock = None;
-        let mut first = Ok(());
-        if lead {
-            first = (|| -> Result<()> {
-                lock = Some(run_dir.lock("harpe train")?);
-                println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
-                prepare_run_dir(&run_dir, &resolved.toml, &hash, args.force)?;
-                if tokenizer == run_dir.tokenizer() {
-                    let text = crate::model::testing::byte_tokenizer_json();
-                    crate::util::write_atomic(&tokenizer, text.as_bytes())?;
-                }
-                Ok(())
-            })();
-        }
-        if !comm.all_ok(first.is_ok())? {
-            first?;
-            bail!("rank 0 could not prepare the run directory {}", run_dir.root().display());
-        }
+        let lock = prepare_as_lead(&comm, args, (&resolved.toml, &resolved.hash), &hash, &tokenizer)?;
         let resume_from = agreed_resume_point(&comm, &run_dir, args.resume, &hash)?;
         let stop = stop_flag()?;
 
@@ -426,4 +411,35 @@ fn checkpoint_view(run_dir: &RunDir, rank: usize) -> PathBuf {
         }
     }
     run_dir.checkpoints()
+}
+
+/// One writer per run directory, held until the run ends (issue 16): rank 0 locks and prepares it (the
+/// resolved config, the tokenizer of a byte-level run), then every rank learns whether it could.
+fn prepare_as_lead(
+    comm: &Comm,
+    args: &TrainArgs,
+    (toml, toml_sha): (&str, &str),
+    hash: &str,
+    tokenizer: &Path,
+) -> Result<Option<crate::util::DirLock>> {
+    let run_dir = args.run_dir();
+    let mut lock = None;
+    let mut first = Ok(());
+    if comm.mesh().rank() == 0 {
+        first = (|| -> Result<()> {
+            lock = Some(run_dir.lock("harpe train")?);
+            println!("# resolved config (sha256 {})\n{toml}", &toml_sha[..12]);
+            prepare_run_dir(&run_dir, toml, hash, args.force)?;
+            if tokenizer == run_dir.tokenizer() {
+                let text = crate::model::testing::byte_tokenizer_json();
+                crate::util::write_atomic(tokenizer, text.as_bytes())?;
+            }
+            Ok(())
+        })();
+    }
+    if !comm.all_ok(first.is_ok())? {
+        first?;
+        bail!("rank 0 could not prepare the run directory {}", run_dir.root().display());
+    }
+    Ok(lock)
 }

@@ -8,17 +8,17 @@
 //! alone (which would leave its peers waiting in the next step's collectives).
 use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts, LossSums};
+use super::eval::{eval_line, TrainEval};
 use super::session::Run;
 use super::stage::Stage;
 use super::step::{forward_backward_with, Backward, MicroBatch, Params};
 use crate::comms::sequence::SpGroup;
-use crate::comms::stage::GradReduce;
 use crate::comms::zero::{self, ZeroShards};
 use crate::comms::Comm;
+use crate::comms::GradReduce;
 use crate::config::targets_in;
 use crate::data::loader::source_name;
 use crate::data::Sequence;
-use crate::eval::in_training::{eval_line, TrainEval};
 use crate::grads;
 use crate::model::attention::AttentionImpl;
 use crate::model::weights::save_model_dir;
