@@ -13,14 +13,15 @@
 //! `dist.timeout_s`: the ranks meet every second in a small collective until every rank's part is done
 //! (`agree_within`), each part bounded by its own limit sized by its bytes (`wait_bound`: 120 s plus the
 //! bytes at a conservative 25 MiB/s, never less than `dist.timeout_s`), so a large model's commit on a
-//! slow disk cannot time the group out and a hung disk still ends the save with an error. A crash or a full disk at any point leaves the previous
-//! checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
+//! slow disk cannot time the group out and a hung disk still ends the save with an error. A crash or a
+//! full disk at any point leaves the previous checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
 //! every rank. Old checkpoints are pruned only after the new one is complete. Resume reads the fp32
 //! master weights from the optimizer shard (not the possibly-bf16 HF weights), which is what makes it
 //! bit-identical. The shard file format is unchanged from format 1. Resume re-shards: every rank reads
 //! the shards of whatever world size wrote the checkpoint and takes its own flat range (a slice
-//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly (it reads every shard file
-//! on every rank, which is simple and fine for the sizes harpe resumes on one node). A shard is streamed
+//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly; a rank reads only the
+//! bytes of its own range, with positional reads (`OptimShard`), and the resumed optimizer is built
+//! from them directly (`read_optim_range`, no initial weights: train/session.rs). A shard is streamed
 //! to its file in 32 MiB pieces copied from the (device) buffers one at a time
 //! (`model::weights::write_safetensors`), so a save never holds a whole shard in host memory.
 //! What this file does not do: decide when to save (train.rs) or write the weights' bytes
@@ -401,9 +402,13 @@ pub fn load_state(dir: &Path) -> Result<TrainState> {
     Ok(st)
 }
 
-/// One rank's optimizer shard file: its flat range, AdamW step count and fp32 (master, m, v), memory-
-/// mapped: a resuming rank copies out only the elements of its own range (`stitch_optim`), so resuming
-/// N ranks reads each file's bytes about once in all, not N times into every rank's memory.
+/// One rank's optimizer shard file: its flat range, AdamW step count and where its fp32 (master, m, v)
+/// lie in the file. A resuming rank reads only the elements of its own range (`stitch_optim`), so
+/// resuming N ranks reads each file's bytes about once in all, not N times into every rank's memory;
+/// it reads them with positional reads in pieces of `READ_CHUNK_BYTES`, not through a memory map,
+/// because the mapped pages a copy touches count as the process's resident memory until it unmaps
+/// (the whole checkpoint at once when the ranks are threads of one process), while read pages stay in
+/// the kernel's page cache.
 pub struct OptimShard {
     /// the file it came from
     pub path: PathBuf,
@@ -411,11 +416,14 @@ pub struct OptimShard {
     pub range: std::ops::Range<usize>,
     /// AdamW step count
     pub t: u64,
-    /// the mapped file
-    map: memmap2::Mmap,
+    /// the open file
+    file: std::fs::File,
     /// byte offsets of the little-endian f32 data of master, m and v in the file
     offsets: [usize; 3],
 }
+
+/// Bytes per positional read of a shard's values.
+const READ_CHUNK_BYTES: usize = 8 << 20;
 
 /// Which of a shard's three tensors.
 #[derive(Clone, Copy, Debug)]
@@ -427,21 +435,34 @@ pub enum OptimPart {
 
 impl OptimShard {
     /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`.
-    pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        let base = self.offsets[part as usize];
-        let bytes = &self.map[base + 4 * local.start..base + 4 * local.end];
-        out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+    pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut at = (self.offsets[part as usize] + 4 * local.start) as u64;
+        let mut left = 4 * local.len();
+        let mut buf = vec![0u8; left.min(READ_CHUNK_BYTES)];
+        out.reserve(local.len());
+        while left > 0 {
+            let piece = &mut buf[..left.min(READ_CHUNK_BYTES)];
+            self.file.read_exact_at(piece, at).with_context(|| {
+                format!("cannot read {} at byte {at}\nhint: the file is damaged or truncated", self.path.display())
+            })?;
+            out.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            at += piece.len() as u64;
+            left -= piece.len();
+        }
+        Ok(())
     }
 
     /// Every value of `part`.
-    pub fn values(&self, part: OptimPart) -> Vec<f32> {
+    pub fn values(&self, part: OptimPart) -> Result<Vec<f32>> {
         let mut v = Vec::with_capacity(self.range.len());
-        self.copy_into(part, 0..self.range.len(), &mut v);
-        v
+        self.copy_into(part, 0..self.range.len(), &mut v)?;
+        Ok(v)
     }
 }
 
-/// Map and check one `optim-*.safetensors` file (its metadata and tensor sizes; values are read later).
+/// Check one `optim-*.safetensors` file (its metadata and tensor sizes, parsed from a memory map that
+/// touches only the header; values are read later).
 pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
     let f = std::fs::File::open(p)
         .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete or not readable", p.display()))?;
@@ -481,7 +502,7 @@ pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
     let offsets = [offset("master")?, offset("m")?, offset("v")?];
     let t = num("t")?;
     drop(st);
-    Ok(OptimShard { path: p.to_path_buf(), range, t, map, offsets })
+    Ok(OptimShard { path: p.to_path_buf(), range, t, file: f, offsets })
 }
 
 /// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
@@ -540,9 +561,9 @@ pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usi
         }
         let hi = s.range.end.min(want.end);
         let local = pos - s.range.start..hi - s.range.start;
-        s.copy_into(OptimPart::Master, local.clone(), &mut master);
-        s.copy_into(OptimPart::M, local.clone(), &mut m);
-        s.copy_into(OptimPart::V, local, &mut v);
+        s.copy_into(OptimPart::Master, local.clone(), &mut master)?;
+        s.copy_into(OptimPart::M, local.clone(), &mut m)?;
+        s.copy_into(OptimPart::V, local, &mut v)?;
         pos = hi;
     }
     if pos < want.end {
@@ -555,13 +576,12 @@ pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usi
     Ok((master, m, v, t))
 }
 
-/// Load this rank's optimizer state into `optim` from the shards of checkpoint `dir`, whatever world
-/// size wrote them (the flat index space is the same; this rank takes its range). `mesh` only names
-/// the rank in errors.
-pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
+/// This rank's optimizer state (the flat range `want`) from the shards of checkpoint `dir`, whatever
+/// world size wrote them (the flat index space is the same; this rank takes its range). `mesh` only
+/// names the rank in errors.
+pub fn read_optim_range(dir: &Path, mesh: &Mesh, want: std::ops::Range<usize>) -> Result<Stitched> {
     let shards = read_optim_shards(dir)?;
     let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
-    let want = optim.range();
     if want.end > total {
         bail!(
             "{}: the optimizer shards hold {total} parameters, rank {} needs {want:?}\nhint: the model differs from the run that wrote the checkpoint",
@@ -569,7 +589,13 @@ pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
             mesh.rank()
         );
     }
-    let (master, m, v, t) = stitch_optim(dir, &shards, want)?;
+    stitch_optim(dir, &shards, want)
+}
+
+/// Load this rank's optimizer state into `optim` from the shards of checkpoint `dir` (`read_optim_range`
+/// of its range).
+pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
+    let (master, m, v, t) = read_optim_range(dir, mesh, optim.range())?;
     // restore moves the host values to the optimizer's placement (a host checkpoint resumes on a device)
     optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
 }
