@@ -145,7 +145,12 @@ pub fn report_sequences(loader: &Loader, max_sequences: Option<usize>) -> usize 
 /// The per-target NLLs of one dataset sequence (targets 1..T, in order): one forward pass.
 pub fn sequence_nlls(model: &Llama, seq: &Sequence, data: &Path, chunk: usize) -> Result<Vec<f64>> {
     if let Some(bad) = seq.tokens.iter().find(|&&i| i as usize >= model.cfg.vocab_size) {
-        bail!("{}: token id {bad} in sequence {} is >= vocab_size {}\nhint: the dataset does not belong to this model", data.display(), seq.index, model.cfg.vocab_size);
+        bail!(
+            "{}: token id {bad} in sequence {} is >= vocab_size {}\nhint: the dataset does not belong to this model",
+            data.display(),
+            seq.index,
+            model.cfg.vocab_size
+        );
     }
     let x = Tensor::new(seq.tokens.as_slice(), model.device())?.unsqueeze(0)?; // (1, T)
     let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)

@@ -18,9 +18,9 @@
 //! (eval-tasks' harness benchmarks) are read and prompted when the run opens and scored once, on the
 //! final weights, in eval-tasks' request groups (a group is one item).
 //! What this file does not do: RULER tasks (run `harpe eval-niah` on a checkpoint).
+use crate::comms::Comm;
 use crate::config::EvalSection;
 use crate::data::{Loader, LoaderConfig, Manifest};
-use crate::comms::Comm;
 use crate::eval::niah_io::Record;
 use crate::eval::share::{response_row, row_response, test_delay, Share};
 use crate::eval::{eval_loss, niah, niah_run, passkey, ppl, tasks};
@@ -194,7 +194,13 @@ impl TrainEval {
 
     /// Loss by position bucket: rounds of one sequence per rank (the exchange holds `world` sequences'
     /// NLLs at a time), tallied in dataset order as `eval_loss::loss_report` does.
-    fn loss_by_bucket(&self, model: &Llama, share: &Share, dir: &Path, loader: &Loader) -> Result<BTreeMap<String, f64>> {
+    fn loss_by_bucket(
+        &self,
+        model: &Llama,
+        share: &Share,
+        dir: &Path,
+        loader: &Loader,
+    ) -> Result<BTreeMap<String, f64>> {
         let n = eval_loss::report_sequences(loader, self.cfg.loss_max_sequences);
         let mut tally = eval_loss::LossTally::new(loader, &self.cfg.loss_buckets, n);
         for round in (0..n).step_by(share.world) {
@@ -224,7 +230,9 @@ impl TrainEval {
         let mut resp = vec![];
         for p in &self.tasks {
             let mut rows = vec![None; p.requests.len()];
-            for (_, group) in tasks::run::request_groups(p, TASKS_BATCH).iter().enumerate().filter(|(g, _)| share.mine(*g)) {
+            for (_, group) in
+                tasks::run::request_groups(p, TASKS_BATCH).iter().enumerate().filter(|(g, _)| share.mine(*g))
+            {
                 let reqs: Vec<&tasks::run::Request> = group.iter().map(|&i| &p.requests[i]).collect();
                 for (&i, x) in group.iter().zip(tasks::run::respond_group(&sc, &p.spec, &reqs)?) {
                     rows[i] = Some(response_row(&x));

@@ -125,7 +125,10 @@ mod tests {
         .unwrap();
         for rows in got {
             for (i, r) in rows.iter().enumerate() {
-                assert_eq!(r.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), row(i).iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                assert_eq!(
+                    r.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    row(i).iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
             }
         }
         // an item nobody scored is an error, not a zero
@@ -135,7 +138,10 @@ mod tests {
         });
         assert!(e.is_err());
         for r in [
-            Response::Choices(vec![ChoiceScore { loglik: -1.25, is_greedy: true }, ChoiceScore { loglik: -3.0, is_greedy: false }]),
+            Response::Choices(vec![
+                ChoiceScore { loglik: -1.25, is_greedy: true },
+                ChoiceScore { loglik: -3.0, is_greedy: false },
+            ]),
             Response::Generation("Paris, naïve ✓".into()),
             Response::Generation(String::new()),
         ] {

@@ -258,7 +258,8 @@ where
             }
             if let Some(h) = handle.take_if(|h| h.is_finished()) {
                 let joined = h.join().unwrap_or_else(|p| {
-                    let text = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                    let text =
+                        p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
                     Err(anyhow!("panicked while {what}: {}", text.unwrap_or_default()))
                 });
                 mine = Some(joined);
@@ -759,7 +760,10 @@ mod tests {
         };
         assert_eq!(run(10_000, slow_lead), ["ok", "ok", "ok"]);
         let late = run(300, slow_lead);
-        assert!(late[0].contains("rank 0 did not finish committing within 0.3 s") && late[0].contains("hint:"), "{late:?}");
+        assert!(
+            late[0].contains("rank 0 did not finish committing within 0.3 s") && late[0].contains("hint:"),
+            "{late:?}"
+        );
         assert!(late[1..].iter().all(|e| e == "another rank failed or was late while committing"), "{late:?}");
         let failing = |rank: usize| -> Result<()> {
             match rank {
