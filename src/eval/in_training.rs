@@ -230,9 +230,8 @@ impl TrainEval {
         let mut resp = vec![];
         for p in &self.tasks {
             let mut rows = vec![None; p.requests.len()];
-            for (_, group) in
-                tasks::run::request_groups(p, TASKS_BATCH).iter().enumerate().filter(|(g, _)| share.mine(*g))
-            {
+            // group g is this rank's when g mod world = rank (`Share::mine`)
+            for group in tasks::run::request_groups(p, TASKS_BATCH).iter().skip(share.rank).step_by(share.world) {
                 let reqs: Vec<&tasks::run::Request> = group.iter().map(|&i| &p.requests[i]).collect();
                 for (&i, x) in group.iter().zip(tasks::run::respond_group(&sc, &p.spec, &reqs)?) {
                     rows[i] = Some(response_row(&x));
