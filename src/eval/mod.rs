@@ -11,4 +11,5 @@ pub mod passkey;
 pub mod ppl;
 pub mod punkt;
 pub mod pyrandom;
+pub mod share;
 pub mod tasks;
