@@ -251,25 +251,14 @@ pub fn spawn_workers(n: usize, args: &[OsString], opts: &SpawnOptions) -> Result
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         sig_ids.push(signal_hook::flag::register_usize(sig, Arc::clone(&pending), sig as usize)?);
     }
-    let res = run_workers(n, &program, args, opts, port, &token, &pending);
+    let res = start_ranks(n, &program, args, opts, port, &token).and_then(|mut children| {
+        eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+        supervise(&mut children, opts, &pending)
+    });
     for id in sig_ids {
         signal_hook::low_level::unregister(id);
     }
     res
-}
-
-fn run_workers(
-    n: usize,
-    program: &PathBuf,
-    args: &[OsString],
-    opts: &SpawnOptions,
-    port: u16,
-    token: &str,
-    pending: &AtomicUsize,
-) -> Result<WorkersOutcome> {
-    let mut children = start_ranks(n, program, args, opts, port, token)?;
-    eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
-    supervise(&mut children, opts, pending)
 }
 
 /// Start ranks 0..n with torchrun's variables; on a failed start, kill those already started.
