@@ -398,13 +398,23 @@ fn deposit<'a, T: Elem>(all: &'a [Deposit], r: usize, len: usize, what: &str) ->
         );
     };
     if v.len() != len {
-        bail!("{what}: rank {r} sent {} values where this rank needs {len} (it called {})\n{hint}", v.len(), all[r].desc);
+        bail!(
+            "{what}: rank {r} sent {} values where this rank needs {len} (it called {})\n{hint}",
+            v.len(),
+            all[r].desc
+        );
     }
     Ok(v)
 }
 
 /// Elements `range` of every rank's deposit (each `len` long) reduced in rank order.
-fn reduce<T: Elem>(all: &[Deposit], len: usize, range: std::ops::Range<usize>, op: ReduceOp, what: &str) -> Result<Vec<T>> {
+fn reduce<T: Elem>(
+    all: &[Deposit],
+    len: usize,
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+    what: &str,
+) -> Result<Vec<T>> {
     let bufs: Vec<&[T]> = (0..all.len()).map(|r| deposit::<T>(all, r, len, what)).collect::<Result<_>>()?;
     Ok(range
         .map(|k| {
@@ -811,7 +821,12 @@ where
 }
 
 /// `spawn_local` with the given checks (`RoundCheck::Transport`: the group checks what NCCL can).
-pub fn spawn_local_with<R, F>(world: usize, timeout: Duration, checks: LocalChecks, f: F) -> Result<Vec<R>, LocalRunError>
+pub fn spawn_local_with<R, F>(
+    world: usize,
+    timeout: Duration,
+    checks: LocalChecks,
+    f: F,
+) -> Result<Vec<R>, LocalRunError>
 where
     R: Send,
     F: Fn(Arc<LocalComm>) -> Result<R> + Sync,

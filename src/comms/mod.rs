@@ -183,7 +183,12 @@ impl Drop for Started {
 /// `Local`'s all-gather of a 1-D tensor in its own dtype (the compute dtype for weights, as NCCL
 /// gathers), issued to the rank's communication thread.
 fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
-    fn go<T: Elem + candle_core::WithDType>(c: &LocalComm, t: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+    fn go<T: Elem + candle_core::WithDType>(
+        c: &LocalComm,
+        t: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<Started> {
         Ok(Started::local(c.all_gather_v_start(t.to_vec1::<T>()?, counts, label)?, t.device()))
     }
     match input.dtype() {
@@ -197,7 +202,12 @@ fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str
 /// `Local`'s reduce-scatter (sum) of a 1-D tensor in its own dtype, issued to the rank's
 /// communication thread.
 fn local_reduce_scatter(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
-    fn go<T: Elem + candle_core::WithDType>(c: &LocalComm, t: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+    fn go<T: Elem + candle_core::WithDType>(
+        c: &LocalComm,
+        t: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<Started> {
         Ok(Started::local(c.reduce_scatter_v_start(t.to_vec1::<T>()?, counts, ReduceOp::Sum, label)?, t.device()))
     }
     match input.dtype() {

@@ -331,7 +331,8 @@ mod tests {
 
     #[test]
     fn windows_round_trip_and_malformed_frames_are_refused() {
-        let ops = [(CollOp::Barrier, 0, DType::F32), (CollOp::AllToAll, 7, DType::F16), (CollOp::Broadcast, 1, DType::F64)];
+        let ops =
+            [(CollOp::Barrier, 0, DType::F32), (CollOp::AllToAll, 7, DType::F16), (CollOp::Broadcast, 1, DType::F64)];
         let w = run(&ops, 3).remove(0);
         let b = encode(&w);
         assert_eq!(decode(&b), Some(w));
