@@ -208,14 +208,14 @@ impl SigBoard {
         let index = w.index;
         let slot = self.open.entry(index).or_default();
         let mut check: Vec<(usize, Window)> = vec![];
-        match (&slot.reference, rank) {
-            (None, 0) => {
+        match (slot.reference.is_some(), rank) {
+            (false, 0) => {
                 slot.reference = Some(w);
                 slot.matched += 1;
                 check = std::mem::take(&mut slot.waiting);
             }
-            (None, _) => slot.waiting.push((rank, w)),
-            (Some(_), _) => check.push((rank, w)),
+            (false, _) => slot.waiting.push((rank, w)),
+            (true, _) => check.push((rank, w)),
         }
         if let Some(r) = &slot.reference {
             for (rank, w) in &check {
