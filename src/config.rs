@@ -337,6 +337,10 @@ pub struct DistSection {
     /// kv heads and every stage's seq_len)
     #[serde(default = "d_one")]
     pub sp_degree: usize,
+    /// NCCL: compare every rank's collective signatures (seq, op, count, dtype) through rank 0 every
+    /// 64 collectives and stop on a difference (`comms::signature`); `local` always checks
+    #[serde(default)]
+    pub check_collectives: bool,
 }
 
 fn d_bucket_mb() -> f64 {
@@ -355,6 +359,7 @@ impl Default for DistSection {
             bucket_mb: d_bucket_mb(),
             timeout_s: d_timeout_s(),
             sp_degree: 1,
+            check_collectives: false,
         }
     }
 }
@@ -382,6 +387,11 @@ impl DistSection {
         if self.backend == Backend::Local && self.world_size == 0 {
             bail!(
                 "{origin}: dist.backend = \"local\" needs dist.world_size >= 1 (it runs that many ranks as threads; dist.world_size is not set)\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
+            );
+        }
+        if self.check_collectives && self.backend == Backend::Single {
+            bail!(
+                "{origin}: dist.check_collectives = true with dist.backend = \"single\": one rank has no other rank to compare its collectives with\nhint: remove the key, or run several ranks (dist.backend = \"nccl\"; \"local\" always checks)"
             );
         }
         if self.sp_degree == 0 {

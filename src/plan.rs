@@ -533,12 +533,12 @@ fn state_terms(sz: &Sizes, arch: &Arch, world: &World, terms: &mut Vec<Term>) {
     if z.gathers_weights() && world.gpus > 1 {
         // what ZeRO-3 holds gathered at its peak (train/step.rs): the embedding, final norm and head for
         // the whole micro-batch, the layers of one checkpoint segment (the last one keeps its graph
-        // from the forward to its backward; the whole model without checkpointing), and on GPUs the
-        // next layer's prefetch (NCCL overlaps it with this layer's compute)
+        // from the forward to its backward; the whole model without checkpointing), and the
+        // next layer's prefetch (NCCL and `Local` overlap it with this layer's compute: `Comm::overlaps`)
         let layer = arch.layer_params() as f64;
         let outer = (arch.vocab * arch.hidden) as f64 * if arch.tied { 1.0 } else { 2.0 } + sz.c;
         let held = sz.seg.max(sz.last_seg);
-        let prefetch = if sz.cpu || held >= sz.l { 0.0 } else { layer };
+        let prefetch = if held >= sz.l { 0.0 } else { layer };
         add_term(
             terms,
             "gathered_weights",
@@ -638,9 +638,14 @@ fn comm_terms(sz: &Sizes, arch: &Arch, world: &World, gpu: &Gpu, terms: &mut Vec
     if world.gpus > 1 {
         if sz.cpu {
             // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the
-            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time
-            let unit = if !sz.z.shards_gradients() { n } else { group };
-            let note = "the gradient copy a Local collective holds (all of it, or one layer)";
+            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time to the
+            // rank's communication thread, which may still hold the previous group's copy while the next
+            // one is handed on (the deferred join, as on an NCCL stream): two groups alive
+            let (unit, note) = if !sz.z.shards_gradients() {
+                (n, "the gradient copy a Local collective holds (all of it)")
+            } else {
+                (2.0 * group, "2 x one layer's gradient copy: one handed to the comm thread, one still in flight")
+            };
             add_term(terms, "comm_buckets", unit * gb, note.into());
         } else if !sz.z.shards_gradients() {
             let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);

@@ -27,6 +27,11 @@
 //!   prints the failure and exits (status 1): the guarantee "every rank stops within the timeout"
 //!   does not depend on what the loop was blocked in.
 //!
+//! - Collective signatures (`dist.check_collectives`): each enqueue records (seq, op, count, dtype) in
+//!   the rank's `SigLog`; every `SIG_EVERY` collectives the window goes to rank 0 over the watch, which
+//!   compares the ranks' windows and stops every rank on a difference (NCCL itself would run a
+//!   same-size mismatch with wrong values).
+//!
 //! - Overlap: ZeRO 2-3 start each group's gradient reduce-scatter without the compute stream waiting
 //!   (`reduce_scatter_v_sum_start`); the result is joined and added to the shard only when the next
 //!   group's gradients are handed on (or the micro-batch ends), so the exchange of layer l runs while
@@ -38,6 +43,7 @@
 use crate::comms::launch_env::LaunchEnv;
 use crate::comms::local::GroupFailure;
 use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
+use crate::comms::signature::{CollOp, SigLog};
 use crate::comms::watch::Watch;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backend::BackendStorage;
@@ -288,6 +294,8 @@ pub struct NcclComm {
     guard: Arc<Guard>,
     pending: Arc<Mutex<VecDeque<Pending>>>,
     seq: AtomicU64,
+    /// the collective signatures of this rank (`dist.check_collectives`; records nothing when off)
+    sigs: Mutex<SigLog>,
     stop: Arc<AtomicBool>,
 }
 
@@ -300,8 +308,15 @@ impl std::fmt::Debug for NcclComm {
 impl NcclComm {
     /// Join the group this process was launched into (`env`): rendezvous (token, binary, config hash
     /// of `resolved_config`), failure watch, `cuda:LOCAL_RANK`, `ncclCommInitRank`, and for `sp` > 1
-    /// the split per sequence-parallel group. `timeout` bounds the rendezvous and every collective.
-    pub fn join(env: &LaunchEnv, resolved_config: &str, timeout: Duration, sp: usize) -> Result<NcclComm> {
+    /// the split per sequence-parallel group. `timeout` bounds the rendezvous and every collective;
+    /// `check_every`: collectives per signature window (0: no signature check).
+    pub fn join(
+        env: &LaunchEnv,
+        resolved_config: &str,
+        timeout: Duration,
+        sp: usize,
+        check_every: u64,
+    ) -> Result<NcclComm> {
         let (rank, world) = (env.rank, env.world_size);
         let sp = sp.max(1);
         if !world.is_multiple_of(sp) {
@@ -419,6 +434,7 @@ impl NcclComm {
             guard,
             pending,
             seq: AtomicU64::new(0),
+            sigs: Mutex::new(SigLog::new(check_every)),
             stop,
         })
     }
@@ -494,12 +510,14 @@ impl NcclComm {
 
     /// Enqueue the NCCL calls of `f` as one group on the collective stream, ordered after the compute
     /// stream's work so far and before its work from now on; returns the completion event.
+    /// `sig`: the collective's (op, whole element count, dtype), for the signature check.
     fn enqueue(
         &self,
         what: &str,
+        sig: (CollOp, usize, DType),
         f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
     ) -> Result<Arc<CudaEvent>> {
-        self.enqueue_with(what, true, f)
+        self.enqueue_with(what, sig, true, f)
     }
 
     /// `enqueue`, where `join = false` leaves the compute stream free to run on: the caller makes it
@@ -507,11 +525,17 @@ impl NcclComm {
     fn enqueue_with(
         &self,
         what: &str,
+        (op, count, dtype): (CollOp, usize, DType),
         join: bool,
         f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
     ) -> Result<Arc<CudaEvent>> {
         self.guard.check()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+        // one hash step per collective; every `check_every` a small write to rank 0 (never waited for)
+        let window = self.sigs.lock().unwrap_or_else(|p| p.into_inner()).record(op, count, dtype);
+        if let (Some(w), Some(watch)) = (window, self.guard.watch.get()) {
+            watch.check_signatures(w);
+        }
         let what = format!("collective #{seq} {what}");
         let compute = self.dev.cuda_stream();
         self.stream.wait(&compute.record_event(None)?)?;
@@ -576,7 +600,7 @@ impl NcclComm {
         }
         let (p, n, ty) = (self.ptr(t, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
         let comm = self.raw(false)?;
-        self.enqueue(&what, |s| {
+        self.enqueue(&what, (CollOp::AllReduce, n, t.dtype()), |s| {
             // SAFETY: `p` addresses `n` elements of type `ty` on this rank's device (checked by `ptr`).
             let r = unsafe {
                 ns::ncclAllReduce(p as *const c_void, p as *mut c_void, n, ty, ns::ncclRedOp_t::ncclSum, comm, s)
@@ -595,7 +619,7 @@ impl NcclComm {
         let what = "all_reduce \"scalars\"";
         let (p, n) = (self.ptr(&t, what)?, vals.len());
         let comm = self.raw(false)?;
-        let done = self.enqueue(what, |s| {
+        let done = self.enqueue(what, (CollOp::AllReduce, n, DType::F64), |s| {
             // SAFETY: `p` addresses `n` f64 of `t`, alive until the copy back below.
             ok(unsafe {
                 ns::ncclAllReduce(
@@ -623,7 +647,8 @@ impl NcclComm {
     /// In place: on entry rank r's slice `offsets[r]..+counts[r]` of `t` is valid, on exit all of it.
     pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
         // SAFETY (each call): the slice lies inside `t` (check_counts); in-place broadcast from its owner.
-        self.per_owner_in_place(t, counts, &format!("all_gather \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+        let what = (CollOp::AllGather, format!("all_gather \"{label}\""));
+        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
             ns::ncclBroadcast(p, p, c, ty, root, comm, s)
         })
     }
@@ -632,20 +657,23 @@ impl NcclComm {
     /// slice r of `t` on rank r becomes the sum over ranks; the other slices keep their values.
     pub fn reduce_scatter_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
         // SAFETY (each call): the slice lies inside `t` (check_counts); in-place reduce into its owner.
-        self.per_owner_in_place(t, counts, &format!("reduce_scatter \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+        let what = (CollOp::ReduceScatter, format!("reduce_scatter \"{label}\""));
+        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
             ns::ncclReduce(p, p, c, ty, ns::ncclRedOp_t::ncclSum, root, comm, s)
         })
     }
 
     /// One grouped NCCL call per owner on its slice of the flat buffer `t` (consecutive slices of
-    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`.
+    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`; `op` names it for the
+    /// signature check.
     fn per_owner_in_place(
         &self,
         t: &Tensor,
         counts: &[usize],
-        what: &str,
+        (op, what): (CollOp, String),
         call: impl Fn(*mut c_void, usize, ns::ncclDataType_t, i32, ns::ncclComm_t, ns::cudaStream_t) -> ns::ncclResult_t,
     ) -> Result<()> {
+        let what = what.as_str();
         self.check_counts(counts, t.elem_count(), what)?;
         if t.elem_count() == 0 {
             return Ok(());
@@ -654,7 +682,7 @@ impl NcclComm {
         let es = t.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let comm = self.raw(false)?;
-        self.enqueue(what, |s| {
+        self.enqueue(what, (op, t.elem_count(), t.dtype()), |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 ok(call((base + o as u64 * es) as *mut c_void, c, ty, root as i32, comm, s))?;
             }
@@ -690,7 +718,7 @@ impl NcclComm {
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        let done = self.enqueue_with(&what, false, |s| {
+        let done = self.enqueue_with(&what, (CollOp::AllGather, total, input.dtype()), false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 let send = if root == me { ip } else { op + o as u64 * es };
                 // SAFETY: `out` holds `total` elements; the root's send buffer holds `c`.
@@ -749,7 +777,8 @@ impl NcclComm {
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        let done = self.enqueue_with(&what, false, |s| {
+        let sig = (CollOp::ReduceScatter, input.elem_count(), input.dtype());
+        let done = self.enqueue_with(&what, sig, false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 // off the root the receive buffer is ignored
                 let recv = if root == me { op } else { ip + o as u64 * es };
@@ -800,7 +829,7 @@ impl NcclComm {
         let (ip, op) = (self.storage_ptr(s, lo, &what)?, self.storage_ptr(&out, 0, &what)?);
         let bytes = chunk as u64 * es;
         let comm = self.raw(true)?;
-        self.enqueue(&what, |st| {
+        self.enqueue(&what, (CollOp::AllToAll, n, s.dtype()), |st| {
             for peer in 0..p {
                 let at = peer as u64 * bytes;
                 // SAFETY: chunk `peer` of the input and of the new buffer each hold `chunk` elements.
