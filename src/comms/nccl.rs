@@ -305,6 +305,81 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
+/// The rendezvous of `env`'s group, with the NCCL unique id rank 0 created (`ncclGetUniqueId`) as its
+/// payload.
+fn rendezvous_with_id(
+    env: &LaunchEnv,
+    resolved_config: &str,
+    timeout: Duration,
+) -> Result<(crate::comms::rendezvous::Rendezvous, ns::ncclUniqueId)> {
+    let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
+    let mut id_err = None;
+    let rv = rendezvous(&spec, || match nr::get_uniqueid() {
+        Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
+        Err(e) => {
+            id_err = Some(nccl_err(e.0));
+            vec![]
+        }
+    })?;
+    if let Some(e) = id_err {
+        bail!("rank 0 could not create the NCCL unique id: {e}\nhint: is libnccl.so.2 on LD_LIBRARY_PATH?");
+    }
+    if rv.payload().len() != ID_BYTES {
+        bail!(
+            "rank {}: the rendezvous delivered {} bytes instead of an NCCL id (rank 0 could not create it; its log says why)",
+            env.rank,
+            rv.payload().len()
+        );
+    }
+    let mut id = ns::ncclUniqueId { internal: [0; ID_BYTES] };
+    for (d, s) in id.internal.iter_mut().zip(rv.payload()) {
+        *d = *s as std::ffi::c_char;
+    }
+    Ok((rv, id))
+}
+
+impl Guard {
+    /// `ncclCommInitRank` of this rank in a world of `world` (blocks until every rank joined; the
+    /// watchdog bounds it), registered for abort.
+    fn init_world(&self, id: ns::ncclUniqueId, world: usize) -> Result<Arc<Raw>> {
+        let rank = self.rank;
+        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
+        let r = self
+            .timed("ncclCommInitRank", || unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) });
+        if r != ns::ncclResult_t::ncclSuccess {
+            bail!(
+                "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
+                nccl_err(r)
+            );
+        }
+        Ok(self.register(comm))
+    }
+
+    /// The communicator of this rank's sequence-parallel group of `sp` consecutive ranks, split from
+    /// `world_comm`, registered for abort.
+    fn split_sp(&self, world_comm: &Raw, sp: usize) -> Result<Arc<Raw>> {
+        let rank = self.rank;
+        let mut sub: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
+        // inherits the parent's.
+        let r = self.timed("ncclCommSplit", || unsafe {
+            ns::ncclCommSplit(world_comm.comm, (rank / sp) as i32, (rank % sp) as i32, &mut sub, std::ptr::null_mut())
+        });
+        if r != ns::ncclResult_t::ncclSuccess {
+            bail!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
+        }
+        Ok(self.register(sub))
+    }
+
+    /// Keep `comm` where a failure aborts it.
+    fn register(&self, comm: ns::ncclComm_t) -> Arc<Raw> {
+        let raw = Arc::new(Raw::new(comm));
+        self.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
+        raw
+    }
+}
+
 impl NcclComm {
     /// Join the group this process was launched into (`env`): rendezvous (token, binary, config hash
     /// of `resolved_config`), failure watch, `cuda:LOCAL_RANK`, `ncclCommInitRank`, and for `sp` > 1
@@ -322,28 +397,7 @@ impl NcclComm {
         if !world.is_multiple_of(sp) {
             bail!("dist.sp_degree = {sp} does not divide the world size {world}\nhint: choose a divisor of {world}");
         }
-        let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
-        let mut id_err = None;
-        let rv = rendezvous(&spec, || match nr::get_uniqueid() {
-            Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
-            Err(e) => {
-                id_err = Some(nccl_err(e.0));
-                vec![]
-            }
-        })?;
-        if let Some(e) = id_err {
-            bail!("rank 0 could not create the NCCL unique id: {e}\nhint: is libnccl.so.2 on LD_LIBRARY_PATH?");
-        }
-        if rv.payload().len() != ID_BYTES {
-            bail!(
-                "rank {rank}: the rendezvous delivered {} bytes instead of an NCCL id (rank 0 could not create it; its log says why)",
-                rv.payload().len()
-            );
-        }
-        let mut id = ns::ncclUniqueId { internal: [0; ID_BYTES] };
-        for (d, s) in id.internal.iter_mut().zip(rv.payload()) {
-            *d = *s as std::ffi::c_char;
-        }
+        let (rv, id) = rendezvous_with_id(env, resolved_config, timeout)?;
         let guard = Arc::new(Guard {
             rank,
             timeout,
@@ -384,43 +438,11 @@ impl NcclComm {
         // the watchdog runs before ncclCommInitRank, which blocks until every rank joined
         start_watchdog(&guard, &pending, &stop, Arc::clone(stream.context()))
             .map_err(|e| failed("starting the watchdog", e))?;
-        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
-        let r = guard
-            .timed("ncclCommInitRank", || unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) });
-        if r != ns::ncclResult_t::ncclSuccess {
-            let e = anyhow!(
-                "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
-                nccl_err(r)
-            );
-            return Err(failed("in ncclCommInitRank", e));
-        }
-        let world_comm = Arc::new(Raw::new(comm));
-        guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&world_comm));
+        let world_comm = guard.init_world(id, world).map_err(|e| failed("in ncclCommInitRank", e))?;
         guard.check()?; // a failure that arrived during the init found no communicator to abort
-        let sp_comm = if sp > 1 {
-            let mut sub: ns::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
-            // inherits the parent's.
-            let r = guard.timed("ncclCommSplit", || unsafe {
-                ns::ncclCommSplit(
-                    world_comm.comm,
-                    (rank / sp) as i32,
-                    (rank % sp) as i32,
-                    &mut sub,
-                    std::ptr::null_mut(),
-                )
-            });
-            if r != ns::ncclResult_t::ncclSuccess {
-                let e =
-                    anyhow!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
-                return Err(failed("in ncclCommSplit", e));
-            }
-            let raw = Arc::new(Raw::new(sub));
-            guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
-            Some(raw)
-        } else {
-            None
+        let sp_comm = match sp {
+            1 => None,
+            _ => Some(guard.split_sp(&world_comm, sp).map_err(|e| failed("in ncclCommSplit", e))?),
         };
         Ok(NcclComm {
             rank,
