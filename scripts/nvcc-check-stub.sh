@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# nvcc stand-in that compiles nothing, for type-checking `--features flash-attn` (.ci/run): candle-flash-attn's
-# build script compiles 53 FlashAttention-2 kernel files (over an hour on 2 cores; scripts/gpu-check.sh build
-# does that), while `cargo check`/`cargo clippy` only need its Rust API. cudaforge (the kernels' build helper)
-# takes nvcc from $NVCC, so with NVCC=<this script>:
-#   --version, --list-gpu-code, --list-gpu-arch: the real nvcc answers ($HARPE_REAL_NVCC, else $CUDA_ROOT/bin/nvcc);
-#   -c ... -o OBJ / -cubin ... -o OUT: an empty OBJ;  --ptx --output-directory DIR F.cu: an empty DIR/F.ptx;
-#   --lib -o LIB: an empty archive.
-# The outputs are placeholders: use it only with its own CARGO_TARGET_DIR and CANDLE_FLASH_ATTN_BUILD_DIR, for
+# nvcc stand-in for type-checking `--features flash-attn` (.ci/run): candle-flash-attn's build script compiles
+# 53 FlashAttention-2 kernel files (over an hour on 2 cores; `scripts/gpu-check.sh build` does that), while
+# `cargo check`/`cargo clippy` only need its Rust API. cudaforge (the build helper of candle-flash-attn and of
+# candle-kernels) and harpe's build.rs take nvcc from $NVCC, so with NVCC=<this script>:
+#   - a call that names candle-flash-attn (its kernel sources) or $CANDLE_FLASH_ATTN_BUILD_DIR (its objects
+#     and library) compiles nothing: -c ... -o OBJ / -cubin ... -o OUT: an empty OBJ; --ptx
+#     --output-directory DIR F.cu: an empty DIR/F.ptx; --lib -o LIB: an empty archive;
+#   - every other call (candle-kernels' PTX, harpe's kernels/*.cu) and --version, --list-gpu-code,
+#     --list-gpu-arch run the real nvcc ($HARPE_REAL_NVCC, else $CUDA_ROOT/bin/nvcc): CI compiles those
+#     kernels for real.
+# The FA2 outputs are placeholders: use it only with a CANDLE_FLASH_ATTN_BUILD_DIR of its own, for
 # check/clippy, never for a build that links or runs (the empty library would fail at link time).
 set -euo pipefail
+real="${HARPE_REAL_NVCC:-${CUDA_ROOT:?nvcc-check-stub: set CUDA_ROOT or HARPE_REAL_NVCC}/bin/nvcc}"
+fa_dir="${CANDLE_FLASH_ATTN_BUILD_DIR:?nvcc-check-stub: set CANDLE_FLASH_ATTN_BUILD_DIR (its own directory)}"
+fa=0
+for a in "$@"; do
+  case "$a" in
+    *candle-flash-attn* | "$fa_dir"/*) fa=1 ;;
+  esac
+done
 case " $* " in
-  *" --version "* | *" --list-gpu-code "* | *" --list-gpu-arch "*)
-    exec "${HARPE_REAL_NVCC:-${CUDA_ROOT:?nvcc-check-stub: set CUDA_ROOT or HARPE_REAL_NVCC}/bin/nvcc}" "$@"
-    ;;
+  *" --version "* | *" --list-gpu-code "* | *" --list-gpu-arch "*) fa=0 ;;
 esac
+[ "$fa" = 1 ] || exec "$real" "$@"
 out="" dir="" lib=0 src=""
 while [ $# -gt 0 ]; do
   case "$1" in

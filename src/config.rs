@@ -7,9 +7,7 @@
 //! command line is reported exactly like one in the file (naming the key); the config hash is the
 //! sha256 of the resolved TOML text, which is what `state.json` and the run directory check against.
 //! What this file does not do: build the model or the data (train.rs does).
-use crate::comms::stage::ZeroStage;
 use crate::model::rope::RopeScheme;
-use crate::optim::schedule::{Schedule, ScheduleKind};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -117,6 +115,9 @@ impl Default for DataSection {
 }
 
 pub use crate::device::{ComputeDtype, DeviceSpec};
+
+pub mod zero_stage;
+pub use zero_stage::ZeroStage;
 
 /// Activation checkpointing: `"none"`, `"every-layer"`, or `{ every = k }` (one saved input per k layers).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,6 +240,19 @@ impl Default for OptimSection {
     }
 }
 
+/// Shape of the learning-rate curve inside one stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// the peak lr at every step (warm-up ignored)
+    #[default]
+    Constant,
+    /// linear from lr/warmup to lr over `warmup_steps`, then constant
+    LinearWarmup,
+    /// linear warm-up, then cosine from lr to lr * min_lr_ratio at the stage's last step
+    Cosine,
+}
+
 /// `[schedule]`: the lr curve inside each stage.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -249,13 +263,6 @@ pub struct ScheduleSection {
     pub warmup_steps: u64,
     #[serde(default)]
     pub min_lr_ratio: f64,
-}
-
-impl ScheduleSection {
-    /// As a `Schedule`.
-    pub fn schedule(&self) -> Schedule {
-        Schedule { kind: self.kind, warmup_steps: self.warmup_steps, min_lr_ratio: self.min_lr_ratio }
-    }
 }
 
 /// `[checkpoint]`.
@@ -330,6 +337,10 @@ pub struct DistSection {
     /// kv heads and every stage's seq_len)
     #[serde(default = "d_one")]
     pub sp_degree: usize,
+    /// NCCL: compare every rank's collective signatures (seq, op, count, dtype) through rank 0 every
+    /// 64 collectives and stop on a difference (`comms::signature`); `local` always checks
+    #[serde(default)]
+    pub check_collectives: bool,
 }
 
 fn d_bucket_mb() -> f64 {
@@ -348,6 +359,7 @@ impl Default for DistSection {
             bucket_mb: d_bucket_mb(),
             timeout_s: d_timeout_s(),
             sp_degree: 1,
+            check_collectives: false,
         }
     }
 }
@@ -375,6 +387,11 @@ impl DistSection {
         if self.backend == Backend::Local && self.world_size == 0 {
             bail!(
                 "{origin}: dist.backend = \"local\" needs dist.world_size >= 1 (it runs that many ranks as threads; dist.world_size is not set)\nhint: add --set dist.world_size=N (e.g. 2 or 4)"
+            );
+        }
+        if self.check_collectives && self.backend == Backend::Single {
+            bail!(
+                "{origin}: dist.check_collectives = true with dist.backend = \"single\": one rank has no other rank to compare its collectives with\nhint: remove the key, or run several ranks (dist.backend = \"nccl\"; \"local\" always checks)"
             );
         }
         if self.sp_degree == 0 {
@@ -597,10 +614,12 @@ fn d_loss_buckets() -> Vec<usize> {
 }
 
 impl EvalSection {
-    /// Checks serde cannot express: the window rule (`eval::ppl::windows`), buckets, sample counts.
+    /// Checks serde cannot express: the window rule, buckets, sample counts. The task list is checked
+    /// against the task data by `eval::tasks::check_section` (`harpe train` calls it before it writes
+    /// anything): config names no module above it.
     pub fn validate(&self, origin: &str) -> Result<()> {
         if let Some(w) = self.ppl_window {
-            crate::eval::ppl::windows(2, w, self.ppl_stride.unwrap_or((w / 2).max(1)))
+            check_window(w, self.ppl_stride.unwrap_or((w / 2).max(1)))
                 .map_err(|e| anyhow!("{origin}: [eval] ppl_window/ppl_stride: {e:#}"))?;
         } else if self.ppl_stride == Some(0) {
             bail!("{origin}: [eval] ppl_stride = 0 never advances\nhint: omit it (half the window) or give 1..=ppl_window");
@@ -611,14 +630,29 @@ impl EvalSection {
         if self.tasks.is_some() != self.tasks_data.is_some() {
             bail!("{origin}: [eval] tasks and tasks_data go together\nhint: e.g. tasks = \"mmlu,hellaswag\" with tasks_data = \"data/tasks\"");
         }
-        if let (Some(t), Some(d)) = (&self.tasks, &self.tasks_data) {
-            let specs = crate::eval::tasks::parse_tasks(t, d).map_err(|e| anyhow!("{origin}: [eval] tasks: {e:#}"))?;
-            crate::eval::tasks::run::shots_of(&self.tasks_shots.arg(), &specs)
-                .map_err(|e| anyhow!("{origin}: [eval] tasks_shots: {e:#}"))?;
-        }
-        crate::eval::eval_loss::check_buckets(&self.loss_buckets, "[eval] loss_buckets")
-            .map_err(|e| anyhow!("{origin}: {e:#}"))
+        check_buckets(&self.loss_buckets, "[eval] loss_buckets").map_err(|e| anyhow!("{origin}: {e:#}"))
     }
+}
+
+/// The sliding-window rule of perplexity (`eval-ppl --window/--stride`, `[eval] ppl_window/ppl_stride`;
+/// `eval::ppl::windows` applies it): a window holds at least 2 tokens and the stride advances.
+pub fn check_window(window: usize, stride: usize) -> Result<()> {
+    if window < 2 {
+        bail!("--window {window} is too small\nhint: a window needs at least 2 tokens");
+    }
+    if stride == 0 {
+        bail!("--stride 0 never advances\nhint: pass --stride between 1 and --window ({window})");
+    }
+    Ok(())
+}
+
+/// Position buckets of the loss report (`eval-loss --buckets`, `[eval] loss_buckets`): positive and
+/// strictly ascending.
+pub fn check_buckets(buckets: &[usize], what: &str) -> Result<()> {
+    if buckets.is_empty() || buckets.windows(2).any(|w| w[0] >= w[1]) || buckets[0] == 0 {
+        bail!("{what} {buckets:?} must be positive and strictly ascending\nhint: e.g. {what} 4096,32768,131072");
+    }
+    Ok(())
 }
 
 /// `[[stage]]`: one phase of training.

@@ -11,69 +11,8 @@ use crate::flatbuf::{FlatBuf, Placement};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
-use std::ops::Range;
 
-/// Parameter groups for per-group weight decay (a closed set).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ParamGroup {
-    /// 2-D projection matrices and the untied LM head
-    Matrix,
-    /// the token embedding
-    Embedding,
-    /// RMSNorm weights
-    Norm,
-}
-
-impl ParamGroup {
-    /// Group of an HF Llama parameter name.
-    pub fn of(name: &str) -> ParamGroup {
-        if crate::model::llama::is_norm_param(name) {
-            ParamGroup::Norm
-        } else if name.contains("embed_tokens") {
-            ParamGroup::Embedding
-        } else {
-            ParamGroup::Matrix
-        }
-    }
-}
-
-/// One parameter's place in the flat vector.
-#[derive(Clone, Debug)]
-pub struct ParamInfo {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub range: Range<usize>,
-    pub group: ParamGroup,
-}
-
-/// Where every parameter lives in the flat fp32 vectors (master, m, v, grads).
-#[derive(Clone, Debug)]
-pub struct ParamLayout {
-    pub params: Vec<ParamInfo>,
-    pub total: usize,
-}
-
-impl ParamLayout {
-    /// Lay out parameters in the given order.
-    pub fn new(names_shapes: &[(String, Vec<usize>)]) -> ParamLayout {
-        let mut off = 0;
-        let params = names_shapes
-            .iter()
-            .map(|(name, shape)| {
-                let n: usize = shape.iter().product();
-                let p = ParamInfo {
-                    name: name.clone(),
-                    shape: shape.clone(),
-                    range: off..off + n,
-                    group: ParamGroup::of(name),
-                };
-                off += n;
-                p
-            })
-            .collect();
-        ParamLayout { params, total: off }
-    }
-}
+pub use crate::model::layout::{ParamGroup, ParamInfo, ParamLayout};
 
 /// Flatten HF-named tensors (in `order`) into one fp32 buffer (on the tensors' device) and its layout.
 pub fn flatten_params(order: &[(String, Tensor)]) -> Result<(ParamLayout, FlatBuf)> {

@@ -22,6 +22,7 @@ pub mod model;
 pub mod ops;
 pub mod flatbuf;
 pub mod grads;
+pub mod loss;
 pub mod optim;
 pub mod comms;
 pub mod plot_font;

@@ -5,7 +5,7 @@
 //! al. 2020 (ZeRO: 2 B bf16 weight + 2 B bf16 grad + 12 B fp32 master/m/v per parameter, stage s shards
 //! the last s of them), Jacobs et al. 2023 (DeepSpeed-Ulysses: activations / P, four all-to-alls per
 //! layer), Korthikanti et al. 2022 (activations counted tensor by tensor per layer), Chen et al. 2016
-//! (checkpointing), `metrics::flops_per_token` (6N + 12·L·C·T, the FLOPs the MFU column uses).
+//! (checkpointing), `model::flops_per_token` (6N + 12·L·C·T, the FLOPs the MFU column uses).
 //! The non-obvious decisions:
 //! - Two device modes. `gpu` models harpe's CUDA path (bf16 weights/activations, flash attention, the
 //!   chunked loss: nothing T x T or T x V, SwiGLU backward in place, norm outputs recomputed). `cpu`
@@ -30,6 +30,7 @@ use crate::config::{apply_override, Checkpointing, ComputeDtype, DeviceSpec, Dis
 use crate::model::config::LlamaConfig;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
+use std::fmt::Write;
 use std::path::PathBuf;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -417,44 +418,129 @@ pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     Ok(plan)
 }
 
-/// Memory and time of one stage shape (pure arithmetic; `plan_for` adds the run-level parts).
+/// Memory and time of one stage shape (pure arithmetic; `plan_for` adds the run-level parts): the model
+/// state, the activations and the communication buffers as named terms, then the step time.
 pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Plan {
-    let cpu = gpu.is_cpu();
-    let n = arch.params as f64;
-    let w = world.gpus as f64;
-    let p = world.sp_degree.max(1);
-    let z = world.zero_stage;
-    let (c, i, l) = (arch.hidden as f64, arch.intermediate as f64, arch.layers);
-    let (hd, kvd) = ((arch.heads * arch.head_dim) as f64, (arch.kv_heads * arch.head_dim) as f64);
-    let wb = if shape.bf16 { 2.0 } else { 4.0 }; // weights and activations
-                                                 // gradients: fp32 on every device (FlatBuf), accumulated over micro-batches and reduce-scattered in
-                                                 // fp32 (Megatron's main_grad: 2 + 4 + 12 = 18 B/param; DESIGN §5 budgets bf16 gradients, 16 B)
-    let gb = 4.0;
-    let tl = (shape.micro_batch * shape.seq_len.div_ceil(p)) as f64; // tokens per rank per micro-batch
-    let seg = shape.checkpointing.segment_len(l);
-    let n_seg = l.div_ceil(seg);
-    let last_seg = l - (n_seg - 1) * seg;
-    let shard = |on: bool| if on { w } else { 1.0 };
-    let gib = |b: f64| b / GIB;
-
+    let sz = Sizes::of(arch, shape, world, gpu);
     let mut terms = vec![];
-    let mut add =
-        |name: &'static str, bytes: f64, note: String| terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
-    add(
+    state_terms(&sz, arch, world, &mut terms);
+    activation_terms(&sz, arch, shape, &mut terms);
+    comm_terms(&sz, arch, world, gpu, &mut terms);
+    let total_bytes: u64 = terms.iter().map(|t| t.bytes).sum();
+    let usable_bytes = (gpu.mem_bytes as f64 * (1.0 - gpu.margin)) as u64;
+    let t = step_time(&sz, arch, shape, world, gpu);
+    Plan {
+        mode: if sz.cpu { "cpu" } else { "gpu" },
+        gpu: gpu.clone(),
+        world: *world,
+        arch: arch.clone(),
+        stage: 0,
+        shape: *shape,
+        terms,
+        total_bytes,
+        usable_bytes,
+        fits: total_bytes <= usable_bytes,
+        flops_per_token: t.flops_per_token,
+        hw_flops_per_token: t.hw_flops_per_token,
+        compute_s: t.compute_s,
+        zero_comm_bytes: t.zero_comm_bytes,
+        zero_comm_s: t.zero_comm_s,
+        sp_comm_bytes: t.sp_comm_bytes,
+        sp_comm_s: t.sp_comm_s,
+        step_time_s: t.step_time_s,
+        tokens_per_s: shape.tokens_per_step as f64 / t.step_time_s,
+        run_hours: 0.0,
+        suggestion: None,
+    }
+}
+
+/// The sizes every term of `plan_stage` reads (floats, as the formulas use them).
+struct Sizes {
+    cpu: bool,
+    /// parameters, ranks, Ulysses degree, ZeRO stage
+    n: f64,
+    w: f64,
+    p: usize,
+    z: ZeroStage,
+    /// hidden, intermediate, layers; query and kv widths (heads x head_dim)
+    c: f64,
+    i: f64,
+    l: usize,
+    hd: f64,
+    kvd: f64,
+    /// bytes per weight/activation element and per gradient element
+    wb: f64,
+    gb: f64,
+    /// tokens per rank per micro-batch
+    tl: f64,
+    /// layers per checkpoint segment, segments, layers of the last segment
+    seg: usize,
+    n_seg: usize,
+    last_seg: usize,
+}
+
+impl Sizes {
+    fn of(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> Sizes {
+        let p = world.sp_degree.max(1);
+        let l = arch.layers;
+        let seg = shape.checkpointing.segment_len(l);
+        let n_seg = l.div_ceil(seg);
+        Sizes {
+            cpu: gpu.is_cpu(),
+            n: arch.params as f64,
+            w: world.gpus as f64,
+            p,
+            z: world.zero_stage,
+            c: arch.hidden as f64,
+            i: arch.intermediate as f64,
+            l,
+            hd: (arch.heads * arch.head_dim) as f64,
+            kvd: (arch.kv_heads * arch.head_dim) as f64,
+            wb: if shape.bf16 { 2.0 } else { 4.0 },
+            // gradients: fp32 on every device (FlatBuf), accumulated over micro-batches and reduce-scattered
+            // in fp32 (Megatron's main_grad: 2 + 4 + 12 = 18 B/param; DESIGN §5 budgets bf16 gradients, 16 B)
+            gb: 4.0,
+            tl: (shape.micro_batch * shape.seq_len.div_ceil(p)) as f64,
+            seg,
+            n_seg,
+            last_seg: l - (n_seg - 1) * seg,
+        }
+    }
+
+    /// Divides by the world when a ZeRO stage shards the quantity.
+    fn shard(&self, on: bool) -> f64 {
+        if on {
+            self.w
+        } else {
+            1.0
+        }
+    }
+}
+
+fn add_term(terms: &mut Vec<Term>, name: &'static str, bytes: f64, note: String) {
+    terms.push(Term { name, bytes: bytes.max(0.0) as u64, note });
+}
+
+/// Weights (and what ZeRO-3 holds gathered), gradients and optimizer state.
+fn state_terms(sz: &Sizes, arch: &Arch, world: &World, terms: &mut Vec<Term>) {
+    let (n, z, wb, gb) = (sz.n, sz.z, sz.wb, sz.gb);
+    add_term(
+        terms,
         "weights",
-        n * wb / shard(z.gathers_weights()),
+        n * wb / sz.shard(z.gathers_weights()),
         format!("{} x {} B{}", arch.params, wb, if z.gathers_weights() { " / world (ZeRO-3)" } else { "" }),
     );
     if z.gathers_weights() && world.gpus > 1 {
         // what ZeRO-3 holds gathered at its peak (train/step.rs): the embedding, final norm and head for
         // the whole micro-batch, the layers of one checkpoint segment (the last one keeps its graph
-        // from the forward to its backward; the whole model without checkpointing), and on GPUs the
-        // next layer's prefetch (NCCL overlaps it with this layer's compute)
+        // from the forward to its backward; the whole model without checkpointing), and the
+        // next layer's prefetch (NCCL and `Local` overlap it with this layer's compute: `Comm::overlaps`)
         let layer = arch.layer_params() as f64;
-        let outer = (arch.vocab * arch.hidden) as f64 * if arch.tied { 1.0 } else { 2.0 } + c;
-        let held = seg.max(last_seg);
-        let prefetch = if cpu || held >= l { 0.0 } else { layer };
-        add(
+        let outer = (arch.vocab * arch.hidden) as f64 * if arch.tied { 1.0 } else { 2.0 } + sz.c;
+        let held = sz.seg.max(sz.last_seg);
+        let prefetch = if held >= sz.l { 0.0 } else { layer };
+        add_term(
+            terms,
             "gathered_weights",
             (outer + held as f64 * layer + prefetch) * wb,
             format!(
@@ -463,62 +549,76 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
             ),
         );
     }
-    add(
+    add_term(
+        terms,
         "gradients",
-        n * gb / shard(z.shards_gradients()),
+        n * gb / sz.shard(z.shards_gradients()),
         format!("{gb} B/param{}", if z.shards_gradients() { " / world (ZeRO-2+)" } else { "" }),
     );
-    add(
+    add_term(
+        terms,
         "optimizer",
-        n * 12.0 / shard(z.shards_optimizer()),
+        n * 12.0 / sz.shard(z.shards_optimizer()),
         format!("fp32 master, m, v = 12 B/param{}", if z.shards_optimizer() { " / world (ZeRO-1+)" } else { "" }),
     );
+}
 
-    // Activations: saved segment inputs + the larger of the recompute and the loss working sets.
-    let inputs = if matches!(shape.checkpointing, Checkpointing::None) { 0.0 } else { n_seg as f64 * tl * c * wb };
+/// Activations: saved segment inputs + the larger of the recompute and the loss working sets, and on GPUs
+/// one layer's attention workspace.
+fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, terms: &mut Vec<Term>) {
+    let (c, i, l, tl, wb, hd, kvd) = (sz.c, sz.i, sz.l, sz.tl, sz.wb, sz.hd, sz.kvd);
+    let gib = |b: f64| b / GIB;
+    let none = matches!(shape.checkpointing, Checkpointing::None);
+    let inputs = if none { 0.0 } else { sz.n_seg as f64 * tl * c * wb };
     let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
-    let (recompute, loss, ws_note) = if cpu {
+    let (recompute, loss, ws_note) = if sz.cpu {
         // one layer's autograd graph; Ulysses keeps three copies of q, k, v and of o per layer (the
         // exchange's input and output and the re-laid-out result)
-        let sp_copies = if p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
+        let sp_copies = if sz.p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
         let g = (cpu_graph_per_token(arch) + sp_copies) * tl * 4.0;
         let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
-        let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
-        let kept = last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
-        let re = if n_seg > 1 { kept + seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
+        let seg_grads = sz.seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
+        let kept = sz.last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
+        let re = if sz.n_seg > 1 { kept + sz.seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
         let lo = kept + 3.0 * logits + 2.0 * tl * c * 4.0 + seg_grads;
         (re, lo, "candle autograd: last segment's graph kept + one recomputed segment + backward temporaries")
     } else {
         let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
         let transient = i + c; // d(act) and the incoming gradient in the MLP backward
-        let none = matches!(shape.checkpointing, Checkpointing::None);
-        let layers_alive = if none { l } else { seg };
+        let layers_alive = if none { l } else { sz.seg };
         let kept = layers_alive as f64 * (saved * wb + arch.heads as f64 * 4.0) * tl; // + lse (H f32)
         let re = kept + transient * tl * wb;
         // without checkpointing every layer's activations are still alive while the loss runs
         let lo = if none { kept } else { 0.0 } + logits + 2.0 * tl * c * wb;
         (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
     };
-    add("layer_inputs", inputs, format!("{n_seg} saved segment inputs x {tl} tokens x {} x {wb} B", arch.hidden));
+    add_term(
+        terms,
+        "layer_inputs",
+        inputs,
+        format!("{} saved segment inputs x {tl} tokens x {} x {wb} B", sz.n_seg, arch.hidden),
+    );
     let (ws, which) = if recompute >= loss { (recompute, "recompute") } else { (loss, "loss") };
-    add(
+    add_term(
+        terms,
         "working_set",
         ws,
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
-    if !cpu {
+    if !sz.cpu {
         // one layer's flash-attention backward at a time: the op's own workspace function (Ulysses: H/p heads
         // over the whole sequence)
         let dims = crate::ops::attention_shape::AttnDims {
             b: shape.micro_batch,
-            h: (arch.heads / p).max(1),
-            hkv: (arch.kv_heads / p).max(1),
+            h: (arch.heads / sz.p).max(1),
+            hkv: (arch.kv_heads / sz.p).max(1),
             tq: shape.seq_len,
             tk: shape.seq_len,
             d: arch.head_dim,
         };
         let aw = crate::ops::attention_shape::attention_workspace(dims, wb as usize);
-        add(
+        add_term(
+            terms,
             "attention_workspace",
             aw.total() as f64,
             format!(
@@ -528,48 +628,64 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
             ),
         );
     }
+}
+
+/// Collective buffers, Ulysses' re-laid-out q/k/v, and the fixed overhead of a process or a GPU.
+fn comm_terms(sz: &Sizes, arch: &Arch, world: &World, gpu: &Gpu, terms: &mut Vec<Term>) {
+    let (n, gb) = (sz.n, sz.gb);
+    // the larger of one layer and the embedding: the group ZeRO 2-3 hands on at a time
+    let group = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
     if world.gpus > 1 {
-        if cpu {
+        if sz.cpu {
             // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the
-            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time
-            let unit = if !z.shards_gradients() {
-                n
+            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time to the
+            // rank's communication thread, which may still hold the previous group's copy while the next
+            // one is handed on (the deferred join, as on an NCCL stream): two groups alive
+            let (unit, note) = if !sz.z.shards_gradients() {
+                (n, "the gradient copy a Local collective holds (all of it)")
             } else {
-                (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64)
+                (2.0 * group, "2 x one layer's gradient copy: one handed to the comm thread, one still in flight")
             };
-            add(
-                "comm_buckets",
-                unit * gb,
-                "the gradient copy a Local collective holds (all of it, or one layer)".into(),
-            );
-        } else if !z.shards_gradients() {
+            add_term(terms, "comm_buckets", unit * gb, note.into());
+        } else if !sz.z.shards_gradients() {
             let b = (2.0 * BUCKET_BYTES as f64).min(2.0 * n * gb);
-            add("comm_buckets", b, "2 x 64 MiB NCCL buffers (the all-reduce runs in place)".into());
+            add_term(terms, "comm_buckets", b, "2 x 64 MiB NCCL buffers (the all-reduce runs in place)".into());
         } else {
             // ZeRO 2-3 hand each group's fp32 gradients on while the previous group's reduce-scatter
             // may still run (ZeroShards::pending): two groups alive
-            let unit = (arch.layer_params() as f64).max((arch.vocab * arch.hidden) as f64);
-            add(
-                "comm_buckets",
-                2.0 * unit * gb,
-                "2 x one layer's fp32 gradients: one handed on, one still in flight".into(),
-            );
+            let note = "2 x one layer's fp32 gradients: one handed on, one still in flight";
+            add_term(terms, "comm_buckets", 2.0 * group * gb, note.into());
         }
     }
-    if p > 1 {
-        add("sp_all_to_all", tl * (hd + 2.0 * kvd) * wb, "Ulysses: q, k, v in the head-sharded layout".into());
+    if sz.p > 1 {
+        let note = "Ulysses: q, k, v in the head-sharded layout";
+        add_term(terms, "sp_all_to_all", sz.tl * (sz.hd + 2.0 * sz.kvd) * sz.wb, note.into());
     }
-    if cpu {
-        add("fixed_overhead", CPU_BASELINE_BYTES as f64, "harpe process baseline (calibrated)".into());
+    if gpu.is_cpu() {
+        add_term(terms, "fixed_overhead", CPU_BASELINE_BYTES as f64, "harpe process baseline (calibrated)".into());
     } else {
-        add("fixed_overhead", GPU_FIXED_BYTES as f64, "CUDA context, cuBLAS workspace, NCCL, allocator slack".into());
+        let note = "CUDA context, cuBLAS workspace, NCCL, allocator slack";
+        add_term(terms, "fixed_overhead", GPU_FIXED_BYTES as f64, note.into());
     }
-    let total_bytes: u64 = terms.iter().map(|t| t.bytes).sum();
-    let usable_bytes = (gpu.mem_bytes as f64 * (1.0 - gpu.margin)) as u64;
+}
 
-    // Time: FLOPs with recompute at the stated MFU; collectives over the interconnect.
-    let flops_per_token = crate::train::metrics::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
-    let recomputed = if matches!(shape.checkpointing, Checkpointing::None) { 0 } else { l - last_seg };
+/// The time side of a plan.
+struct StepTime {
+    flops_per_token: f64,
+    hw_flops_per_token: f64,
+    compute_s: f64,
+    zero_comm_bytes: f64,
+    zero_comm_s: f64,
+    sp_comm_bytes: f64,
+    sp_comm_s: f64,
+    step_time_s: f64,
+}
+
+/// FLOPs with recompute at the stated MFU; collectives over the interconnect.
+fn step_time(sz: &Sizes, arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> StepTime {
+    let (n, w, p, l, wb, gb, tl) = (sz.n, sz.w, sz.p, sz.l, sz.wb, sz.gb, sz.tl);
+    let flops_per_token = crate::model::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
+    let recomputed = if matches!(shape.checkpointing, Checkpointing::None) { 0 } else { l - sz.last_seg };
     // Executed FLOPs: causal flash attention skips the masked half of 12·L·C·T; recompute repeats the
     // forward (a third) of the recomputed layers.
     let executed = flops_per_token - 6.0 * (l * arch.hidden * shape.seq_len) as f64;
@@ -580,7 +696,7 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let ring = (w - 1.0) / w;
     let zero_comm_bytes = if world.gpus > 1 {
         ring * n
-            * match z {
+            * match sz.z {
                 ZeroStage::Replicated => 2.0 * gb,
                 ZeroStage::Optimizer => gb + wb,
                 ZeroStage::Gradients => gb * accum + wb,
@@ -591,7 +707,7 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     };
     let passes = if recomputed > 0 { 3.0 } else { 2.0 };
     let sp_comm_bytes = if p > 1 {
-        (p as f64 - 1.0) / p as f64 * tl * (hd + 2.0 * kvd + hd) * wb * l as f64 * passes * accum
+        (p as f64 - 1.0) / p as f64 * tl * (sz.hd + 2.0 * sz.kvd + sz.hd) * wb * l as f64 * passes * accum
     } else {
         0.0
     };
@@ -600,18 +716,7 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
     let zero_bw = if world.gpus > gpu.gpus_per_node { bus(gpu.inter_node_gbs * 0.8) } else { intra };
     let zero_comm_s = if zero_comm_bytes > 0.0 { zero_comm_bytes / zero_bw } else { 0.0 };
     let sp_comm_s = if sp_comm_bytes > 0.0 { sp_comm_bytes / intra } else { 0.0 };
-    let step_time_s = compute_s.max(zero_comm_s) + sp_comm_s;
-    Plan {
-        mode: if cpu { "cpu" } else { "gpu" },
-        gpu: gpu.clone(),
-        world: *world,
-        arch: arch.clone(),
-        stage: 0,
-        shape: *shape,
-        terms,
-        total_bytes,
-        usable_bytes,
-        fits: total_bytes <= usable_bytes,
+    StepTime {
         flops_per_token,
         hw_flops_per_token,
         compute_s,
@@ -619,10 +724,7 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         zero_comm_s,
         sp_comm_bytes,
         sp_comm_s,
-        step_time_s,
-        tokens_per_s: tokens / step_time_s,
-        run_hours: 0.0,
-        suggestion: None,
+        step_time_s: compute_s.max(zero_comm_s) + sp_comm_s,
     }
 }
 
@@ -855,10 +957,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
 
 /// The plan as a text table.
 pub fn render(p: &Plan) -> String {
-    use std::fmt::Write;
     // one unit for the table: GiB for real models, MiB for the tiny ones
     let (unit, div) = if p.total_bytes as f64 >= GIB { ("GiB", GIB) } else { ("MiB", (1u64 << 20) as f64) };
-    let gib = |b: u64| b as f64 / div;
     let mut s = String::new();
     let params = if p.arch.params >= 1_000_000_000 {
         format!("{:.2}B", p.arch.params as f64 / 1e9)
@@ -878,6 +978,14 @@ pub fn render(p: &Plan) -> String {
         p.world.zero_stage,
         p.world.sp_degree
     );
+    render_terms(&mut s, p, unit, div);
+    render_time(&mut s, p, div);
+    s
+}
+
+/// The memory table: a row per term and the total.
+fn render_terms(s: &mut String, p: &Plan, unit: &str, div: f64) {
+    let gib = |b: u64| b as f64 / div;
     let _ = writeln!(
         s,
         "\n| memory per {} | {unit} | how |\n|---|---:|---|",
@@ -895,6 +1003,11 @@ pub fn render(p: &Plan) -> String {
         100.0 * p.gpu.margin,
         if p.fits { "FITS" } else { "DOES NOT FIT" }
     );
+}
+
+/// The time lines and, when the run does not fit, the cheapest change that does.
+fn render_time(s: &mut String, p: &Plan, div: f64) {
+    let gib = |b: u64| b as f64 / div;
     let _ = writeln!(
         s,
         "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s = {:.1}% of the compute, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s = {:.1}%, not overlapped)",
@@ -935,7 +1048,6 @@ pub fn render(p: &Plan) -> String {
             let _ = writeln!(s, "no single change fits: shorten seq_len or use devices with more memory");
         }
     }
-    s
 }
 
 impl Gpu {

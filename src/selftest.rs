@@ -50,12 +50,12 @@ pub mod attention;
 pub mod candle_flash;
 
 use crate::kernels_emu::{self as emu, Dims};
+use crate::loss::IGNORE_INDEX;
 use crate::model::rope::{RopeParity, RopeScheme};
 use crate::ops::cross_entropy_chunk::ce_rows_cpu;
 use crate::ops::rms_norm::{rms_norm_bwd_cpu, rms_norm_cpu};
 use crate::ops::rotary::rotary_cpu;
 use crate::optim::adamw::{AdamW, AdamWHyper};
-use crate::train::loss::IGNORE_INDEX;
 use anyhow::{bail, Result};
 use candle_core::Device;
 use half::bf16;

@@ -56,9 +56,20 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
     let plot_err = |e: String| {
         anyhow!("cannot draw {}: {e}\nhint: check that the directory exists and is writable", path.display())
     };
-    // (N, grid) waveforms, kept only as envelopes and the values at the extrema
-    let drawn: Vec<Curve> = sets
-        .par_iter()
+    let drawn = curves(sets, p);
+    let height = TOP_HEIGHT + 120 + ROW_HEIGHT * sets.len() as u32;
+    let root = BitMapBackend::new(path, (WIDTH, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(e.to_string()))?;
+    let (top, bottom) = root.split_vertically(TOP_HEIGHT);
+    draw_waveforms(&top, &drawn, p).map_err(|e| plot_err(e.to_string()))?;
+    draw_coverage(&bottom, sets, p).map_err(|e| plot_err(e.to_string()))?;
+    root.present().map_err(|e| plot_err(e.to_string()))?;
+    Ok(())
+}
+
+/// Each base's (grid) waveform, kept only as its envelope and its values at the extrema.
+fn curves(sets: &[Extrema], p: &PvParams) -> Vec<Curve> {
+    sets.par_iter()
         .map(|e| {
             let f = waveform_grid(e.base, p);
             let at = |m: &i64| (*m as f64, f[(m - p.grid_lo) as usize]);
@@ -68,20 +79,21 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
                 valleys: e.valleys.iter().map(at).collect(),
             }
         })
-        .collect();
+        .collect()
+}
+
+type Area<DB> = DrawingArea<DB, plotters::coord::Shift>;
+type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+/// The top panel: every waveform's envelope with its peaks and valleys.
+fn draw_waveforms<DB: DrawingBackend>(top: &Area<DB>, drawn: &[Curve], p: &PvParams) -> Drawn<DB> {
     let (ymin, ymax) = drawn
         .iter()
         .flat_map(|c| c.env.iter())
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &(_, lo, hi)| (a.min(lo), b.max(hi)));
     let pad = 0.05 * (ymax - ymin).max(1e-9);
-    let n = sets.len();
-    let height = TOP_HEIGHT + 120 + ROW_HEIGHT * n as u32;
-    let root = BitMapBackend::new(path, (WIDTH, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| plot_err(e.to_string()))?;
-    let (top, bottom) = root.split_vertically(TOP_HEIGHT);
-    let x_range = p.grid_lo as f64..p.grid_hi as f64;
-
-    let mut chart = ChartBuilder::on(&top)
+    let n = drawn.len();
+    let mut chart = ChartBuilder::on(top)
         .caption(
             format!("RoPE waveforms w_b(m) = (2/sqrt(d)) sum_j cos(m b^(-2j/d)), d = {}, {} bases", p.head_dim, n),
             (crate::plot_font::FAMILY, 22),
@@ -89,28 +101,27 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(x_range.clone(), (ymin - pad)..(ymax + pad))
-        .map_err(|e| plot_err(e.to_string()))?;
+        .build_cartesian_2d(p.grid_lo as f64..p.grid_hi as f64, (ymin - pad)..(ymax + pad))?;
     chart
         .configure_mesh()
         .x_desc("relative distance m (tokens)")
         .x_label_formatter(&kilo)
         .y_desc("pre-softmax logit, q = k = 1")
-        .draw()
-        .map_err(|e| plot_err(e.to_string()))?;
+        .draw()?;
     for (h, Curve { env, peaks, valleys }) in drawn.iter().enumerate() {
         let color = Palette99::pick(h);
         let zigzag = env.iter().flat_map(|&(x, lo, hi)| [(x, lo), (x, hi)]);
-        chart.draw_series(LineSeries::new(zigzag, color.mix(0.35))).map_err(|e| plot_err(e.to_string()))?;
-        chart
-            .draw_series(peaks.iter().map(|&(x, y)| TriangleMarker::new((x, y), 6, color.filled())))
-            .map_err(|e| plot_err(e.to_string()))?;
-        chart
-            .draw_series(valleys.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))
-            .map_err(|e| plot_err(e.to_string()))?;
+        chart.draw_series(LineSeries::new(zigzag, color.mix(0.35)))?;
+        chart.draw_series(peaks.iter().map(|&(x, y)| TriangleMarker::new((x, y), 6, color.filled())))?;
+        chart.draw_series(valleys.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))?;
     }
+    Ok(())
+}
 
-    let mut cov = ChartBuilder::on(&bottom)
+/// The bottom panel: one row per head with its peak and valley distances.
+fn draw_coverage<DB: DrawingBackend>(bottom: &Area<DB>, sets: &[Extrema], p: &PvParams) -> Drawn<DB> {
+    let n = sets.len();
+    let mut cov = ChartBuilder::on(bottom)
         .caption(
             "coverage: peaks (red triangles) and valleys (blue dots) of each head's base",
             (crate::plot_font::FAMILY, 20),
@@ -118,8 +129,7 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(110)
-        .build_cartesian_2d(x_range, -0.5..(n as f64 - 0.5))
-        .map_err(|e| plot_err(e.to_string()))?;
+        .build_cartesian_2d(p.grid_lo as f64..p.grid_hi as f64, -0.5..(n as f64 - 0.5))?;
     let label = |y: &f64| {
         let h = y.round();
         if (y - h).abs() < 1e-6 && h >= 0.0 && (h as usize) < n {
@@ -134,18 +144,13 @@ pub fn plot_waveforms(path: &Path, sets: &[Extrema], p: &PvParams) -> Result<()>
         .y_labels(n.min(64))
         .y_label_formatter(&label)
         .disable_y_mesh()
-        .draw()
-        .map_err(|e| plot_err(e.to_string()))?;
+        .draw()?;
     for (h, e) in sets.iter().enumerate() {
         let y = h as f64;
-        cov.draw_series(LineSeries::new([(p.grid_lo as f64, y), (p.grid_hi as f64, y)], BLACK.mix(0.15)))
-            .map_err(|e| plot_err(e.to_string()))?;
-        cov.draw_series(e.peaks.iter().map(|&m| TriangleMarker::new((m as f64, y), 5, RED.filled())))
-            .map_err(|e| plot_err(e.to_string()))?;
-        cov.draw_series(e.valleys.iter().map(|&m| Circle::new((m as f64, y), 4, BLUE.filled())))
-            .map_err(|e| plot_err(e.to_string()))?;
+        cov.draw_series(LineSeries::new([(p.grid_lo as f64, y), (p.grid_hi as f64, y)], BLACK.mix(0.15)))?;
+        cov.draw_series(e.peaks.iter().map(|&m| TriangleMarker::new((m as f64, y), 5, RED.filled())))?;
+        cov.draw_series(e.valleys.iter().map(|&m| Circle::new((m as f64, y), 4, BLUE.filled())))?;
     }
-    root.present().map_err(|e| plot_err(e.to_string()))?;
     Ok(())
 }
 

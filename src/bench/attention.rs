@@ -266,75 +266,15 @@ mod gpu {
         let ctx = cd.cuda_stream().context().clone();
         let name = ctx.name().unwrap_or_else(|_| "CUDA device 0".into());
         let peak = ctx.compute_capability().ok().and_then(peak_tflops);
-        let (h, d) = (32usize, 128usize);
         let tokens = args.attn_tokens.clone();
-        let seconds = args.attn_seconds;
-        let scale = 1.0 / (d as f32).sqrt();
         let mut rows = Vec::new();
         for &t in &tokens {
             for hkv in [8usize, 32] {
-                let mk = |heads: usize| -> Result<Tensor> {
-                    Ok(Tensor::randn(0f32, 1.0, (1, heads, t, d), &dev)?.to_dtype(DType::BF16)?)
-                };
-                let (q, k, v, dout) = (mk(h)?, mk(hkv)?, mk(hkv)?, mk(h)?);
-                // candle-flash-attn's forward on the same q, k, v (before the storage guards below)
-                let cf_ms = cfg!(feature = "flash-attn")
-                    .then(|| {
-                        time(&dev, seconds, || {
-                            Ok(crate::ops::candle_flash::attention(&q, &k, &v, scale, true).map(|_| ())?)
-                        })
-                    })
-                    .transpose()?;
-                let (sq, lq) = q.storage_and_layout();
-                let (sk, lk) = k.storage_and_layout();
-                let (sv, lv) = v.storage_and_layout();
-                let (sd, ld) = dout.storage_and_layout();
-                let (Storage::Cuda(cq), Storage::Cuda(ck), Storage::Cuda(cv), Storage::Cuda(cdo)) =
-                    (&*sq, &*sk, &*sv, &*sd)
-                else {
-                    bail!("bench attention: tensors are not on the CUDA device");
-                };
-                let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
-                let lo = candle_core::Layout::contiguous((1, h, t, d));
-                let f_ms =
-                    time(&dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None).map(|_| ())?))?;
-                let b_ms = time(&dev, seconds, || {
-                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None, None)
-                        .map(|_| ())?)
-                })?;
-                let fb_ms = time(&dev, seconds, || {
-                    let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
-                    Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None, None)
-                        .map(|_| ())?)
-                })?;
-                eprintln!("bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms");
-                for (pass, ms) in [("fwd", f_ms), ("bwd", b_ms), ("fwd+bwd", fb_ms)] {
-                    let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
-                    rows.push(AttnRow {
-                        pass: pass.into(),
-                        t,
-                        hkv,
-                        ms,
-                        tflops,
-                        pct_peak: peak.map(|p| 100.0 * tflops / p),
-                        torch_ms: Vec::new(),
-                        candle_flash_ms: if pass == "fwd" { cf_ms } else { None },
-                    });
-                }
+                rows.extend(measure_shape(&dev, Shape { t, hkv, h: 32, d: 128 }, args.attn_seconds, peak)?);
             }
         }
         if !args.no_torch {
-            if let Some(tj) = torch_sdpa(&tokens, seconds) {
-                for r in rows.iter_mut() {
-                    let key = format!("{} T{} hkv{}", r.pass, r.t, r.hkv);
-                    if let Some(obj) = tj.get(&key).and_then(|v| v.as_object()) {
-                        r.torch_ms = ["flash", "cudnn", "efficient"]
-                            .iter()
-                            .map(|b| (b.to_string(), obj.get(*b).and_then(|v| v.as_f64())))
-                            .collect();
-                    }
-                }
-            }
+            add_torch_columns(&mut rows, &tokens, args.attn_seconds);
         }
         if args.json {
             println!("{}", serde_json::json!({"device": name, "peak_bf16_tflops": peak, "rows": rows}));
@@ -342,5 +282,83 @@ mod gpu {
             print_rows(&name, &rows);
         }
         Ok(())
+    }
+
+    /// One benchmark shape: batch 1, `h` query heads over `hkv` kv heads, T tokens, head dim `d`.
+    #[derive(Clone, Copy)]
+    struct Shape {
+        t: usize,
+        hkv: usize,
+        h: usize,
+        d: usize,
+    }
+
+    /// harpe's fwd, bwd and fwd+bwd (and candle-flash-attn's forward where built) on one causal bf16 shape.
+    fn measure_shape(dev: &Device, sh: Shape, seconds: f64, peak: Option<f64>) -> Result<Vec<AttnRow>> {
+        let Shape { t, hkv, h, d } = sh;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mk = |heads: usize| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1.0, (1, heads, t, d), dev)?.to_dtype(DType::BF16)?)
+        };
+        let (q, k, v, dout) = (mk(h)?, mk(hkv)?, mk(hkv)?, mk(h)?);
+        // candle-flash-attn's forward on the same q, k, v (before the storage guards below)
+        let cf_ms = cfg!(feature = "flash-attn")
+            .then(|| {
+                time(dev, seconds, || Ok(crate::ops::candle_flash::attention(&q, &k, &v, scale, true).map(|_| ())?))
+            })
+            .transpose()?;
+        let (sq, lq) = q.storage_and_layout();
+        let (sk, lk) = k.storage_and_layout();
+        let (sv, lv) = v.storage_and_layout();
+        let (sd, ld) = dout.storage_and_layout();
+        let (Storage::Cuda(cq), Storage::Cuda(ck), Storage::Cuda(cv), Storage::Cuda(cdo)) = (&*sq, &*sk, &*sv, &*sd)
+        else {
+            bail!("bench attention: tensors are not on the CUDA device");
+        };
+        let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
+        let lo = candle_core::Layout::contiguous((1, h, t, d));
+        let f_ms = time(dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None).map(|_| ())?))?;
+        let b_ms = time(dev, seconds, || {
+            Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None, None).map(|_| ())?)
+        })?;
+        let fb_ms = time(dev, seconds, || {
+            let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
+            Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None, None).map(|_| ())?)
+        })?;
+        eprintln!(
+            "bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms"
+        );
+        Ok([("fwd", f_ms), ("bwd", b_ms), ("fwd+bwd", fb_ms)]
+            .into_iter()
+            .map(|(pass, ms)| {
+                let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
+                AttnRow {
+                    pass: pass.into(),
+                    t,
+                    hkv,
+                    ms,
+                    tflops,
+                    pct_peak: peak.map(|p| 100.0 * tflops / p),
+                    torch_ms: Vec::new(),
+                    candle_flash_ms: if pass == "fwd" { cf_ms } else { None },
+                }
+            })
+            .collect())
+    }
+
+    /// PyTorch SDPA's backends beside each row, where torch runs.
+    fn add_torch_columns(rows: &mut [AttnRow], tokens: &[usize], seconds: f64) {
+        let Some(tj) = torch_sdpa(tokens, seconds) else {
+            return;
+        };
+        for r in rows.iter_mut() {
+            let key = format!("{} T{} hkv{}", r.pass, r.t, r.hkv);
+            if let Some(obj) = tj.get(&key).and_then(|v| v.as_object()) {
+                r.torch_ms = ["flash", "cudnn", "efficient"]
+                    .iter()
+                    .map(|b| (b.to_string(), obj.get(*b).and_then(|v| v.as_f64())))
+                    .collect();
+            }
+        }
     }
 }

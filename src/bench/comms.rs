@@ -146,7 +146,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 #[cfg(feature = "nccl")]
 fn nccl_rows(env: &LaunchEnv, sizes: &[usize], secs: f64, timeout: std::time::Duration) -> Result<Vec<CommRow>> {
     use crate::comms::nccl::NcclComm;
-    let c = std::sync::Arc::new(NcclComm::join(env, "harpe bench comms", timeout, 1)?);
+    let c = std::sync::Arc::new(NcclComm::join(env, "harpe bench comms", timeout, 1, 0)?);
     let comm = Comm::Nccl(std::sync::Arc::clone(&c));
     let rows = time_collectives(&comm, c.device(), sizes, secs);
     match &rows {

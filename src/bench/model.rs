@@ -357,7 +357,7 @@ fn mfu(dev: &Device, n_params: usize, sh: &Shape, tok_s: f64) -> Result<Option<(
         return Ok(None);
     };
     let (gpu, known) = crate::plan::Gpu::measured(&m);
-    let achieved = crate::train::metrics::flops_per_token(n_params, sh.layers, sh.hidden, sh.tokens) * tok_s / 1e12;
+    let achieved = crate::model::flops_per_token(n_params, sh.layers, sh.hidden, sh.tokens) * tok_s / 1e12;
     Ok(known.then_some((achieved / gpu.peak_tflops, gpu.peak_tflops)))
 }
 

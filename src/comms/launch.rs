@@ -251,22 +251,25 @@ pub fn spawn_workers(n: usize, args: &[OsString], opts: &SpawnOptions) -> Result
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         sig_ids.push(signal_hook::flag::register_usize(sig, Arc::clone(&pending), sig as usize)?);
     }
-    let res = run_workers(n, &program, args, opts, port, &token, &pending);
+    let res = start_ranks(n, &program, args, opts, port, &token).and_then(|mut children| {
+        eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+        supervise(&mut children, opts, &pending)
+    });
     for id in sig_ids {
         signal_hook::low_level::unregister(id);
     }
     res
 }
 
-fn run_workers(
+/// Start ranks 0..n with torchrun's variables; on a failed start, kill those already started.
+fn start_ranks(
     n: usize,
     program: &PathBuf,
     args: &[OsString],
     opts: &SpawnOptions,
     port: u16,
     token: &str,
-    pending: &AtomicUsize,
-) -> Result<WorkersOutcome> {
+) -> Result<Vec<Child>> {
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(program);
@@ -293,7 +296,13 @@ fn run_workers(
             }
         }
     }
-    eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+    Ok(children)
+}
+
+/// Wait for every worker: forward a signal the launcher receives, stop the others when one fails, and
+/// kill those that outlive the grace period.
+fn supervise(children: &mut [Child], opts: &SpawnOptions, pending: &AtomicUsize) -> Result<WorkersOutcome> {
+    let n = children.len();
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
     let mut first_failure = None;
     let mut forwarded_signal = None;

@@ -5,13 +5,25 @@
 //! `ncclAllGather`, `ncclBroadcast`, grouped send/recv for all-to-all) with MPI's `*_v` variants for
 //! uneven slices (ZeRO ownership maps give ranks different-sized slices of the flat index space).
 //!
-//! The non-obvious decision: every collective is one *exchange round*. Each rank deposits a copy of
-//! its input and a descriptor (operation, label, sizes, element type) into the shared group; when the
-//! last rank arrives, every rank reads all deposits and computes its own output from them, summing in
-//! rank order (0, 1, ..., N-1). So the sum is bit-identical on every rank and for every thread
-//! schedule, descriptors that disagree (rank 1 calls `broadcast` while rank 0 calls `all_reduce`, or
-//! ragged counts differ) are an error on every rank instead of silent garbage, and the code is short.
-//! The copies cost memory bandwidth, which does not matter for the CPU tests this backend serves.
+//! The non-obvious decisions:
+//! - Every collective is one *exchange round*. Each rank deposits a copy of its input and a descriptor
+//!   (operation, label, sizes, element type) into the shared group; when the last rank arrives, every
+//!   rank reads all deposits and computes its own output from them, summing in rank order (0, 1, ...,
+//!   N-1). So the sum is bit-identical on every rank and for every thread schedule, and the code is
+//!   short. The copies cost memory bandwidth, which does not matter for the CPU tests this backend serves.
+//! - As NCCL runs collectives on a stream of their own, each rank issues its collectives to its own
+//!   *communication thread* (started with the rank's first collective), which runs them one after the
+//!   other in the order they were issued. A `*_start` collective returns at once with an `Issued`
+//!   handle, so the rank computes on while the exchange runs (ZeRO-2/3's deferred gradient
+//!   reduce-scatters, ZeRO-3's weight prefetch); a blocking collective is issued the same way and
+//!   waited for, so it also waits for every collective issued before it, as on one NCCL stream.
+//! - What a round checks (`RoundCheck`): by default every rank's full descriptor must be equal, so a
+//!   rank that calls `broadcast` while the others `all_reduce` is an error at that collective. NCCL
+//!   cannot do that; `RoundCheck::Transport` checks only what moving the data needs (each deposit's
+//!   element type and length), as NCCL, and lets a same-size mismatch through with wrong values. Both
+//!   modes also run the collective signature check of the NCCL path (`signature`): every rank records
+//!   each collective when it issues it, and every `LocalChecks::sig_every` collectives compares its
+//!   window with the other ranks' on the group's board (shared memory here, rank 0 over TCP under NCCL).
 //!
 //! Failure: a rank that returns an error, panics or drops its handle marks the group failed (the first
 //! failure wins and is kept); every rank waiting in, or later entering, a collective returns an error
@@ -19,21 +31,27 @@
 //! failed itself, naming the ranks that never arrived and their last collective. Nothing ever hangs
 //! longer than the timeout.
 //!
-//! What it does not do: device (CUDA) buffers, overlap with compute, or cross-process transport; it
-//! is a correctness backend for one process (the NCCL backend is the fast one).
+//! What it does not do: device (CUDA) buffers or cross-process transport; it is a correctness backend
+//! for one process (the NCCL backend is the fast one).
+use crate::comms::signature::{CollOp, Mismatch, SigBoard, SigLog, SIG_EVERY};
 use anyhow::{anyhow, bail, Result};
-use half::bf16;
+use candle_core::DType;
+use half::{bf16, f16};
 use std::any::Any;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Element types the collectives move; sums accumulate in `Acc` (f32 for bf16) in rank order.
+/// Element types the collectives move; sums accumulate in `Acc` (f32 for bf16 and f16) in rank order.
 pub trait Elem: Copy + Send + Sync + 'static {
     /// Accumulator type of a reduction.
     type Acc: Copy;
+    /// The tensor dtype of this element type (the collective signature names it).
+    const DTYPE: DType;
     /// Widen to the accumulator.
     fn acc(self) -> Self::Acc;
     /// `a + b` in the accumulator.
@@ -46,6 +64,7 @@ pub trait Elem: Copy + Send + Sync + 'static {
 
 impl Elem for f32 {
     type Acc = f32;
+    const DTYPE: DType = DType::F32;
     fn acc(self) -> f32 {
         self
     }
@@ -62,6 +81,7 @@ impl Elem for f32 {
 
 impl Elem for f64 {
     type Acc = f64;
+    const DTYPE: DType = DType::F64;
     fn acc(self) -> f64 {
         self
     }
@@ -78,6 +98,7 @@ impl Elem for f64 {
 
 impl Elem for bf16 {
     type Acc = f32;
+    const DTYPE: DType = DType::BF16;
     fn acc(self) -> f32 {
         self.to_f32()
     }
@@ -89,6 +110,23 @@ impl Elem for bf16 {
     }
     fn finish(a: f32) -> bf16 {
         bf16::from_f32(a)
+    }
+}
+
+impl Elem for f16 {
+    type Acc = f32;
+    const DTYPE: DType = DType::F16;
+    fn acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    fn div(a: f32, n: usize) -> f32 {
+        a / n as f32
+    }
+    fn finish(a: f32) -> f16 {
+        f16::from_f32(a)
     }
 }
 
@@ -112,6 +150,14 @@ pub struct GroupFailure {
     pub reason: String,
 }
 
+impl GroupFailure {
+    /// The collective signature check's verdict as the group's failure (blames the rank that differs
+    /// from the first window seen; the reason names both ranks' signatures).
+    pub fn from_mismatch(m: &Mismatch) -> GroupFailure {
+        GroupFailure { rank: m.rank(), doing: m.doing(), reason: m.reason() }
+    }
+}
+
 impl fmt::Display for GroupFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "rank {} failed {}: {}", self.rank, self.doing, self.reason)
@@ -120,9 +166,34 @@ impl fmt::Display for GroupFailure {
 
 impl std::error::Error for GroupFailure {}
 
+/// What each exchange round compares between the ranks' deposits (see the file header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoundCheck {
+    /// Every rank's full descriptor (operation, sizes, element type, reduction, root) must be equal.
+    Descriptors,
+    /// Only what moving the data needs, as NCCL: each deposit's element type and length.
+    Transport,
+}
+
+/// What a `Local` group checks between its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalChecks {
+    /// per exchange round
+    pub round: RoundCheck,
+    /// collectives per window of the signature check (`signature`; 0 = off)
+    pub sig_every: u64,
+}
+
+impl Default for LocalChecks {
+    /// Both checks: descriptors every round, signatures every `SIG_EVERY` collectives.
+    fn default() -> Self {
+        LocalChecks { round: RoundCheck::Descriptors, sig_every: SIG_EVERY }
+    }
+}
+
 /// What a rank put into one exchange round.
 struct Deposit {
-    /// The operation's descriptor; every rank's must be equal.
+    /// The operation's descriptor (compared under `RoundCheck::Descriptors`).
     desc: String,
     /// A copy of the rank's input (a `Vec<T>`).
     data: Box<dyn Any + Send + Sync>,
@@ -168,19 +239,28 @@ struct State {
 pub struct LocalGroup {
     world: usize,
     timeout: Duration,
+    checks: LocalChecks,
     state: Mutex<State>,
     cv: Condvar,
+    /// the signature check's comparer (the side channel: shared memory)
+    board: Mutex<SigBoard>,
 }
 
 impl LocalGroup {
-    /// A group of `world` ranks whose collectives give up after `timeout`.
+    /// A group of `world` ranks whose collectives give up after `timeout`, with the default checks.
     pub fn new(world: usize, timeout: Duration) -> Result<Arc<LocalGroup>> {
+        LocalGroup::with_checks(world, timeout, LocalChecks::default())
+    }
+
+    /// `new` with the given checks.
+    pub fn with_checks(world: usize, timeout: Duration, checks: LocalChecks) -> Result<Arc<LocalGroup>> {
         if world == 0 {
             bail!("a Local group needs at least one rank (got world size 0)\nhint: set dist.world_size >= 1");
         }
         Ok(Arc::new(LocalGroup {
             world,
             timeout,
+            checks,
             state: Mutex::new(State {
                 round: 0,
                 deposits: (0..world).map(|_| None).collect(),
@@ -191,12 +271,19 @@ impl LocalGroup {
                 whereabouts: vec![Whereabouts::default(); world],
             }),
             cv: Condvar::new(),
+            board: Mutex::new(SigBoard::new(world)),
         }))
     }
 
     /// One handle per rank, in rank order; hand handle r to the thread of rank r.
     pub fn handles(self: &Arc<Self>) -> Vec<LocalComm> {
-        (0..self.world).map(|rank| LocalComm { rank, group: Arc::clone(self), entered: AtomicU64::new(0) }).collect()
+        (0..self.world)
+            .map(|rank| LocalComm {
+                core: Arc::new(Core { rank, group: Arc::clone(self), entered: AtomicU64::new(0) }),
+                lane: Mutex::new(None),
+                sigs: Mutex::new(SigLog::new(self.checks.sig_every)),
+            })
+            .collect()
     }
 
     /// The first failure, if the group has failed.
@@ -211,36 +298,76 @@ impl LocalGroup {
 
     /// Record `rank`'s failure unless an earlier one is already recorded; wake every waiter.
     fn mark_failed(&self, st: &mut State, rank: usize, reason: String) {
+        let doing = st.whereabouts[rank].describe();
+        self.record_failure(st, GroupFailure { rank, doing, reason });
+    }
+
+    /// Record `f` unless an earlier failure is already recorded; wake every waiter.
+    fn record_failure(&self, st: &mut State, f: GroupFailure) {
         if st.failed.is_none() {
-            let doing = st.whereabouts[rank].describe();
-            st.failed = Some(GroupFailure { rank, doing, reason });
+            st.failed = Some(f);
         }
         self.cv.notify_all();
     }
 }
 
-/// One rank's handle on a `Local` group. Dropping it (normally or by a panic) tells the others that
-/// this rank will not take part in any further collective.
-pub struct LocalComm {
+/// What a rank's communication thread needs of it (the thread holds no `LocalComm`, so dropping the
+/// handle is what ends the thread).
+struct Core {
     rank: usize,
     group: Arc<LocalGroup>,
     entered: AtomicU64,
 }
 
+/// One collective for a rank's communication thread.
+type Job = Box<dyn FnOnce(&Core) + Send>;
+
+/// A collective issued to this rank's communication thread; `wait` gives its result.
+pub struct Issued<R> {
+    rx: mpsc::Receiver<Result<R>>,
+    rank: usize,
+}
+
+impl<R> Issued<R> {
+    /// Block until the collective completed (or failed: at most the group's timeout).
+    pub fn wait(self) -> Result<R> {
+        self.rx.recv().unwrap_or_else(|_| {
+            Err(anyhow!("internal: rank {}'s communication thread ended before a collective it was given", self.rank))
+        })
+    }
+}
+
+/// One rank's handle on a `Local` group. Dropping it (normally or by a panic) ends its communication
+/// thread once the collectives issued to it are done, and tells the others that this rank will not
+/// take part in any further collective.
+pub struct LocalComm {
+    core: Arc<Core>,
+    /// the communication thread's queue and the thread (started by the first collective)
+    lane: Mutex<Option<(mpsc::Sender<Job>, JoinHandle<()>)>>,
+    /// this rank's collective signatures (issue order)
+    sigs: Mutex<SigLog>,
+}
+
 impl fmt::Debug for LocalComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "LocalComm(rank {} of {})", self.rank, self.group.world)
+        write!(f, "LocalComm(rank {} of {})", self.core.rank, self.core.group.world)
     }
 }
 
 impl Drop for LocalComm {
     fn drop(&mut self) {
-        let g = &self.group;
-        let mut st = g.lock();
-        st.left[self.rank] = true;
+        let (g, rank) = (&self.core.group, self.core.rank);
         if std::thread::panicking() {
-            g.mark_failed(&mut st, self.rank, "panicked (handle dropped while unwinding)".into());
+            g.mark_failed(&mut g.lock(), rank, "panicked (handle dropped while unwinding)".into());
         }
+        // the collectives already issued run to their end (each bounded by the timeout; at once when
+        // the group has failed), so the others never wait for a round this rank has entered
+        if let Some((queue, thread)) = self.lane.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            drop(queue);
+            let _ = thread.join();
+        }
+        let mut st = g.lock();
+        st.left[rank] = true;
         g.cv.notify_all();
     }
 }
@@ -259,32 +386,63 @@ fn offsets(counts: &[usize], world: usize, what: &str) -> Result<(Vec<usize>, us
     Ok((offs, total))
 }
 
-fn downcast<T: 'static>(d: &Deposit) -> Result<&Vec<T>> {
-    d.data.downcast_ref::<Vec<T>>().ok_or_else(|| anyhow!("internal: deposit has another element type"))
+/// Rank `r`'s deposit as `len` values of `T`: what moving the data needs (a transport check; under
+/// `RoundCheck::Transport` the only one), an error naming both sides otherwise.
+fn deposit<'a, T: Elem>(all: &'a [Deposit], r: usize, len: usize, what: &str) -> Result<&'a [T]> {
+    let hint = "hint: every rank must issue the same collectives in the same order with the same sizes";
+    let Some(v) = all[r].data.downcast_ref::<Vec<T>>() else {
+        bail!(
+            "{what}: rank {r} sent values of another type than this rank's {} (it called {})\n{hint}",
+            T::DTYPE.as_str(),
+            all[r].desc
+        );
+    };
+    if v.len() != len {
+        bail!(
+            "{what}: rank {r} sent {} values where this rank needs {len} (it called {})\n{hint}",
+            v.len(),
+            all[r].desc
+        );
+    }
+    Ok(v)
 }
 
-impl LocalComm {
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
+/// An empty output of `n` elements' capacity, made by the thread that issues a collective (not by the
+/// communication thread that fills it): glibc gives every thread an arena of its own and a freed block
+/// goes back to the arena that made it, so outputs made on the communication threads would stay
+/// resident there as those threads' free memory (measured: a fifth more peak memory for 4 ranks with
+/// SP 4) instead of being reused by the rank's next allocation.
+fn out_vec<T>(n: usize) -> Vec<T> {
+    Vec::with_capacity(n)
+}
 
-    /// Number of ranks in the group.
-    pub fn world_size(&self) -> usize {
-        self.group.world
-    }
+/// Elements `range` of every rank's deposit (each `len` long) reduced in rank order, appended to `out`.
+fn reduce<T: Elem>(
+    all: &[Deposit],
+    len: usize,
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+    what: &str,
+    mut out: Vec<T>,
+) -> Result<Vec<T>> {
+    let bufs: Vec<&[T]> = (0..all.len()).map(|r| deposit::<T>(all, r, len, what)).collect::<Result<_>>()?;
+    out.extend(range.map(|k| {
+        let mut acc = bufs[0][k].acc();
+        for b in &bufs[1..] {
+            acc = T::add(acc, b[k].acc());
+        }
+        if op == ReduceOp::Avg {
+            acc = T::div(acc, bufs.len());
+        }
+        T::finish(acc)
+    }));
+    Ok(out)
+}
 
-    /// The group this handle belongs to.
-    pub fn group(&self) -> &Arc<LocalGroup> {
-        &self.group
-    }
-
-    /// Mark the group failed because this rank hit `reason` outside a collective (an error in its own
-    /// work); the other ranks then stop at their next collective instead of waiting for the timeout.
-    pub fn abort(&self, reason: &str) {
-        let g = &self.group;
-        let mut st = g.lock();
-        g.mark_failed(&mut st, self.rank, reason.to_string());
+impl Core {
+    /// `rank R in collective "label"`: the context of an error computing a collective's output.
+    fn ctx(&self, label: &str) -> String {
+        format!("rank {} in collective \"{label}\"", self.rank)
     }
 
     /// Deposit `data` for one round under `desc`, wait for all ranks, return every rank's deposit.
@@ -324,7 +482,10 @@ impl LocalComm {
                     st.last = Arc::new(Vec::new()); // the copies live only as long as a reader needs them
                 }
                 drop(st);
-                return self.check_descs(&all, n, &what).map(|()| all);
+                if g.checks.round == RoundCheck::Descriptors {
+                    self.check_descs(&all, n, &what)?;
+                }
+                return Ok(all);
             }
             if let Some(f) = &st.failed {
                 let f = f.clone();
@@ -372,27 +533,92 @@ impl LocalComm {
         }
         Ok(())
     }
+}
 
-    fn sum_into<T: Elem>(all: &[Deposit], range: std::ops::Range<usize>, op: ReduceOp, out: &mut [T]) -> Result<()> {
-        let bufs: Vec<&Vec<T>> = all.iter().map(downcast::<T>).collect::<Result<_>>()?;
-        for (k, o) in range.zip(out.iter_mut()) {
-            let mut acc = bufs[0][k].acc();
-            for b in &bufs[1..] {
-                acc = T::add(acc, b[k].acc());
-            }
-            if op == ReduceOp::Avg {
-                acc = T::div(acc, bufs.len());
-            }
-            *o = T::finish(acc);
+impl LocalComm {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.core.group.world
+    }
+
+    /// The group this handle belongs to.
+    pub fn group(&self) -> &Arc<LocalGroup> {
+        &self.core.group
+    }
+
+    /// Mark the group failed because this rank hit `reason` outside a collective (an error in its own
+    /// work); the other ranks then stop at their next collective instead of waiting for the timeout.
+    pub fn abort(&self, reason: &str) {
+        let g = &self.core.group;
+        g.mark_failed(&mut g.lock(), self.core.rank, reason.to_string());
+    }
+
+    /// Record the collective `sig` in issue order; at the end of a window, compare it on the group's
+    /// board. A mismatch fails the group (every rank stops, naming both ranks' signatures).
+    fn check_signature(&self, (op, count, dtype): (CollOp, usize, DType)) -> Result<()> {
+        let window = self.sigs.lock().unwrap_or_else(|p| p.into_inner()).record(op, count, dtype);
+        let Some(w) = window else { return Ok(()) };
+        let g = &self.core.group;
+        let verdict = g.board.lock().unwrap_or_else(|p| p.into_inner()).submit(self.core.rank, w);
+        let Err(m) = verdict else { return Ok(()) };
+        let f = GroupFailure::from_mismatch(&m);
+        g.record_failure(&mut g.lock(), f.clone());
+        Err(anyhow::Error::new(f).context(format!("rank {}: the collective signature check failed", self.core.rank)))
+    }
+
+    /// Issue `job` (the collective `sig`) to this rank's communication thread, after the collectives
+    /// issued before it; returns at once.
+    fn issue<R: Send + 'static>(
+        &self,
+        sig: (CollOp, usize, DType),
+        job: impl FnOnce(&Core) -> Result<R> + Send + 'static,
+    ) -> Result<Issued<R>> {
+        self.check_signature(sig)?;
+        let rank = self.core.rank;
+        let (tx, rx) = mpsc::sync_channel(1);
+        let run: Job = Box::new(move |core: &Core| {
+            let r = catch_unwind(AssertUnwindSafe(|| job(core))).unwrap_or_else(|p| {
+                let reason = format!("its communication thread panicked: {}", panic_message(&*p));
+                core.group.mark_failed(&mut core.group.lock(), core.rank, reason.clone());
+                Err(anyhow!("rank {}: {reason}", core.rank))
+            });
+            let _ = tx.send(r);
+        });
+        let mut lane = self.lane.lock().unwrap_or_else(|p| p.into_inner());
+        if lane.is_none() {
+            let (queue, jobs) = mpsc::channel::<Job>();
+            let core = Arc::clone(&self.core);
+            let thread = std::thread::Builder::new()
+                .name(format!("local-comm-{rank}"))
+                .spawn(move || jobs.into_iter().for_each(|job| job(&core)))
+                .map_err(|e| anyhow!("rank {rank}: could not start its communication thread: {e}"))?;
+            *lane = Some((queue, thread));
         }
-        Ok(())
+        let sent = lane.as_ref().map(|(queue, _)| queue.send(run).is_ok());
+        if sent != Some(true) {
+            bail!("internal: rank {rank}'s communication thread has ended");
+        }
+        Ok(Issued { rx, rank })
     }
 
     /// Reduce `buf` over all ranks in place (sum or average, in rank order: bit-identical everywhere).
     pub fn all_reduce<T: Elem>(&self, buf: &mut [T], op: ReduceOp, label: &str) -> Result<()> {
-        let desc = format!("all_reduce({op:?}, {} x {})", buf.len(), std::any::type_name::<T>());
-        let all = self.exchange("all_reduce", label, desc, buf.to_vec())?;
-        Self::sum_into(&all, 0..buf.len(), op, buf)
+        let n = buf.len();
+        let desc = format!("all_reduce({op:?}, {n} x {})", std::any::type_name::<T>());
+        let (data, label, out) = (buf.to_vec(), label.to_string(), out_vec(n));
+        let out = self
+            .issue((CollOp::AllReduce, n, T::DTYPE), move |c| {
+                let all = c.exchange("all_reduce", &label, desc, data)?;
+                reduce::<T>(&all, n, 0..n, op, &c.ctx(&label), out)
+            })?
+            .wait()?;
+        buf.copy_from_slice(&out);
+        Ok(())
     }
 
     /// Equal-slice reduce-scatter: `input` is `world` slices of `output.len()`; rank r gets slice r
@@ -413,13 +639,31 @@ impl LocalComm {
         op: ReduceOp,
         label: &str,
     ) -> Result<()> {
+        if counts.len() == self.world_size() {
+            self.check_len("reduce_scatter", label, "output", output.len(), counts[self.rank()])?;
+        }
+        output.copy_from_slice(&self.reduce_scatter_v_start(input.to_vec(), counts, op, label)?.wait()?);
+        Ok(())
+    }
+
+    /// `reduce_scatter_v`, started: returns at once; the result (this rank's reduced slice) comes
+    /// from `Issued::wait`.
+    pub fn reduce_scatter_v_start<T: Elem>(
+        &self,
+        input: Vec<T>,
+        counts: &[usize],
+        op: ReduceOp,
+        label: &str,
+    ) -> Result<Issued<Vec<T>>> {
         let (offs, total) = offsets(counts, self.world_size(), "reduce_scatter")?;
         self.check_len("reduce_scatter", label, "input", input.len(), total)?;
-        self.check_len("reduce_scatter", label, "output", output.len(), counts[self.rank])?;
         let desc = format!("reduce_scatter({op:?}, counts {counts:?} x {})", std::any::type_name::<T>());
-        let all = self.exchange("reduce_scatter", label, desc, input.to_vec())?;
-        let lo = offs[self.rank];
-        Self::sum_into(&all, lo..lo + counts[self.rank], op, output)
+        let (lo, hi) = (offs[self.rank()], offs[self.rank()] + counts[self.rank()]);
+        let (label, out) = (label.to_string(), out_vec(hi - lo));
+        self.issue((CollOp::ReduceScatter, total, T::DTYPE), move |c| {
+            let all = c.exchange("reduce_scatter", &label, desc, input)?;
+            reduce::<T>(&all, total, lo..hi, op, &c.ctx(&label), out)
+        })
     }
 
     /// Equal-slice all-gather: `output` is `world` slices of `input.len()`, slice r from rank r.
@@ -431,15 +675,25 @@ impl LocalComm {
     /// All-gather with explicit slice lengths: rank r contributes `counts[r]` elements; `output` is
     /// their concatenation in rank order. Every rank must pass the same `counts`.
     pub fn all_gather_v<T: Elem>(&self, input: &[T], output: &mut [T], counts: &[usize], label: &str) -> Result<()> {
-        let (offs, total) = offsets(counts, self.world_size(), "all_gather")?;
-        self.check_len("all_gather", label, "input", input.len(), counts[self.rank])?;
+        let (_, total) = offsets(counts, self.world_size(), "all_gather")?;
         self.check_len("all_gather", label, "output", output.len(), total)?;
-        let desc = format!("all_gather(counts {counts:?} x {})", std::any::type_name::<T>());
-        let all = self.exchange("all_gather", label, desc, input.to_vec())?;
-        for (r, d) in all.iter().enumerate() {
-            output[offs[r]..offs[r] + counts[r]].copy_from_slice(downcast::<T>(d)?);
-        }
+        output.copy_from_slice(&self.all_gather_v_start(input.to_vec(), counts, label)?.wait()?);
         Ok(())
+    }
+
+    /// `all_gather_v`, started: returns at once; the concatenation comes from `Issued::wait`.
+    pub fn all_gather_v_start<T: Elem>(&self, input: Vec<T>, counts: &[usize], label: &str) -> Result<Issued<Vec<T>>> {
+        let (_, total) = offsets(counts, self.world_size(), "all_gather")?;
+        self.check_len("all_gather", label, "input", input.len(), counts[self.rank()])?;
+        let desc = format!("all_gather(counts {counts:?} x {})", std::any::type_name::<T>());
+        let (counts, label, mut out) = (counts.to_vec(), label.to_string(), out_vec(total));
+        self.issue((CollOp::AllGather, total, T::DTYPE), move |c| {
+            let all = c.exchange("all_gather", &label, desc, input)?;
+            for (r, &n) in counts.iter().enumerate() {
+                out.extend_from_slice(deposit::<T>(&all, r, n, &c.ctx(&label))?);
+            }
+            Ok(out)
+        })
     }
 
     /// In-place all-gather over a flat buffer split into consecutive slices of lengths `counts`: rank
@@ -448,7 +702,7 @@ impl LocalComm {
     pub fn all_gather_v_inplace<T: Elem>(&self, buf: &mut [T], counts: &[usize], label: &str) -> Result<()> {
         let (offs, total) = offsets(counts, self.world_size(), "all_gather")?;
         self.check_len("all_gather", label, "buffer", buf.len(), total)?;
-        let mine = buf[offs[self.rank]..offs[self.rank] + counts[self.rank]].to_vec();
+        let mine = buf[offs[self.rank()]..offs[self.rank()] + counts[self.rank()]].to_vec();
         self.all_gather_v(&mine, buf, counts, label)
     }
 
@@ -457,15 +711,23 @@ impl LocalComm {
         if root >= self.world_size() {
             bail!(
                 "rank {}: broadcast \"{label}\" from root {root}, but the world has {} ranks\nhint: the root is a rank index",
-                self.rank,
+                self.rank(),
                 self.world_size()
             );
         }
-        let desc = format!("broadcast(root {root}, {} x {})", buf.len(), std::any::type_name::<T>());
+        let n = buf.len();
+        let desc = format!("broadcast(root {root}, {n} x {})", std::any::type_name::<T>());
         // Only the root's data is read; the others deposit nothing to save the copy.
-        let data = if self.rank == root { buf.to_vec() } else { Vec::new() };
-        let all = self.exchange("broadcast", label, desc, data)?;
-        buf.copy_from_slice(downcast::<T>(&all[root])?);
+        let data = if self.rank() == root { buf.to_vec() } else { Vec::new() };
+        let (label, mut out) = (label.to_string(), out_vec(n));
+        let out = self
+            .issue((CollOp::Broadcast, n, T::DTYPE), move |c| {
+                let all = c.exchange("broadcast", &label, desc, data)?;
+                out.extend_from_slice(deposit::<T>(&all, root, n, &c.ctx(&label))?);
+                Ok(out)
+            })?
+            .wait()?;
+        buf.copy_from_slice(&out);
         Ok(())
     }
 
@@ -477,23 +739,35 @@ impl LocalComm {
             bail!(
                 "rank {}: all_to_all \"{label}\": input has {} elements and output {}; both must be the same \
                  multiple of the world size {w}\nhint: split the sequence/heads into world-size equal chunks",
-                self.rank,
+                self.rank(),
                 input.len(),
                 output.len()
             );
         }
-        let c = input.len() / w;
-        let desc = format!("all_to_all({} x {})", input.len(), std::any::type_name::<T>());
-        let all = self.exchange("all_to_all", label, desc, input.to_vec())?;
-        for (i, d) in all.iter().enumerate() {
-            output[i * c..(i + 1) * c].copy_from_slice(&downcast::<T>(d)?[self.rank * c..(self.rank + 1) * c]);
-        }
+        let (n, me) = (input.len(), self.rank());
+        let c = n / w;
+        let desc = format!("all_to_all({n} x {})", std::any::type_name::<T>());
+        let (data, label, mut out) = (input.to_vec(), label.to_string(), out_vec(n));
+        let out = self
+            .issue((CollOp::AllToAll, n, T::DTYPE), move |core| {
+                let all = core.exchange("all_to_all", &label, desc, data)?;
+                for i in 0..all.len() {
+                    out.extend_from_slice(&deposit::<T>(&all, i, n, &core.ctx(&label))?[me * c..(me + 1) * c]);
+                }
+                Ok(out)
+            })?
+            .wait()?;
+        output.copy_from_slice(&out);
         Ok(())
     }
 
-    /// Wait until every rank has reached this barrier.
+    /// Wait until every rank has reached this barrier (and every collective issued before it is done).
     pub fn barrier(&self, label: &str) -> Result<()> {
-        self.exchange::<f32>("barrier", label, "barrier".to_string(), Vec::new()).map(|_| ())
+        let label = label.to_string();
+        self.issue((CollOp::Barrier, 0, DType::F32), move |c| {
+            c.exchange::<f32>("barrier", &label, "barrier".to_string(), Vec::new()).map(|_| ())
+        })?
+        .wait()
     }
 
     fn check_len(&self, op: &str, label: &str, what: &str, got: usize, want: usize) -> Result<()> {
@@ -501,7 +775,7 @@ impl LocalComm {
             bail!(
                 "rank {}: {op} \"{label}\": {what} has {got} elements, expected {want}\nhint: the buffer \
                  lengths must match the slice counts (every rank passes the same counts)",
-                self.rank
+                self.rank()
             );
         }
         Ok(())
@@ -551,7 +825,21 @@ where
     R: Send,
     F: Fn(Arc<LocalComm>) -> Result<R> + Sync,
 {
-    let group = match LocalGroup::new(world, timeout) {
+    spawn_local_with(world, timeout, LocalChecks::default(), f)
+}
+
+/// `spawn_local` with the given checks (`RoundCheck::Transport`: the group checks what NCCL can).
+pub fn spawn_local_with<R, F>(
+    world: usize,
+    timeout: Duration,
+    checks: LocalChecks,
+    f: F,
+) -> Result<Vec<R>, LocalRunError>
+where
+    R: Send,
+    F: Fn(Arc<LocalComm>) -> Result<R> + Sync,
+{
+    let group = match LocalGroup::with_checks(world, timeout, checks) {
         Ok(g) => g,
         Err(e) => {
             let first = GroupFailure { rank: 0, doing: "at start".into(), reason: format!("{e:#}") };

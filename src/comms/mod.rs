@@ -21,7 +21,10 @@
 //! the run's device, `open_device`); its collectives work on device buffers in place, and a host
 //! buffer handed to it travels through the device. The ZeRO exchanges use the tensor variants
 //! (`all_gather_v_tensor`, `reduce_scatter_v_sum_tensor`), which keep device data on the device under
-//! `Single` and `Nccl` and go through the host under `Local`.
+//! `Single` and `Nccl` and go through the host under `Local`; their `_start` forms run beside the
+//! compute under `Nccl` (its stream) and `Local` (each rank's communication thread, `local.rs`), in
+//! the tensor's own dtype under both, so the CPU tests run the program NCCL runs (`Comm::overlaps`).
+//! `signature` is the collective signature check both use (`dist.check_collectives` under NCCL).
 //! What this file does not do: start the NCCL group (`NcclComm::join`, called by `harpe train`);
 //! `Comm::from_config` builds only `Single`. A new backend is one more variant.
 pub mod launch;
@@ -31,18 +34,18 @@ pub mod local;
 pub mod nccl;
 pub mod rendezvous;
 pub mod sequence;
-pub mod stage;
+pub mod signature;
 pub mod store;
 pub mod watch;
 pub mod zero;
 
+pub use crate::config::zero_stage::{GradReduce, ZeroStage};
 use crate::config::{Backend, DistSection};
 use crate::device::DeviceSpec;
 use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use local::{LocalComm, ReduceOp};
-pub use stage::ZeroStage;
+use local::{Elem, LocalComm, ReduceOp};
 use std::sync::Arc;
 use zero::ShardMap;
 
@@ -84,19 +87,44 @@ impl Mesh {
 
 /// A collective started by `Comm::reduce_scatter_v_sum_tensor_start` or `all_gather_v_tensor_start`; `wait` gives its result. Dropped
 /// without `wait` (an error unwinding), it still makes the compute stream wait for the exchange, so
-/// its buffers are never freed under a running collective.
+/// its buffers are never freed under a running collective (`Local`: the exchange runs on; its result
+/// is dropped).
 pub struct Started {
     out: Option<Tensor>,
+    /// `Local`: the exchange under way on the rank's communication thread, and the tensor made of its
+    /// result on the input's device
+    local: Option<LocalStarted>,
     /// NCCL: the communicator, the completion event, and the input kept alive until the join
     #[cfg(feature = "nccl")]
     nccl: Option<(Arc<nccl::NcclComm>, Arc<cudarc::driver::CudaEvent>, Tensor)>,
 }
 
+/// Waits for a `Local` exchange and makes its result a tensor.
+type LocalStarted = Box<dyn FnOnce() -> Result<Tensor>>;
+
 impl Started {
-    /// A collective that completed on the host (every backend but NCCL).
+    /// A collective that completed on the host (`Single`).
     fn ready(out: Tensor) -> Started {
         Started {
             out: Some(out),
+            local: None,
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        }
+    }
+
+    /// A `Local` collective issued to the rank's communication thread: its values become a 1-D tensor
+    /// on `device` at the join.
+    fn local<T: Elem + candle_core::WithDType>(issued: local::Issued<Vec<T>>, device: &Device) -> Started {
+        let device = device.clone();
+        let join: LocalStarted = Box::new(move || {
+            let v = issued.wait()?;
+            let n = v.len();
+            Ok(Tensor::from_vec(v, n, &device)?)
+        });
+        Started {
+            out: None,
+            local: Some(join),
             #[cfg(feature = "nccl")]
             nccl: None,
         }
@@ -110,21 +138,25 @@ impl Started {
         (out, done): (Tensor, Option<Arc<cudarc::driver::CudaEvent>>),
         input: Tensor,
     ) -> Started {
-        Started { out: Some(out), nccl: done.map(|d| (Arc::clone(c), d, input)) }
+        Started { out: Some(out), local: None, nccl: done.map(|d| (Arc::clone(c), d, input)) }
     }
 
-    /// True when the result can be used at once (every backend but NCCL).
+    /// True when the result can be used at once (`Single`); false while an exchange may still run
+    /// beside the compute (`Local`'s communication thread, NCCL's stream).
     pub fn is_ready(&self) -> bool {
         #[cfg(feature = "nccl")]
         if self.nccl.is_some() {
             return false;
         }
-        true
+        self.local.is_none()
     }
 
     /// Under NCCL, make the compute stream wait for the exchange (no host wait); then free the input
-    /// (in stream order, after the join).
+    /// (in stream order, after the join). Under `Local`, wait for the communication thread.
     fn join(&mut self) -> Result<()> {
+        if let Some(join) = self.local.take() {
+            self.out = Some(join()?);
+        }
         #[cfg(feature = "nccl")]
         if let Some((c, done, input)) = self.nccl.take() {
             c.join_compute(&done)?;
@@ -142,7 +174,46 @@ impl Started {
 
 impl Drop for Started {
     fn drop(&mut self) {
+        self.local = None; // `Local`: the exchange completes on its thread; nobody needs its result
         let _ = self.join();
+    }
+}
+
+/// `Local`'s all-gather of a 1-D tensor in its own dtype (the compute dtype for weights, as NCCL
+/// gathers), issued to the rank's communication thread.
+fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+    fn go<T: Elem + candle_core::WithDType>(
+        c: &LocalComm,
+        t: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<Started> {
+        Ok(Started::local(c.all_gather_v_start(t.to_vec1::<T>()?, counts, label)?, t.device()))
+    }
+    match input.dtype() {
+        DType::F32 => go::<f32>(c, input, counts, label),
+        DType::BF16 => go::<half::bf16>(c, input, counts, label),
+        DType::F16 => go::<half::f16>(c, input, counts, label),
+        d => bail!("internal: all_gather \"{label}\" of a {d:?} tensor (Local moves f32, bf16 or f16)"),
+    }
+}
+
+/// `Local`'s reduce-scatter (sum) of a 1-D tensor in its own dtype, issued to the rank's
+/// communication thread.
+fn local_reduce_scatter(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+    fn go<T: Elem + candle_core::WithDType>(
+        c: &LocalComm,
+        t: &Tensor,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<Started> {
+        Ok(Started::local(c.reduce_scatter_v_start(t.to_vec1::<T>()?, counts, ReduceOp::Sum, label)?, t.device()))
+    }
+    match input.dtype() {
+        DType::F32 => go::<f32>(c, input, counts, label),
+        DType::BF16 => go::<half::bf16>(c, input, counts, label),
+        DType::F16 => go::<half::f16>(c, input, counts, label),
+        d => bail!("internal: reduce_scatter \"{label}\" of a {d:?} tensor (Local moves f32, bf16 or f16)"),
     }
 }
 
@@ -344,23 +415,20 @@ impl Comm {
                 }
                 Ok(input.copy()?)
             }
-            Comm::Local(c, _) => {
-                // exchanged as f32 (exact for bf16/f16 values), returned in the input's dtype
-                let mut out = vec![0f32; counts.iter().sum()];
-                c.all_gather_v(&input.to_dtype(DType::F32)?.to_vec1::<f32>()?, &mut out, counts, label)?;
-                let n = out.len();
-                Ok(Tensor::from_vec(out, n, input.device())?.to_dtype(input.dtype())?)
-            }
+            // in the input's dtype, as NCCL (bf16 weights move as bf16)
+            Comm::Local(..) => self.all_gather_v_tensor_start(input, counts, label)?.wait(),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_gather_v(&input.contiguous()?, counts, label),
         }
     }
 
-    /// `all_gather_v_tensor`, started: under NCCL the exchange runs on while the compute stream goes
-    /// on (the result is joined by `Started::wait`; ZeRO-3's prefetch of the next layer's weights);
-    /// elsewhere it is complete on return.
+    /// `all_gather_v_tensor`, started: under NCCL (its stream) and `Local` (the rank's communication
+    /// thread) the exchange runs on while the compute goes on (the result is joined by
+    /// `Started::wait`; ZeRO-3's prefetch of the next layer's weights); under `Single` it is complete on
+    /// return.
     pub fn all_gather_v_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
         match self {
+            Comm::Local(c, _) => local_all_gather(c, input, counts, label),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
@@ -370,20 +438,24 @@ impl Comm {
         }
     }
 
-    /// Whether collectives run beside the compute (NCCL's own stream): only then is starting one
-    /// early (ZeRO-3's weight prefetch) worth the memory it holds.
+    /// Whether collectives run beside the compute (NCCL's own stream, `Local`'s communication
+    /// thread): only then is starting one early (ZeRO-3's weight prefetch) worth the memory it holds,
+    /// and only then do ZeRO 2-3 take the started (tensor) paths for host shards too.
     pub fn overlaps(&self) -> bool {
         match self {
+            Comm::Single => false,
+            Comm::Local(..) => true,
             #[cfg(feature = "nccl")]
             Comm::Nccl(_) => true,
-            _ => false,
         }
     }
 
-    /// `reduce_scatter_v_sum_tensor`, started: under NCCL the exchange runs on while the compute stream
-    /// goes on (its result is joined by `Started::wait`); elsewhere it is complete on return.
+    /// `reduce_scatter_v_sum_tensor`, started: under NCCL and `Local` the exchange runs on while the
+    /// compute goes on (its result is joined by `Started::wait`); under `Single` it is complete on
+    /// return.
     pub fn reduce_scatter_v_sum_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
         match self {
+            Comm::Local(c, _) => local_reduce_scatter(c, input, counts, label),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
@@ -405,13 +477,8 @@ impl Comm {
                 }
                 Ok(input.copy()?)
             }
-            Comm::Local(c, _) => {
-                let me = c.rank();
-                let mut out = vec![0f32; *counts.get(me).unwrap_or(&0)];
-                c.reduce_scatter_v(&input.to_vec1::<f32>()?, &mut out, counts, ReduceOp::Sum, label)?;
-                let n = out.len();
-                Ok(Tensor::from_vec(out, n, input.device())?)
-            }
+            // in the input's dtype, as NCCL
+            Comm::Local(..) => self.reduce_scatter_v_sum_tensor_start(input, counts, label)?.wait(),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.reduce_scatter_v_sum(&input.contiguous()?, counts, label),
         }

@@ -27,6 +27,11 @@
 //!   prints the failure and exits (status 1): the guarantee "every rank stops within the timeout"
 //!   does not depend on what the loop was blocked in.
 //!
+//! - Collective signatures (`dist.check_collectives`): each enqueue records (seq, op, count, dtype) in
+//!   the rank's `SigLog`; every `SIG_EVERY` collectives the window goes to rank 0 over the watch, which
+//!   compares the ranks' windows and stops every rank on a difference (NCCL itself would run a
+//!   same-size mismatch with wrong values).
+//!
 //! - Overlap: ZeRO 2-3 start each group's gradient reduce-scatter without the compute stream waiting
 //!   (`reduce_scatter_v_sum_start`); the result is joined and added to the shard only when the next
 //!   group's gradients are handed on (or the micro-batch ends), so the exchange of layer l runs while
@@ -38,6 +43,7 @@
 use crate::comms::launch_env::LaunchEnv;
 use crate::comms::local::GroupFailure;
 use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
+use crate::comms::signature::{CollOp, SigLog};
 use crate::comms::watch::Watch;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backend::BackendStorage;
@@ -288,6 +294,8 @@ pub struct NcclComm {
     guard: Arc<Guard>,
     pending: Arc<Mutex<VecDeque<Pending>>>,
     seq: AtomicU64,
+    /// the collective signatures of this rank (`dist.check_collectives`; records nothing when off)
+    sigs: Mutex<SigLog>,
     stop: Arc<AtomicBool>,
 }
 
@@ -297,38 +305,99 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
+/// The rendezvous of `env`'s group, with the NCCL unique id rank 0 created (`ncclGetUniqueId`) as its
+/// payload.
+fn rendezvous_with_id(
+    env: &LaunchEnv,
+    resolved_config: &str,
+    timeout: Duration,
+) -> Result<(crate::comms::rendezvous::Rendezvous, ns::ncclUniqueId)> {
+    let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
+    let mut id_err = None;
+    let rv = rendezvous(&spec, || match nr::get_uniqueid() {
+        Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
+        Err(e) => {
+            id_err = Some(nccl_err(e.0));
+            vec![]
+        }
+    })?;
+    if let Some(e) = id_err {
+        bail!("rank 0 could not create the NCCL unique id: {e}\nhint: is libnccl.so.2 on LD_LIBRARY_PATH?");
+    }
+    if rv.payload().len() != ID_BYTES {
+        bail!(
+            "rank {}: the rendezvous delivered {} bytes instead of an NCCL id (rank 0 could not create it; its log says why)",
+            env.rank,
+            rv.payload().len()
+        );
+    }
+    let mut id = ns::ncclUniqueId { internal: [0; ID_BYTES] };
+    for (d, s) in id.internal.iter_mut().zip(rv.payload()) {
+        *d = *s as std::ffi::c_char;
+    }
+    Ok((rv, id))
+}
+
+impl Guard {
+    /// `ncclCommInitRank` of this rank in a world of `world` (blocks until every rank joined; the
+    /// watchdog bounds it), registered for abort.
+    fn init_world(&self, id: ns::ncclUniqueId, world: usize) -> Result<Arc<Raw>> {
+        let rank = self.rank;
+        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
+        let r = self
+            .timed("ncclCommInitRank", || unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) });
+        if r != ns::ncclResult_t::ncclSuccess {
+            bail!(
+                "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
+                nccl_err(r)
+            );
+        }
+        Ok(self.register(comm))
+    }
+
+    /// The communicator of this rank's sequence-parallel group of `sp` consecutive ranks, split from
+    /// `world_comm`, registered for abort.
+    fn split_sp(&self, world_comm: &Raw, sp: usize) -> Result<Arc<Raw>> {
+        let rank = self.rank;
+        let mut sub: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
+        // inherits the parent's.
+        let r = self.timed("ncclCommSplit", || unsafe {
+            ns::ncclCommSplit(world_comm.comm, (rank / sp) as i32, (rank % sp) as i32, &mut sub, std::ptr::null_mut())
+        });
+        if r != ns::ncclResult_t::ncclSuccess {
+            bail!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
+        }
+        Ok(self.register(sub))
+    }
+
+    /// Keep `comm` where a failure aborts it.
+    fn register(&self, comm: ns::ncclComm_t) -> Arc<Raw> {
+        let raw = Arc::new(Raw::new(comm));
+        self.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
+        raw
+    }
+}
+
 impl NcclComm {
     /// Join the group this process was launched into (`env`): rendezvous (token, binary, config hash
     /// of `resolved_config`), failure watch, `cuda:LOCAL_RANK`, `ncclCommInitRank`, and for `sp` > 1
-    /// the split per sequence-parallel group. `timeout` bounds the rendezvous and every collective.
-    pub fn join(env: &LaunchEnv, resolved_config: &str, timeout: Duration, sp: usize) -> Result<NcclComm> {
+    /// the split per sequence-parallel group. `timeout` bounds the rendezvous and every collective;
+    /// `check_every`: collectives per signature window (0: no signature check).
+    pub fn join(
+        env: &LaunchEnv,
+        resolved_config: &str,
+        timeout: Duration,
+        sp: usize,
+        check_every: u64,
+    ) -> Result<NcclComm> {
         let (rank, world) = (env.rank, env.world_size);
         let sp = sp.max(1);
         if !world.is_multiple_of(sp) {
             bail!("dist.sp_degree = {sp} does not divide the world size {world}\nhint: choose a divisor of {world}");
         }
-        let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
-        let mut id_err = None;
-        let rv = rendezvous(&spec, || match nr::get_uniqueid() {
-            Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
-            Err(e) => {
-                id_err = Some(nccl_err(e.0));
-                vec![]
-            }
-        })?;
-        if let Some(e) = id_err {
-            bail!("rank 0 could not create the NCCL unique id: {e}\nhint: is libnccl.so.2 on LD_LIBRARY_PATH?");
-        }
-        if rv.payload().len() != ID_BYTES {
-            bail!(
-                "rank {rank}: the rendezvous delivered {} bytes instead of an NCCL id (rank 0 could not create it; its log says why)",
-                rv.payload().len()
-            );
-        }
-        let mut id = ns::ncclUniqueId { internal: [0; ID_BYTES] };
-        for (d, s) in id.internal.iter_mut().zip(rv.payload()) {
-            *d = *s as std::ffi::c_char;
-        }
+        let (rv, id) = rendezvous_with_id(env, resolved_config, timeout)?;
         let guard = Arc::new(Guard {
             rank,
             timeout,
@@ -369,43 +438,11 @@ impl NcclComm {
         // the watchdog runs before ncclCommInitRank, which blocks until every rank joined
         start_watchdog(&guard, &pending, &stop, Arc::clone(stream.context()))
             .map_err(|e| failed("starting the watchdog", e))?;
-        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: a valid out pointer, the id every rank received, rank < world; blocking init.
-        let r = guard
-            .timed("ncclCommInitRank", || unsafe { ns::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) });
-        if r != ns::ncclResult_t::ncclSuccess {
-            let e = anyhow!(
-                "rank {rank}: ncclCommInitRank (world {world}) failed: {}\nhint: NCCL_DEBUG=INFO shows why",
-                nccl_err(r)
-            );
-            return Err(failed("in ncclCommInitRank", e));
-        }
-        let world_comm = Arc::new(Raw::new(comm));
-        guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&world_comm));
+        let world_comm = guard.init_world(id, world).map_err(|e| failed("in ncclCommInitRank", e))?;
         guard.check()?; // a failure that arrived during the init found no communicator to abort
-        let sp_comm = if sp > 1 {
-            let mut sub: ns::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
-            // inherits the parent's.
-            let r = guard.timed("ncclCommSplit", || unsafe {
-                ns::ncclCommSplit(
-                    world_comm.comm,
-                    (rank / sp) as i32,
-                    (rank % sp) as i32,
-                    &mut sub,
-                    std::ptr::null_mut(),
-                )
-            });
-            if r != ns::ncclResult_t::ncclSuccess {
-                let e =
-                    anyhow!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
-                return Err(failed("in ncclCommSplit", e));
-            }
-            let raw = Arc::new(Raw::new(sub));
-            guard.comms.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::clone(&raw));
-            Some(raw)
-        } else {
-            None
+        let sp_comm = match sp {
+            1 => None,
+            _ => Some(guard.split_sp(&world_comm, sp).map_err(|e| failed("in ncclCommSplit", e))?),
         };
         Ok(NcclComm {
             rank,
@@ -419,6 +456,7 @@ impl NcclComm {
             guard,
             pending,
             seq: AtomicU64::new(0),
+            sigs: Mutex::new(SigLog::new(check_every)),
             stop,
         })
     }
@@ -494,12 +532,14 @@ impl NcclComm {
 
     /// Enqueue the NCCL calls of `f` as one group on the collective stream, ordered after the compute
     /// stream's work so far and before its work from now on; returns the completion event.
+    /// `sig`: the collective's (op, whole element count, dtype), for the signature check.
     fn enqueue(
         &self,
         what: &str,
+        sig: (CollOp, usize, DType),
         f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
     ) -> Result<Arc<CudaEvent>> {
-        self.enqueue_with(what, true, f)
+        self.enqueue_with(what, sig, true, f)
     }
 
     /// `enqueue`, where `join = false` leaves the compute stream free to run on: the caller makes it
@@ -507,11 +547,17 @@ impl NcclComm {
     fn enqueue_with(
         &self,
         what: &str,
+        (op, count, dtype): (CollOp, usize, DType),
         join: bool,
         f: impl FnOnce(ns::cudaStream_t) -> std::result::Result<(), ns::ncclResult_t>,
     ) -> Result<Arc<CudaEvent>> {
         self.guard.check()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
+        // one hash step per collective; every `check_every` a small write to rank 0 (never waited for)
+        let window = self.sigs.lock().unwrap_or_else(|p| p.into_inner()).record(op, count, dtype);
+        if let (Some(w), Some(watch)) = (window, self.guard.watch.get()) {
+            watch.check_signatures(w);
+        }
         let what = format!("collective #{seq} {what}");
         let compute = self.dev.cuda_stream();
         self.stream.wait(&compute.record_event(None)?)?;
@@ -576,7 +622,7 @@ impl NcclComm {
         }
         let (p, n, ty) = (self.ptr(t, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
         let comm = self.raw(false)?;
-        self.enqueue(&what, |s| {
+        self.enqueue(&what, (CollOp::AllReduce, n, t.dtype()), |s| {
             // SAFETY: `p` addresses `n` elements of type `ty` on this rank's device (checked by `ptr`).
             let r = unsafe {
                 ns::ncclAllReduce(p as *const c_void, p as *mut c_void, n, ty, ns::ncclRedOp_t::ncclSum, comm, s)
@@ -595,7 +641,7 @@ impl NcclComm {
         let what = "all_reduce \"scalars\"";
         let (p, n) = (self.ptr(&t, what)?, vals.len());
         let comm = self.raw(false)?;
-        let done = self.enqueue(what, |s| {
+        let done = self.enqueue(what, (CollOp::AllReduce, n, DType::F64), |s| {
             // SAFETY: `p` addresses `n` f64 of `t`, alive until the copy back below.
             ok(unsafe {
                 ns::ncclAllReduce(
@@ -623,7 +669,8 @@ impl NcclComm {
     /// In place: on entry rank r's slice `offsets[r]..+counts[r]` of `t` is valid, on exit all of it.
     pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
         // SAFETY (each call): the slice lies inside `t` (check_counts); in-place broadcast from its owner.
-        self.per_owner_in_place(t, counts, &format!("all_gather \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+        let what = (CollOp::AllGather, format!("all_gather \"{label}\""));
+        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
             ns::ncclBroadcast(p, p, c, ty, root, comm, s)
         })
     }
@@ -632,20 +679,23 @@ impl NcclComm {
     /// slice r of `t` on rank r becomes the sum over ranks; the other slices keep their values.
     pub fn reduce_scatter_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
         // SAFETY (each call): the slice lies inside `t` (check_counts); in-place reduce into its owner.
-        self.per_owner_in_place(t, counts, &format!("reduce_scatter \"{label}\""), |p, c, ty, root, comm, s| unsafe {
+        let what = (CollOp::ReduceScatter, format!("reduce_scatter \"{label}\""));
+        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
             ns::ncclReduce(p, p, c, ty, ns::ncclRedOp_t::ncclSum, root, comm, s)
         })
     }
 
     /// One grouped NCCL call per owner on its slice of the flat buffer `t` (consecutive slices of
-    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`.
+    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`; `op` names it for the
+    /// signature check.
     fn per_owner_in_place(
         &self,
         t: &Tensor,
         counts: &[usize],
-        what: &str,
+        (op, what): (CollOp, String),
         call: impl Fn(*mut c_void, usize, ns::ncclDataType_t, i32, ns::ncclComm_t, ns::cudaStream_t) -> ns::ncclResult_t,
     ) -> Result<()> {
+        let what = what.as_str();
         self.check_counts(counts, t.elem_count(), what)?;
         if t.elem_count() == 0 {
             return Ok(());
@@ -654,7 +704,7 @@ impl NcclComm {
         let es = t.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let comm = self.raw(false)?;
-        self.enqueue(what, |s| {
+        self.enqueue(what, (op, t.elem_count(), t.dtype()), |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 ok(call((base + o as u64 * es) as *mut c_void, c, ty, root as i32, comm, s))?;
             }
@@ -690,7 +740,7 @@ impl NcclComm {
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        let done = self.enqueue_with(&what, false, |s| {
+        let done = self.enqueue_with(&what, (CollOp::AllGather, total, input.dtype()), false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 let send = if root == me { ip } else { op + o as u64 * es };
                 // SAFETY: `out` holds `total` elements; the root's send buffer holds `c`.
@@ -749,7 +799,8 @@ impl NcclComm {
         let es = input.dtype().size_in_bytes() as u64;
         let offs = offsets(counts);
         let (me, comm) = (self.rank, self.raw(false)?);
-        let done = self.enqueue_with(&what, false, |s| {
+        let sig = (CollOp::ReduceScatter, input.elem_count(), input.dtype());
+        let done = self.enqueue_with(&what, sig, false, |s| {
             for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
                 // off the root the receive buffer is ignored
                 let recv = if root == me { op } else { ip + o as u64 * es };
@@ -800,7 +851,7 @@ impl NcclComm {
         let (ip, op) = (self.storage_ptr(s, lo, &what)?, self.storage_ptr(&out, 0, &what)?);
         let bytes = chunk as u64 * es;
         let comm = self.raw(true)?;
-        self.enqueue(&what, |st| {
+        self.enqueue(&what, (CollOp::AllToAll, n, s.dtype()), |st| {
             for peer in 0..p {
                 let at = peer as u64 * bytes;
                 // SAFETY: chunk `peer` of the input and of the new buffer each hold `chunk` elements.

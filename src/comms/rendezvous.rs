@@ -409,20 +409,7 @@ fn serve(
     let mut refused: Vec<String> = Vec::new();
     let mut count = 1;
     while count < spec.world {
-        while in_flight < MAX_HANDSHAKES {
-            match listener.accept() {
-                Ok((s, peer)) => {
-                    let tx = tx.clone();
-                    std::thread::Builder::new()
-                        .name("harpe-rdzv-hello".into())
-                        .spawn(move || handshake(s, peer, deadline, tx))
-                        .context("rendezvous: starting a handshake thread")?;
-                    in_flight += 1;
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e).context("rendezvous: accepting a connection"),
-            }
-        }
+        in_flight += accept_handshakes(&listener, MAX_HANDSHAKES.saturating_sub(in_flight), deadline, &tx)?;
         let (peer, mut s, hello) = match rx.recv_timeout(Duration::from_millis(10)) {
             Ok(a) => a,
             Err(_) => {
@@ -480,6 +467,32 @@ fn serve(
         links.push(s);
     }
     Ok((links, payload))
+}
+
+/// Accept up to `room` waiting connections, each handshaken on its own thread (bounded by `deadline`),
+/// its arrival sent to `tx`; returns how many were started.
+fn accept_handshakes(
+    listener: &TcpListener,
+    room: usize,
+    deadline: Instant,
+    tx: &mpsc::Sender<Arrival>,
+) -> Result<usize> {
+    let mut started = 0;
+    while started < room {
+        match listener.accept() {
+            Ok((s, peer)) => {
+                let tx = tx.clone();
+                std::thread::Builder::new()
+                    .name("harpe-rdzv-hello".into())
+                    .spawn(move || handshake(s, peer, deadline, tx))
+                    .context("rendezvous: starting a handshake thread")?;
+                started += 1;
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e).context("rendezvous: accepting a connection"),
+        }
+    }
+    Ok(started)
 }
 
 /// Rank 0's timeout: who never arrived, and what was refused on the way.

@@ -6,7 +6,8 @@
 //! body`). Frames after the rendezvous:
 //! - `F` rank u32, doing str, reason str: a rank failed (sent by it, forwarded by rank 0 to all others);
 //! - `P` doing str: what the sender is doing now (a step number; rank 0 keeps the last one per rank);
-//! - `E`: the sender leaves normally (its connection closing next is not a failure).
+//! - `E`: the sender leaves normally (its connection closing next is not a failure);
+//! - `S` window: the sender's collective signatures (`signature::encode`), compared by rank 0.
 //!
 //! The non-obvious decisions:
 //! - The heavy traffic goes through NCCL, which cannot say *which* peer is gone: a collective with a dead
@@ -19,6 +20,11 @@
 //! - The first failure wins and is kept (later ones are consequences); the `on_failure` hook runs once,
 //!   on a reader thread, for a failure of ANOTHER rank: it aborts this rank's NCCL communicator so a
 //!   collective waiting for the dead peer returns, and the training loop then fails with this message.
+//!   A failure that names this rank but comes from rank 0 (the signature check's verdict) runs it too.
+//! - The collective signature check (`signature`) rides on the same connections, beside NCCL: every
+//!   `every` collectives a rank sends its window to rank 0, whose board compares it with the first
+//!   window of that index; a mismatch is a failure of the rank that differs, told to every rank
+//!   (each aborts its communicators), naming both ranks' signatures.
 //! - `Drop` without `finish` shuts the sockets down without `E`, which the peers see as this rank being
 //!   lost: that is how a test stands in for a killed process.
 //!
@@ -26,6 +32,7 @@
 //! NCCL watchdog does), or survive the loss of rank 0 for the others (they all stop, told why).
 use crate::comms::local::GroupFailure;
 use crate::comms::rendezvous::{frame, put_str, read_frame, Rendezvous};
+use crate::comms::signature::{self, SigBoard, Window};
 use anyhow::{bail, Result};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,8 +54,21 @@ struct First {
 /// link is the worst case of the first link; the others are local sockets).
 const PUBLISH_WAIT: Duration = Duration::from_secs(6);
 
+/// Where a failure came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// this rank's own report
+    Here,
+    /// read from the connection to this peer
+    Peer(usize),
+    /// rank 0's signature check (concerns every rank, the one it names included)
+    Verdict,
+}
+
 struct Shared {
     rank: usize,
+    /// rank 0: the collective signature check's comparer
+    board: Mutex<SigBoard>,
     failure: Mutex<First>,
     /// notified when the first failure is published
     cond: Condvar,
@@ -86,10 +106,11 @@ fn decode_failure(b: &[u8]) -> Option<GroupFailure> {
 
 impl Shared {
     /// Record `f` if it is the first failure; then tell the others (rank 0: every link but `from`'s;
-    /// others: rank 0, when the failure is their own) and, for another rank's failure, run the hook.
-    /// Waiters see it only when that is done (`publish`): a rank 0 whose main thread stopped at the
-    /// first sign would otherwise exit before its forward, and the others would name rank 0.
-    fn fail(&self, f: GroupFailure, from: Option<usize>) {
+    /// others: rank 0, when the failure is their own) and, for another rank's failure or one that came
+    /// from elsewhere, run the hook. Waiters see it only when that is done (`publish`): a rank 0 whose
+    /// main thread stopped at the first sign would otherwise exit before its forward, and the others
+    /// would name rank 0.
+    fn fail(&self, f: GroupFailure, source: Source) {
         {
             let mut g = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             if g.failure.is_some() {
@@ -98,8 +119,12 @@ impl Shared {
             g.failure = Some(f.clone());
         }
         let own = f.rank == self.rank;
+        let from = match source {
+            Source::Peer(p) => Some(p),
+            Source::Here | Source::Verdict => None,
+        };
         // the hook first (it aborts NCCL): a peer whose socket does not drain must not delay it
-        if !own {
+        if !own || source != Source::Here {
             (self.on_failure)(&f);
         }
         let msg = encode_failure(&f);
@@ -135,15 +160,12 @@ impl Shared {
         loop {
             match read_frame(&mut s) {
                 Ok((b'F', body)) => match decode_failure(&body) {
-                    Some(f) => self.fail(f, Some(peer)),
-                    None => self.fail(
-                        GroupFailure {
-                            rank: peer,
-                            doing: "on the control connection".into(),
-                            reason: "sent a malformed failure report".into(),
-                        },
-                        Some(peer),
-                    ),
+                    Some(f) => self.fail(f, Source::Peer(peer)),
+                    None => self.malformed(peer, "failure report"),
+                },
+                Ok((b'S', body)) => match signature::decode(&body) {
+                    Some(w) if self.rank == 0 => self.compare(peer, w),
+                    _ => self.malformed(peer, "collective signature window"),
                 },
                 Ok((b'P', body)) => {
                     if let Some(d) = self.doing.lock().unwrap_or_else(|p| p.into_inner()).get_mut(peer) {
@@ -160,7 +182,7 @@ impl Shared {
                     let reason = format!("sent an unexpected control message {k:?} (a different harpe binary?)");
                     self.fail(
                         GroupFailure { rank: peer, doing: "on the control connection".into(), reason },
-                        Some(peer),
+                        Source::Peer(peer),
                     );
                     return;
                 }
@@ -177,10 +199,27 @@ impl Shared {
                         "its process is gone: the control connection closed without a goodbye ({e}); it was killed \
                          (SIGKILL, out of memory), crashed, or its host shut down"
                     );
-                    self.fail(GroupFailure { rank: peer, doing, reason }, Some(peer));
+                    self.fail(GroupFailure { rank: peer, doing, reason }, Source::Peer(peer));
                     return;
                 }
             }
+        }
+    }
+}
+
+impl Shared {
+    /// `peer` sent something it should not have: a failure of that peer.
+    fn malformed(&self, peer: usize, what: &str) {
+        let reason = format!("sent a malformed {what} (a different harpe binary?)");
+        self.fail(GroupFailure { rank: peer, doing: "on the control connection".into(), reason }, Source::Peer(peer));
+    }
+
+    /// Rank 0: compare `rank`'s signature window with the first one of its index; a mismatch is told
+    /// to every rank.
+    fn compare(&self, rank: usize, w: Window) {
+        let verdict = self.board.lock().unwrap_or_else(|p| p.into_inner()).submit(rank, w);
+        if let Err(m) = verdict {
+            self.fail(GroupFailure::from_mismatch(&m), Source::Verdict);
         }
     }
 }
@@ -210,6 +249,7 @@ impl Watch {
         }
         let shared = Arc::new(Shared {
             rank,
+            board: Mutex::new(SigBoard::new(world)),
             failure: Mutex::new(First::default()),
             cond: Condvar::new(),
             doing: Mutex::new(vec![(String::new(), false); world]),
@@ -239,7 +279,19 @@ impl Watch {
     /// This rank failed `doing` something because of `reason`: tell the group (first failure wins).
     pub fn report(&self, doing: &str, reason: &str) {
         let f = GroupFailure { rank: self.shared.rank, doing: doing.into(), reason: reason.into() };
-        self.shared.fail(f, None);
+        self.shared.fail(f, Source::Here);
+    }
+
+    /// Hand this rank's collective signature window to the check: rank 0 compares it at once, the
+    /// others send it to rank 0 (one small write; a mismatch comes back as a failure).
+    pub fn check_signatures(&self, w: Window) {
+        if self.shared.rank == 0 {
+            return self.shared.compare(0, w);
+        }
+        if let Some(l) = self.shared.links.first() {
+            let mut s = l.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = std::io::Write::write_all(&mut *s, &frame(b'S', &signature::encode(&w)));
+        }
     }
 
     /// Tell rank 0 what this rank is doing now (named if this process dies later); cheap, once per step.
@@ -387,6 +439,52 @@ mod tests {
             let seen = w.failure();
             w.finish();
             std::thread::sleep(Duration::from_millis(300));
+            (seen, hooks.load(Ordering::SeqCst))
+        });
+        for (seen, hooks) in out {
+            assert!(seen.is_none() && hooks == 0, "{seen:?}");
+        }
+    }
+
+    /// The NCCL path of the collective signature check, without NCCL: windows over the watch to rank 0.
+    #[test]
+    fn a_diverging_collective_stops_every_rank_naming_both_signatures() {
+        use crate::comms::signature::{CollOp, SigLog};
+        use candle_core::DType;
+        let out = group(3, |rank, w, hooks| {
+            let mut log = SigLog::new(4);
+            for i in 0..12 {
+                // rank 2 gathers f32 where the others reduce-scatter bf16 at collective #6 (window 1)
+                let (op, dt) = match (rank, i) {
+                    (2, 5) => (CollOp::AllGather, DType::F32),
+                    _ => (CollOp::ReduceScatter, DType::BF16),
+                };
+                if let Some(win) = log.record(op, 1000 + i, dt) {
+                    w.check_signatures(win);
+                }
+            }
+            let f = w.wait_failure(Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(100)); // a second report must not run the hook again
+            (f, hooks.load(Ordering::SeqCst))
+        });
+        for (rank, (f, hooks)) in out.into_iter().enumerate() {
+            let f = f.unwrap_or_else(|| panic!("rank {rank} saw no failure"));
+            assert_eq!((f.rank, f.doing.as_str()), (2, "at collective #6"), "rank {rank}: {f}");
+            assert!(f.reason.contains("rank 0 issued #6 reduce_scatter(1005 x bf16)"), "{f}");
+            assert!(f.reason.contains("rank 2 issued #6 all_gather(1005 x f32)") && f.reason.contains("hint:"), "{f}");
+            assert_eq!(hooks, 1, "rank {rank}: every rank aborts its communicators, the one named included");
+        }
+        // the same collectives everywhere: no failure
+        let out = group(3, |_, w, hooks| {
+            let mut log = SigLog::new(4);
+            for i in 0..12 {
+                if let Some(win) = log.record(CollOp::AllReduce, i, DType::F32) {
+                    w.check_signatures(win);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let seen = w.failure();
+            w.finish();
             (seen, hooks.load(Ordering::SeqCst))
         });
         for (seen, hooks) in out {

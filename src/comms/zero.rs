@@ -15,8 +15,10 @@
 //! ZeRO-2 and 3 (`ZeroShards`) reduce-scatter each layer's gradients as soon as its backward is done
 //! (in `dist.bucket_mb` rounds), so gradients exist only as each rank's shard; ZeRO-3 also keeps no full
 //! weight buffer: each layer is gathered before its forward and again before its recompute.
-//! Overlap (NCCL): each group's gradient reduce-scatter runs on during the backward of the groups
-//! before it, and ZeRO-3 starts the next group's weight gather when it takes the current one.
+//! Overlap (NCCL's stream, `Local`'s communication thread, `Comm::overlaps`): each group's gradient
+//! reduce-scatter runs on during the backward of the groups before it, and ZeRO-3 starts the next
+//! group's weight gather when it takes the current one; the thread ranks of the CPU tests run these
+//! started paths for host shards too, so the tests prove the program NCCL runs.
 //! What this file does not do: the collectives themselves (`Comm`).
 use crate::comms::{Comm, Started};
 use crate::flatbuf::FlatBuf;
@@ -174,7 +176,7 @@ pub struct ZeroShards<'a> {
     pub device: Device,
     /// gradient elements per reduce-scatter round (at least 1)
     pub bucket: usize,
-    /// reduce-scatters still running (NCCL) and where their results go in `grads`; joined and added
+    /// reduce-scatters still running (NCCL, `Local`) and where their results go in `grads`; joined and added
     /// when the next group is handed on or by `finish`
     pub pending: Vec<(Range<usize>, Started)>,
     /// ZeRO-3: start the next group's all-gather when the current one is taken (`gather`'s `next`)
@@ -185,17 +187,17 @@ pub struct ZeroShards<'a> {
     cold: Cell<usize>,
 }
 
-/// One group's all-gather: complete (host shards) or under way (device shards).
+/// One group's all-gather: complete (`Single`'s host shards) or started (every other case).
 enum Gathering {
-    /// the group's fp32 values (host shards)
+    /// the group's fp32 values (`Single`'s host shards)
     Host(FlatBuf),
     /// the gather of the group's values in the compute dtype
-    Device(Started),
+    Started(Started),
 }
 
 impl<'a> ZeroShards<'a> {
     /// ZeRO 2-3 exchanges of this rank: `prefetch` = whether the backend overlaps collectives with
-    /// compute (NCCL), the only case where starting the next group's gather early gains anything.
+    /// compute (NCCL, `Local`), the only case where starting the next group's gather early gains anything.
     /// `src`: where the weights come from; `grads`: this rank's gradient shard; weights are gathered
     /// in `dtype` onto `device`, gradients reduce-scattered in rounds of `bucket` elements.
     pub fn new(src: Shards<'a>, grads: &'a mut FlatBuf, dtype: DType, device: Device, bucket: usize) -> ZeroShards<'a> {
@@ -275,8 +277,9 @@ impl<'a> ZeroShards<'a> {
             let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
             let (into, local) =
                 (parts[me].start - own..parts[me].end - own, round.start - flat.start..round.end - flat.start);
-            if let FlatBuf::Host(v) = &full {
-                // host gradients (CPU runs): host slices, no extra copy
+            if let (FlatBuf::Host(v), false) = (&full, self.comm.overlaps()) {
+                // host gradients of a backend that does not overlap (`Single`): host slices, no extra
+                // copy; the readable reference of the started path below
                 let mut mine = vec![0f32; counts[me]];
                 self.comm.reduce_scatter_v_sum(&v[local], &mut mine, &counts, label)?;
                 if !into.is_empty() {
@@ -286,7 +289,7 @@ impl<'a> ZeroShards<'a> {
                 continue;
             }
             let started = self.comm.reduce_scatter_v_sum_tensor_start(&full.range_tensor(local)?, &counts, label)?;
-            let ready = started.is_ready(); // every backend but NCCL: add it now
+            let ready = started.is_ready(); // `Single`: add it now
             self.pending.push((into, started));
             if ready {
                 self.finish()?;
@@ -324,11 +327,11 @@ fn parts(map: &ShardMap, flat: &Range<usize>) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Start the all-gather of the consecutive parameters `params` from every rank's `master` shard. The
-/// exchange stays where the shard lives: host slices for a host shard (CPU runs, no extra copy;
-/// complete on return), device tensors for a device one, sent in the compute dtype (half the bytes
-/// of fp32 for bf16; rounding each shard before the gather equals rounding after it). Under NCCL the
-/// device gather runs on while the compute stream goes on; `Local` goes through the host.
+/// Start the all-gather of the consecutive parameters `params` from every rank's `master` shard, sent
+/// in the compute dtype (half the bytes of fp32 for bf16; rounding each shard before the gather equals
+/// rounding after it) as a tensor where the shard lives. Under NCCL (its stream) and `Local` (the
+/// rank's communication thread) the gather runs on while the compute goes on. Under `Single` a host
+/// shard takes host slices (no extra copy; complete on return).
 fn start_gather(src: &Shards, dtype: DType, params: &Range<usize>, label: &str) -> Result<Gathering> {
     let Shards { comm, map, layout, master } = *src;
     let flat = flat_of(layout, params);
@@ -337,7 +340,9 @@ fn start_gather(src: &Shards, dtype: DType, params: &Range<usize>, label: &str) 
     let own = map.flat_range(me).start;
     let counts: Vec<usize> = parts.iter().map(|p| p.len()).collect();
     let mine = parts[me].start - own..parts[me].end - own;
-    if let FlatBuf::Host(_) = master {
+    if let (FlatBuf::Host(_), false) = (master, comm.overlaps()) {
+        // host shards of a backend that does not overlap (`Single`): f32 host slices, complete on
+        // return; the readable reference of the started path below
         let mine = if mine.is_empty() { vec![] } else { master.range_to_host(mine)? };
         let mut full = vec![0f32; flat.len()];
         comm.all_gather_v(&mine, &mut full, &counts, label)?;
@@ -347,7 +352,7 @@ fn start_gather(src: &Shards, dtype: DType, params: &Range<usize>, label: &str) 
         true => Tensor::zeros(0, dtype, &master.device())?,
         false => master.range_tensor(mine)?.to_dtype(dtype)?,
     };
-    Ok(Gathering::Device(comm.all_gather_v_tensor_start(&mine, &counts, label)?))
+    Ok(Gathering::Started(comm.all_gather_v_tensor_start(&mine, &counts, label)?))
 }
 
 impl Gathering {
@@ -356,13 +361,13 @@ impl Gathering {
         let flat = flat_of(layout, &params);
         let param = |p: &ParamInfo| p.range.start - flat.start..p.range.end - flat.start;
         match self {
-            // host shards (CPU runs): the fp32 values, each parameter copied out in the compute dtype
+            // `Single`'s host shards: the fp32 values, each parameter copied out in the compute dtype
             Gathering::Host(full) => {
                 layout.params[params].iter().map(|p| full.param_tensor(param(p), &p.shape, dtype, device)).collect()
             }
-            // device shards: already in the compute dtype; each parameter a view of the gathered buffer
+            // started: already in the compute dtype; each parameter a view of the gathered buffer
             // (nothing updates it in place, so no copy on its own device)
-            Gathering::Device(started) => {
+            Gathering::Started(started) => {
                 let full = started.wait()?; // (flat.len()) in the compute dtype
                 layout.params[params]
                     .iter()

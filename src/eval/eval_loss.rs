@@ -6,7 +6,7 @@
 //! the bucket of t. Logits are made in chunks (never (T x V) at once). The dataset must have been
 //! tokenized with the model's tokenizer.json (sha256 compared). Not done here: document masking.
 use crate::data::loader::source_name;
-use crate::data::{Loader, LoaderConfig};
+use crate::data::{Loader, LoaderConfig, Sequence};
 use crate::eval::ppl::{position_nlls, ScoringModel};
 use crate::model::Llama;
 use anyhow::{bail, Result};
@@ -87,7 +87,7 @@ pub fn bucket_labels(bounds: &[usize]) -> Vec<String> {
 
 /// Evaluate.
 pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
-    check_buckets(&args.buckets, "--buckets")?;
+    crate::config::check_buckets(&args.buckets, "--buckets")?;
     let model = args.scoring.load()?;
     let seq_len = crate::data::Manifest::load(&args.data)?.seq_len;
     let loader = Loader::open(&args.data, LoaderConfig { seq_len, shuffle: false, seed: 0, rank: 0, world_size: 1 })?;
@@ -108,14 +108,6 @@ pub fn evaluate(args: &EvalLossArgs) -> Result<LossReport> {
     loss_report(&model, &loader, &args.data, &args.buckets, args.max_sequences, args.scoring.loss_chunk)
 }
 
-/// Bucket boundaries must be positive and strictly ascending; `what` names the flag or config key.
-pub fn check_buckets(buckets: &[usize], what: &str) -> Result<()> {
-    if buckets.is_empty() || buckets.windows(2).any(|w| w[0] >= w[1]) || buckets[0] == 0 {
-        bail!("{what} {buckets:?} must be positive and strictly ascending\nhint: e.g. {what} 4096,32768,131072");
-    }
-    Ok(())
-}
-
 /// Score the first `max_sequences` sequences of an opened (unshuffled) dataset under `model`, by source
 /// and position bucket (shared by `eval-loss` and evaluation during training).
 pub fn loss_report(
@@ -126,33 +118,70 @@ pub fn loss_report(
     max_sequences: Option<usize>,
     chunk: usize,
 ) -> Result<LossReport> {
-    let man = loader.manifest();
-    let labels = bucket_labels(buckets);
-    let names = man.source_names.clone();
-    let n = loader.sequences_per_epoch() as usize;
-    let n = max_sequences.map_or(n, |m| m.min(n));
-    let mut rep = LossReport { sequences: n, ..Default::default() };
-    let dev = model.device().clone();
+    let n = report_sequences(loader, max_sequences);
+    let mut tally = LossTally::new(loader, buckets, n);
     for g in 0..n {
         let seq = loader.get(g as u64)?;
-        let t = seq.tokens.len();
-        if let Some(bad) = seq.tokens.iter().find(|&&i| i as usize >= model.cfg.vocab_size) {
-            bail!("{}: token id {bad} in sequence {g} is >= vocab_size {}\nhint: the dataset does not belong to this model", data.display(), model.cfg.vocab_size);
+        let nlls = sequence_nlls(model, &seq, data, chunk)?;
+        tally.add(&seq, &nlls);
+    }
+    Ok(tally.report)
+}
+
+/// How many sequences a report scores: the first `max_sequences` of the dataset (all without it).
+pub fn report_sequences(loader: &Loader, max_sequences: Option<usize>) -> usize {
+    let n = loader.sequences_per_epoch() as usize;
+    max_sequences.map_or(n, |m| m.min(n))
+}
+
+/// The per-target NLLs of one dataset sequence (targets 1..T, in order): one forward pass.
+pub fn sequence_nlls(model: &Llama, seq: &Sequence, data: &Path, chunk: usize) -> Result<Vec<f64>> {
+    if let Some(bad) = seq.tokens.iter().find(|&&i| i as usize >= model.cfg.vocab_size) {
+        bail!(
+            "{}: token id {bad} in sequence {} is >= vocab_size {}\nhint: the dataset does not belong to this model",
+            data.display(),
+            seq.index,
+            model.cfg.vocab_size
+        );
+    }
+    let x = Tensor::new(seq.tokens.as_slice(), model.device())?.unsqueeze(0)?; // (1, T)
+    let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)
+    position_nlls(model, &hidden, &seq.tokens, 0, seq.tokens.len() - 1, chunk)
+}
+
+/// A report being summed, sequence by sequence in dataset order (target by target inside each), so
+/// that the same NLLs give the same bits however they were computed (one rank or many).
+pub struct LossTally {
+    labels: Vec<String>,
+    names: Vec<String>,
+    buckets: Vec<usize>,
+    pub report: LossReport,
+}
+
+impl LossTally {
+    /// An empty report of `sequences` sequences of `loader`'s dataset.
+    pub fn new(loader: &Loader, buckets: &[usize], sequences: usize) -> LossTally {
+        LossTally {
+            labels: bucket_labels(buckets),
+            names: loader.manifest().source_names.clone(),
+            buckets: buckets.to_vec(),
+            report: LossReport { sequences, ..Default::default() },
         }
-        let x = Tensor::new(seq.tokens.as_slice(), &dev)?.unsqueeze(0)?; // (1, T)
-        let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)
-        let nlls = position_nlls(model, &hidden, &seq.tokens, 0, t - 1, chunk)?;
-        for (p, nll) in nlls.into_iter().enumerate() {
+    }
+
+    /// Add the NLLs of targets 1..T of `seq` (`sequence_nlls`).
+    pub fn add(&mut self, seq: &Sequence, nlls: &[f64]) {
+        let rep = &mut self.report;
+        for (p, &nll) in nlls.iter().enumerate() {
             let target = p + 1;
-            let src = source_name(&names, seq.source_of(target));
-            let b = &labels[buckets.partition_point(|&e| e <= target)];
+            let src = source_name(&self.names, seq.source_of(target));
+            let b = &self.labels[self.buckets.partition_point(|&e| e <= target)];
             rep.total.add(nll);
             rep.by_source.entry(src.clone()).or_default().add(nll);
             rep.by_bucket.entry(b.clone()).or_default().add(nll);
             rep.by_source_bucket.entry(src).or_default().entry(b.clone()).or_default().add(nll);
         }
     }
-    Ok(rep)
 }
 
 /// `harpe eval-loss`.

@@ -49,112 +49,136 @@ pub fn color(v: f64) -> RGBColor {
     }
 }
 
+/// Where things go on the canvas (pixels).
+struct Layout {
+    rows: usize,
+    cols: usize,
+    left: i32,
+    top: i32,
+    cell_w: i32,
+    cell_h: i32,
+    width: u32,
+    height: u32,
+}
+
+impl Layout {
+    fn of(h: &Heatmap) -> Layout {
+        let rows = h.y_ticks.len().max(1);
+        let cols = h.x_ticks.len().max(1);
+        let (left, right, top, bottom) = (150i32, 130i32, 90i32, 110i32);
+        let cell_w = (1100 / cols as i32).clamp(40, 120);
+        let cell_h = (560 / rows as i32).clamp(24, 60);
+        Layout {
+            rows,
+            cols,
+            left,
+            top,
+            cell_w,
+            cell_h,
+            // at least wide enough for the two-line title
+            width: ((left + right + cell_w * cols as i32) as u32).max(900),
+            height: (top + bottom + cell_h * rows as i32) as u32,
+        }
+    }
+
+    fn grid_bottom(&self) -> i32 {
+        self.top + self.rows as i32 * self.cell_h
+    }
+}
+
+type Area<DB> = DrawingArea<DB, plotters::coord::Shift>;
+type Drawn<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+fn font(size: f64) -> FontDesc<'static> {
+    (crate::plot_font::FAMILY, size).into_font()
+}
+
 /// Render `h` to a PNG at `path`.
 pub fn draw(h: &Heatmap, path: &Path) -> Result<()> {
     crate::plot_font::register()?;
-    let rows = h.y_ticks.len().max(1);
-    let cols = h.x_ticks.len().max(1);
-    let (left, right, top, bottom) = (150i32, 130i32, 90i32, 110i32);
-    let cell_w = (1100 / cols as i32).clamp(40, 120);
-    let cell_h = (560 / rows as i32).clamp(24, 60);
-    // At least wide enough for the two-line title.
-    let width = ((left + right + cell_w * cols as i32) as u32).max(900);
-    let height = (top + bottom + cell_h * rows as i32) as u32;
+    let lay = Layout::of(h);
     let err = |e: &dyn std::fmt::Display| {
         anyhow::anyhow!("cannot draw heatmap {}: {e}\nhint: check that the directory is writable", path.display())
     };
     {
-        let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
+        let root = BitMapBackend::new(path, (lay.width, lay.height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
-        let font = |size: f64| (crate::plot_font::FAMILY, size).into_font();
         for (i, line) in h.title.lines().enumerate() {
-            root.draw_text(
-                line,
-                &font(20.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
-                (width as i32 / 2, 12 + 24 * i as i32),
-            )
-            .map_err(|e| err(&e))?;
+            let style = font(20.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+            root.draw_text(line, &style, (lay.width as i32 / 2, 12 + 24 * i as i32)).map_err(|e| err(&e))?;
         }
-        for (r, row) in h.values.iter().enumerate() {
-            for c in 0..cols {
-                let v = row.get(c).copied().flatten();
-                let x0 = left + c as i32 * cell_w;
-                let y0 = top + r as i32 * cell_h;
-                let fill = v.map_or(RGBColor(0xDD, 0xDD, 0xDD), color);
-                root.draw(&Rectangle::new([(x0, y0), (x0 + cell_w, y0 + cell_h)], fill.filled()))
-                    .map_err(|e| err(&e))?;
-                root.draw(&Rectangle::new(
-                    [(x0, y0), (x0 + cell_w, y0 + cell_h)],
-                    RGBColor(0x80, 0x80, 0x80).stroke_width(1),
-                ))
-                .map_err(|e| err(&e))?;
-                let label = v.map_or("-".to_string(), |v| format!("{:.0}", v * 100.0));
-                root.draw_text(
-                    &label,
-                    &font(13.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Center)),
-                    (x0 + cell_w / 2, y0 + cell_h / 2),
-                )
-                .map_err(|e| err(&e))?;
-            }
-        }
-        for (r, t) in h.y_ticks.iter().enumerate() {
-            root.draw_text(
-                t,
-                &font(13.0).color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center)),
-                (left - 8, top + r as i32 * cell_h + cell_h / 2),
-            )
-            .map_err(|e| err(&e))?;
-        }
-        let grid_bottom = top + rows as i32 * cell_h;
-        for (c, t) in h.x_ticks.iter().enumerate() {
-            root.draw_text(
-                t,
-                &font(13.0).transform(FontTransform::Rotate270).color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center)),
-                (left + c as i32 * cell_w + cell_w / 2, grid_bottom + 8),
-            )
-            .map_err(|e| err(&e))?;
-        }
-        root.draw_text(
-            &h.x_label,
-            &font(16.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom)),
-            (left + cols as i32 * cell_w / 2, height as i32 - 8),
-        )
-        .map_err(|e| err(&e))?;
-        root.draw_text(
-            &h.y_label,
-            &font(16.0).transform(FontTransform::Rotate270).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
-            (10, top + rows as i32 * cell_h / 2),
-        )
-        .map_err(|e| err(&e))?;
-        if let Some(mc) = h.marker_col.filter(|&c| c < cols) {
-            let x = left + mc as i32 * cell_w;
-            let mut y = top;
-            while y < grid_bottom {
-                let y1 = (y + 10).min(grid_bottom);
-                root.draw(&PathElement::new(vec![(x, y), (x, y1)], WHITE.stroke_width(4))).map_err(|e| err(&e))?;
-                y += 18;
-            }
-        }
-        // Colour bar 0..1 on the right.
-        let bx = left + cols as i32 * cell_w + 40;
-        let steps = 50;
-        let bar_h = rows as i32 * cell_h;
-        for i in 0..steps {
-            let v = 1.0 - i as f64 / (steps - 1) as f64;
-            let y0 = top + bar_h * i / steps;
-            let y1 = top + bar_h * (i + 1) / steps;
-            root.draw(&Rectangle::new([(bx, y0), (bx + 20, y1)], color(v).filled())).map_err(|e| err(&e))?;
-        }
-        for (v, y) in [(1.0, top), (0.5, top + bar_h / 2), (0.0, top + bar_h)] {
-            root.draw_text(
-                &format!("{v:.1}"),
-                &font(12.0).color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center)),
-                (bx + 26, y),
-            )
-            .map_err(|e| err(&e))?;
-        }
+        draw_cells(&root, h, &lay).map_err(|e| err(&e))?;
+        draw_axes(&root, h, &lay).map_err(|e| err(&e))?;
+        draw_colour_bar(&root, &lay).map_err(|e| err(&e))?;
         root.present().map_err(|e| err(&e))?;
     }
     std::fs::metadata(path).with_context(|| format!("heatmap {} was not written", path.display()))?;
+    Ok(())
+}
+
+/// The cells: colour, grey border, the value in percent (`-` for a cell not run).
+fn draw_cells<DB: DrawingBackend>(root: &Area<DB>, h: &Heatmap, lay: &Layout) -> Drawn<DB> {
+    for (r, row) in h.values.iter().enumerate() {
+        for c in 0..lay.cols {
+            let v = row.get(c).copied().flatten();
+            let x0 = lay.left + c as i32 * lay.cell_w;
+            let y0 = lay.top + r as i32 * lay.cell_h;
+            let corners = [(x0, y0), (x0 + lay.cell_w, y0 + lay.cell_h)];
+            let fill = v.map_or(RGBColor(0xDD, 0xDD, 0xDD), color);
+            root.draw(&Rectangle::new(corners, fill.filled()))?;
+            root.draw(&Rectangle::new(corners, RGBColor(0x80, 0x80, 0x80).stroke_width(1)))?;
+            let label = v.map_or("-".to_string(), |v| format!("{:.0}", v * 100.0));
+            let style = font(13.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Center));
+            root.draw_text(&label, &style, (x0 + lay.cell_w / 2, y0 + lay.cell_h / 2))?;
+        }
+    }
+    Ok(())
+}
+
+/// Tick labels, axis labels and the dashed training-length marker.
+fn draw_axes<DB: DrawingBackend>(root: &Area<DB>, h: &Heatmap, lay: &Layout) -> Drawn<DB> {
+    let (left, top, cell_w, cell_h) = (lay.left, lay.top, lay.cell_w, lay.cell_h);
+    for (r, t) in h.y_ticks.iter().enumerate() {
+        let style = font(13.0).color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+        root.draw_text(t, &style, (left - 8, top + r as i32 * cell_h + cell_h / 2))?;
+    }
+    let grid_bottom = lay.grid_bottom();
+    for (c, t) in h.x_ticks.iter().enumerate() {
+        let style =
+            font(13.0).transform(FontTransform::Rotate270).color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center));
+        root.draw_text(t, &style, (left + c as i32 * cell_w + cell_w / 2, grid_bottom + 8))?;
+    }
+    let style = font(16.0).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom));
+    root.draw_text(&h.x_label, &style, (left + lay.cols as i32 * cell_w / 2, lay.height as i32 - 8))?;
+    let style = font(16.0).transform(FontTransform::Rotate270).color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+    root.draw_text(&h.y_label, &style, (10, top + lay.rows as i32 * cell_h / 2))?;
+    if let Some(mc) = h.marker_col.filter(|&c| c < lay.cols) {
+        let x = left + mc as i32 * cell_w;
+        let mut y = top;
+        while y < grid_bottom {
+            let y1 = (y + 10).min(grid_bottom);
+            root.draw(&PathElement::new(vec![(x, y), (x, y1)], WHITE.stroke_width(4)))?;
+            y += 18;
+        }
+    }
+    Ok(())
+}
+
+/// The colour bar 0..1 right of the grid.
+fn draw_colour_bar<DB: DrawingBackend>(root: &Area<DB>, lay: &Layout) -> Drawn<DB> {
+    let bx = lay.left + lay.cols as i32 * lay.cell_w + 40;
+    let steps = 50;
+    let bar_h = lay.rows as i32 * lay.cell_h;
+    let top = lay.top;
+    for i in 0..steps {
+        let v = 1.0 - i as f64 / (steps - 1) as f64;
+        let y0 = top + bar_h * i / steps;
+        let y1 = top + bar_h * (i + 1) / steps;
+        root.draw(&Rectangle::new([(bx, y0), (bx + 20, y1)], color(v).filled()))?;
+    }
+    for (v, y) in [(1.0, top), (0.5, top + bar_h / 2), (0.0, top + bar_h)] {
+        let style = font(12.0).color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center));
+        root.draw_text(&format!("{v:.1}"), &style, (bx + 26, y))?;
+    }
     Ok(())
 }

@@ -3,7 +3,6 @@
 pub mod eval_loss;
 pub mod generate;
 pub mod heatmap;
-pub mod in_training;
 pub mod needle_grid;
 pub mod niah;
 pub mod niah_io;
@@ -12,4 +11,5 @@ pub mod passkey;
 pub mod ppl;
 pub mod punkt;
 pub mod pyrandom;
+pub mod share;
 pub mod tasks;

@@ -135,12 +135,7 @@ pub struct WindowSums {
 /// only when a second window is needed (the tokens between windows would go unscored). A window
 /// left with no target (the 1-token tail of S == W) is dropped.
 pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usize, usize)>> {
-    if window < 2 {
-        bail!("--window {window} is too small\nhint: a window needs at least 2 tokens");
-    }
-    if stride == 0 {
-        bail!("--stride 0 never advances\nhint: pass --stride between 1 and --window ({window})");
-    }
+    crate::config::check_window(window, stride)?;
     if n < 2 {
         return Ok(vec![]);
     }
@@ -186,7 +181,7 @@ pub fn position_nlls(
         return Ok(vec![]);
     }
     let targets = Tensor::new(&ids[p0 + 1..p1 + 1], hidden.device())?; // (p1 - p0)
-    let nll = crate::train::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
+    let nll = crate::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
         let logits =
             model.logits(&hidden.narrow(1, p0 + start, len)?).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
         logits.squeeze(0)?.to_dtype(DType::F32) // (len, V)

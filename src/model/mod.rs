@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod config;
 pub mod inspect;
+pub mod layout;
 pub mod llama;
 pub mod rope;
 pub mod testing;
@@ -12,5 +13,10 @@ pub mod weights;
 
 pub use llama::Llama;
 pub use weights::load_model_dir;
+
+/// Model FLOPs per trained token: 6 N (matmuls, forward + backward) + 12 L C T (attention scores).
+pub fn flops_per_token(n_params: usize, n_layers: usize, hidden: usize, seq_len: usize) -> f64 {
+    6.0 * n_params as f64 + 12.0 * (n_layers * hidden * seq_len) as f64
+}
 
 pub use crate::data::tokenize::load_tokenizer;

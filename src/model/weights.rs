@@ -14,8 +14,8 @@
 //! (gpu-check.sh `train_parity`, selftest) start both runs from one seed's weights.
 //! Not done here: optimizer state (`checkpoint`).
 use crate::flatbuf::{FlatBuf, Placement};
-use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
+use crate::model::layout::ParamLayout;
 use crate::model::llama::{check_params, param_shapes, Llama};
 use crate::util::{write_atomic, write_atomic_with};
 use anyhow::{anyhow, bail, Context, Result};

@@ -17,7 +17,7 @@
 //! into the model (grads.rs, comms/).
 use crate::comms::zero::ShardMap;
 use crate::config::OptimSection;
-use crate::flatbuf::FlatBuf;
+use crate::flatbuf::{FlatBuf, Placement};
 use crate::grads::{ParamGroup, ParamLayout};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -71,25 +71,47 @@ pub struct AdamW {
     segments: Vec<(Range<usize>, f32)>,
 }
 
+/// (local range, weight decay) of each parameter slice `rank` owns in `map`.
+fn segments(layout: &ParamLayout, map: &ShardMap, rank: usize, hp: AdamWHyper) -> Vec<(Range<usize>, f32)> {
+    let start = map.flat_range(rank).start;
+    map.slices(rank)
+        .iter()
+        .map(|s| (s.flat.start - start..s.flat.end - start, hp.wd(layout.params[s.param].group)))
+        .collect()
+}
+
 impl AdamW {
     /// State for the shard `rank` owns in `map`, master weights copied from `params` (the whole flat
     /// space, on the device the state should live on).
     pub fn new(layout: &ParamLayout, params: &FlatBuf, map: &ShardMap, rank: usize, hp: AdamWHyper) -> Result<AdamW> {
         let range = map.flat_range(rank);
-        let segments = map
-            .slices(rank)
-            .iter()
-            .map(|s| (s.flat.start - range.start..s.flat.end - range.start, hp.wd(layout.params[s.param].group)))
-            .collect();
         Ok(AdamW {
             hp,
             master: params.slice_to_owned(range.clone())?,
             m: params.zeros_like(range.len())?,
             v: params.zeros_like(range.len())?,
             t: 0,
+            segments: segments(layout, map, rank, hp),
             range,
-            segments,
         })
+    }
+
+    /// State for the shard `rank` owns in `map` from saved values (a resume): fp32 `master`, `m`, `v` of
+    /// exactly that range after `t` updates, moved to placement `p`. No initial weights are needed.
+    pub fn from_state(
+        (layout, map, rank): (&ParamLayout, &ShardMap, usize),
+        hp: AdamWHyper,
+        [master, m, v]: [FlatBuf; 3],
+        t: u64,
+        p: &Placement,
+    ) -> Result<AdamW> {
+        let range = map.flat_range(rank);
+        let n = range.len();
+        if master.len() != n || m.len() != n || v.len() != n {
+            bail!("internal: restoring {}/{}/{} values into a shard of {n}", master.len(), m.len(), v.len());
+        }
+        let segments = segments(layout, map, rank, hp);
+        Ok(AdamW { hp, master: master.placed(p)?, m: m.placed(p)?, v: v.placed(p)?, t, range, segments })
     }
 
     /// The slice of the flat parameter space this state covers.

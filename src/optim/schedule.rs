@@ -4,20 +4,9 @@
 //! evaluated per stage with the stage's own peak lr and step count, so a multi-stage run (HARPE §4.1,
 //! constant lr 2e-5) does not re-warm unless the stage asks for it. Warm-up step `s` (0-based) uses
 //! `lr * (s + 1) / warmup` so the first step is never a no-op. Not done here: per-group lr.
-use serde::{Deserialize, Serialize};
 
-/// Shape of the learning-rate curve inside one stage.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ScheduleKind {
-    /// the peak lr at every step (warm-up ignored)
-    #[default]
-    Constant,
-    /// linear from lr/warmup to lr over `warmup_steps`, then constant
-    LinearWarmup,
-    /// linear warm-up, then cosine from lr to lr * min_lr_ratio at the stage's last step
-    Cosine,
-}
+pub use crate::config::ScheduleKind;
+use crate::config::ScheduleSection;
 
 /// A schedule with its parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,6 +14,13 @@ pub struct Schedule {
     pub kind: ScheduleKind,
     pub warmup_steps: u64,
     pub min_lr_ratio: f64,
+}
+
+impl ScheduleSection {
+    /// `[schedule]` as a `Schedule` (here, not in config: config names no module above it).
+    pub fn schedule(&self) -> Schedule {
+        Schedule { kind: self.kind, warmup_steps: self.warmup_steps, min_lr_ratio: self.min_lr_ratio }
+    }
 }
 
 impl Schedule {

@@ -821,7 +821,7 @@ fn print_plan(plans: &[RunPlan], args: &SweepArgs) {
             stages.push(format!("{}x{}", c.stages[i].seq_len, crate::util::human_count(steps * per)));
             if let Some(m) = &arch {
                 flops += (steps * per) as f64
-                    * crate::train::metrics::flops_per_token(
+                    * crate::model::flops_per_token(
                         m.num_params(),
                         m.num_hidden_layers,
                         m.hidden_size,

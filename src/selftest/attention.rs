@@ -225,60 +225,8 @@ struct RowExact {
 /// header); P = exp(s - lse), dS = P (dO.v - dO.O), with M = P (|dO||v| + |dO||O|).
 pub(super) fn exact16(inp: &Inputs) -> [Exact; 5] {
     let AttnDims { b, h, hkv, tq, tk, d } = inp.dims;
-    let (rep, sc) = (h / hkv, inp.scale as f64);
-    /// Row r of a (rows, D) buffer.
-    fn sl(x: &[f32], r: usize, d: usize) -> &[f32] {
-        &x[r * d..(r + 1) * d]
-    }
-    /// (sum a_c c_c, sum |a_c c_c|) in f64.
-    fn dot(a: &[f32], c: &[f32]) -> (f64, f64) {
-        a.iter().zip(c).map(|(&x, &y)| x as f64 * y as f64).fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()))
-    }
     // per (batch, query head): rows in parallel
-    let rows: Vec<RowExact> = (0..b * h * tq)
-        .into_par_iter()
-        .map(|row| {
-            let (bh, i) = (row / tq, row % tq);
-            let (bi, kvh) = (bh / h, (bh / h) * hkv + (bh % h) / rep);
-            let (qi, doi, oi) = (sl(inp.q, row, d), sl(inp.dout, row, d), sl(inp.o, row, d));
-            let keys: Vec<(&[f32], &[f32])> =
-                inp.keys(bi, i).map(|j| (sl(inp.k, kvh * tk + j, d), sl(inp.v, kvh * tk + j, d))).collect();
-            let sa: Vec<(f64, f64)> = keys.iter().map(|(kj, _)| dot(qi, kj)).map(|(s, a)| (s * sc, a * sc)).collect();
-            let mx = sa.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
-            let lse = mx + sa.iter().map(|x| (x.0 - mx).exp()).sum::<f64>().ln();
-            let amax = sa.iter().map(|x| x.1).fold(0.0, f64::max);
-            let mut o = vec![(0.0, 0.0, 0.0); d];
-            let mut dq = vec![(0.0, 0.0, 0.0); d];
-            let (delta, mdelta) = dot(doi, oi);
-            let lse_k = inp.lse[row] as f64;
-            for ((s, a), (kj, vj)) in sa.iter().zip(&keys) {
-                let p = (s - lse).exp();
-                for (oc, &vc) in o.iter_mut().zip(*vj) {
-                    let vc = vc as f64;
-                    oc.0 += p * vc;
-                    oc.1 += p * vc.abs();
-                    oc.2 += p * vc.abs() * (1.0 + a);
-                }
-                let pk = (s - lse_k).exp();
-                let (dp, mdp) = dot(doi, vj);
-                let ds = pk * (dp - delta);
-                let mds = pk * (mdp + mdelta);
-                let mfds = mds + (ds.abs() * (1.0 + a));
-                for (qc, &kc) in dq.iter_mut().zip(*kj) {
-                    let kc = kc as f64;
-                    qc.0 += sc * ds * kc;
-                    qc.1 += sc * mds * kc.abs();
-                    qc.2 += sc * mfds * kc.abs();
-                }
-            }
-            // lse: no rounded operands; its f32 error scales with the scores and the log of the sum
-            if keys.len() == 1 {
-                // one visible key: P = 1 and dS = 0 exactly, no operand is rounded
-                o.iter_mut().chain(dq.iter_mut()).for_each(|e| e.1 = 0.0);
-            }
-            RowExact { o, lse: (lse, 0.0, 1.0 + amax + mx.abs()), dq, delta: (delta, mdelta) }
-        })
-        .collect();
+    let rows: Vec<RowExact> = (0..b * h * tq).into_par_iter().map(|row| exact_row(inp, row)).collect();
     let mut out: [Exact; 5] = [
         Exact::zeros(b * h * tq * d),
         Exact::zeros(b * h * tq),
@@ -295,42 +243,8 @@ pub(super) fn exact16(inp: &Inputs) -> [Exact; 5] {
             (out[2].y[e], out[2].mag[e], out[2].magf[e]) = re.dq[c];
         }
     }
-    // per key row of each kv head: dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the rows that see j
-    let per_key: Vec<[Vec<(f64, f64, f64)>; 2]> = (0..b * hkv * tk)
-        .into_par_iter()
-        .map(|krow| {
-            let (bk, j) = (krow / tk, krow % tk);
-            let (bi, g) = (bk / hkv, bk % hkv);
-            let (kj, vj) = (sl(inp.k, krow, d), sl(inp.v, krow, d));
-            let (mut dk, mut dv) = (vec![(0.0, 0.0, 0.0); d], vec![(0.0, 0.0, 0.0); d]);
-            for hq in g * rep..(g + 1) * rep {
-                for i in 0..tq {
-                    if !inp.keys(bi, i).contains(&j) {
-                        continue;
-                    }
-                    let row = (bi * h + hq) * tq + i;
-                    let (qi, doi) = (sl(inp.q, row, d), sl(inp.dout, row, d));
-                    let (s, a) = dot(qi, kj);
-                    let (s, a) = (s * sc, a * sc);
-                    let pk = (s - inp.lse[row] as f64).exp();
-                    let ((dp, mdp), (delta, mdelta)) = (dot(doi, vj), rows[row].delta);
-                    let ds = pk * (dp - delta);
-                    let mds = pk * (mdp + mdelta);
-                    let mfds = mds + ds.abs() * (1.0 + a);
-                    for c in 0..d {
-                        let (qc, dc) = (qi[c] as f64, doi[c] as f64);
-                        dk[c].0 += sc * ds * qc;
-                        dk[c].1 += sc * mds * qc.abs();
-                        dk[c].2 += sc * mfds * qc.abs();
-                        dv[c].0 += pk * dc;
-                        dv[c].1 += pk * dc.abs();
-                        dv[c].2 += pk * dc.abs() * (1.0 + a);
-                    }
-                }
-            }
-            [dk, dv]
-        })
-        .collect();
+    let per_key: Vec<[Vec<(f64, f64, f64)>; 2]> =
+        (0..b * hkv * tk).into_par_iter().map(|krow| exact_key(inp, &rows, krow)).collect();
     for (krow, [dk, dv]) in per_key.iter().enumerate() {
         for c in 0..d {
             let e = krow * d + c;
@@ -339,6 +253,95 @@ pub(super) fn exact16(inp: &Inputs) -> [Exact; 5] {
         }
     }
     out
+}
+
+/// Row r of a (rows, D) buffer.
+fn row_of(x: &[f32], r: usize, d: usize) -> &[f32] {
+    &x[r * d..(r + 1) * d]
+}
+
+/// (sum a_c c_c, sum |a_c c_c|) in f64.
+fn dot64(a: &[f32], c: &[f32]) -> (f64, f64) {
+    a.iter().zip(c).map(|(&x, &y)| x as f64 * y as f64).fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()))
+}
+
+/// Query row `row` (over batch x query heads x Tq): its forward (O, lse) and its dQ, with magnitudes.
+fn exact_row(inp: &Inputs, row: usize) -> RowExact {
+    let AttnDims { h, hkv, tq, tk, d, .. } = inp.dims;
+    let (rep, sc) = (h / hkv, inp.scale as f64);
+    let (bh, i) = (row / tq, row % tq);
+    let (bi, kvh) = (bh / h, (bh / h) * hkv + (bh % h) / rep);
+    let (qi, doi, oi) = (row_of(inp.q, row, d), row_of(inp.dout, row, d), row_of(inp.o, row, d));
+    let keys: Vec<(&[f32], &[f32])> =
+        inp.keys(bi, i).map(|j| (row_of(inp.k, kvh * tk + j, d), row_of(inp.v, kvh * tk + j, d))).collect();
+    let sa: Vec<(f64, f64)> = keys.iter().map(|(kj, _)| dot64(qi, kj)).map(|(s, a)| (s * sc, a * sc)).collect();
+    let mx = sa.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+    let lse = mx + sa.iter().map(|x| (x.0 - mx).exp()).sum::<f64>().ln();
+    let amax = sa.iter().map(|x| x.1).fold(0.0, f64::max);
+    let mut o = vec![(0.0, 0.0, 0.0); d];
+    let mut dq = vec![(0.0, 0.0, 0.0); d];
+    let (delta, mdelta) = dot64(doi, oi);
+    let lse_k = inp.lse[row] as f64;
+    for ((s, a), (kj, vj)) in sa.iter().zip(&keys) {
+        let p = (s - lse).exp();
+        for (oc, &vc) in o.iter_mut().zip(*vj) {
+            let vc = vc as f64;
+            oc.0 += p * vc;
+            oc.1 += p * vc.abs();
+            oc.2 += p * vc.abs() * (1.0 + a);
+        }
+        let pk = (s - lse_k).exp();
+        let (dp, mdp) = dot64(doi, vj);
+        let ds = pk * (dp - delta);
+        let mds = pk * (mdp + mdelta);
+        let mfds = mds + (ds.abs() * (1.0 + a));
+        for (qc, &kc) in dq.iter_mut().zip(*kj) {
+            let kc = kc as f64;
+            qc.0 += sc * ds * kc;
+            qc.1 += sc * mds * kc.abs();
+            qc.2 += sc * mfds * kc.abs();
+        }
+    }
+    // lse: no rounded operands; its f32 error scales with the scores and the log of the sum
+    if keys.len() == 1 {
+        // one visible key: P = 1 and dS = 0 exactly, no operand is rounded
+        o.iter_mut().chain(dq.iter_mut()).for_each(|e| e.1 = 0.0);
+    }
+    RowExact { o, lse: (lse, 0.0, 1.0 + amax + mx.abs()), dq, delta: (delta, mdelta) }
+}
+
+/// Key row `krow` of a kv head: dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i over the query rows
+/// (of every query head of its group) that see j.
+fn exact_key(inp: &Inputs, rows: &[RowExact], krow: usize) -> [Vec<(f64, f64, f64)>; 2] {
+    let AttnDims { h, hkv, tq, tk, d, .. } = inp.dims;
+    let (rep, sc) = (h / hkv, inp.scale as f64);
+    let (bk, j) = (krow / tk, krow % tk);
+    let (bi, g) = (bk / hkv, bk % hkv);
+    let (kj, vj) = (row_of(inp.k, krow, d), row_of(inp.v, krow, d));
+    let (mut dk, mut dv) = (vec![(0.0, 0.0, 0.0); d], vec![(0.0, 0.0, 0.0); d]);
+    for hq in g * rep..(g + 1) * rep {
+        for i in (0..tq).filter(|&i| inp.keys(bi, i).contains(&j)) {
+            let row = (bi * h + hq) * tq + i;
+            let (qi, doi) = (row_of(inp.q, row, d), row_of(inp.dout, row, d));
+            let (s, a) = dot64(qi, kj);
+            let (s, a) = (s * sc, a * sc);
+            let pk = (s - inp.lse[row] as f64).exp();
+            let ((dp, mdp), (delta, mdelta)) = (dot64(doi, vj), rows[row].delta);
+            let ds = pk * (dp - delta);
+            let mds = pk * (mdp + mdelta);
+            let mfds = mds + ds.abs() * (1.0 + a);
+            for c in 0..d {
+                let (qc, dc) = (qi[c] as f64, doi[c] as f64);
+                dk[c].0 += sc * ds * qc;
+                dk[c].1 += sc * mds * qc.abs();
+                dk[c].2 += sc * mfds * qc.abs();
+                dv[c].0 += pk * dc;
+                dv[c].1 += pk * dc.abs();
+                dv[c].2 += pk * dc.abs() * (1.0 + a);
+            }
+        }
+    }
+    [dk, dv]
 }
 
 #[cfg(not(feature = "cuda"))]

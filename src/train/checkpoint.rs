@@ -8,17 +8,24 @@
 //! derives, not a per-process one); barrier; every rank writes and fsyncs its own
 //! `optim-RRRRR-of-WWWWW.safetensors` into it; a barrier that also agrees on success; rank 0 alone
 //! writes the HF model, `state.json` and `DONE` (last), fsyncs and renames the directory to `step_N`
-//! (atomic on one file system); a final barrier. A crash or a full disk at any point leaves the previous
-//! checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
+//! (atomic on one file system); a final barrier. The parts one rank does alone while the others wait
+//! (every rank's shard write, rank 0's commit) are not waited for inside one collective bounded by
+//! `dist.timeout_s`: the ranks meet every second in a small collective until every rank's part is done
+//! (`agree_within`), each part bounded by its own limit sized by its bytes (`wait_bound`: 120 s plus the
+//! bytes at a conservative 25 MiB/s, never less than `dist.timeout_s`), so a large model's commit on a
+//! slow disk cannot time the group out and a hung disk still ends the save with an error. A crash or a
+//! full disk at any point leaves the previous checkpoints as they were and never a `step_N` without `DONE`; a failure on any rank fails the save on
 //! every rank. Old checkpoints are pruned only after the new one is complete. Resume reads the fp32
 //! master weights from the optimizer shard (not the possibly-bf16 HF weights), which is what makes it
 //! bit-identical. The shard file format is unchanged from format 1. Resume re-shards: every rank reads
 //! the shards of whatever world size wrote the checkpoint and takes its own flat range (a slice
-//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly (it reads every shard file
-//! on every rank, which is simple and fine for the sizes harpe resumes on one node). A shard is streamed
+//! computation), so a 4-rank checkpoint continues on 2 ranks or 1 exactly; a rank reads only the
+//! bytes of its own range, with positional reads (`OptimShard`), and the resumed optimizer is built
+//! from them directly (`read_optim_range`, no initial weights: train/session.rs). A shard is streamed
 //! to its file in 32 MiB pieces copied from the (device) buffers one at a time
 //! (`model::weights::write_safetensors`), so a save never holds a whole shard in host memory.
-//! What this file does not do: decide when to save (train.rs) or write the weights' bytes
+//! Reading the shards back is `checkpoint/read.rs`.
+//! What this file does not do: decide when to save (train/training_loop.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
 use crate::comms::{Comm, Mesh};
 use crate::flatbuf::FlatBuf;
@@ -30,6 +37,12 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+mod read;
+pub use read::{
+    load_optim, read_optim_range, read_optim_shard, read_optim_shards, stitch_optim, OptimPart, OptimShard, Stitched,
+};
 
 /// Version of `state.json` and the optimizer shard layout.
 pub const FORMAT: u32 = 1;
@@ -127,16 +140,38 @@ fn write_optim_file(
         .with_context(|| format!("cannot write the optimizer state {}", path.display()))
 }
 
+/// The floor of a save part's wait bound: directory syncs and renames, a network file system's latency.
+pub const WAIT_FLOOR_S: f64 = 120.0;
+/// The disk bandwidth a save part's wait bound assumes (bytes/s): conservative for a shared network file
+/// system under several writers; a local NVMe disk writes 50-100 times faster.
+pub const WAIT_BYTES_PER_S: f64 = 25.0 * 1024.0 * 1024.0;
+
+/// How long the ranks wait for a part of a save that writes `bytes`: `WAIT_FLOOR_S` plus the bytes at
+/// `WAIT_BYTES_PER_S`, never less than `timeout` (`dist.timeout_s`). Llama-2-7B's bf16 model files
+/// (13.5 GB) get 634 s.
+pub fn wait_bound(bytes: u64, timeout: Duration) -> Duration {
+    Duration::from_secs_f64(WAIT_FLOOR_S + bytes as f64 / WAIT_BYTES_PER_S).max(timeout)
+}
+
+/// What a save needs besides the state: how many checkpoints to keep, the group's collective timeout
+/// (`dist.timeout_s`) and the bytes of the model files rank 0 writes (its commit's wait bound).
+#[derive(Clone, Copy, Debug)]
+pub struct SaveOpts {
+    pub keep_last: usize,
+    pub timeout: Duration,
+    pub model_bytes: u64,
+}
+
 /// Save a checkpoint atomically on every rank (all ranks call it with the same `state`) and prune to
-/// `keep_last`; returns the final directory. `write_model` writes the HF-layout model files into the
-/// directory it is given; only rank 0 calls it.
+/// `opts.keep_last`; returns the final directory. `write_model` writes the HF-layout model files into
+/// the directory it is given; only rank 0 calls it.
 pub fn save(
     root: &Path,
     state: &TrainState,
     optim: &AdamW,
     comm: &Comm,
-    keep_last: usize,
-    write_model: &dyn Fn(&Path) -> Result<()>,
+    opts: &SaveOpts,
+    write_model: &(dyn Fn(&Path) -> Result<()> + Sync),
 ) -> Result<PathBuf> {
     let mesh = comm.mesh();
     let lead = mesh.rank() == 0;
@@ -148,13 +183,19 @@ pub fn save(
     let mut res = agree(comm, made, "creating the checkpoint directory");
     // 2. every rank writes its optimizer shard into it; everyone learns whether all succeeded
     if res.is_ok() {
-        let shard = write_optim_shard(&tmp.join(optim_file(&mesh)), optim, STREAM_CHUNK_BYTES).map(|_| ());
-        res = agree(comm, shard, "writing the optimizer shards");
+        let path = tmp.join(optim_file(&mesh));
+        let wait = Wait { bound: wait_bound(12 * optim.range().len() as u64, opts.timeout), tick: tick(opts.timeout) };
+        res = agree_within(comm, "writing the optimizer shards", wait, || {
+            write_optim_shard(&path, optim, STREAM_CHUNK_BYTES).map(|_| ())
+        });
     }
     // 3. rank 0 writes the model and state, DONE last, and commits by renaming
     if res.is_ok() {
-        let commit = if lead { commit(root, &tmp, &fin, state, write_model) } else { Ok(()) };
-        res = agree(comm, commit, "committing");
+        let wait = Wait { bound: wait_bound(opts.model_bytes, opts.timeout), tick: tick(opts.timeout) };
+        res = agree_within(comm, "committing", wait, || match lead {
+            true => commit(root, &tmp, &fin, state, write_model),
+            false => Ok(()),
+        });
     }
     if let Err(e) = res {
         if lead {
@@ -170,7 +211,7 @@ pub fn save(
         )));
     }
     if lead {
-        prune(root, keep_last)?;
+        prune(root, opts.keep_last)?;
     }
     comm.barrier()?;
     Ok(fin)
@@ -184,6 +225,77 @@ fn agree(comm: &Comm, mine: Result<()>, what: &str) -> Result<()> {
         bail!("another rank failed while {what}");
     }
     Ok(())
+}
+
+/// The longest a rank of a save waits inside one collective of `agree_within`: a second, or a quarter of
+/// `dist.timeout_s` if that is shorter.
+fn tick(timeout: Duration) -> Duration {
+    Duration::from_secs(1).min(timeout / 4)
+}
+
+/// How long `agree_within` waits for this rank's part (`bound`) and how often the ranks meet (`tick`).
+#[derive(Clone, Copy, Debug)]
+pub struct Wait {
+    pub bound: Duration,
+    pub tick: Duration,
+}
+
+/// Run `work` (this rank's part of a save step, on a thread of its own) and agree on its success with
+/// every rank, like `agree`, but never inside one long collective: while any rank's part runs, the
+/// ranks meet every `wait.tick` in an all-reduce of three counters (still working, failed, late), so a
+/// long part on one rank (rank 0's commit of a large model) keeps no rank in a collective for
+/// `dist.timeout_s`. A part that outlasts `wait.bound` is reported late and every rank fails, naming the
+/// bound; that rank itself returns when its part does (a thread cannot be stopped), its peers at once.
+pub fn agree_within<F>(comm: &Comm, what: &str, wait: Wait, work: F) -> Result<()>
+where
+    F: FnOnce() -> Result<()> + Send,
+{
+    if comm.mesh().world() == 1 {
+        return work();
+    }
+    std::thread::scope(|s| {
+        let mut handle = Some(s.spawn(work));
+        let mut mine: Option<Result<()>> = None;
+        let t0 = Instant::now();
+        loop {
+            let until = Instant::now() + wait.tick;
+            while handle.as_ref().is_some_and(|h| !h.is_finished()) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5).min(until.saturating_duration_since(Instant::now())));
+            }
+            if let Some(h) = handle.take_if(|h| h.is_finished()) {
+                let joined = h.join().unwrap_or_else(|p| {
+                    let text =
+                        p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                    Err(anyhow!("panicked while {what}: {}", text.unwrap_or_default()))
+                });
+                mine = Some(joined);
+            }
+            let late = mine.is_none() && t0.elapsed() > wait.bound;
+            let working = mine.is_none() && !late;
+            let failed = mine.as_ref().is_some_and(|m| m.is_err());
+            let mut c = [working, failed, late].map(|b| if b { 1.0 } else { 0.0 });
+            comm.all_reduce_sum_f64(&mut c)?;
+            if late {
+                bail!(
+                    "rank {} did not finish {what} within {:.1} s (the bound for its bytes: {WAIT_FLOOR_S:.0} s + the bytes at {:.0} MiB/s, at least dist.timeout_s)\nhint: the disk is hung or far slower than that; check the file system of the run directory",
+                    comm.mesh().rank(),
+                    wait.bound.as_secs_f64(),
+                    WAIT_BYTES_PER_S / 1048576.0
+                );
+            }
+            // done when no rank works any more, or at once when one is late (a part still running
+            // here is joined when the scope ends)
+            if c[0] == 0.0 || c[2] > 0.0 {
+                if let Some(Err(e)) = mine {
+                    return Err(e);
+                }
+                if c[1] > 0.0 || c[2] > 0.0 {
+                    bail!("another rank failed or was late while {what}");
+                }
+                return Ok(());
+            }
+        }
+    })
 }
 
 /// Remove a stale `tmp` (an interrupted save of the same step) and create it empty.
@@ -204,6 +316,7 @@ fn commit(
     state: &TrainState,
     write_model: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
+    slow_commit_hook();
     write_model(tmp)?;
     write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
     for entry in std::fs::read_dir(tmp)? {
@@ -225,6 +338,14 @@ fn commit(
         std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
     }
     fsync_path(root)
+}
+
+/// Test hook of the long-commit test: `HARPE_TEST_SLOW_COMMIT=SECONDS` makes rank 0's commit take SECONDS
+/// longer (a sleep before it writes), so it outlasts `dist.timeout_s` deterministically.
+fn slow_commit_hook() {
+    if let Some(secs) = std::env::var("HARPE_TEST_SLOW_COMMIT").ok().and_then(|s| s.parse::<f64>().ok()) {
+        std::thread::sleep(Duration::from_secs_f64(secs.max(0.0)));
+    }
 }
 
 /// Complete checkpoints under `root`, oldest first, as (step, dir).
@@ -286,179 +407,6 @@ pub fn load_state(dir: &Path) -> Result<TrainState> {
         bail!("{}: format {} is not supported (this harpe writes {FORMAT})\nhint: resume with the harpe version that wrote it", p.display(), st.format);
     }
     Ok(st)
-}
-
-/// One rank's optimizer shard file: its flat range, AdamW step count and fp32 (master, m, v), memory-
-/// mapped: a resuming rank copies out only the elements of its own range (`stitch_optim`), so resuming
-/// N ranks reads each file's bytes about once in all, not N times into every rank's memory.
-pub struct OptimShard {
-    /// the file it came from
-    pub path: PathBuf,
-    /// the flat range it holds
-    pub range: std::ops::Range<usize>,
-    /// AdamW step count
-    pub t: u64,
-    /// the mapped file
-    map: memmap2::Mmap,
-    /// byte offsets of the little-endian f32 data of master, m and v in the file
-    offsets: [usize; 3],
-}
-
-/// Which of a shard's three tensors.
-#[derive(Clone, Copy, Debug)]
-pub enum OptimPart {
-    Master = 0,
-    M = 1,
-    V = 2,
-}
-
-impl OptimShard {
-    /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`.
-    pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        let base = self.offsets[part as usize];
-        let bytes = &self.map[base + 4 * local.start..base + 4 * local.end];
-        out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-    }
-
-    /// Every value of `part`.
-    pub fn values(&self, part: OptimPart) -> Vec<f32> {
-        let mut v = Vec::with_capacity(self.range.len());
-        self.copy_into(part, 0..self.range.len(), &mut v);
-        v
-    }
-}
-
-/// Map and check one `optim-*.safetensors` file (its metadata and tensor sizes; values are read later).
-pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
-    let f = std::fs::File::open(p)
-        .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete or not readable", p.display()))?;
-    // SAFETY: the file is opened read-only; a checkpoint directory is complete (DONE) and never written
-    // again (new saves go to a temp directory that is renamed), so it does not change while mapped.
-    let map = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", p.display()))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&map[..])
-        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
-    let info: serde_json::Value = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("harpe_optim"))
-        .and_then(|s| serde_json::from_str(s).ok())
-        .unwrap_or_default();
-    let num = |k: &str| -> Result<u64> {
-        info[k].as_u64().ok_or_else(|| {
-            anyhow!("{}: metadata `{k}` missing\nhint: the file is damaged or not written by harpe", p.display())
-        })
-    };
-    let range = num("range_start")? as usize..num("range_end")? as usize;
-    let st = safetensors::SafeTensors::deserialize(&map[..])
-        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
-    let n = range.len();
-    let offset = |k: &str| -> Result<usize> {
-        let t = st.tensor(k).map_err(|e| anyhow!("{}: tensor `{k}`: {e}\nhint: the file is damaged", p.display()))?;
-        let d = t.data();
-        if d.len() != n * 4 || t.dtype() != safetensors::Dtype::F32 {
-            bail!(
-                "{}: tensor `{k}` has {} bytes of {:?}, its range {range:?} needs {n} f32 values\nhint: the file is damaged",
-                p.display(),
-                d.len(),
-                t.dtype()
-            );
-        }
-        Ok(d.as_ptr() as usize - map.as_ptr() as usize)
-    };
-    let offsets = [offset("master")?, offset("m")?, offset("v")?];
-    let t = num("t")?;
-    drop(st);
-    Ok(OptimShard { path: p.to_path_buf(), range, t, map, offsets })
-}
-
-/// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
-pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| {
-            format!("cannot list {}\nhint: pass a checkpoint directory (RUN/checkpoints/step_N)", dir.display())
-        })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let n = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-            n.starts_with("optim-") && n.ends_with(".safetensors")
-        })
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        bail!(
-            "{} holds no optimizer shard (optim-*.safetensors)\nhint: pass a complete harpe checkpoint directory",
-            dir.display()
-        );
-    }
-    let mut shards = files.iter().map(|p| read_optim_shard(p)).collect::<Result<Vec<_>>>()?;
-    shards.sort_by_key(|s| (s.range.start, s.range.end));
-    Ok(shards)
-}
-
-/// fp32 (master, m, v) of a flat range and the AdamW step count.
-pub type Stitched = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
-
-/// The optimizer state of the flat range `want`, stitched from `shards` (any world size: re-sharding is
-/// a slice computation). Replicated shards (ZeRO-0) may overlap: the first covering one is used. Refuses
-/// a gap in the covered range, or shards at different AdamW steps.
-pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usize>) -> Result<Stitched> {
-    let t = shards.first().map(|s| s.t).unwrap_or(0);
-    if let Some(s) = shards.iter().find(|s| s.t != t) {
-        bail!(
-            "{}: {} is at optimizer step {} but {} at {t}\nhint: the checkpoint mixes shards of different saves; use another checkpoint",
-            dir.display(),
-            s.path.display(),
-            s.t,
-            shards[0].path.display()
-        );
-    }
-    let (mut master, mut m, mut v) =
-        (Vec::with_capacity(want.len()), Vec::with_capacity(want.len()), Vec::with_capacity(want.len()));
-    let mut pos = want.start;
-    for s in shards {
-        if pos >= want.end {
-            break;
-        }
-        if s.range.end <= pos {
-            continue;
-        }
-        if s.range.start > pos {
-            break; // a gap: reported below
-        }
-        let hi = s.range.end.min(want.end);
-        let local = pos - s.range.start..hi - s.range.start;
-        s.copy_into(OptimPart::Master, local.clone(), &mut master);
-        s.copy_into(OptimPart::M, local.clone(), &mut m);
-        s.copy_into(OptimPart::V, local, &mut v);
-        pos = hi;
-    }
-    if pos < want.end {
-        let end = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
-        bail!(
-            "{}: the optimizer shards cover the flat parameters only up to {pos} of the needed {want:?} (shards end at {end})\nhint: the checkpoint is missing a shard, or the model has more parameters than the run that wrote it",
-            dir.display()
-        );
-    }
-    Ok((master, m, v, t))
-}
-
-/// Load this rank's optimizer state into `optim` from the shards of checkpoint `dir`, whatever world
-/// size wrote them (the flat index space is the same; this rank takes its range). `mesh` only names
-/// the rank in errors.
-pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
-    let shards = read_optim_shards(dir)?;
-    let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
-    let want = optim.range();
-    if want.end > total {
-        bail!(
-            "{}: the optimizer shards hold {total} parameters, rank {} needs {want:?}\nhint: the model differs from the run that wrote the checkpoint",
-            dir.display(),
-            mesh.rank()
-        );
-    }
-    let (master, m, v, t) = stitch_optim(dir, &shards, want)?;
-    // restore moves the host values to the optimizer's placement (a host checkpoint resumes on a device)
-    optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
 }
 
 /// `harpe consolidate`: a plain HF model directory plus ONE optimizer state file from a sharded checkpoint.
@@ -556,9 +504,10 @@ mod tests {
         let mut o = AdamW::new(&l, &FlatBuf::from_vec(vec![1.0, 2.0, 3.0]), &map, 0, hp).unwrap();
         let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
         let comm = Comm::Single;
+        let opts = SaveOpts { keep_last: 2, timeout: Duration::from_secs(60), model_bytes: 1 };
         for step in 1..=4 {
             o.step(&FlatBuf::from_vec(vec![0.1, -0.2, 0.3]), 0.01).unwrap();
-            save(&root, &state(step), &o, &comm, 2, &model).unwrap();
+            save(&root, &state(step), &o, &comm, &opts, &model).unwrap();
         }
         assert!(root.join("step_000004").join("optim-00000-of-00001.safetensors").is_file());
         let all = list_complete(&root).unwrap();
@@ -576,7 +525,7 @@ mod tests {
             write_file(&p.join("model.safetensors"), b"partial")?;
             bail!("No space left on device (simulated)")
         };
-        let e = format!("{:#}", save(&root, &state(5), &o, &comm, 2, &failing).unwrap_err());
+        let e = format!("{:#}", save(&root, &state(5), &o, &comm, &opts, &failing).unwrap_err());
         assert!(e.contains("step_000004 is intact") && e.contains("hint:"), "{e}");
         assert!(!root.join("step_000005").exists());
         assert_eq!(list_complete(&root).unwrap().len(), 2);
@@ -588,9 +537,52 @@ mod tests {
         // a stale temp dir of the same step (a killed process) is replaced, not reused
         std::fs::create_dir_all(root.join(".tmp-step_000005")).unwrap();
         std::fs::write(root.join(".tmp-step_000005").join("junk"), b"j").unwrap();
-        let p5 = save(&root, &state(5), &o, &comm, 2, &model).unwrap();
+        let p5 = save(&root, &state(5), &o, &comm, &opts, &model).unwrap();
         assert!(!p5.join("junk").exists() && p5.join(DONE).is_file());
         assert!(!root.join(".tmp-step_000005").exists());
+    }
+
+    /// `agree_within` over 3 thread ranks whose collectives time out after 1 s: rank 0's part of 2.5 s
+    /// (longer than the timeout) succeeds on every rank; a part past its own bound fails every rank,
+    /// naming the bound on the late rank; a failed part fails every rank with its error on its rank.
+    #[test]
+    fn a_part_longer_than_the_collective_timeout_is_waited_for_up_to_its_own_bound() {
+        use crate::comms::local::spawn_local;
+        let run = |bound_ms: u64, part: fn(usize) -> Result<()>| -> Vec<String> {
+            spawn_local(3, Duration::from_secs(1), move |lc| {
+                let comm = Comm::Local(lc, 1);
+                let wait = Wait { bound: Duration::from_millis(bound_ms), tick: Duration::from_millis(50) };
+                let rank = comm.mesh().rank();
+                Ok(match agree_within(&comm, "committing", wait, || part(rank)) {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("{e:#}"),
+                })
+            })
+            .unwrap()
+        };
+        let slow_lead = |rank: usize| -> Result<()> {
+            if rank == 0 {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            Ok(())
+        };
+        assert_eq!(run(10_000, slow_lead), ["ok", "ok", "ok"]);
+        let late = run(300, slow_lead);
+        assert!(
+            late[0].contains("rank 0 did not finish committing within 0.3 s") && late[0].contains("hint:"),
+            "{late:?}"
+        );
+        assert!(late[1..].iter().all(|e| e == "another rank failed or was late while committing"), "{late:?}");
+        let failing = |rank: usize| -> Result<()> {
+            match rank {
+                1 => bail!("No space left on device (simulated)"),
+                _ => Ok(()),
+            }
+        };
+        let failed = run(10_000, failing);
+        assert!(failed[1].contains("No space left") && failed[0].contains("another rank failed"), "{failed:?}");
+        assert!(wait_bound(13_500_000_000, Duration::from_secs(600)).as_secs() == 634);
+        assert_eq!(wait_bound(0, Duration::from_secs(600)), Duration::from_secs(600));
     }
 
     /// The device variant writes the same files as the host one, and either resumes into the other.
@@ -612,8 +604,9 @@ mod tests {
         }
         let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
         let comm = Comm::Single;
-        let ph = save(&d.path().join("h"), &state(3), &host, &comm, 1, &model).unwrap();
-        let pd = save(&d.path().join("d"), &state(3), &dev, &comm, 1, &model).unwrap();
+        let opts = SaveOpts { keep_last: 1, timeout: Duration::from_secs(60), model_bytes: 1 };
+        let ph = save(&d.path().join("h"), &state(3), &host, &comm, &opts, &model).unwrap();
+        let pd = save(&d.path().join("d"), &state(3), &dev, &comm, &opts, &model).unwrap();
         let f = optim_file(&comm.mesh());
         assert_eq!(std::fs::read(ph.join(&f)).unwrap(), std::fs::read(pd.join(&f)).unwrap(), "same bytes");
         // host checkpoint -> device state, device checkpoint -> host state

@@ -90,8 +90,10 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
         },
     };
     let resolved = RunConfig::load(&args.config, &args.set)?.toml;
+    // the collective signature check (`comms::signature`): a window every SIG_EVERY collectives
+    let check_every = if dist.check_collectives { crate::comms::signature::SIG_EVERY } else { 0 };
     let comm = Arc::new(
-        NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1))
+        NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1), check_every)
             .with_context(|| format!("{origin}: joining the NCCL group as rank {} of {}", env.rank, env.world_size))?,
     );
     let sp = (cfg.dist.sp_degree > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));

@@ -64,10 +64,7 @@ fn nan_map_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Resul
     Ok(m.into_iter().map(|(k, v)| (k, v.unwrap_or(f64::NAN))).collect())
 }
 
-/// Model FLOPs per trained token: 6 N (matmuls, forward + backward) + 12 L C T (attention scores).
-pub fn flops_per_token(n_params: usize, n_layers: usize, hidden: usize, seq_len: usize) -> f64 {
-    6.0 * n_params as f64 + 12.0 * (n_layers * hidden * seq_len) as f64
-}
+pub use crate::model::flops_per_token;
 
 /// The console line of one step.
 pub fn step_line(r: &StepRecord, total_steps: u64) -> String {

@@ -42,14 +42,15 @@
 //!   become a `DocStarts` of the WHOLE sequences, passed to every layer's attention in the forward and
 //!   in every recompute (ZeRO-3 included). RoPE positions stay the packed ones.
 //!
-//! What this folder does not do: the evaluation rules (eval/in_training.rs), the collectives (comms/),
-//! the flat training-state buffers and the gradient layout (`flatbuf`, `grads`: shared with `optim`,
-//! `comms` and `model::weights`, so they live below this folder).
+//! What this folder does not do: the evaluation rules (eval/: `eval.rs` here only calls the eval commands'
+//! scoring on the training weights), the collectives (comms/), the flat training-state buffers, the
+//! gradient buffers and the loss (`flatbuf`, `grads`, `loss`: shared with `optim`, `comms`, `eval` and
+//! `model`, so they live below this folder; the parameter layout is `model::layout`).
 mod args;
 mod batch;
 pub mod checkpoint;
 mod launch;
-pub mod loss;
+mod eval;
 pub mod metrics;
 mod run_dir;
 mod session;

@@ -16,6 +16,7 @@ use crate::data::{builtin_texts, prepare_from_texts, tokenizer_sha256, PrepareOp
 use crate::flatbuf::{FlatBuf, Placement};
 use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
+use crate::model::llama::param_shapes;
 use crate::model::weights::{init_flat, load_flat};
 use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::optim::schedule::Schedule;
@@ -86,6 +87,9 @@ impl Run {
     pub(super) fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
         let resolved = RunConfig::load(&args.config, &args.set)?;
+        if let Some(e) = &resolved.cfg.eval {
+            crate::eval::tasks::check_section(e, &origin)?;
+        }
         let cfg = resolved.cfg;
         let hash = results_hash(&resolved.toml)?;
         let mesh = comm.mesh();
@@ -94,25 +98,7 @@ impl Run {
         let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
         let tokenizer = tokenizer_of(&cfg, &run_dir);
-        // one writer per run directory, held until the run ends (issue 16): rank 0 prepares it first
-        let mut lock = None;
-        let mut first = Ok(());
-        if lead {
-            first = (|| -> Result<()> {
-                lock = Some(run_dir.lock("harpe train")?);
-                println!("# resolved config (sha256 {})\n{}", &resolved.hash[..12], resolved.toml);
-                prepare_run_dir(&run_dir, &resolved.toml, &hash, args.force)?;
-                if tokenizer == run_dir.tokenizer() {
-                    let text = crate::model::testing::byte_tokenizer_json();
-                    crate::util::write_atomic(&tokenizer, text.as_bytes())?;
-                }
-                Ok(())
-            })();
-        }
-        if !comm.all_ok(first.is_ok())? {
-            first?;
-            bail!("rank 0 could not prepare the run directory {}", run_dir.root().display());
-        }
+        let lock = prepare_as_lead(&comm, args, (&resolved.toml, &resolved.hash), &hash, &tokenizer)?;
         let resume_from = agreed_resume_point(&comm, &run_dir, args.resume, &hash)?;
         let stop = stop_flag()?;
 
@@ -121,8 +107,8 @@ impl Run {
             true => Placement::Device(device.clone()),
             false => Placement::of(&device),
         };
-        // the initial weights live only until the optimizer has its master (shard) of them
-        let (base_cfg, layout, weights) = initial_model(&cfg, &origin, &placement)?;
+        let base_cfg = initial_config(&cfg, &origin)?;
+        let layout = ParamLayout::new(&param_shapes(&base_cfg));
         // `[dist]`'s rules with this run's world and model (also for CUDA runs, which `plan_check` does
         // not plan)
         let dist = &cfg.dist;
@@ -132,12 +118,18 @@ impl Run {
         // a replicated optimizer is a one-owner map: every rank owns everything
         let map = ShardMap::new(&layout, zero.optimizer_owners(mesh.world()), Split::Slices);
         let my_shard = if zero.shards_optimizer() { mesh.rank() } else { 0 };
-        let mut optim = AdamW::new(&layout, &weights, &map, my_shard, AdamWHyper::from_config(&cfg.optim))?;
-        let state = match &resume_from {
-            Some(dir) => resume(dir, args.force, &hash, &comm, &mut optim)?,
-            None => TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()),
+        let hp = AdamWHyper::from_config(&cfg.optim);
+        let (optim, state) = match &resume_from {
+            // a resume builds the optimizer from the checkpoint alone: no initial weights drawn or read
+            Some(dir) => resume(dir, (args.force, &hash), &comm, (&layout, &map, my_shard), (hp, &placement))?,
+            None => {
+                // the initial weights live only until the optimizer has its master (shard) of them; a
+                // stage builds its model from the master shards (`Stage::open`)
+                let weights = initial_weights(&cfg, &base_cfg, &placement)?;
+                let optim = AdamW::new(&layout, &weights, &map, my_shard, hp)?;
+                (optim, TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()))
+            }
         };
-        drop(weights); // a stage builds its model from the master shards (`Stage::open`)
         let tokens_at_start = state.tokens_seen;
         Ok(Run {
             log: if lead { Some(MetricsLog::open(&run_dir.metrics(), state.step)?) } else { None },
@@ -204,20 +196,12 @@ impl Run {
     }
 }
 
-/// The run's model architecture, parameter layout and initial fp32 weights (HF order) with placement
-/// `p`: a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a
-/// GPU straight to the device, host memory far below the model size); a random init is drawn piece by piece
-/// straight into it (`init_flat`: the same values for a seed on every device).
-pub(super) fn initial_model(
-    cfg: &RunConfig,
-    origin: &str,
-    p: &Placement,
-) -> Result<(LlamaConfig, ParamLayout, FlatBuf)> {
+/// The run's model architecture: the model directory's `config.json`, or `[model.init]`'s shape.
+pub(super) fn initial_config(cfg: &RunConfig, origin: &str) -> Result<LlamaConfig> {
     if let Some(dir) = &cfg.model.path {
         let mut mc = LlamaConfig::from_file(&dir.join("config.json"))?;
         mc.validate(&dir.join("config.json").display().to_string())?;
-        let (layout, flat) = load_flat(dir, &mc, p)?;
-        return Ok((mc, layout, flat));
+        return Ok(mc);
     }
     let a = cfg.model.init.as_ref().ok_or_else(|| anyhow!("{origin}: [model] has neither path nor init"))?;
     let rope = cfg.initial_rope().ok_or_else(|| {
@@ -235,8 +219,19 @@ pub(super) fn initial_model(
     mc.tie_word_embeddings = a.tie_word_embeddings;
     mc.initializer_range = a.initializer_range;
     mc.validate(&format!("{origin} [model.init]"))?;
-    let (layout, flat) = init_flat(&mc, cfg.train.seed, p)?; // straight into the training state's placement
-    Ok((mc, layout, flat))
+    Ok(mc)
+}
+
+/// The initial fp32 weights of architecture `mc` (HF order, `param_shapes` layout) with placement `p`:
+/// a checkpoint streams from its memory map into the buffer one tensor at a time (`load_flat`: on a GPU
+/// straight to the device, host memory far below the model size); a random init is drawn piece by piece
+/// straight into it (`init_flat`: the same values for a seed on every device).
+pub(super) fn initial_weights(cfg: &RunConfig, mc: &LlamaConfig, p: &Placement) -> Result<FlatBuf> {
+    let (_, flat) = match &cfg.model.path {
+        Some(dir) => load_flat(dir, mc, p)?,
+        None => init_flat(mc, cfg.train.seed, p)?,
+    };
+    Ok(flat)
 }
 
 /// Make sure the run directory exists, is writable, and belongs to this config (unless `force`).
@@ -314,9 +309,16 @@ pub(super) fn stop_flag() -> Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
-/// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`), this
-/// rank's optimizer shard, and the weights gathered from every rank's shard.
-pub(super) fn resume(dir: &Path, force: bool, hash: &str, comm: &Comm, optim: &mut AdamW) -> Result<TrainState> {
+/// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`) and this
+/// rank's optimizer shard (`rank`'s range of `map` over `layout`), read from the checkpoint's shards
+/// into a new optimizer with hyper-parameters `hp` placed at `p`.
+pub(super) fn resume(
+    dir: &Path,
+    (force, hash): (bool, &str),
+    comm: &Comm,
+    (layout, map, rank): (&ParamLayout, &ShardMap, usize),
+    (hp, p): (AdamWHyper, &Placement),
+) -> Result<(AdamW, TrainState)> {
     let state = checkpoint::load_state(dir)?;
     if state.config_hash != hash && !force {
         bail!(
@@ -325,11 +327,12 @@ pub(super) fn resume(dir: &Path, force: bool, hash: &str, comm: &Comm, optim: &m
         );
     }
     let mesh = comm.mesh();
-    checkpoint::load_optim(dir, &mesh, optim)?;
+    let (master, m, v, t) = checkpoint::read_optim_range(dir, &mesh, map.flat_range(rank))?;
+    let optim = AdamW::from_state((layout, map, rank), hp, [master, m, v].map(FlatBuf::from_vec), t, p)?;
     if mesh.rank() == 0 {
         println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
     }
-    Ok(state)
+    Ok((optim, state))
 }
 
 /// The checkpoint every rank resumes from, chosen by rank 0 alone and told to all (issue 25): rank 0
@@ -426,4 +429,35 @@ fn checkpoint_view(run_dir: &RunDir, rank: usize) -> PathBuf {
         }
     }
     run_dir.checkpoints()
+}
+
+/// One writer per run directory, held until the run ends (issue 16): rank 0 locks and prepares it (the
+/// resolved config, the tokenizer of a byte-level run), then every rank learns whether it could.
+fn prepare_as_lead(
+    comm: &Comm,
+    args: &TrainArgs,
+    (toml, toml_sha): (&str, &str),
+    hash: &str,
+    tokenizer: &Path,
+) -> Result<Option<crate::util::DirLock>> {
+    let run_dir = args.run_dir();
+    let mut lock = None;
+    let mut first = Ok(());
+    if comm.mesh().rank() == 0 {
+        first = (|| -> Result<()> {
+            lock = Some(run_dir.lock("harpe train")?);
+            println!("# resolved config (sha256 {})\n{toml}", &toml_sha[..12]);
+            prepare_run_dir(&run_dir, toml, hash, args.force)?;
+            if tokenizer == run_dir.tokenizer() {
+                let text = crate::model::testing::byte_tokenizer_json();
+                crate::util::write_atomic(tokenizer, text.as_bytes())?;
+            }
+            Ok(())
+        })();
+    }
+    if !comm.all_ok(first.is_ok())? {
+        first?;
+        bail!("rank 0 could not prepare the run directory {}", run_dir.root().display());
+    }
+    Ok(lock)
 }

@@ -7,11 +7,11 @@
 //! layer's gather prefetched while this one computes.
 use crate::comms::zero::ZeroShards;
 use crate::grads::{GradAccum, ParamLayout};
+use crate::loss::chunked_cross_entropy;
 use crate::model::llama::{layer_param_name, rms_norm, LayerWeights, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD};
 use crate::model::rope::RopeTables;
 use crate::model::Llama;
 use crate::ops::attention::DocStarts;
-use crate::train::loss::chunked_cross_entropy;
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};

@@ -8,17 +8,17 @@
 //! alone (which would leave its peers waiting in the next step's collectives).
 use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts, LossSums};
+use super::eval::{eval_line, EvalPoint, TrainEval};
 use super::session::Run;
 use super::stage::Stage;
 use super::step::{forward_backward_with, Backward, MicroBatch, Params};
 use crate::comms::sequence::SpGroup;
-use crate::comms::stage::GradReduce;
 use crate::comms::zero::{self, ZeroShards};
 use crate::comms::Comm;
+use crate::comms::GradReduce;
 use crate::config::targets_in;
 use crate::data::loader::source_name;
 use crate::data::Sequence;
-use crate::eval::in_training::{eval_line, TrainEval};
 use crate::grads;
 use crate::model::attention::AttentionImpl;
 use crate::model::weights::save_model_dir;
@@ -36,11 +36,14 @@ use std::time::Instant;
 /// The training loop of one rank.
 pub(super) fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<()> {
     let mut r = Run::open(args, comm, sp)?;
-    // `[eval]` runs on rank 0 alone, on its full copy of the weights (ZeRO 0-2); the other ranks wait
-    // for it at the next collective, so `dist.timeout_s` must cover one evaluation
-    let eval_cfg = if r.mesh.rank() == 0 { r.cfg.eval.as_ref() } else { None };
-    let mut ev =
-        TrainEval::open(eval_cfg, &r.tokenizer, &r.tok_sha, &r.run_dir.metrics(), r.cfg.train.loss_chunk_tokens)?;
+    // `[eval]` runs on every rank, each scoring its share of the items (`eval::share`); rank 0 alone
+    // reads the evaluations already logged and tells the others
+    let metrics = r.run_dir.metrics();
+    let logged = (r.mesh.rank() == 0).then_some(metrics.as_path());
+    let mut ev = TrainEval::open(r.cfg.eval.as_ref(), &r.tokenizer, &r.tok_sha, logged, r.cfg.train.loss_chunk_tokens)?;
+    if let Some(ev) = ev.as_mut() {
+        ev.agree_logged(&r.comm)?;
+    }
     let mut end = End::Done;
     'stages: for si in r.state.stage..r.cfg.stages.len() {
         let mut stage = Stage::open(&mut r, si)?;
@@ -262,28 +265,33 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
 }
 
 /// Evaluate the training weights in place (`[eval]`) every `eval.every` steps, at a stage's end and at
-/// `--steps`; log the line to metrics.jsonl (before the step's checkpoint, so a resume from that
-/// checkpoint keeps it), print it, redraw eval.png.
+/// `--steps`, on every rank (each scores its share; `TrainEval::evaluate`); rank 0 logs the line to
+/// metrics.jsonl (before the step's checkpoint, so a resume from that checkpoint keeps it), prints it,
+/// redraws eval.png. Every rank decides alike: `due` reads only the step and the agreed last evaluation.
 fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<()> {
     let boundary = r.state.stage_step == s.steps || r.state.step >= r.limit;
-    let due = ev.as_ref().is_some_and(|e| e.due(r.state.step, boundary));
-    // ZeRO-3: rank 0's decision is shared, and every rank joins the gather of the weights it
-    // evaluates (group by group; only rank 0 keeps them, on its device, in the compute dtype)
-    let full = if r.zero.needs_full_gather() && !r.comm.all_ok(!due)? {
-        let keep = (r.mesh.rank() == 0).then_some(&r.device);
-        Some(zero::gather_params(&r.shards(), r.dtype, r.bucket, keep)?)
-    } else {
-        None
+    let Some(ev) = ev.filter(|e| e.due(r.state.step, boundary)) else { return Ok(()) };
+    // ZeRO-3: every rank gathers the whole weights to its device (group by group, in the compute dtype)
+    // and frees them after the evaluation. Not the layer-wise gather of the training forward: that is a
+    // collective per layer and forward, so every rank would have to run the same forwards in lockstep,
+    // but the ranks score different items (documents of different lengths, generations that stop at
+    // different tokens). The cost is one model copy per rank for the evaluation's duration, what rank 0
+    // alone held before evaluations were shared.
+    let model = match r.zero.needs_full_gather() {
+        true => {
+            let w = zero::gather_params(&r.shards(), r.dtype, r.bucket, Some(&r.device))?;
+            Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?
+        }
+        false => s.model.clone(),
     };
-    let Some(ev) = ev.filter(|_| due) else { return Ok(()) };
-    // rank 0 alone evaluates: with the device's own attention (never the sequence-parallel exchange)
-    let model = match full {
-        Some(w) => Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?,
-        None => s.model.clone(),
-    };
+    // with the device's own attention (never the sequence-parallel exchange: each rank scores alone)
     let model = &model.with_attention(AttentionImpl::for_device(&r.device));
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
-    let rec = ev.evaluate(model, r.state.step, s.si, window, r.state.step == r.total_steps)?;
+    let at = EvalPoint { step: r.state.step, stage: s.si, window, last: r.state.step == r.total_steps };
+    let rec = ev.evaluate(model, &r.comm, at)?;
+    if r.mesh.rank() != 0 {
+        return Ok(());
+    }
     if let Some(log) = r.log.as_mut() {
         log.write_eval(&rec)?;
     }
@@ -321,18 +329,28 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut, stop: bool) -> Result
     } else {
         None
     };
+    // rank 0 runs this on a thread of its own while it meets the others (`checkpoint::agree_within`):
+    // it borrows only what it writes
+    let (layout, vars, mc) = (&r.layout, &s.vars, &s.mc);
+    let (tokenizer, max_shard) = (&r.tokenizer, r.cfg.checkpoint.max_shard_bytes);
     let write_model = |dir: &Path| -> Result<()> {
         let tensors: Vec<(String, Tensor)> = match &full {
             Some(w) => w.clone(),
-            None => r.layout.params.iter().zip(&s.vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect(),
+            None => layout.params.iter().zip(vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect(),
         };
-        save_model_dir(dir, &s.mc, &tensors, r.cfg.checkpoint.max_shard_bytes)?;
-        std::fs::copy(&r.tokenizer, dir.join("tokenizer.json"))
-            .with_context(|| format!("copying {} into the checkpoint", r.tokenizer.display()))?;
+        save_model_dir(dir, mc, &tensors, max_shard)?;
+        std::fs::copy(tokenizer, dir.join("tokenizer.json"))
+            .with_context(|| format!("copying {} into the checkpoint", tokenizer.display()))?;
         Ok(())
     };
     let root = r.run_dir.checkpoints();
-    let p = checkpoint::save(&root, &snap, &r.optim, &r.comm, r.cfg.checkpoint.keep_last, &write_model)?;
+    // rank 0's commit writes the model files (compute dtype): its wait bound is sized by their bytes
+    let opts = checkpoint::SaveOpts {
+        keep_last: r.cfg.checkpoint.keep_last,
+        timeout: r.cfg.dist.timeout(),
+        model_bytes: (r.layout.total * r.dtype.size_in_bytes()) as u64,
+    };
+    let p = checkpoint::save(&root, &snap, &r.optim, &r.comm, &opts, &write_model)?;
     r.say(s, format!("saved {}", p.display()));
     r.last_saved = Some(p);
     Ok(())

@@ -571,6 +571,10 @@ fn dist_config_is_reconciled_with_the_launcher_before_any_work() {
     for (c, want) in [
         (DistSection { bucket_mb: 0.0, ..DistSection::default() }, "dist.bucket_mb = 0 must be a positive size"),
         (DistSection { timeout_s: f64::NAN, ..DistSection::default() }, "dist.timeout_s = NaN must be a positive"),
+        (
+            DistSection { check_collectives: true, ..DistSection::default() },
+            "dist.check_collectives = true with dist.backend = \"single\": one rank has no other rank",
+        ),
     ] {
         let e = err(c, None);
         assert!(e.contains(want) && e.contains("hint:"), "{e}");

@@ -1,7 +1,12 @@
 //! `Local` (ranks as threads): every collective against a sequential reference for world sizes 1..=5
-//! and ragged slices, and failure propagation (error, panic, dropped handle, timeout, mismatch).
+//! and ragged slices, and failure propagation (error, panic, dropped handle, timeout, mismatch); the
+//! NCCL code paths it runs: started collectives on each rank's communication thread, in issue order,
+//! weights gathered in their own dtype, and the collective signature check.
+use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use harpe::comms::local::{spawn_local, LocalGroup, ReduceOp};
+use harpe::comms::local::{spawn_local, spawn_local_with, LocalChecks, LocalGroup, ReduceOp, RoundCheck};
+use harpe::comms::Comm;
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -356,4 +361,147 @@ fn zero1_pattern_on_2_and_4_ranks_reaches_the_weights_of_one_rank() {
         }
         assert_ne!(one, vec![0.1f32; d], "the weights moved");
     }
+}
+
+#[test]
+fn started_collectives_run_on_while_their_rank_computes() {
+    // rank 1 issues its part only after rank 0 has returned from its `_start` calls: were they
+    // blocking (as before the communication threads), rank 0 would wait in the first one for rank 1,
+    // which waits for rank 0, until the group's timeout
+    let (tx, rx) = mpsc::channel::<()>();
+    let (tx, rx) = (Mutex::new(tx), Mutex::new(rx));
+    let counts = [2usize, 3];
+    let out = spawn_local(2, Duration::from_secs(20), |c| {
+        let comm = Comm::Local(c, 1);
+        let r = comm.mesh().rank();
+        let mine = Tensor::from_vec(data(r, counts[r], 5), counts[r], &Device::Cpu)?;
+        let full = Tensor::from_vec(data(r, 5, 6), 5, &Device::Cpu)?;
+        if r == 0 {
+            let g = comm.all_gather_v_tensor_start(&mine, &counts, "prefetch")?;
+            let s = comm.reduce_scatter_v_sum_tensor_start(&full, &counts, "grads")?;
+            assert!(!g.is_ready() && !s.is_ready(), "Local exchanges run beside the compute");
+            tx.lock().unwrap().send(()).unwrap(); // the compute goes on while both are under way
+            return Ok((g.wait()?.to_vec1::<f32>()?, s.wait()?.to_vec1::<f32>()?));
+        }
+        rx.lock().unwrap().recv_timeout(Duration::from_secs(30))?;
+        let g = comm.all_gather_v_tensor(&mine, &counts, "prefetch")?;
+        let s = comm.reduce_scatter_v_sum_tensor(&full, &counts, "grads")?;
+        Ok((g.to_vec1::<f32>()?, s.to_vec1::<f32>()?))
+    })
+    .map_err(|e| e.to_string())
+    .unwrap();
+    let gathered: Vec<f32> = data(0, 2, 5).into_iter().chain(data(1, 3, 5)).collect();
+    for (r, (g, s)) in out.iter().enumerate() {
+        assert_eq!(g, &gathered, "rank {r}");
+        let lo = [0, 2][r];
+        assert_eq!(s, &ref_sum(2, 5, 6, lo, counts[r], false), "rank {r}");
+    }
+}
+
+#[test]
+fn a_blocking_collective_runs_after_the_collectives_started_before_it() {
+    // rank 0 starts a gather, then calls a blocking all-reduce and a barrier; rank 1 calls the same
+    // three blocking. Were rank 0's blocking calls to overtake its started gather, the first round would
+    // pair an all-reduce with an all-gather: an error under the default (descriptor) round check
+    let out = spawn_local(2, LONG, |c| {
+        let comm = Comm::Local(c, 1);
+        let r = comm.mesh().rank();
+        let mine = Tensor::from_vec(data(r, 4, 7), 4, &Device::Cpu)?;
+        let mut s = [r as f64 + 1.0];
+        let g = if r == 0 {
+            let g = comm.all_gather_v_tensor_start(&mine, &[4, 4], "w")?;
+            comm.all_reduce_sum_f64(&mut s)?;
+            comm.barrier()?;
+            g.wait()?
+        } else {
+            let g = comm.all_gather_v_tensor(&mine, &[4, 4], "w")?;
+            comm.all_reduce_sum_f64(&mut s)?;
+            comm.barrier()?;
+            g
+        };
+        Ok((g.to_vec1::<f32>()?, s[0]))
+    })
+    .map_err(|e| e.to_string())
+    .unwrap();
+    for (g, s) in out {
+        assert_eq!(g, data(0, 4, 7).into_iter().chain(data(1, 4, 7)).collect::<Vec<_>>());
+        assert_eq!(s, 3.0);
+    }
+}
+
+#[test]
+fn weights_are_gathered_in_their_own_dtype_and_come_back_exact() {
+    // each dtype comes back in its dtype, exact (the dtype on the wire: the signature tests below)
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        let out = spawn_local(2, LONG, |c| {
+            let comm = Comm::Local(c, 1);
+            let r = comm.mesh().rank();
+            let t = Tensor::from_vec(data(r, 3, 9), 3, &Device::Cpu)?.to_dtype(dt)?;
+            let g = comm.all_gather_v_tensor(&t, &[3, 3], "weights")?;
+            anyhow::ensure!(g.dtype() == dt, "gathered {:?} from {dt:?}", g.dtype());
+            Ok(g.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        })
+        .map_err(|e| e.to_string())
+        .unwrap();
+        let want: Vec<f32> = (0..2)
+            .flat_map(|r| data(r, 3, 9))
+            .map(|x| Tensor::new(&[x], &Device::Cpu).unwrap().to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap())
+            .map(|t| t.to_vec1::<f32>().unwrap()[0])
+            .collect();
+        assert!(out.iter().all(|g| g == &want), "{dt:?}: {out:?} vs {want:?}");
+    }
+}
+
+/// The checks NCCL has: each round checks only what moving the data needs; the signature check
+/// compares every 4 collectives.
+const AS_NCCL: LocalChecks = LocalChecks { round: RoundCheck::Transport, sig_every: 4 };
+
+#[test]
+fn a_same_size_collective_of_another_op_is_stopped_by_the_signature_check_naming_both_ranks() {
+    // collective #2: rank 1 reduce-scatters the 16 values rank 0 all-reduces. As under NCCL the round
+    // itself goes through (with wrong values); the window's end (#4) stops every rank
+    let err = spawn_local_with(2, LONG, AS_NCCL, |c| {
+        let mut x = vec![1.0f32; 16];
+        c.barrier("one")?;
+        if c.rank() == 0 {
+            c.all_reduce(&mut x, ReduceOp::Sum, "grads")?;
+        } else {
+            let mut out = vec![0.0f32; 8];
+            c.reduce_scatter(&x, &mut out, ReduceOp::Sum, "grads")?;
+        }
+        c.barrier("three")?;
+        c.barrier("four")?;
+        c.barrier("five")?;
+        Ok(())
+    })
+    .unwrap_err();
+    let f = err.first.to_string();
+    assert_eq!(err.first.rank, 1, "the rank that differs from rank 0 is named: {f}");
+    assert!(f.contains("failed at collective #2"), "{f}");
+    assert!(f.contains("rank 0 issued #2 all_reduce(16 x f32), rank 1 issued #2 reduce_scatter(16 x f32)"), "{f}");
+    assert!(f.contains("hint:"), "{f}");
+    for (r, e) in err.per_rank.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} went on"));
+        assert!(e.contains("rank 1 failed at collective #2"), "rank {r}: {e}");
+    }
+}
+
+#[test]
+fn the_same_count_in_another_dtype_is_stopped_by_the_signature_check_naming_both_ranks() {
+    // collective #4: rank 1 gathers bf16 weights where rank 0 gathers f32 (Local moves a tensor in its
+    // own dtype, as NCCL); the window ends there, so the check stops it before the exchange
+    let err = spawn_local_with(2, LONG, AS_NCCL, |c| {
+        let comm = Comm::Local(c, 1);
+        for _ in 0..3 {
+            comm.barrier()?;
+        }
+        let dt = if comm.mesh().rank() == 1 { DType::BF16 } else { DType::F32 };
+        comm.all_gather_v_tensor(&Tensor::ones(4, dt, &Device::Cpu)?, &[4, 4], "weights")?;
+        Ok(())
+    })
+    .unwrap_err();
+    let f = err.first.to_string();
+    assert_eq!(err.first.rank, 1, "{f}");
+    assert!(f.contains("rank 0 issued #4 all_gather(8 x f32), rank 1 issued #4 all_gather(8 x bf16)"), "{f}");
+    assert!(err.per_rank.iter().all(Option::is_some), "{err}");
 }

@@ -5,8 +5,8 @@
 //! dlogits, the RMSNorm kernels against the op's autograd, and the emulator's collectives.
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::kernels_emu::{self as emu, Dims};
+use harpe::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use harpe::selftest::{self, Check, Dt, Target};
-use harpe::train::loss::{chunked_cross_entropy, IGNORE_INDEX};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

@@ -8,6 +8,7 @@
 mod common;
 
 mod train_dist;
+mod train_dist_eval;
 mod train_document_mask;
 mod train_eval;
 mod train_memory;

@@ -12,7 +12,7 @@ use std::process::Command;
 
 /// Two stages (seq 32 then 64, HARPE bases in the second) so accumulation differs per stage:
 /// 8 micro-batches of 2 x 32 per step, then 4 of 2 x 64.
-const TINY: &str = concat!(
+pub(super) const TINY: &str = concat!(
     tiny_model!(),
     r#"micro_batch_size = 2
 global_batch_tokens = 512
@@ -40,20 +40,20 @@ rope = { scheme = "harpe", head_bases = [10000.0, 80000.0] }
 "#
 );
 
-fn harpe(args: &[&str]) -> (bool, String) {
+pub(super) fn harpe(args: &[&str]) -> (bool, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     (o.status.success(), text)
 }
 
-fn write_cfg(dir: &Path) -> PathBuf {
+pub(super) fn write_cfg(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.toml");
     std::fs::write(&p, TINY).unwrap();
     p
 }
 
 /// Train `cfg` into `out` with extra `--set`s (and other flags); panics with the output on failure.
-fn train(cfg: &Path, out: &Path, extra: &[&str]) {
+pub(super) fn train(cfg: &Path, out: &Path, extra: &[&str]) {
     let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
     a.extend_from_slice(extra);
     let (ok, text) = harpe(&a);
@@ -165,7 +165,7 @@ fn assert_same_losses(a: &Path, b: &Path, what: &str) {
     }
 }
 
-fn ckpt(run: &Path, step: u64) -> PathBuf {
+pub(super) fn ckpt(run: &Path, step: u64) -> PathBuf {
     run.join("checkpoints").join(format!("step_{step:06}"))
 }
 
@@ -446,44 +446,6 @@ fn sequence_parallel_ranks_equal_one_rank() {
     train(&cfg, &run, &a);
     assert_same_losses(&one4, &run, "SP 2 x DP 2 -> SP 4 resume");
     assert_same_tensors(&model(&one4), &model(&run), "SP 2 x DP 2 -> SP 4 resume", tol);
-}
-
-/// `[eval]` during a multi-rank run (SP 2 x DP 2, ZeRO-3: rank 0 evaluates the gathered weights with
-/// plain attention while the others wait) gives one rank's evaluations.
-#[test]
-fn eval_during_a_sequence_parallel_zero3_run_equals_one_rank() {
-    let d = tempfile::tempdir().unwrap();
-    let doc = d.path().join("doc.txt");
-    std::fs::write(&doc, "Once upon a time a small fox counted the stars: 12 + 30 = 42. ".repeat(4)).unwrap();
-    let eval = format!(
-        "\n[eval]\nevery = 2\nppl_inputs = [{:?}]\nppl_max_tokens = 100\npasskey_lengths = [300]\npasskey_samples = 2\n",
-        doc.display().to_string()
-    );
-    let cfg = d.path().join("eval.toml");
-    std::fs::write(&cfg, format!("{TINY}{eval}")).unwrap();
-    let (one, many) = (d.path().join("one"), d.path().join("many"));
-    train(&cfg, &one, &[]);
-    let dist = ["dist.backend=local", "dist.world_size=4", "dist.sp_degree=2", "dist.zero_stage=3"];
-    train(&cfg, &many, &dist.iter().flat_map(|s| ["--set", s]).collect::<Vec<_>>());
-    let evals = |run: &Path| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|v| v.get("eval").is_some())
-            .collect()
-    };
-    let (a, b) = (evals(&one), evals(&many));
-    assert!(a.len() >= 3, "{a:?}");
-    assert_eq!(
-        a.iter().map(|v| v["step"].clone()).collect::<Vec<_>>(),
-        b.iter().map(|v| v["step"].clone()).collect::<Vec<_>>()
-    );
-    for (x, y) in a.iter().zip(&b) {
-        let (nx, ny) = (x["eval"]["ppl"]["nll"].as_f64().unwrap(), y["eval"]["ppl"]["nll"].as_f64().unwrap());
-        assert!(((nx - ny) / nx).abs() < 1e-4, "step {}: nll {nx} vs {ny}", x["step"]);
-        assert_eq!(x["eval"]["passkey"], y["eval"]["passkey"], "step {}", x["step"]);
-    }
 }
 
 #[test]

@@ -1,8 +1,9 @@
-//! ZeRO-3's weight prefetch (`ZeroShards::prefetch`, on by default under NCCL): a micro-batch's
+//! ZeRO-3's weight prefetch (`ZeroShards::prefetch`, on by default under NCCL and `Local`): a micro-batch's
 //! forward/backward with each layer's all-gather started one call ahead (during the previous layer,
 //! and across the gap between the last segment's forward and the first recompute) gives exactly the
 //! gradients of the resident parameters, for every checkpoint segment length, host and device shards,
-//! f32 and bf16 (the device path gathers in the compute dtype), over two thread ranks; and it really
+//! f32 and bf16 (gathered in the compute dtype), over two thread ranks whose gathers and reduce-scatters
+//! run on their communication threads while the layers compute; and it really
 //! prefetches: only the first gather of each chain starts cold.
 use candle_core::{DType, Device};
 use harpe::comms::local::spawn_local;
@@ -70,7 +71,7 @@ fn sharded(world: usize, dtype: DType, seg: usize, placement: &Placement, prefet
             Device::Cpu,
             50,
         );
-        assert!(!z.prefetch, "Local collectives do not overlap compute: no prefetch by default");
+        assert!(z.prefetch, "Local collectives run beside the compute (communication threads): prefetch by default");
         z.prefetch = prefetch;
         let mut params = Params::Sharded(z);
         forward_backward_with(

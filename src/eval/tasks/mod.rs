@@ -30,7 +30,7 @@ pub mod results;
 pub mod run;
 pub mod score;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use data::Record;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -298,6 +298,16 @@ impl TaskSpec {
             Kind::Triviaqa => triviaqa_doc(r),
         }
     }
+}
+
+/// `[eval] tasks` and `tasks_shots` checked against the task data (the rest of `[eval]` is checked by
+/// `EvalSection::validate` when the config loads): `harpe train` calls this before it writes anything.
+pub fn check_section(sec: &crate::config::EvalSection, origin: &str) -> Result<()> {
+    if let (Some(t), Some(d)) = (&sec.tasks, &sec.tasks_data) {
+        let specs = parse_tasks(t, d).map_err(|e| anyhow!("{origin}: [eval] tasks: {e:#}"))?;
+        run::shots_of(&sec.tasks_shots.arg(), &specs).map_err(|e| anyhow!("{origin}: [eval] tasks_shots: {e:#}"))?;
+    }
+    Ok(())
 }
 
 /// Expand `--tasks`: harness task names, `mmlu` (every subject present under DIR/mmlu, plus its groups)

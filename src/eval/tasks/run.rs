@@ -303,7 +303,7 @@ fn encode_request(sc: &Scorer, spec: &TaskSpec, r: &Request) -> Result<(Vec<u32>
 
 /// Score a group of requests of one task: one-token multiple-choice questions in one batch, other
 /// questions each with their shared prefix, generations one by one.
-fn respond_group(sc: &Scorer, spec: &TaskSpec, reqs: &[&Request]) -> Result<Vec<Response>> {
+pub fn respond_group(sc: &Scorer, spec: &TaskSpec, reqs: &[&Request]) -> Result<Vec<Response>> {
     let at = |r: &Request| format!("{}: document {} of the `{}` split", spec.name, r.doc_id, spec.eval_split);
     if spec.output == Output::Generate {
         return reqs
@@ -367,6 +367,17 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<Evaluation> {
     Ok((prepared, all, res))
 }
 
+/// The requests of a task in the groups they are scored in (indices into `requests`): longest first,
+/// as the harness orders its requests, `batch` at a time. A request's response depends only on its
+/// group (single-token questions of a group share one batched forward), so any scorer that keeps these
+/// groups gives the same responses.
+pub fn request_groups(p: &PreparedTask, batch: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..p.requests.len()).collect();
+    let len = |r: &Request| r.context.len() + r.continuations.iter().map(String::len).max().unwrap_or(0);
+    order.sort_by_key(|&i| std::cmp::Reverse(len(&p.requests[i])));
+    order.chunks(batch.max(1)).map(<[usize]>::to_vec).collect()
+}
+
 /// Score every document of every task, longest first, with a progress bar; with `out`, documents already
 /// in `out/partial/<task>.jsonl` under the same key are read back and new ones appended. `fp` identifies
 /// the model and settings (part of every key).
@@ -382,13 +393,9 @@ pub fn score_tasks(sc: &Scorer, prepared: &[PreparedTask], out: Option<&Path>, f
         pb.set_prefix(p.spec.name.clone());
         let mut partial = Partial::open(out, &p.spec.name)?;
         let mut resp: Vec<Option<Response>> = vec![None; p.requests.len()];
-        // longest first, as the harness orders its requests
-        let mut order: Vec<usize> = (0..p.requests.len()).collect();
-        let len = |r: &Request| r.context.len() + r.continuations.iter().map(String::len).max().unwrap_or(0);
-        order.sort_by_key(|&i| std::cmp::Reverse(len(&p.requests[i])));
-        for group in order.chunks(sc.batch.max(1)) {
+        for group in request_groups(p, sc.batch) {
             let mut todo = vec![];
-            for &i in group {
+            for &i in &group {
                 let r = &p.requests[i];
                 let key = request_key(fp, r);
                 match partial.get(r.doc_id, &key) {
