@@ -4,8 +4,8 @@
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
 //! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
-//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on CPU in f32 (`ops::swiglu`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
-//! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
+//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on CPU in f32 (`ops::swiglu`), and RoPE tables
+//! come from the model's `RopeScheme` per call (per layer only when `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, the CUDA kernels, or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
 //! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Packed sequences

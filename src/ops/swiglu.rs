@@ -10,8 +10,8 @@
 //! forward and one backward, which packs dg and du into one tensor (a CustomOp returns one) that `bwd`
 //! splits, as `ops::rms_norm` does. Nothing is saved but gate and up.
 //! The CPU loops run `cpu_vec::swiglu_fwd` / `swiglu_bwd` (the element code `cpu_vec::swiglu_lane` /
-//! `swiglu_bwd_lane` with `exp_lane`, within 2 ulp of `f32::exp`) over chunks in parallel; `swiglu_cpu` / `swiglu_bwd_cpu` are the scalar
-//! reference with `f32::exp`.
+//! `swiglu_bwd_lane` with `exp_lane`, within 2 ulp of `f32::exp`) over chunks in parallel;
+//! `swiglu_cpu` / `swiglu_bwd_cpu` are the scalar reference with `f32::exp`.
 //! Does not: run on CUDA or in bf16/f16 (`model::llama` calls `swiglu_slow` there); give a second
 //! derivative.
 use crate::ops::cpu_vec;
