@@ -80,7 +80,13 @@ impl CustomOp2 for SwiGlu {
         Ok((CpuStorage::F32(y), lg.shape().clone()))
     }
 
-    fn bwd(&self, gate: &Tensor, up: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let n = gate.elem_count();
         let packed = grad.contiguous()?.apply_op3(gate, up, SwiGluBwd)?; // (2N)
         let dg = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
