@@ -13,7 +13,7 @@
 //!   recomputed segment, and `train::forward_backward` keeping the last segment's graph (built in the
 //!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
 //!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
-//!   gradient, silu's five temporaries) and the process baseline are *calibrated* constants, measured
+//!   gradient, the fused SwiGLU's packed gradient) and the process baseline are *calibrated* constants, measured
 //!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
 //! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
 //!   before any segment is recomputed, so their buffers are never alive together (GPU path).
