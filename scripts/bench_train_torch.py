@@ -1,24 +1,36 @@
 #!/usr/bin/env python3
-"""Training and decode throughput on CPU: `harpe train` against PyTorch eager (transformers
-LlamaForCausalLM), same model config, same sequence length and batch, same thread count, side by side in
-one run; and greedy decode, `harpe generate` against transformers' `generate` with its KV cache.
+"""Training and decode throughput on CPU: `harpe train` against PyTorch (transformers LlamaForCausalLM +
+torch.optim.AdamW), same model config, sequence length, batch and thread count, side by side in one run;
+and greedy decode, `harpe generate` against transformers' `generate` with its KV cache.
 
-    python3 -m venv /tmp/gvenv && /tmp/gvenv/bin/pip install torch transformers
+    scripts/install-torchrun.sh target/pyenv && target/pyenv/bin/pip install transformers
     cargo build --release
-    /tmp/gvenv/bin/python scripts/bench_train_torch.py --harpe target/release/harpe --threads 2 \
-        --out benches/results/train-cpu_$(date +%Y%m).md
+    target/pyenv/bin/python scripts/bench_train_torch.py --grid --harpe target/release/harpe --threads 2 \
+        --profile 2 --out benches/results/train-cpu-grid_$(date +%Y%m%d).md
 
-Both sides run full optimizer steps (forward, backward, AdamW) in f32 on random-init weights; torch reads
-the same kind of data (byte tokens of harpe's built-in text are not needed for speed, so torch uses random
-ids). harpe's tokens/s is the median over steps after the first (warm-up) from its metrics.jsonl; torch's
-is the median over the same number of timed steps. Activation checkpointing: harpe "every-layer" against
-transformers' `gradient_checkpointing_enable` (torch.utils.checkpoint around every decoder layer,
-use_reentrant=False); "none" against plain eager. `--kv-heads 4 8` runs the GQA (8/4) and MHA (8/8) shapes.
-Decode (`--decode N`): the torch model is saved with `save_pretrained` and `harpe generate` loads the same
-weights (--rope-parity hf), both continue the same random prompt greedily for exactly N tokens (no stop
-token); tokens/s is N over the whole call (prefill of the prompt included), median of 3 calls after a
-warm-up, and the file says whether both produced the same tokens. Each row records the 1-minute load
-average at its start, since a shared machine moves these numbers.
+Both sides run full optimizer steps (forward, backward, clip, AdamW) in f32 on random-init weights; torch
+reads random ids (the tokens do not change the speed). harpe's tokens/s is the median over steps after the
+first (warm-up) from its metrics.jsonl; torch's is the median over the same number of timed steps after one
+warm-up step. Each side of each row runs in its own fresh process (torch: this script with `--torch-row`),
+back to back, torch first, and the 1-minute load average is recorded before each side: the machine may be
+shared. torch uses transformers' default attention (SDPA; `--attn eager` for the old comparison).
+Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_enable`
+(torch.utils.checkpoint around every decoder layer, use_reentrant=False); "none" against plain autograd.
+
+`--grid` runs GRID below, a covering design rather than the full factorial (4 hidden x 2 attention x 4
+depths x 4 T x 3 micro-batches x 2 checkpointing = 768 rows, days on 2 cores): every level of every factor
+appears at least once, the issue's reported shape (6 layers, hidden 384, 6/2 heads, intermediate 1024,
+micro-batch 4, T 512) appears with and without checkpointing, and the expensive levels are paired with the
+cheap ones (T 4096 with micro-batch 1, micro-batch 8 with T <= 1024) so a step stays under ~10 s. GQA 3:1
+needs heads divisible by 3 at head dim 64, so it runs at hidden 384 (6/2) and 768 (12/4); hidden 128
+(4 heads of 32) and 512 (8 heads of 64) are MHA, and hidden 768 also appears as MHA. Without `--grid`,
+`--seq` x `--kv-heads` on the 4-layer, hidden-256 model of the earlier benchmark (both checkpointing modes).
+
+`--profile K` re-runs the K rows with the lowest ratio under `perf record` (both sides) and writes each
+side's top symbols. `--decode N` also times greedy decode of N tokens on the first shape: the torch model is
+saved with `save_pretrained` and `harpe generate` loads the same weights (--rope-parity hf); tokens/s is N
+over the whole call (prefill included), median of 3 calls after a warm-up; the file says whether both
+produced the same tokens.
 """
 import argparse
 import json
@@ -29,27 +41,63 @@ import sys
 import tempfile
 import time
 
-CFG = dict(vocab_size=259, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-           num_attention_heads=8, num_key_value_heads=4)
+VOCAB = 259
 
 
-def torch_model(seq, kv_heads):
+def shape(hidden, heads, kv, layers, seq, batch, ckpt, inter=None):
+    """One grid row: the model (intermediate ~8/3 hidden rounded to 32 unless given) and the step."""
+    inter = inter or (8 * hidden // 3 + 31) // 32 * 32
+    return dict(hidden=hidden, heads=heads, kv=kv, layers=layers, inter=inter, seq=seq, batch=batch, ckpt=ckpt)
+
+
+# hidden, heads, kv heads, layers, T, micro-batch, checkpointing. Levels covered: hidden 128 (rows 3-4),
+# 384 (1, 2, 9), 512 (5, 6), 768 (7, 8, 10); GQA 3:1 (1, 2, 7, 9, 10), MHA (3-6, 8); layers 2 (3, 6, 10),
+# 4 (4, 7, 9), 6 (1, 2), 8 (5, 8); T 256 (3, 5, 8), 512 (1, 2, 10), 1024 (4, 7), 4096 (6, 9); micro-batch 1
+# (4, 5, 6, 9), 4 (1, 2, 7), 8 (3, 8, 10); checkpointing none (1, 3, 5, 7, 9), every layer (2, 4, 6, 8, 10).
+GRID = [
+    shape(384, 6, 2, 6, 512, 4, "none", inter=1024),  # the issue's shape
+    shape(384, 6, 2, 6, 512, 4, "every-layer", inter=1024),
+    shape(128, 4, 4, 2, 256, 8, "none"),
+    shape(128, 4, 4, 4, 1024, 1, "every-layer"),
+    shape(512, 8, 8, 8, 256, 1, "none"),
+    shape(512, 8, 8, 2, 4096, 1, "every-layer"),
+    shape(768, 12, 4, 4, 1024, 4, "none"),
+    shape(768, 12, 12, 8, 256, 8, "every-layer"),
+    shape(384, 6, 2, 4, 4096, 1, "none", inter=1024),
+    shape(768, 12, 4, 2, 512, 8, "every-layer"),
+]
+
+
+def legacy_rows(seqs, kv_heads, batch, ckpt_rows):
+    """The earlier benchmark's model (4 layers, hidden 256, 8 heads) at each T and kv-head count."""
+    modes = ["none", "every-layer"] if ckpt_rows else ["none"]
+    return [shape(256, 8, kv, 4, seq, batch, m, inter=688) for kv in kv_heads for seq in seqs for m in modes]
+
+
+def torch_model(s, attn):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    if not torch.cuda.is_available():
+        # the CPU-only install (scripts/install-torchrun.sh) links stub CUDA libraries; transformers' mask
+        # code asks torch.cuda.is_current_stream_capturing(), which calls into them and segfaults
+        torch.cuda.is_current_stream_capturing = lambda: False
     torch.manual_seed(0)
-    cfg = LlamaConfig(**dict(CFG, num_key_value_heads=kv_heads), max_position_embeddings=max(seq, 256),
-                      rms_norm_eps=1e-5, attn_implementation="eager")
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=s["hidden"], intermediate_size=s["inter"],
+                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv"], max_position_embeddings=max(s["seq"], 256),
+                      rms_norm_eps=1e-5, attn_implementation=attn)
     return LlamaForCausalLM(cfg).float()
 
 
-def torch_tokens_per_s(seq, batch, steps, threads, kv_heads, ckpt):
+def torch_tokens_per_s(s, steps, threads, attn):
+    """(tok/s, torch version, parameter count) of `steps` timed optimizer steps after one warm-up."""
     import torch
     torch.set_num_threads(threads)
-    model = torch_model(seq, kv_heads).train()
-    if ckpt:
+    model = torch_model(s, attn).train()
+    if s["ckpt"] != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    ids = torch.randint(0, CFG["vocab_size"], (batch, seq))
+    ids = torch.randint(0, VOCAB, (s["batch"], s["seq"]))
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -61,19 +109,19 @@ def torch_tokens_per_s(seq, batch, steps, threads, kv_heads, ckpt):
         if i > 0:
             times.append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in model.parameters())
-    return batch * seq / statistics.median(times), torch.__version__, n_params
+    return s["batch"] * s["seq"] / statistics.median(times), torch.__version__, n_params
 
 
-def harpe_tokens_per_s(binary, seq, batch, steps, threads, ckpt, kv_heads):
-    toml = f"""
+def harpe_toml(s, steps):
+    return f"""
 [model.init]
-vocab_size = {CFG['vocab_size']}
-hidden_size = {CFG['hidden_size']}
-intermediate_size = {CFG['intermediate_size']}
-num_hidden_layers = {CFG['num_hidden_layers']}
-num_attention_heads = {CFG['num_attention_heads']}
-num_key_value_heads = {kv_heads}
-max_position_embeddings = {max(seq, 256)}
+vocab_size = {VOCAB}
+hidden_size = {s['hidden']}
+intermediate_size = {s['inter']}
+num_hidden_layers = {s['layers']}
+num_attention_heads = {s['heads']}
+num_key_value_heads = {s['kv']}
+max_position_embeddings = {max(s['seq'], 256)}
 rms_norm_eps = 1e-5
 
 [data]
@@ -85,8 +133,8 @@ theta = 10000.0
 
 [train]
 dtype = "f32"
-micro_batch_size = {batch}
-activation_checkpointing = "{ckpt}"
+micro_batch_size = {s['batch']}
+activation_checkpointing = "{s['ckpt']}"
 loss_chunk_tokens = 1024
 
 [optim]
@@ -98,28 +146,51 @@ progress = false
 plot = false
 
 [[stage]]
-seq_len = {seq}
+seq_len = {s['seq']}
 steps = {steps + 1}
 """
+
+
+def perf_prefix(perf_out):
+    return ["perf", "record", "-F", "499", "-q", "-o", perf_out, "--"] if perf_out else []
+
+
+def harpe_tokens_per_s(binary, s, steps, threads, perf_out=None):
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "bench.toml")
-        open(cfg, "w").write(toml)
+        open(cfg, "w").write(harpe_toml(s, steps))
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
-        subprocess.run([binary, "train", "--config", cfg, "--out", os.path.join(d, "run")], check=True,
-                       env=env, stdout=subprocess.DEVNULL)
+        cmd = perf_prefix(perf_out) + [binary, "train", "--config", cfg, "--out", os.path.join(d, "run")]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         recs = [json.loads(l) for l in open(os.path.join(d, "run", "metrics.jsonl"))]
     return statistics.median(r["tokens_per_s"] for r in recs[1:])
 
 
-def decode_tokens_per_s(binary, threads, kv_heads, prompt_len, new_tokens):
+def torch_row_subprocess(s, steps, threads, attn, perf_out=None):
+    """torch's side of one row in a fresh process (as harpe's): (tok/s, torch version, parameters)."""
+    cmd = perf_prefix(perf_out) + [sys.executable, os.path.abspath(__file__), "--torch-row", json.dumps(s),
+                                   "--steps", str(steps), "--threads", str(threads), "--attn", attn]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def perf_top(perf_out, n=12):
+    """The top `n` symbols (self time) of a perf.data file, as 'pct symbol' lines."""
+    rep = subprocess.run(["perf", "report", "-i", perf_out, "--stdio", "--no-children", "--sort", "dso,symbol",
+                          "--percent-limit", "0.8"], capture_output=True, text=True).stdout
+    lines = [l.strip() for l in rep.splitlines() if l.strip() and not l.startswith("#")]
+    return lines[:n]
+
+
+def decode_tokens_per_s(binary, threads, s, prompt_len, new_tokens, attn):
     """(torch tok/s, harpe tok/s, same tokens?) of greedy decoding on the same weights and prompt."""
     import torch
     torch.set_num_threads(threads)
-    model = torch_model(prompt_len + new_tokens, kv_heads).eval()
+    model = torch_model(dict(s, seq=prompt_len + new_tokens), attn).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, CFG["vocab_size"], (1, prompt_len), generator=g)
+    prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=g)
     times = []
     with torch.no_grad():
         for i in range(4):
@@ -140,76 +211,128 @@ def decode_tokens_per_s(binary, threads, kv_heads, prompt_len, new_tokens):
     return new_tokens / statistics.median(times), h, runs[0]["new_tokens"] == torch_ids
 
 
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def describe(s):
+    return (f"C={s['hidden']} H={s['heads']}/{s['kv']} L={s['layers']} I={s['inter']} T={s['seq']} "
+            f"mb={s['batch']} ckpt={s['ckpt']}")
+
+
+def run_rows(a, shapes):
+    """Both sides of every (number, shape), torch then harpe back to back; returns row dicts and raw lines."""
+    rows, raw, meta = [], [], {}
+    for i, s in shapes:
+        load_t = os.getloadavg()[0]
+        t, meta["torch"], params = torch_row_subprocess(s, a.steps, a.threads, a.attn)
+        load_h = os.getloadavg()[0]
+        h = harpe_tokens_per_s(a.harpe, s, a.steps, a.threads)
+        rows.append(dict(s, i=i, load_t=load_t, load_h=load_h, torch=t, harpe=h, params=params))
+        line = (f"row {i} {describe(s)} params={params / 1e6:.1f}M load={load_t:.2f}/{load_h:.2f}: "
+                f"torch {t:.0f} harpe {h:.0f} tok/s (x{h / t:.2f})")
+        raw.append(line)
+        print(line, file=sys.stderr, flush=True)
+    return rows, raw, meta
+
+
+def profile_rows(a, rows):
+    """perf top symbols of both sides of the `a.profile` rows with the lowest ratio."""
+    out = []
+    worst = sorted(rows, key=lambda r: r["harpe"] / r["torch"])[: a.profile]
+    with tempfile.TemporaryDirectory() as d:
+        for r in worst:
+            s = {k: r[k] for k in ("hidden", "heads", "kv", "layers", "inter", "seq", "batch", "ckpt")}
+            pt, ph = os.path.join(d, "torch.data"), os.path.join(d, "harpe.data")
+            torch_row_subprocess(s, a.steps, a.threads, a.attn, perf_out=pt)
+            harpe_tokens_per_s(a.harpe, s, a.steps, a.threads, perf_out=ph)
+            out += ["", f"Row {r['i']} ({describe(s)}), `perf record -F 499`, whole process (setup included), "
+                    f"self time by shared object and symbol, load {os.getloadavg()[0]:.2f}:", ""]
+            for side, p in (("torch", pt), ("harpe", ph)):
+                out += [f"{side}:", "", "```"] + perf_top(p) + ["```", ""]
+    return out
+
+
+def report(a, rows, raw, meta, load_before, drows):
+    lines = [
+        "# Training throughput on CPU: harpe vs PyTorch",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_train_torch.py` on "
+        f"`{os.uname().nodename}` ({cpu_model()}, {os.cpu_count()} logical CPUs; 1-minute load average "
+        f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
+        f"sides, f32, vocab {VOCAB}, median of {a.steps} steps after one warm-up step, each side in its own "
+        f"process. torch {meta.get('torch', '?')} (transformers LlamaForCausalLM, attn_implementation="
+        f"\"{a.attn}\", torch.optim.AdamW; checkpointed rows: gradient_checkpointing_enable, "
+        f"torch.utils.checkpoint per layer); harpe binary `{a.harpe}`. Load: 1-minute average before the torch "
+        f"side / before the harpe side.",
+        "",
+        "| # | hidden | heads/kv | layers | inter | T | mb | ckpt | params | load | torch tok/s | harpe tok/s | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['i']} | {r['hidden']} | {r['heads']}/{r['kv']} | {r['layers']} | {r['inter']} | "
+                     f"{r['seq']} | {r['batch']} | {r['ckpt']} | {r['params'] / 1e6:.1f}M | "
+                     f"{r['load_t']:.2f}/{r['load_h']:.2f} | {r['torch']:.0f} | {r['harpe']:.0f} | "
+                     f"{r['harpe'] / r['torch']:.2f} |")
+    if drows:
+        lines += ["", f"Greedy decode, {a.decode} new tokens after a {a.prompt}-token prompt, batch 1 "
+                  "(transformers `generate`, KV cache, vs `harpe generate`):", "",
+                  "| shape | load | torch tok/s | harpe tok/s | ratio | same tokens |", "|---|---|---|---|---|---|"]
+        for d, load, t, h, same in drows:
+            lines.append(f"| {d} | {load:.2f} | {t:.1f} | {h:.1f} | {h / t:.2f} | {same} |")
+    if a.profile:
+        lines += ["", "## Profiles of the lowest-ratio rows"] + profile_rows(a, rows)
+    # The exact command and the raw output, so the file needs no hand-written header.
+    lines += ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
+    lines += raw + ["```"]
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--harpe", default="target/release/harpe", help="harpe binary")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both sides")
-    ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="sequence lengths")
-    ap.add_argument("--kv-heads", type=int, nargs="+", default=[CFG["num_key_value_heads"]],
-                    help="kv heads of the 8 attention heads (4: GQA, 8: MHA)")
-    ap.add_argument("--batch", type=int, default=2, help="sequences per step")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
-    ap.add_argument("--no-ckpt-rows", action="store_true", help="skip the checkpointed rows")
+    ap.add_argument("--grid", action="store_true", help="run GRID (the covering design) instead of --seq/--kv-heads")
+    ap.add_argument("--rows", type=int, nargs="+", help="only these GRID rows (1-based)")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention")
+    ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="sequence lengths (without --grid)")
+    ap.add_argument("--kv-heads", type=int, nargs="+", default=[4],
+                    help="kv heads of the 8 attention heads (4: GQA, 8: MHA; without --grid)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step (without --grid)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    ap.add_argument("--no-ckpt-rows", action="store_true", help="skip the checkpointed rows (without --grid)")
+    ap.add_argument("--profile", type=int, default=0, metavar="K", help="perf profiles of the K lowest-ratio rows")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also time greedy decode of N tokens")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens of the decode rows")
     ap.add_argument("--out", help="write the markdown table here (default: stdout only)")
+    ap.add_argument("--torch-row", help=argparse.SUPPRESS)  # internal: one torch side, JSON shape
     a = ap.parse_args()
-    rows, drows, raw = [], [], []
-    tv, params = "?", 0
-    load_before = os.getloadavg()
-    for kv in a.kv_heads:
-        for seq in a.seq:
-            load = os.getloadavg()[0]
-            t, tv, params = torch_tokens_per_s(seq, a.batch, a.steps, a.threads, kv, False)
-            h0 = harpe_tokens_per_s(a.harpe, seq, a.batch, a.steps, a.threads, "none", kv)
-            tc = hc = float("nan")
-            if not a.no_ckpt_rows:
-                tc, _, _ = torch_tokens_per_s(seq, a.batch, a.steps, a.threads, kv, True)
-                hc = harpe_tokens_per_s(a.harpe, seq, a.batch, a.steps, a.threads, "every-layer", kv)
-            rows.append((kv, seq, load, t, h0, tc, hc))
-            line = (f"kv={kv} T={seq} load={load:.2f}: no ckpt torch {t:.0f} harpe {h0:.0f} tok/s "
-                    f"(x{h0 / t:.2f}); every-layer ckpt torch {tc:.0f} harpe {hc:.0f} tok/s (x{hc / tc:.2f})")
-            raw.append(line)
-            print(line, file=sys.stderr)
-        if a.decode:
-            load = os.getloadavg()[0]
-            t, h, same = decode_tokens_per_s(a.harpe, a.threads, kv, a.prompt, a.decode)
-            drows.append((kv, load, t, h, same))
-            line = (f"kv={kv} decode {a.decode} after {a.prompt} load={load:.2f}: torch {t:.1f} harpe {h:.1f} "
-                    f"tok/s (x{h / t:.2f}), same tokens: {same}")
-            raw.append(line)
-            print(line, file=sys.stderr)
-    heads = CFG["num_attention_heads"]
-    lines = [
-        "# Training throughput on CPU: harpe vs PyTorch eager",
-        "",
-        f"Measured {time.strftime('%Y-%m-%d')} by `scripts/bench_train_torch.py` on `{os.uname().nodename}` "
-        f"({os.cpu_count()} logical CPUs; 1-minute load average {load_before[0]:.2f} before the run and "
-        f"{os.getloadavg()[0]:.2f} after it), {a.threads} threads on both sides, f32, "
-        f"batch {a.batch}, median of {a.steps} steps after one warm-up step. torch {tv} "
-        f"(transformers LlamaForCausalLM, eager attention, torch.optim.AdamW; checkpointed rows: "
-        f"gradient_checkpointing_enable, torch.utils.checkpoint per layer); harpe binary `{a.harpe}`.",
-        f"Model: Llama, {CFG['num_hidden_layers']} layers, hidden {CFG['hidden_size']}, intermediate "
-        f"{CFG['intermediate_size']}, {heads} heads of dim {CFG['hidden_size'] // heads}, vocab "
-        f"{CFG['vocab_size']} (~{params / 1e6:.1f}M parameters at the last shape).",
-        "",
-        "| heads / kv heads | T | load | torch tok/s | harpe tok/s | ratio | torch ckpt tok/s | harpe ckpt tok/s | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for kv, seq, load, t, h0, tc, hc in rows:
-        lines.append(f"| {heads}/{kv} | {seq} | {load:.2f} | {t:.0f} | {h0:.0f} | {h0 / t:.2f} | {tc:.0f} | {hc:.0f} "
-                     f"| {hc / tc:.2f} |")
-    if drows:
-        lines += ["", f"Greedy decode, {a.decode} new tokens after a {a.prompt}-token prompt, batch 1 "
-                  "(transformers `generate`, KV cache, vs `harpe generate`):", "",
-                  "| heads / kv heads | load | torch tok/s | harpe tok/s | ratio | same tokens |",
-                  "|---|---|---|---|---|---|"]
-        for kv, load, t, h, same in drows:
-            lines.append(f"| {heads}/{kv} | {load:.2f} | {t:.1f} | {h:.1f} | {h / t:.2f} | {same} |")
-    # The exact command and the raw output, so the file needs no hand-written header.
-    lines += ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
-    lines += raw + ["```"]
-    text = "\n".join(lines) + "\n"
+    if a.torch_row:
+        print(json.dumps(torch_tokens_per_s(json.loads(a.torch_row), a.steps, a.threads, a.attn)))
+        return
+    if a.grid:
+        shapes = [(i + 1, s) for i, s in enumerate(GRID) if not a.rows or i + 1 in a.rows]
+    else:
+        shapes = list(enumerate(legacy_rows(a.seq, a.kv_heads, a.batch, not a.no_ckpt_rows), 1))
+    load_before = os.getloadavg()[0]
+    rows, raw, meta = run_rows(a, shapes)
+    drows = []
+    if a.decode:
+        s = shapes[0][1]
+        load = os.getloadavg()[0]
+        t, h, same = decode_tokens_per_s(a.harpe, a.threads, s, a.prompt, a.decode, a.attn)
+        d = f"C={s['hidden']} H={s['heads']}/{s['kv']} L={s['layers']}"
+        drows.append((d, load, t, h, same))
+        line = f"decode {a.decode} after {a.prompt} {d} load={load:.2f}: torch {t:.1f} harpe {h:.1f} tok/s (x{h / t:.2f}), same: {same}"
+        raw.append(line)
+        print(line, file=sys.stderr)
+    text = report(a, rows, raw, meta, load_before, drows)
     print(text)
     if a.out:
         open(a.out, "w").write(text)

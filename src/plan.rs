@@ -13,7 +13,7 @@
 //!   recomputed segment, and `train::forward_backward` keeping the last segment's graph (built in the
 //!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
 //!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
-//!   gradient, silu's five temporaries) and the process baseline are *calibrated* constants, measured
+//!   gradient, the fused SwiGLU's packed gradient) and the process baseline are *calibrated* constants, measured
 //!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
 //! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
 //!   before any segment is recomputed, so their buffers are never alive together (GPU path).
@@ -42,14 +42,15 @@ const BUCKET_BYTES: u64 = 64 << 20;
 /// Resident bytes of a `harpe train` process besides its model, state and activations (binary, libc and
 /// rayon runtime, tokenizer, dataset index, allocator arenas): 17.5 MiB, calibrated (see below).
 pub const CPU_BASELINE_BYTES: u64 = 35 << 19;
-/// candle's backward temporaries per token of one recomputed layer (zeros + sum per gradient, silu's
-/// temporaries, matmul gradients) together with what glibc's allocator keeps resident between steps,
-/// in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on 2026-12-01 by a
-/// least-squares fit of the peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256, I 512/1024,
-/// L 4/8, T 512/1024; residuals <= 1.4 MiB) after subtracting every enumerated term; validated on a GQA
-/// config of other sizes by tests/stage_train/plan_memory.rs.
-pub const CPU_BWD_PER_I: f64 = 14.5;
-pub const CPU_BWD_PER_C: f64 = 26.0;
+/// candle's backward temporaries per token of one recomputed layer (zeros + sum per gradient, the fused
+/// SwiGLU's packed gradient, matmul gradients) together with what glibc's allocator keeps resident
+/// between steps, in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on
+/// 2026-12-02 (after SwiGLU was fused: 14.5 and 26.0 before) by `scripts/calibrate_cpu_plan.py`: a
+/// least-squares fit of the smallest of 3 peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256,
+/// I 512/1024, L 4/8, T 1024; residuals <= 1.7 MiB) after subtracting every enumerated term; validated on
+/// a GQA config of other sizes by tests/stage_train/plan_memory.rs.
+pub const CPU_BWD_PER_I: f64 = 11.1;
+pub const CPU_BWD_PER_C: f64 = 17.1;
 
 /// Hardware a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -638,11 +639,13 @@ fn comm_terms(sz: &Sizes, arch: &Arch, world: &World, gpu: &Gpu, terms: &mut Vec
     if world.gpus > 1 {
         if sz.cpu {
             // Local ranks exchange copies: ZeRO-0's all-reduce and ZeRO-1's reduce-scatter deposit the
-            // whole gradient; ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time to the
+            // whole gradient (the all-reduce's result is a second whole copy); ZeRO 2-3 hand on one group (a layer or the embedding/head) at a time to the
             // rank's communication thread, which may still hold the previous group's copy while the next
             // one is handed on (the deferred join, as on an NCCL stream): two groups alive
-            let (unit, note) = if !sz.z.shards_gradients() {
-                (n, "the gradient copy a Local collective holds (all of it)")
+            let (unit, note) = if !sz.z.shards_optimizer() {
+                (2.0 * n, "ZeRO-0's all-reduce: the gradient's copy deposited and the reduced result")
+            } else if !sz.z.shards_gradients() {
+                (n, "ZeRO-1's reduce-scatter: the gradient's copy deposited")
             } else {
                 (2.0 * group, "2 x one layer's gradient copy: one handed to the comm thread, one still in flight")
             };
@@ -740,11 +743,11 @@ fn splits_over_ranks(arch: &Arch, sh: &StageShape, w: &World) -> bool {
 /// (`Llama::layer_forward`): the fused RMSNorm op's output (C, twice), q/k/v projections (HD + 2 Hkv·D),
 /// RoPE's output for q and k (HD + Hkv·D; it reads the projections' strided rows, no copy), v made
 /// contiguous (Hkv·D), attention output (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate,
-/// silu, up, product (4I), down and the residual (2C).
+/// up and the fused SwiGLU's product (3I: `ops::swiglu` keeps no silu output), down and the residual (2C).
 pub fn cpu_graph_per_token(a: &Arch) -> f64 {
     let (c, i) = (a.hidden as f64, a.intermediate as f64);
     let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
-    6.0 * c + 4.0 * hd + 4.0 * kvd + 4.0 * i
+    6.0 * c + 4.0 * hd + 4.0 * kvd + 3.0 * i
 }
 
 /// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.

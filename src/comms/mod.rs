@@ -465,6 +465,21 @@ impl Comm {
         }
     }
 
+    /// `reduce_scatter_v_sum_tensor_start` of host f32 values handed over as they are: `Local` deposits
+    /// `input` itself (a tensor input is copied out of the tensor first: one group's copy fewer at the
+    /// peak of ZeRO 2-3's backward on CPU); the other backends take it as a host tensor (no copy).
+    pub fn reduce_scatter_v_sum_host_start(&self, input: Vec<f32>, counts: &[usize], label: &str) -> Result<Started> {
+        match self {
+            Comm::Local(c, _) => {
+                Ok(Started::local(c.reduce_scatter_v_start(input, counts, ReduceOp::Sum, label)?, &Device::Cpu))
+            }
+            _ => {
+                let n = input.len();
+                self.reduce_scatter_v_sum_tensor_start(&Tensor::from_vec(input, n, &Device::Cpu)?, counts, label)
+            }
+        }
+    }
+
     /// `reduce_scatter_v_sum` on a 1-D f32 tensor: this rank's summed slice on the input's device.
     pub fn reduce_scatter_v_sum_tensor(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
         match self {

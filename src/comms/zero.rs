@@ -288,7 +288,12 @@ impl<'a> ZeroShards<'a> {
                 }
                 continue;
             }
-            let started = self.comm.reduce_scatter_v_sum_tensor_start(&full.range_tensor(local)?, &counts, label)?;
+            let started = match &full {
+                FlatBuf::Host(v) => self.comm.reduce_scatter_v_sum_host_start(v[local].to_vec(), &counts, label)?,
+                FlatBuf::Device(_) => {
+                    self.comm.reduce_scatter_v_sum_tensor_start(&full.range_tensor(local)?, &counts, label)?
+                }
+            };
             let ready = started.is_ready(); // `Single`: add it now
             self.pending.push((into, started));
             if ready {

@@ -4,8 +4,8 @@
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
 //! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
-//! device (`ops::rms_norm`), and RoPE tables come from the model's `RopeScheme` per call (per layer only when
-//! `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
+//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on CPU in f32 (`ops::swiglu`), and RoPE tables
+//! come from the model's `RopeScheme` per call (per layer only when `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, the CUDA kernels, or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
 //! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Packed sequences
@@ -183,6 +183,15 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
         crate::ops::rms_norm::rms_norm(x, w, eps)
     } else {
         crate::ops::rms_norm::rms_norm_slow(x, w, eps)
+    }
+}
+
+/// silu(gate) * up: the fused op with its own backward on CPU in f32 (`ops::swiglu`), plain ops elsewhere.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    if gate.device().is_cpu() && gate.dtype() == DType::F32 && up.dtype() == DType::F32 {
+        crate::ops::swiglu::swiglu(gate, up)
+    } else {
+        crate::ops::swiglu::swiglu_slow(gate, up)
     }
 }
 
@@ -385,7 +394,7 @@ impl Llama {
         let o = o.transpose(1, 2)?.reshape((b, t, h * d))?;
         let x = (x + linear(&o, &w.o_proj)?)?;
         let hs = rms_norm(&x, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
-        let mlp = (linear(&hs, &w.gate_proj)?.silu()? * linear(&hs, &w.up_proj)?)?; // (B, T, I)
+        let mlp = swiglu(&linear(&hs, &w.gate_proj)?, &linear(&hs, &w.up_proj)?)?; // (B, T, I)
         Ok((&x + linear(&mlp, &w.down_proj)?)?)
     }
 

@@ -193,3 +193,31 @@ dispatch!(
     }
     acc.iter().sum::<f32>() + chunks.remainder().iter().map(|x| x * x).sum::<f32>()
 });
+
+/// silu(g) u of one element, with `exp` passed in (`exp_lane` in the loops, `f32::exp` in references).
+#[inline(always)]
+pub fn swiglu_lane(g: f32, u: f32, exp: impl Fn(f32) -> f32) -> f32 {
+    g / (1.0 + exp(-g)) * u
+}
+
+/// (dg, du) of silu(g) u given dy: with s = sigmoid(g), dg = dy u s (1 + g (1 - s)), du = dy g s.
+#[inline(always)]
+pub fn swiglu_bwd_lane(dy: f32, g: f32, u: f32, exp: impl Fn(f32) -> f32) -> (f32, f32) {
+    let s = 1.0 / (1.0 + exp(-g));
+    (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
+}
+
+dispatch!(
+    /// y[i] = silu(g[i]) u[i] (`ops::swiglu`'s forward, vectorised).
+    swiglu_fwd(g: &[f32], u: &[f32], y: &mut [f32]) -> () {
+    y.iter_mut().zip(g.iter().zip(u)).for_each(|(y, (&g, &u))| *y = swiglu_lane(g, u, exp_lane));
+});
+
+dispatch!(
+    /// (dg[i], du[i]) of silu(g) u given dy (`ops::swiglu`'s backward, vectorised).
+    swiglu_bwd(dy: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) -> () {
+    let ins = dy.iter().zip(g.iter().zip(u));
+    dg.iter_mut().zip(du.iter_mut()).zip(ins).for_each(|((dg, du), (&d, (&g, &u)))| {
+        (*dg, *du) = swiglu_bwd_lane(d, g, u, exp_lane);
+    });
+});

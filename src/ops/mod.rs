@@ -8,6 +8,7 @@ pub mod cpu_vec;
 pub mod cross_entropy_chunk;
 pub mod rms_norm;
 pub mod rotary;
+pub mod swiglu;
 #[cfg(feature = "cuda")]
 pub mod attention_cuda;
 #[cfg(feature = "cuda")]

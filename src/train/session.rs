@@ -84,6 +84,8 @@ impl Run {
 
     /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.
     /// Rank 0 alone locks and writes the run directory; the other ranks wait for it (a barrier).
+    /// Kept whole (a little over 80 lines): it reads top to bottom as the run's opening, and its last
+    /// half is the `Run` literal itself.
     pub(super) fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
         let resolved = RunConfig::load(&args.config, &args.set)?;

@@ -9,6 +9,7 @@ mod ops_common;
 mod model;
 mod ops;
 mod ops_rms_norm;
+mod ops_swiglu;
 mod attention_docs;
 mod attention_emu;
 mod attention_gemm;

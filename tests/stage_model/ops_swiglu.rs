@@ -1,0 +1,100 @@
+//! The fused SwiGLU op (`ops::swiglu`): silu(gate) * up forward and backward against the plain-op
+//! `swiglu_slow` (the model's former formula) in f32 and in f64, every input receiving a gradient, and the
+//! op's vectorised parallel loops against the scalar reference loops (`f32::exp`), tails and large
+//! magnitudes included.
+use crate::ops_common;
+use candle_core::{DType, Tensor, Var};
+use harpe::ops::swiglu::{swiglu, swiglu_bwd_cpu, swiglu_bwd_par, swiglu_cpu, swiglu_par, swiglu_slow};
+use ops_common::randn;
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+#[test]
+fn forward_and_backward_match_the_slow_version() {
+    // 2*5*37 = 370 elements: not a multiple of the 16 lanes, so the loops' tails run too
+    for (shape, amp) in [(vec![2usize, 5, 37], 3.0), (vec![4, 1000], 12.0)] {
+        let g = Var::from_tensor(&randn(&shape, 1, amp)).unwrap();
+        let u = Var::from_tensor(&randn(&shape, 2, 1.0)).unwrap();
+        let up = randn(&shape, 3, 1.0);
+        let y = swiglu(g.as_tensor(), u.as_tensor()).unwrap();
+        let ys = swiglu_slow(g.as_tensor(), u.as_tensor()).unwrap();
+        // f64 through the slow version: the exact values both f32 paths approximate
+        let y64 =
+            swiglu_slow(&g.as_tensor().to_dtype(DType::F64).unwrap(), &u.as_tensor().to_dtype(DType::F64).unwrap())
+                .unwrap();
+        let tol = 1e-5 * amp as f64;
+        assert!(max_abs_diff(&y, &ys) < tol, "{shape:?}: {}", max_abs_diff(&y, &ys));
+        assert!(max_abs_diff(&y, &y64) < tol, "{shape:?}: {}", max_abs_diff(&y, &y64));
+        let gf = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gs = (ys * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, v) in [("gate", &g), ("up", &u)] {
+            let (a, b) = (gf.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+            assert_eq!(a.dims(), v.as_tensor().dims());
+            assert!(max_abs_diff(a, b) < tol, "{shape:?} d{name}: {}", max_abs_diff(a, b));
+            let mag = a.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(mag > 0.0, "d{name} is zero");
+        }
+    }
+}
+
+#[test]
+fn backward_agrees_with_finite_differences() {
+    let (g0, u0, up) = (randn(&[3, 7], 4, 2.0), randn(&[3, 7], 5, 1.0), randn(&[3, 7], 6, 1.0));
+    let (g, u) = (Var::from_tensor(&g0).unwrap(), Var::from_tensor(&u0).unwrap());
+    let grads = (swiglu(g.as_tensor(), u.as_tensor()).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    // the loss in f64 through the slow version, so the difference quotient is accurate
+    let f = |gt: &Tensor, ut: &Tensor| -> f64 {
+        let y = swiglu_slow(&gt.to_dtype(DType::F64).unwrap(), &ut.to_dtype(DType::F64).unwrap()).unwrap();
+        (y * up.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+    };
+    let h = 1e-3f32;
+    for (which, v0) in [(0, &g0), (1, &u0)] {
+        let analytic = grads.get(if which == 0 { g.as_tensor() } else { u.as_tensor() }).unwrap();
+        let analytic = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let base = v0.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for i in [0usize, 5, 11, 20] {
+            let bump = |d: f32| {
+                let mut b = base.clone();
+                b[i] += d;
+                (Tensor::from_vec(b.clone(), v0.dims(), v0.device()).unwrap(), b[i] as f64)
+            };
+            let ((p, xp), (m, xm)) = (bump(h), bump(-h));
+            let (fp, fm) = if which == 0 { (f(&p, &u0), f(&m, &u0)) } else { (f(&g0, &p), f(&g0, &m)) };
+            let num = (fp - fm) / (xp - xm); // the f32 inputs' actual step
+            assert!((num - analytic[i] as f64).abs() < 1e-3, "input {which} elem {i}: {num} vs {}", analytic[i]);
+        }
+    }
+}
+
+#[test]
+fn parallel_vectorised_loops_match_the_reference_loops() {
+    // 70_001 elements: several rayon tasks and a ragged tail; magnitudes up to ~100 reach exp's clamps
+    let n = 70_001;
+    let g: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.37).sin() * 100.0) / (1.0 + (i % 7) as f32)).collect();
+    let u: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let dy: Vec<f32> = (0..n).map(|i| (i as f32 * 0.05).sin() + 0.1).collect();
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");
+        }
+    };
+    close(&swiglu_par(&g, &u), &swiglu_cpu(&g, &u), "y");
+    let packed = swiglu_bwd_par(&dy, &g, &u);
+    let (dg, du) = swiglu_bwd_cpu(&dy, &g, &u);
+    assert_eq!(packed.len(), 2 * n);
+    close(&packed[..n], &dg, "dgate");
+    close(&packed[n..], &du, "dup");
+}
+
+#[test]
+fn shapes_and_dtypes_are_checked() {
+    let e = swiglu(&randn(&[2, 5], 1, 1.0), &randn(&[2, 6], 2, 1.0)).unwrap_err().to_string();
+    assert!(e.contains("differ"), "{e}");
+    let bf = randn(&[2, 5], 1, 1.0).to_dtype(DType::BF16).unwrap();
+    let e = swiglu(&bf, &bf).unwrap_err().to_string();
+    assert!(e.contains("swiglu_slow"), "{e}");
+}
