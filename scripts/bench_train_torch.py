@@ -35,6 +35,7 @@ produced the same tokens.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -178,7 +179,8 @@ def perf_top(perf_out, n=12):
     """The top `n` symbols (self time) of a perf.data file, as 'pct symbol' lines."""
     rep = subprocess.run(["perf", "report", "-i", perf_out, "--stdio", "--no-children", "--sort", "dso,symbol",
                           "--percent-limit", "0.8"], capture_output=True, text=True).stdout
-    lines = [l.strip() for l in rep.splitlines() if l.strip() and not l.startswith("#")]
+    # perf pads the symbol column to its widest entry and appends empty columns ("-      -"): trimmed
+    lines = [re.sub(r"\s+-\s+-$", "", l.strip()).rstrip() for l in rep.splitlines() if l.strip() and not l.startswith("#")]
     return lines[:n]
 
 
