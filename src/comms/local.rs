@@ -96,39 +96,29 @@ impl Elem for f64 {
     }
 }
 
-impl Elem for bf16 {
-    type Acc = f32;
-    const DTYPE: DType = DType::BF16;
-    fn acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn add(a: f32, b: f32) -> f32 {
-        a + b
-    }
-    fn div(a: f32, n: usize) -> f32 {
-        a / n as f32
-    }
-    fn finish(a: f32) -> bf16 {
-        bf16::from_f32(a)
-    }
+/// The 16-bit element types: summed in f32, rounded once at the end.
+macro_rules! half_elem {
+    ($t:ty, $dtype:expr) => {
+        impl Elem for $t {
+            type Acc = f32;
+            const DTYPE: DType = $dtype;
+            fn acc(self) -> f32 {
+                self.to_f32()
+            }
+            fn add(a: f32, b: f32) -> f32 {
+                a + b
+            }
+            fn div(a: f32, n: usize) -> f32 {
+                a / n as f32
+            }
+            fn finish(a: f32) -> $t {
+                <$t>::from_f32(a)
+            }
+        }
+    };
 }
-
-impl Elem for f16 {
-    type Acc = f32;
-    const DTYPE: DType = DType::F16;
-    fn acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn add(a: f32, b: f32) -> f32 {
-        a + b
-    }
-    fn div(a: f32, n: usize) -> f32 {
-        a / n as f32
-    }
-    fn finish(a: f32) -> f16 {
-        f16::from_f32(a)
-    }
-}
+half_elem!(bf16, DType::BF16);
+half_elem!(f16, DType::F16);
 
 /// Reduction of all_reduce / reduce_scatter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

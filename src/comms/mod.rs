@@ -179,6 +179,18 @@ impl Drop for Started {
     }
 }
 
+/// `$go::<T>(args)` with T the element type of `$t`'s dtype: the types `Local` moves (f32, bf16, f16).
+macro_rules! by_elem {
+    ($t:expr, $op:expr, $label:expr, $go:ident($($arg:expr),*)) => {
+        match $t.dtype() {
+            DType::F32 => $go::<f32>($($arg),*),
+            DType::BF16 => $go::<half::bf16>($($arg),*),
+            DType::F16 => $go::<half::f16>($($arg),*),
+            d => bail!("internal: {} \"{}\" of a {d:?} tensor (Local moves f32, bf16 or f16)", $op, $label),
+        }
+    };
+}
+
 /// `Local`'s all-gather of a 1-D tensor in its own dtype (the compute dtype for weights, as NCCL
 /// gathers), issued to the rank's communication thread.
 fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
@@ -190,12 +202,7 @@ fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str
     ) -> Result<Started> {
         Ok(Started::local(c.all_gather_v_start(t.to_vec1::<T>()?, counts, label)?, t.device()))
     }
-    match input.dtype() {
-        DType::F32 => go::<f32>(c, input, counts, label),
-        DType::BF16 => go::<half::bf16>(c, input, counts, label),
-        DType::F16 => go::<half::f16>(c, input, counts, label),
-        d => bail!("internal: all_gather \"{label}\" of a {d:?} tensor (Local moves f32, bf16 or f16)"),
-    }
+    by_elem!(input, "all_gather", label, go(c, input, counts, label))
 }
 
 /// `Local`'s reduce-scatter (sum) of a 1-D tensor in its own dtype, issued to the rank's
@@ -209,12 +216,7 @@ fn local_reduce_scatter(c: &LocalComm, input: &Tensor, counts: &[usize], label: 
     ) -> Result<Started> {
         Ok(Started::local(c.reduce_scatter_v_start(t.to_vec1::<T>()?, counts, ReduceOp::Sum, label)?, t.device()))
     }
-    match input.dtype() {
-        DType::F32 => go::<f32>(c, input, counts, label),
-        DType::BF16 => go::<half::bf16>(c, input, counts, label),
-        DType::F16 => go::<half::f16>(c, input, counts, label),
-        d => bail!("internal: reduce_scatter \"{label}\" of a {d:?} tensor (Local moves f32, bf16 or f16)"),
-    }
+    by_elem!(input, "reduce_scatter", label, go(c, input, counts, label))
 }
 
 /// Run an in-place NCCL collective `f` on `buf`'s device tensor; a host buffer travels through the
