@@ -146,7 +146,7 @@ fn roofline(useful_flops: f64, p: &crate::kernels_emu::profile::Profile) -> Pred
 /// thread per GPU thread); per-tile counts do not depend on T beyond the causal tile count.
 pub fn run_emulated(args: &BenchArgs) -> Result<()> {
     use crate::kernels_emu::{attention as ka, profile};
-    use crate::ops::attention_shape::{AttnDims, AttnKernel};
+    use crate::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
     if !args.profile {
         anyhow::bail!(
             "harpe bench attention --target emulated only measures (it cannot time a GPU)\nhint: add --profile"
@@ -165,8 +165,16 @@ pub fn run_emulated(args: &BenchArgs) -> Result<()> {
         profile::reset();
         profile::enable(true);
         let run = (|| -> candle_core::Result<()> {
-            let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, x, x, x, dims, scale, true, None)?;
-            ka::attention_bwd(AttnKernel::TensorCore, x, x, x, &o, &lse, x, dims, scale, true, None)?;
+            let (o, lse) =
+                ka::attention_fwd(AttnKernel::TensorCore, (x, x, x), dims, AttnMask::new(scale, true, None))?;
+            ka::attention_bwd(
+                AttnKernel::TensorCore,
+                (x, x, x),
+                (&o, &lse),
+                x,
+                dims,
+                AttnMask::new(scale, true, None),
+            )?;
             Ok(())
         })();
         profile::enable(false);

@@ -14,7 +14,9 @@
 //! (this file depends on the op's types, never the op on this file).
 //! Does not: run fast (one OS thread per emulated GPU thread; every mma is a warp barrier).
 use super::{check_len, u32_of};
-use crate::ops::attention_shape::{attention_workspace, check_dims, AttnDims, AttnKernel, PackedRows, ATTN_THREADS};
+use crate::ops::attention_shape::{
+    attention_workspace, check_dims, AttnDims, AttnKernel, AttnMask, PackedRows, ATTN_THREADS,
+};
 use candle_core::{bail, Result};
 use half::{bf16, f16};
 
@@ -326,39 +328,29 @@ struct BwdIn<T> {
 /// Flash-attention forward on the emulator with the given tiles: (O (B, H, Tq, D), lse (B, H, Tq)); `docs`
 /// an optional document mask (causal only): per key position (B*Tk), the start of its document
 /// (`ops::attention::DocStarts::host`).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_fwd<T: AttnFloat>(
     kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    (q, k, v): (&[T], &[T], &[T]),
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> Result<(Vec<T>, Vec<f32>)> {
     let AttnDims { b, h, tq, d, .. } = dims;
     let mut o = vec![T::default(); b * h * tq * d];
     let mut lse = vec![0f32; b * h * tq];
     let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
     // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
-    unsafe { fwd_launch(T::fwd_fn(kernel, dims.d), kernel, q, k, v, dims, scale, causal, docs, out)? };
+    unsafe { fwd_launch(T::fwd_fn(kernel, dims.d), kernel, (q, k, v), dims, AttnMask::new(scale, causal, docs), out)? };
     super::perturb::attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
     Ok((o, lse))
 }
 
 /// The CUDA launcher's `fwd_packed` on the emulator: the op's forward output, rows of O | lse | pad
 /// (`PackedRows::fwd_width` elements of T; lse's f32 in the first slots after O, `packed_lse` reads it).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_fwd_packed<T: AttnFloat>(
     kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    (q, k, v): (&[T], &[T], &[T]),
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> Result<Vec<T>> {
     let AttnDims { b, h, tq, d, .. } = dims;
     let lay = PackedRows { d, elem_bytes: std::mem::size_of::<T>() };
@@ -373,7 +365,7 @@ pub fn attention_fwd_packed<T: AttnFloat>(
     };
     // SAFETY: B*H*Tq rows of fwd_width elements; the lse float of row r lies at byte (r * width + D) * size
     // of T, 4-byte aligned because the buffer is 16-byte aligned and D is even.
-    unsafe { fwd_launch(T::fwd_fn(kernel, d), kernel, q, k, v, dims, scale, causal, docs, out)? };
+    unsafe { fwd_launch(T::fwd_fn(kernel, d), kernel, (q, k, v), dims, AttnMask::new(scale, causal, docs), out)? };
     Ok(packed)
 }
 
@@ -388,17 +380,12 @@ fn check_aligned<T>(what: &str, p: *const T) -> Result<()> {
 /// The checks and the launch of one forward through `f` (`T::fwd_fn`, or a test-only variant of `kernel`).
 /// SAFETY: `out` must address B*H*Tq rows of O (D elements each, `ldo` apart) and B*H*Tq lse floats
 /// (`ldl` apart), valid for writes and overlapping no input.
-#[allow(clippy::too_many_arguments)]
 unsafe fn fwd_launch<T: AttnFloat>(
     f: Option<FwdFn<T>>,
     kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    (q, k, v): (&[T], &[T], &[T]),
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
     out: FwdOut<T>,
 ) -> Result<()> {
     check_dims(dims, causal)?;
@@ -439,19 +426,13 @@ unsafe fn fwd_launch<T: AttnFloat>(
 
 /// Flash-attention backward on the emulator with the given tiles: (dQ, dK, dV) from q, k, v, the forward's
 /// O and lse, and dO, under `attention_fwd`'s optional document mask `docs`.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_bwd<T: AttnFloat>(
     kernel: AttnKernel,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
+    (q, k, v): (&[T], &[T], &[T]),
+    (o, lse): (&[T], &[f32]),
     dout: &[T],
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
     let AttnDims { b, h, tq, d, .. } = dims;
     check_len("q", q.len(), b * h * tq * d)?;
@@ -460,7 +441,8 @@ pub fn attention_bwd<T: AttnFloat>(
     check_len("lse", lse.len(), b * h * tq)?;
     let inp = BwdIn { q: q.as_ptr(), o: o.as_ptr(), dout: dout.as_ptr(), lse: lse.as_ptr(), ldq: d, ldl: 1 };
     // SAFETY: q, o, dout hold B*H*Tq rows of D and lse B*H*Tq values (checked), as `inp` says.
-    let (flat, _) = unsafe { bwd_launch(T::bwd_fn(kernel, dims.d), kernel, inp, k, v, dims, scale, causal, docs)? };
+    let (flat, _) =
+        unsafe { bwd_launch(T::bwd_fn(kernel, dims.d), kernel, inp, k, v, dims, AttnMask::new(scale, causal, docs))? };
     let (nq, nkv) = (q.len(), k.len());
     Ok((flat[..nq].to_vec(), flat[nq..nq + nkv].to_vec(), flat[nq + nkv..].to_vec()))
 }
@@ -475,16 +457,13 @@ pub struct BwdPacked<T> {
 
 /// The CUDA launcher's `bwd_packed` on the emulator: from the op's backward rows [q | O | lse | dO | .]
 /// (`PackedRows::bwd_width` elements of T, read in place; `bwd_rows` builds them) and k, v.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_packed<T: AttnFloat>(
     kernel: AttnKernel,
     packed: &[T],
     k: &[T],
     v: &[T],
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> Result<BwdPacked<T>> {
     let AttnDims { b, h, tq, d, .. } = dims;
     let lay = PackedRows { d, elem_bytes: std::mem::size_of::<T>() };
@@ -506,7 +485,7 @@ pub fn attention_bwd_packed<T: AttnFloat>(
     // SAFETY: B*H*Tq rows of width w (checked); the lse float of a row lies at byte (r * w + 2D) * size of T,
     // 4-byte aligned (16-byte aligned buffer, even D, even w for 16-bit types).
     let (grads, scratch_bytes) =
-        unsafe { bwd_launch(T::bwd_fn(kernel, d), kernel, inp, k, v, dims, scale, causal, docs)? };
+        unsafe { bwd_launch(T::bwd_fn(kernel, d), kernel, inp, k, v, dims, AttnMask::new(scale, causal, docs))? };
     Ok(BwdPacked { grads, scratch_bytes })
 }
 
@@ -515,7 +494,6 @@ pub fn attention_bwd_packed<T: AttnFloat>(
 /// (`attention_workspace(..).bwd_scratch`, one buffer).
 /// SAFETY: `inp` must address B*H*Tq rows of q, O and dO (D elements each, `ldq` apart) and B*H*Tq lse
 /// floats (`ldl` apart), valid for reads.
-#[allow(clippy::too_many_arguments)]
 unsafe fn bwd_launch<T: AttnFloat>(
     f: Option<BwdFn<T>>,
     kernel: AttnKernel,
@@ -523,9 +501,7 @@ unsafe fn bwd_launch<T: AttnFloat>(
     k: &[T],
     v: &[T],
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> Result<(Vec<T>, usize)> {
     check_dims(dims, causal)?;
     check_docs(dims, causal, docs)?;
@@ -620,18 +596,15 @@ pub mod early_read {
         let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
         let f = Some(ffi::emu_attn_fwd_tc_early_bf16_d64 as FwdFn<bf16>);
         // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
-        unsafe { fwd_launch(f, AttnKernel::TensorCore, q, k, v, dims, scale, causal, None, out)? };
+        unsafe { fwd_launch(f, AttnKernel::TensorCore, (q, k, v), dims, AttnMask::new(scale, causal, None), out)? };
         Ok((o, lse))
     }
 
     /// The broken backward: (dQ, dK, dV) as `attention_bwd` returns them.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    #[allow(clippy::type_complexity)]
     pub fn bwd(
-        q: &[bf16],
-        k: &[bf16],
-        v: &[bf16],
-        o: &[bf16],
-        lse: &[f32],
+        (q, k, v): (&[bf16], &[bf16], &[bf16]),
+        (o, lse): (&[bf16], &[f32]),
         dout: &[bf16],
         dims: AttnDims,
         scale: f32,
@@ -650,7 +623,8 @@ pub mod early_read {
         let inp = BwdIn { q: q.as_ptr(), o: o.as_ptr(), dout: dout.as_ptr(), lse: lse.as_ptr(), ldq: d, ldl: 1 };
         let f = Some(ffi::emu_attn_bwd_tc_early_bf16_d64 as BwdFn<bf16>);
         // SAFETY: q, o, dout hold B*H*Tq rows of D and lse B*H*Tq values (checked), as `inp` says.
-        let (flat, _) = unsafe { bwd_launch(f, AttnKernel::TensorCore, inp, k, v, dims, scale, causal, None)? };
+        let (flat, _) =
+            unsafe { bwd_launch(f, AttnKernel::TensorCore, inp, k, v, dims, AttnMask::new(scale, causal, None))? };
         let (nq, nkv) = (q.len(), k.len());
         Ok((flat[..nq].to_vec(), flat[nq..nq + nkv].to_vec(), flat[nq + nkv..].to_vec()))
     }

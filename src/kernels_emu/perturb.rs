@@ -33,7 +33,6 @@ pub fn scale<T: Copy>(kernel: &str, out: &mut [T], to_f32: impl Fn(T) -> f32, fr
 /// The `attention_fwd` hook of `kernels_emu::attention`'s forward launcher: scales O, or (`:mask`, causal
 /// launches only, so the launch below is not perturbed again) recomputes the first query tile of
 /// (batch 0, head 0) with every key up to the end of its diagonal tile visible.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_fwd<T: super::attention::AttnFloat>(
     kernel: crate::ops::attention_shape::AttnKernel,
     (q, k, v): (&[T], &[T], &[T]),
@@ -52,13 +51,9 @@ pub fn attention_fwd<T: super::attention::AttnFloat>(
             let sub = crate::ops::attention_shape::AttnDims { b: 1, h: 1, hkv: 1, tq: rows, tk: keys, d };
             let (o2, l2) = super::attention::attention_fwd(
                 kernel,
-                &q[..rows * d],
-                &k[..keys * d],
-                &v[..keys * d],
+                (&q[..rows * d], &k[..keys * d], &v[..keys * d]),
                 sub,
-                scale,
-                false,
-                None,
+                crate::ops::attention_shape::AttnMask::new(scale, false, None),
             )?;
             o[..rows * d].copy_from_slice(&o2);
             lse[..rows].copy_from_slice(&l2);

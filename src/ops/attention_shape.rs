@@ -11,6 +11,21 @@
 use candle_core::{bail, Result};
 
 /// Problem sizes shared by forward and backward: q (B, H, Tq, D), k and v (B, Hkv, Tk, D).
+/// The softmax scale and the masks of one attention call: causal or not, and an optional document mask,
+/// per key position (B*Tk) the start of its document (`ops::attention::DocStarts::host`; causal only).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnMask<'a> {
+    pub scale: f32,
+    pub causal: bool,
+    pub docs: Option<&'a [u32]>,
+}
+
+impl<'a> AttnMask<'a> {
+    pub fn new(scale: f32, causal: bool, docs: Option<&'a [u32]>) -> AttnMask<'a> {
+        AttnMask { scale, causal, docs }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct AttnDims {
     pub b: usize,

@@ -21,7 +21,7 @@
 use super::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
 use crate::kernels_emu::attention::{self as ka, AttnFloat};
 use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
-use crate::ops::attention_shape::{AttnDims, AttnKernel};
+use crate::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
 use anyhow::Result;
 use half::{bf16, f16};
 use rand::Rng;
@@ -125,13 +125,14 @@ fn case(
     let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
     let dout = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
     let scale = 1.0 / (d as f32).sqrt();
+    let (inputs, mask) = ((&q[..], &k[..], &v[..], &dout[..]), AttnMask::new(scale, causal, docs));
     let got = match target {
         Target::Emulated => match dt {
-            Dt::F32 => emu_run::<f32>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
-            Dt::Bf16 => emu_run::<bf16>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
-            Dt::F16 => emu_run::<f16>(kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
+            Dt::F32 => emu_run::<f32>(kernel, inputs, dims, mask)?,
+            Dt::Bf16 => emu_run::<bf16>(kernel, inputs, dims, mask)?,
+            Dt::F16 => emu_run::<f16>(kernel, inputs, dims, mask)?,
         },
-        Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, &q, &k, &v, &dout, dims, scale, causal, docs)?,
+        Target::Cuda(dev) => cuda_run::run(dev, dt, kernel, inputs, dims, mask)?,
     };
     let name = match kernel {
         AttnKernel::Fma => "attention fma",
@@ -168,21 +169,16 @@ fn case(
         .collect())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// q, k, v, dO (f32 host values) through the emulated kernels in `T`: [O, lse, dQ, dK, dV] as f32.
 fn emu_run<T: AttnFloat>(
     kernel: AttnKernel,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dout: &[f32],
+    (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    mask: AttnMask<'_>,
 ) -> Result<[Vec<f32>; 5]> {
     let (q, k, v, dout) = (to_t::<T>(q), to_t::<T>(k), to_t::<T>(v), to_t::<T>(dout));
-    let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, scale, causal, docs)?;
-    let (dq, dk, dv) = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, scale, causal, docs)?;
+    let (o, lse) = ka::attention_fwd(kernel, (&q, &k, &v), dims, mask)?;
+    let (dq, dk, dv) = ka::attention_bwd(kernel, (&q, &k, &v), (&o, &lse), &dout, dims, mask)?;
     Ok([of_t(&o), lse, of_t(&dq), of_t(&dk), of_t(&dv)])
 }
 
@@ -348,26 +344,20 @@ fn exact_key(inp: &Inputs, rows: &[RowExact], krow: usize) -> [Vec<(f64, f64, f6
 mod cuda_run {
     //! Without the `cuda` feature there is no device (`Target::Cuda` cannot be built); stubs keep the
     //! match arms total.
-    use super::{AttnDims, AttnKernel, Dt};
+    use super::{AttnDims, AttnKernel, AttnMask, Dt};
     use anyhow::{bail, Result};
     use candle_core::Device;
     const MSG: &str = "this harpe was built without --features cuda";
     pub fn probe(_: &Device, _: Dt, _: &[f32], _: &[f32], _: &[f32]) -> Result<Vec<f32>> {
         bail!(MSG)
     }
-    #[allow(clippy::too_many_arguments)]
     pub fn run(
         _: &Device,
         _: Dt,
         _: AttnKernel,
-        _: &[f32],
-        _: &[f32],
-        _: &[f32],
-        _: &[f32],
+        _: (&[f32], &[f32], &[f32], &[f32]),
         _: AttnDims,
-        _: f32,
-        _: bool,
-        _: Option<&[u32]>,
+        _: AttnMask<'_>,
     ) -> Result<[Vec<f32>; 5]> {
         bail!(MSG)
     }
@@ -376,7 +366,7 @@ mod cuda_run {
 #[cfg(feature = "cuda")]
 mod cuda_run {
     //! The tensor-core rows through `ops::attention` with autograd; the FMA rows through the launchers.
-    use super::{AttnDims, AttnKernel, Dt};
+    use super::{AttnDims, AttnKernel, AttnMask, Dt};
     use crate::ops::attention::DocStarts;
     use crate::ops::attention_cuda;
     use anyhow::{anyhow, bail, Result};
@@ -388,19 +378,14 @@ mod cuda_run {
         Ok(attention_cuda::mma_probe(dev.as_cuda_device()?, dt.dtype(), a, b, bt)?)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// q, k, v, dO (f32 host values) through the CUDA kernels in `dt`: [O, lse, dQ, dK, dV] as f32.
     pub fn run(
         dev: &Device,
         dt: Dt,
         kernel: AttnKernel,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        dout: &[f32],
+        (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
         dims: AttnDims,
-        scale: f32,
-        causal: bool,
-        docs: Option<&[u32]>,
+        AttnMask { scale, causal, docs }: AttnMask<'_>,
     ) -> Result<[Vec<f32>; 5]> {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let (qs, ks) = ((b, h, tq, d), (b, hkv, tk, d));

@@ -15,7 +15,7 @@
 use half::{bf16, f16};
 use harpe::kernels_emu::attention::{self as ka, AttnFloat};
 use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
-use harpe::ops::attention_shape::{attention_workspace, AttnDims, AttnKernel, PackedRows};
+use harpe::ops::attention_shape::{attention_workspace, AttnDims, AttnKernel, AttnMask, PackedRows};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -130,11 +130,12 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
 
     let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal, docs);
     let (qt, kt, vt, dt) = (to_t::<T>(&q), to_t::<T>(&k), to_t::<T>(&v), to_t::<T>(&dout));
-    let (o_t, lse) = ka::attention_fwd::<T>(kernel, &qt, &kt, &vt, dims, scale, causal, docs).unwrap();
+    let (o_t, lse) = ka::attention_fwd::<T>(kernel, (&qt, &kt, &vt), dims, AttnMask::new(scale, causal, docs)).unwrap();
     let o = of_t(&o_t);
     let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
     let (dq, dk, dv) =
-        ka::attention_bwd::<T>(kernel, &qt, &kt, &vt, &o_t, &lse, &dt, dims, scale, causal, docs).unwrap();
+        ka::attention_bwd::<T>(kernel, (&qt, &kt, &vt), (&o_t, &lse), &dt, dims, AttnMask::new(scale, causal, docs))
+            .unwrap();
     let (dq, dk, dv) = (of_t(&dq), of_t(&dk), of_t(&dv));
 
     // lse is f32 in both dtypes: the f32 tolerance applies
@@ -209,11 +210,17 @@ fn decode_rows_equal_the_full_recomputation_bit_for_bit() {
     let q = uniform(&mut r, 4 * 70 * 16);
     let k = uniform(&mut r, 2 * 70 * 16);
     let v = uniform(&mut r, 2 * 70 * 16);
-    let (o_full, lse_full) = ka::attention_fwd::<f32>(AttnKernel::Fma, &q, &k, &v, dims, 0.25, true, None).unwrap();
+    let (o_full, lse_full) =
+        ka::attention_fwd::<f32>(AttnKernel::Fma, (&q, &k, &v), dims, AttnMask::new(0.25, true, None)).unwrap();
     for n in [1usize, 3, 40] {
         let qs: Vec<f32> = (0..4).flat_map(|h| q[(h * 70 + 70 - n) * 16..(h + 1) * 70 * 16].to_vec()).collect();
-        let (o, lse) =
-            ka::attention_fwd::<f32>(AttnKernel::Fma, &qs, &k, &v, dm(1, 4, 2, n, 70, 16), 0.25, true, None).unwrap();
+        let (o, lse) = ka::attention_fwd::<f32>(
+            AttnKernel::Fma,
+            (&qs, &k, &v),
+            dm(1, 4, 2, n, 70, 16),
+            AttnMask::new(0.25, true, None),
+        )
+        .unwrap();
         for h in 0..4 {
             assert_eq!(
                 &o[h * n * 16..(h + 1) * n * 16],
@@ -231,7 +238,9 @@ fn bad_shapes_are_refused_before_any_launch() {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let q = vec![0f32; b * h * tq * d];
         let kv = vec![0f32; b * hkv * tk * d];
-        ka::attention_fwd::<f32>(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, causal, None).unwrap_err().to_string()
+        ka::attention_fwd::<f32>(AttnKernel::Fma, (&q, &kv, &kv), dims, AttnMask::new(1.0, causal, None))
+            .unwrap_err()
+            .to_string()
     };
     let e = err(dm(1, 2, 1, 4, 4, 24), true);
     assert!(e.contains("D = 24") && e.contains("hint:"), "{e}");
@@ -241,9 +250,14 @@ fn bad_shapes_are_refused_before_any_launch() {
     assert!(e.contains("Tq 8") && e.contains("Tk 4") && e.contains("hint:"), "{e}");
     // a buffer of the wrong length names the argument
     let dims = dm(1, 2, 1, 4, 4, 16);
-    let e = ka::attention_fwd::<f32>(AttnKernel::Fma, &[0.0; 10], &[0.0; 64], &[0.0; 64], dims, 1.0, true, None)
-        .unwrap_err()
-        .to_string();
+    let e = ka::attention_fwd::<f32>(
+        AttnKernel::Fma,
+        (&[0.0; 10], &[0.0; 64], &[0.0; 64]),
+        dims,
+        AttnMask::new(1.0, true, None),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("`q`"), "{e}");
 }
 
@@ -338,7 +352,8 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     let dout: Vec<bf16> = to_t(&uniform(&mut r, b * h * tq * d));
     let (qf, kf, vf, df) = (of_t(&q), of_t(&k), of_t(&v), of_t(&dout));
     let (o_ref, lse_ref) = attention_fwd_cpu(&qf, &kf, &vf, dims, 0.125, true, None);
-    let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, &q, &k, &v, dims, 0.125, true, None).unwrap();
+    let (o, lse) =
+        ka::attention_fwd(AttnKernel::TensorCore, (&q, &k, &v), dims, AttnMask::new(0.125, true, None)).unwrap();
     assert!(max_err(&of_t(&o), &o_ref) < 0.02, "the correct forward");
     let (ob, lseb) = ka::early_read::fwd(&q, &k, &v, dims, 0.125, true).unwrap();
     // poisoned scores make every row's sum NaN, which the epilogue writes as a row that saw no key: O = 0,
@@ -346,8 +361,16 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     assert!(max_err(&of_t(&ob), &o_ref) > 0.5, "a forward reading K/V before its wait must fail");
     assert_eq!(max_err(&lseb, &lse_ref), f64::INFINITY, "a forward reading K/V before its wait must fail (lse)");
     let refs = attention_bwd_cpu(&qf, &kf, &vf, &o_ref, &lse_ref, &df, dims, 0.125, true, None);
-    let good = ka::attention_bwd(AttnKernel::TensorCore, &q, &k, &v, &o, &lse, &dout, dims, 0.125, true, None).unwrap();
-    let bad = ka::early_read::bwd(&q, &k, &v, &o, &lse, &dout, dims, 0.125, true).unwrap();
+    let good = ka::attention_bwd(
+        AttnKernel::TensorCore,
+        (&q, &k, &v),
+        (&o, &lse),
+        &dout,
+        dims,
+        AttnMask::new(0.125, true, None),
+    )
+    .unwrap();
+    let bad = ka::early_read::bwd((&q, &k, &v), (&o, &lse), &dout, dims, 0.125, true).unwrap();
     for (name, g, x, want) in
         [("dQ", &good.0, &bad.0, &refs.0), ("dK", &good.1, &bad.1, &refs.1), ("dV", &good.2, &bad.2, &refs.2)]
     {
@@ -365,12 +388,16 @@ fn tensor_core_tiles_refuse_what_they_do_not_take() {
     let dims = dm(1, 2, 1, 4, 4, 32);
     let q = vec![bf16::ZERO; 2 * 4 * 32];
     let kv = vec![bf16::ZERO; 4 * 32];
-    let e = ka::attention_fwd(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true, None).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::TensorCore, (&q, &kv, &kv), dims, AttnMask::new(1.0, true, None))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("D = 32") && e.contains("hint:"), "{e}");
     let dims = dm(1, 2, 1, 4, 4, 64);
     let q = vec![0f32; 2 * 4 * 64];
     let kv = vec![0f32; 4 * 64];
-    let e = ka::attention_fwd(AttnKernel::TensorCore, &q, &kv, &kv, dims, 1.0, true, None).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::TensorCore, (&q, &kv, &kv), dims, AttnMask::new(1.0, true, None))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("4-byte") && e.contains("hint:"), "{e}");
     assert_eq!(AttnKernel::best(2, 128), AttnKernel::TensorCore);
     assert_eq!(AttnKernel::best(4, 128), AttnKernel::Fma);
@@ -390,8 +417,8 @@ fn check_packed<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, do
     let case = format!("{kernel:?} {dims:?} docs={} {}", docs.is_some(), std::any::type_name::<T>());
     let eb = std::mem::size_of::<T>();
     let lay = PackedRows { d, elem_bytes: eb };
-    let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, docs).unwrap();
-    let fwd = ka::attention_fwd_packed(kernel, &q, &k, &v, dims, 0.3, true, docs).unwrap();
+    let (o, lse) = ka::attention_fwd(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, docs)).unwrap();
+    let fwd = ka::attention_fwd_packed(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, docs)).unwrap();
     assert_eq!(fwd.len(), b * h * tq * lay.fwd_width(), "{case}");
     for (i, row) in fwd.chunks(lay.fwd_width()).enumerate() {
         assert!(row[..d] == o[i * d..(i + 1) * d], "{case}: O row {i}");
@@ -407,8 +434,9 @@ fn check_packed<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, do
     let ws = attention_workspace(dims, eb);
     assert_eq!(rows.len() * eb, ws.bwd_packed, "{case}: the packing copy is the workspace's");
     assert_eq!(ka::packed_lse(&rows[2 * d..], lay.bwd_width(), 0)[..], lse[..lse.len() - 1], "{case}: bwd lse");
-    let (dq, dk, dv) = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, docs).unwrap();
-    let got = ka::attention_bwd_packed(kernel, &rows, &k, &v, dims, 0.3, true, docs).unwrap();
+    let (dq, dk, dv) =
+        ka::attention_bwd(kernel, (&q, &k, &v), (&o, &lse), &dout, dims, AttnMask::new(0.3, true, docs)).unwrap();
+    let got = ka::attention_bwd_packed(kernel, &rows, &k, &v, dims, AttnMask::new(0.3, true, docs)).unwrap();
     assert_eq!(got.scratch_bytes, ws.bwd_scratch, "{case}: the launcher allocates the op's scratch");
     assert_eq!(ws.bwd_scratch, b * h * tq * (d + 1) * 4, "{case}");
     let want: Vec<T> = dq.into_iter().chain(dk).chain(dv).collect();
@@ -513,11 +541,14 @@ fn one_document_equals_causal_bit_for_bit() {
         let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
         let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
         let docs = vec![0u32; b * tk];
-        let (o, lse) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, None).unwrap();
-        let (od, lsed) = ka::attention_fwd(kernel, &q, &k, &v, dims, 0.3, true, Some(&docs)).unwrap();
+        let (o, lse) = ka::attention_fwd(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, None)).unwrap();
+        let (od, lsed) = ka::attention_fwd(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, Some(&docs))).unwrap();
         assert!(o == od && lse == lsed, "{kernel:?} {dims:?}: forward differs");
-        let g = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, None).unwrap();
-        let gd = ka::attention_bwd(kernel, &q, &k, &v, &o, &lse, &dout, dims, 0.3, true, Some(&docs)).unwrap();
+        let g =
+            ka::attention_bwd(kernel, (&q, &k, &v), (&o, &lse), &dout, dims, AttnMask::new(0.3, true, None)).unwrap();
+        let gd =
+            ka::attention_bwd(kernel, (&q, &k, &v), (&o, &lse), &dout, dims, AttnMask::new(0.3, true, Some(&docs)))
+                .unwrap();
         assert!(g == gd, "{kernel:?} {dims:?}: backward differs");
     }
     go::<f32>(AttnKernel::Fma, dm(2, 4, 2, 70, 70, 16), 950);
@@ -528,6 +559,8 @@ fn one_document_equals_causal_bit_for_bit() {
 fn document_masks_refuse_bad_input() {
     let dims = dm(1, 2, 1, 4, 4, 16);
     let (q, kv) = (vec![0f32; 2 * 4 * 16], vec![0f32; 4 * 16]);
-    let e = ka::attention_fwd(AttnKernel::Fma, &q, &kv, &kv, dims, 1.0, true, Some(&[0; 3])).unwrap_err().to_string();
+    let e = ka::attention_fwd(AttnKernel::Fma, (&q, &kv, &kv), dims, AttnMask::new(1.0, true, Some(&[0; 3])))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`docs`"), "{e}");
 }

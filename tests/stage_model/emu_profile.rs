@@ -5,7 +5,7 @@
 use half::bf16;
 use harpe::kernels_emu::attention as ka;
 use harpe::kernels_emu::profile::{self, Profile};
-use harpe::ops::attention_shape::{AttnDims, AttnKernel};
+use harpe::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
 use std::sync::Mutex;
 
 static LOCK: Mutex<()> = Mutex::new(());
@@ -86,8 +86,13 @@ fn attention_forward_counts_follow_from_its_tiles() {
     // (64 / 8) x (64 / 16) mma and O += P V (64 / 16) x (64 / 8): 64
     let dims = AttnDims { b: 1, h: 1, hkv: 1, tq: 64, tk: 64, d: 64 };
     let p = measured("attn_fwd_tc_bf16_d64", || {
-        ka::attention_fwd(AttnKernel::TensorCore, &q[..64 * 64], &q[..64 * 64], &q[..64 * 64], dims, 0.125, true, None)
-            .unwrap();
+        ka::attention_fwd(
+            AttnKernel::TensorCore,
+            (&q[..64 * 64], &q[..64 * 64], &q[..64 * 64]),
+            dims,
+            AttnMask::new(0.125, true, None),
+        )
+        .unwrap();
     });
     assert_eq!(p.mma, 4 * 64);
     // the Q tile landed, every warp holds its Q fragments (the rows become K/V stages), one per key tile
@@ -103,7 +108,8 @@ fn attention_forward_counts_follow_from_its_tiles() {
     // 16/17 of the bytes moved are used, with no change to the kernel
     let shifted = &q[8..8 + 64 * 64];
     let p = measured("attn_fwd_tc_bf16_d64", || {
-        ka::attention_fwd(AttnKernel::TensorCore, shifted, shifted, shifted, dims, 0.125, true, None).unwrap();
+        ka::attention_fwd(AttnKernel::TensorCore, (shifted, shifted, shifted), dims, AttnMask::new(0.125, true, None))
+            .unwrap();
     });
     assert_eq!((p.global_instr, p.useful_bytes, p.global_sectors), (3 * 16, 3 * 16 * 512, 3 * 16 * 17));
     assert_eq!(p.sector_efficiency(), 16.0 / 17.0);
@@ -113,7 +119,7 @@ fn attention_forward_counts_follow_from_its_tiles() {
     let dims = AttnDims { tq: 128, tk: 128, ..dims };
     let p = measured("attn_fwd_tc_bf16_d64", || {
         let q = &q[..128 * 64];
-        ka::attention_fwd(AttnKernel::TensorCore, q, q, q, dims, 0.125, true, None).unwrap();
+        ka::attention_fwd(AttnKernel::TensorCore, (q, q, q), dims, AttnMask::new(0.125, true, None)).unwrap();
     });
     assert_eq!(p.mma, 4 * 64 + 4 * 128);
     assert_eq!(p.barriers, 2 + 2);
@@ -135,9 +141,11 @@ fn attention_backward_adds_each_dq_element_once_per_tile_pair() {
     };
     let x: Vec<bf16> = (0..3 * 64 * 64).map(|_| next()).collect();
     let (q, k, v) = (&x[..4096], &x[4096..8192], &x[8192..]);
-    let (o, lse) = ka::attention_fwd(AttnKernel::TensorCore, q, k, v, dims, 0.125, true, None).unwrap();
+    let (o, lse) =
+        ka::attention_fwd(AttnKernel::TensorCore, (q, k, v), dims, AttnMask::new(0.125, true, None)).unwrap();
     let p = measured("attn_bwd_tc_bf16_d64", || {
-        ka::attention_bwd(AttnKernel::TensorCore, q, k, v, &o, &lse, q, dims, 0.125, true, None).unwrap();
+        ka::attention_bwd(AttnKernel::TensorCore, (q, k, v), (&o, &lse), q, dims, AttnMask::new(0.125, true, None))
+            .unwrap();
     });
     assert_eq!(p.atomics, 2 * 32 * 64 - 64);
     // per warp (16 keys, a half) and query tile: S^T and dP^T over its 16 queries (16 / 8) x (64 / 16) x 2,
