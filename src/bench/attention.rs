@@ -247,6 +247,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 mod gpu {
     use super::{flops, peak_tflops, print_rows, torch_sdpa, AttnRow, BenchArgs};
     use crate::ops::attention_cuda::{bwd, fwd};
+    use crate::ops::attention_shape::AttnMask;
     use anyhow::{bail, Result};
     use candle_core::{DType, Device, Storage, Tensor};
     use std::time::Instant;
@@ -323,15 +324,14 @@ mod gpu {
         else {
             bail!("bench attention: tensors are not on the CUDA device");
         };
-        let (o, lse, kernel) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
+        let (q, k, v, dout, mask) = ((cq, lq), (ck, lk), (cv, lv), (cdo, ld), AttnMask::new(scale, true, None));
+        let (o, lse, kernel) = fwd(q, k, v, mask, None)?;
         let lo = candle_core::Layout::contiguous((1, h, t, d));
-        let f_ms = time(dev, seconds, || Ok(fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None).map(|_| ())?))?;
-        let b_ms = time(dev, seconds, || {
-            Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o, &lo), &lse, (cdo, ld), scale, true, None, None).map(|_| ())?)
-        })?;
+        let f_ms = time(dev, seconds, || Ok(fwd(q, k, v, mask, None).map(|_| ())?))?;
+        let b_ms = time(dev, seconds, || Ok(bwd(q, k, v, ((&o, &lo), &lse), dout, mask, None).map(|_| ())?))?;
         let fb_ms = time(dev, seconds, || {
-            let (o2, lse2, _) = fwd(cq, lq, ck, lk, cv, lv, scale, true, None, None)?;
-            Ok(bwd((cq, lq), (ck, lk), (cv, lv), (&o2, &lo), &lse2, (cdo, ld), scale, true, None, None).map(|_| ())?)
+            let (o2, lse2, _) = fwd(q, k, v, mask, None)?;
+            Ok(bwd(q, k, v, ((&o2, &lo), &lse2), dout, mask, None).map(|_| ())?)
         })?;
         eprintln!(
             "bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms"

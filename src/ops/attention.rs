@@ -349,7 +349,8 @@ impl CustomOp3 for AttentionFwd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let docs = self.docs.as_ref().map(|ds| ds.tensor());
-        crate::ops::attention_cuda::fwd_packed(s1, l1, s2, l2, s3, l3, self.scale, self.causal, docs)
+        let mask = crate::ops::attention_shape::AttnMask::new(self.scale, self.causal, docs);
+        crate::ops::attention_cuda::fwd_packed((s1, l1), (s2, l2), (s3, l3), mask)
     }
 
     fn bwd(
@@ -451,7 +452,8 @@ impl CustomOp3 for AttentionBwd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let docs = self.docs.as_ref().map(|ds| ds.tensor());
-        crate::ops::attention_cuda::bwd_packed(s1, l1, (s2, l2), (s3, l3), self.d, self.scale, self.causal, docs)
+        let mask = crate::ops::attention_shape::AttnMask::new(self.scale, self.causal, docs);
+        crate::ops::attention_cuda::bwd_packed((s1, l1), (s2, l2), (s3, l3), self.d, mask)
     }
 }
 

@@ -16,7 +16,9 @@
 //! rows; the only other allocation is the scratch of `attention_workspace` (delta and the f32 dQ
 //! accumulator), so nothing of q/k/v/O/dO is ever copied to f32.
 //! Does not: wgmma/TMA (Hopper-only) tiles.
-use crate::ops::attention_shape::{attention_workspace, check_dims, AttnDims, AttnKernel, PackedRows, ATTN_THREADS};
+use crate::ops::attention_shape::{
+    attention_workspace, check_dims, AttnDims, AttnKernel, AttnMask, PackedRows, ATTN_THREADS,
+};
 use crate::ops::cuda::{cfg, contiguous, grid_for, same_device, u32_arg, view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -161,17 +163,23 @@ struct FwdOut<'a, T, L> {
     ldl: u32,
 }
 
-/// The forward kernel on device views, writing into `out`.
-#[allow(clippy::too_many_arguments)]
-fn fwd_t<T: DeviceRepr, L>(
-    dev: &CudaDevice,
+/// What one launch runs besides its buffers: the tiles, the element type, the shapes, the scale and the
+/// causal flag.
+#[derive(Clone, Copy)]
+struct Spec {
     kernel: AttnKernel,
-    (q, k, v): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
-    out: &FwdOut<'_, T, L>,
     dtype: DType,
     dims: AttnDims,
     scale: f32,
     causal: bool,
+}
+
+/// The forward kernel on device views, writing into `out`.
+fn fwd_t<T: DeviceRepr, L>(
+    dev: &CudaDevice,
+    Spec { kernel, dtype, dims, scale, causal }: Spec,
+    (q, k, v): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
+    out: &FwdOut<'_, T, L>,
     docs: &DocsArg<'_>,
 ) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
@@ -210,15 +218,10 @@ struct BwdBufs<'a, 'b, T, L> {
 
 /// delta pre-kernel, backward, dQ convert into the given outputs; the only allocation is the op's scratch
 /// (`attention_workspace(..).bwd_scratch`: delta, then the zeroed dQ accumulator).
-#[allow(clippy::too_many_arguments)]
 fn bwd_t<T: DeviceRepr, L>(
     dev: &CudaDevice,
-    kernel: AttnKernel,
+    Spec { kernel, dtype, dims, scale, causal }: Spec,
     bufs: &mut BwdBufs<'_, '_, T, L>,
-    dtype: DType,
-    dims: AttnDims,
-    scale: f32,
-    causal: bool,
     docs: &DocsArg<'_>,
 ) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
@@ -274,18 +277,12 @@ fn from<'a, T>(v: &CudaView<'a, T>, at: usize) -> Result<CudaView<'a, T>> {
 
 /// Forward: (O with q's shape and dtype, lse (B*H*Tq) f32, the kernel that ran); `want` None chooses;
 /// `docs` an optional document mask, the document starts ((B, Tk) u32, `DocStarts::tensor`).
-#[allow(clippy::too_many_arguments)]
 pub fn fwd(
-    sq: &CudaStorage,
-    lq: &Layout,
-    sk: &CudaStorage,
-    lk: &Layout,
-    sv: &CudaStorage,
-    lv: &Layout,
-    scale: f32,
-    causal: bool,
+    (sq, lq): (&CudaStorage, &Layout),
+    (sk, lk): (&CudaStorage, &Layout),
+    (sv, lv): (&CudaStorage, &Layout),
+    AttnMask { scale, causal, docs }: AttnMask<'_, candle_core::Tensor>,
     want: Option<AttnKernel>,
-    docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, CudaSlice<f32>, AttnKernel)> {
     let dims = dims_of(lq, lk, lv, causal)?;
     same_dtype(sq, sk, "k")?;
@@ -299,25 +296,22 @@ pub fn fwd(
         // SAFETY: both written in full by the kernel (every valid row of every head, and its lse).
         let (o, lse) = unsafe { (dev.alloc::<T>(rows * dims.d)?, dev.alloc::<f32>(rows)?) };
         let out = FwdOut { o: o.slice(..), lse: lse.slice(..), ldo: dims.d as u32, ldl: 1 };
-        with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
+        let spec = Spec { kernel, dtype, dims, scale, causal };
+        with_docs(docs, dims, causal, |dv| fwd_t(dev, spec, (&q, &k, &v), &out, &dv))?;
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse, kernel))
     })
 }
 
 /// Backward: (dQ, dK, dV) with the shapes and dtype of q, k, v, from the forward's O and lse and dO, under
 /// `fwd`'s optional document mask `docs`.
-#[allow(clippy::too_many_arguments)]
 pub fn bwd(
     (sq, lq): (&CudaStorage, &Layout),
     (sk, lk): (&CudaStorage, &Layout),
     (sv, lv): (&CudaStorage, &Layout),
-    (so, lo): (&CudaStorage, &Layout),
-    lse: &CudaSlice<f32>,
+    ((so, lo), lse): ((&CudaStorage, &Layout), &CudaSlice<f32>),
     (sd, ld): (&CudaStorage, &Layout),
-    scale: f32,
-    causal: bool,
+    AttnMask { scale, causal, docs }: AttnMask<'_, candle_core::Tensor>,
     want: Option<AttnKernel>,
-    docs: Option<&candle_core::Tensor>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dims = dims_of(lq, lk, lv, causal)?;
     for (s, l, what) in [(so, lo, "O"), (sd, ld, "dO")] {
@@ -353,7 +347,8 @@ pub fn bwd(
                 dk: dk.slice_mut(..),
                 dv: dv.slice_mut(..),
             };
-            with_docs(docs, dims, causal, |dv| bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal, &dv))?;
+            let spec = Spec { kernel, dtype, dims, scale, causal };
+            with_docs(docs, dims, causal, |dv| bwd_t(dev, spec, &mut bufs, &dv))?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(dq, dev.clone()),
@@ -365,17 +360,11 @@ pub fn bwd(
 
 /// `AttentionFwd::cuda_fwd`: q, k, v (one dtype T: f32, bf16 or f16) -> the op's packed rows O | lse | pad
 /// (B, H, Tq, D + E) in T (`PackedRows`): O written in place, lse's f32 in the slots after it. No f32 O.
-#[allow(clippy::too_many_arguments)]
 pub fn fwd_packed(
-    sq: &CudaStorage,
-    lq: &Layout,
-    sk: &CudaStorage,
-    lk: &Layout,
-    sv: &CudaStorage,
-    lv: &Layout,
-    scale: f32,
-    causal: bool,
-    docs: Option<&candle_core::Tensor>,
+    (sq, lq): (&CudaStorage, &Layout),
+    (sk, lk): (&CudaStorage, &Layout),
+    (sv, lv): (&CudaStorage, &Layout),
+    AttnMask { scale, causal, docs }: AttnMask<'_, candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
     let dims = dims_of(lq, lk, lv, causal)?;
     same_dtype(sq, sk, "k")?;
@@ -394,7 +383,8 @@ pub fn fwd_packed(
         let packed = dev.alloc_zeros::<T>(rows * w)?;
         let all = packed.slice(..);
         let out = FwdOut { o: from(&all, 0)?, lse: from(&all, d)?, ldo: w as u32, ldl: lay.floats(w) as u32 };
-        with_docs(docs, dims, causal, |dv| fwd_t(dev, kernel, (&q, &k, &v), &out, dtype, dims, scale, causal, &dv))?;
+        let spec = Spec { kernel, dtype, dims, scale, causal };
+        with_docs(docs, dims, causal, |dv| fwd_t(dev, spec, (&q, &k, &v), &out, &dv))?;
         Ok((CudaStorage::wrap_cuda_slice(packed, dev.clone()), Shape::from_dims(&[b, h, tq, w])))
     })
 }
@@ -402,16 +392,12 @@ pub fn fwd_packed(
 /// `AttentionBwd::cuda_fwd`: the op's backward rows (B, H, Tq, 3D + 2E) in T = [q | O | lse | dO | .]
 /// (`PackedRows`, read in place: no unpacking, no f32 copies), k, v of dtype T -> dQ, dK, dV flattened one
 /// after the other (len q + len k + len v) in T.
-#[allow(clippy::too_many_arguments)]
 pub fn bwd_packed(
-    sp: &CudaStorage,
-    lp: &Layout,
+    (sp, lp): (&CudaStorage, &Layout),
     (sk, lk): (&CudaStorage, &Layout),
     (sv, lv): (&CudaStorage, &Layout),
     d: usize,
-    scale: f32,
-    causal: bool,
-    docs: Option<&candle_core::Tensor>,
+    AttnMask { scale, causal, docs }: AttnMask<'_, candle_core::Tensor>,
 ) -> Result<(CudaStorage, Shape)> {
     let (b, h, tq, w) = lp.shape().dims4()?;
     let dtype = sk.dtype();
@@ -454,7 +440,8 @@ pub fn bwd_packed(
                 dk,
                 dv,
             };
-            with_docs(docs, dims, causal, |dv| bwd_t(dev, kernel, &mut bufs, dtype, dims, scale, causal, &dv))?;
+            let spec = Spec { kernel, dtype, dims, scale, causal };
+            with_docs(docs, dims, causal, |dv| bwd_t(dev, spec, &mut bufs, &dv))?;
         }
         Ok((CudaStorage::wrap_cuda_slice(flat, dev.clone()), Shape::from_dims(&[nq + 2 * nkv])))
     })

@@ -11,20 +11,30 @@
 use candle_core::{bail, Result};
 
 /// Problem sizes shared by forward and backward: q (B, H, Tq, D), k and v (B, Hkv, Tk, D).
-/// The softmax scale and the masks of one attention call: causal or not, and an optional document mask,
-/// per key position (B*Tk) the start of its document (`ops::attention::DocStarts::host`; causal only).
-#[derive(Clone, Copy, Debug)]
-pub struct AttnMask<'a> {
+/// The softmax scale and the masks of one attention call: causal or not, and an optional document mask
+/// (causal only) in the form the implementation reads: per key position (B*Tk) the start of its document
+/// on the host (`D` = `[u32]`, `DocStarts::host`: the emulated kernels) or as a device tensor (`D` =
+/// `Tensor`, `DocStarts::tensor`: the CUDA launchers).
+#[derive(Debug)]
+pub struct AttnMask<'a, D: ?Sized = [u32]> {
     pub scale: f32,
     pub causal: bool,
-    pub docs: Option<&'a [u32]>,
+    pub docs: Option<&'a D>,
 }
 
-impl<'a> AttnMask<'a> {
-    pub fn new(scale: f32, causal: bool, docs: Option<&'a [u32]>) -> AttnMask<'a> {
+impl<'a, D: ?Sized> AttnMask<'a, D> {
+    pub fn new(scale: f32, causal: bool, docs: Option<&'a D>) -> AttnMask<'a, D> {
         AttnMask { scale, causal, docs }
     }
 }
+
+// by hand: a derive would ask `D: Clone`, which `[u32]` is not (only the reference is copied)
+impl<D: ?Sized> Clone for AttnMask<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D: ?Sized> Copy for AttnMask<'_, D> {}
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttnDims {

@@ -403,7 +403,13 @@ mod cuda_run {
                         bail!("attention selftest: inputs are not on the CUDA device");
                     };
                     let dtens = docs.as_ref().map(|ds| ds.tensor());
-                    let (_, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
+                    let (_, lse, _) = attention_cuda::fwd(
+                        (cq, lq),
+                        (ck, lk),
+                        (cv, lv),
+                        AttnMask::new(scale, causal, dtens),
+                        Some(kernel),
+                    )?;
                     cdev.clone_dtoh(&lse)?
                 };
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
@@ -426,20 +432,17 @@ mod cuda_run {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
                 let dtens = docs.as_ref().map(|ds| ds.tensor());
-                let (o, lse, _) = attention_cuda::fwd(cq, lq, ck, lk, cv, lv, scale, causal, Some(kernel), dtens)?;
-                let lo = candle_core::Layout::contiguous(qs);
-                let (dq, dk, dv) = attention_cuda::bwd(
+                let (o, lse, _) = attention_cuda::fwd(
                     (cq, lq),
                     (ck, lk),
                     (cv, lv),
-                    (&o, &lo),
-                    &lse,
-                    (cd, ld),
-                    scale,
-                    causal,
+                    AttnMask::new(scale, causal, dtens),
                     Some(kernel),
-                    dtens,
                 )?;
+                let lo = candle_core::Layout::contiguous(qs);
+                let mask = AttnMask::new(scale, causal, dtens);
+                let (dq, dk, dv) =
+                    attention_cuda::bwd((cq, lq), (ck, lk), (cv, lv), ((&o, &lo), &lse), (cd, ld), mask, Some(kernel))?;
                 let back = |s: candle_core::CudaStorage, shape: (usize, usize, usize, usize)| -> Result<Vec<f32>> {
                     let t = Tensor::from_storage(Storage::Cuda(s), shape, candle_core::op::BackpropOp::none(), false);
                     down(&t)
