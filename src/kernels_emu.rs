@@ -443,7 +443,6 @@ pub fn rms_norm_fwd<T: EmuFloat>(
 
 /// RMSNorm backward: (dx (N, C), dw (C)) from dy, x, w and the forward's rstd (recomputed from x with
 /// `eps` when `None`).
-#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_bwd<T: EmuFloat>(
     dy: &[T],
     x: &[T],

@@ -533,9 +533,10 @@ pub fn adamw_checks(target: &Target, dt: Dt, r: &mut ChaCha8Rng) -> Result<Vec<C
     let grads: Vec<Vec<f32>> = (0..3).map(|_| uniform(r, n, 0.05)).collect();
     let scales = [1.0f32, 0.5, 0.25];
     let lr = 3e-3;
+    let run = AdamwRun { p0: &p0, grads: &grads, scales: &scales, segments: &segments, hp, lr };
     let (sumsq, master, out) = match target {
-        Target::Emulated => emu_adamw(dt, &p0, &grads, &scales, &segments, hp, lr, emu_dims(r))?,
-        Target::Cuda(dev) => cuda_run::adamw(dev, dt, &p0, &grads, &scales, &segments, hp, lr)?,
+        Target::Emulated => emu_adamw(dt, run, emu_dims(r))?,
+        Target::Cuda(dev) => cuda_run::adamw(dev, dt, run)?,
     };
     for (g, &s) in grads.iter().zip(&scales) {
         let gs: Vec<f32> = g.iter().map(|x| x * s).collect();
@@ -575,17 +576,21 @@ pub fn adamw_scalars(hp: AdamWHyper, lr: f64, t: u64, wd: f32, grad_scale: f32) 
 
 type AdamwOut = (f64, Vec<f32>, Vec<f32>);
 
-#[allow(clippy::too_many_arguments)]
-fn emu_adamw(
-    dt: Dt,
-    p0: &[f32],
-    grads: &[Vec<f32>],
-    scales: &[f32],
-    segments: &[(std::ops::Range<usize>, f32)],
+/// One AdamW check's inputs: initial weights, one gradient per step with its clipping scale, the weight-decay
+/// segments, the hyper-parameters and the learning rate.
+#[derive(Clone, Copy)]
+struct AdamwRun<'a> {
+    p0: &'a [f32],
+    grads: &'a [Vec<f32>],
+    scales: &'a [f32],
+    segments: &'a [(std::ops::Range<usize>, f32)],
     hp: AdamWHyper,
     lr: f64,
-    dims: Dims,
-) -> Result<AdamwOut> {
+}
+
+/// `run` through the emulated kernels: (gradient sum of squares of step 1, master, compute weights).
+fn emu_adamw(dt: Dt, run: AdamwRun<'_>, dims: Dims) -> Result<AdamwOut> {
+    let AdamwRun { p0, grads, scales, segments, hp, lr } = run;
     let n = p0.len();
     let sumsq = emu::grad_sumsq(&grads[0], dims)?;
     let (mut master, mut m, mut v) = (p0.to_vec(), vec![0f32; n], vec![0f32; n]);
@@ -615,7 +620,7 @@ fn emu_adamw(
 mod cuda_run {
     //! Without the `cuda` feature there is no device to run on; `Target::Cuda` cannot be built by
     //! `run`, and these stubs only keep the match arms total.
-    use super::{AdamWHyper, AdamwOut, Dt};
+    use super::{AdamwOut, AdamwRun, Dt};
     use anyhow::{bail, Result};
     use candle_core::{Device, Tensor};
     const MSG: &str = "this harpe was built without --features cuda";
@@ -651,17 +656,7 @@ mod cuda_run {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         bail!(MSG)
     }
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw(
-        _: &Device,
-        _: Dt,
-        _: &[f32],
-        _: &[Vec<f32>],
-        _: &[f32],
-        _: &[(std::ops::Range<usize>, f32)],
-        _: AdamWHyper,
-        _: f64,
-    ) -> Result<AdamwOut> {
+    pub fn adamw(_: &Device, _: Dt, _: AdamwRun<'_>) -> Result<AdamwOut> {
         bail!(MSG)
     }
 }
@@ -670,7 +665,7 @@ mod cuda_run {
 mod cuda_run {
     //! The same cases through the ops the model calls (rope, rms_norm with autograd, the CE chunk ops)
     //! and the optimizer's flat-buffer launchers.
-    use super::{adamw_scalars, AdamWHyper, AdamwOut, Dt};
+    use super::{adamw_scalars, AdamwOut, AdamwRun, Dt};
     use crate::ops::cuda::{adamw_step, grad_sumsq, AdamWBuffers, AdamWStep, ComputeOut};
     use anyhow::{anyhow, bail, Result};
     use candle_core::{DType, Device, Tensor, Var};
@@ -735,17 +730,9 @@ mod cuda_run {
         Ok((down(&ce_chunk_nll(&l, &t)?)?, down(&ce_chunk_dlogits(&l, &t, &gt)?)?))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw(
-        dev: &Device,
-        dt: Dt,
-        p0: &[f32],
-        grads: &[Vec<f32>],
-        scales: &[f32],
-        segments: &[(std::ops::Range<usize>, f32)],
-        hp: AdamWHyper,
-        lr: f64,
-    ) -> Result<AdamwOut> {
+    /// `run` through the CUDA kernels: (gradient sum of squares of step 1, master, compute weights).
+    pub fn adamw(dev: &Device, dt: Dt, run: AdamwRun<'_>) -> Result<AdamwOut> {
+        let AdamwRun { p0, grads, scales, segments, hp, lr } = run;
         let cd = dev.as_cuda_device()?;
         let n = p0.len();
         let mut master = cd.clone_htod(p0)?;

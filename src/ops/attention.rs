@@ -31,7 +31,7 @@
 //! whole (global) sequence. The GEMM blocks (`ops::attention_gemm`) take the same mask.
 //! Not done here: dropout, sliding windows.
 use crate::ops::attention_gemm::{attention_bwd_gemm, attention_fwd_gemm};
-use crate::ops::attention_shape::{AttnDims, PackedRows};
+use crate::ops::attention_shape::{AttnDims, AttnMask, PackedRows};
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -201,18 +201,12 @@ pub fn attention_fwd_cpu(
 
 /// Backward reference: returns (dQ, dK, dV) with the shapes of q, k, v, under `attention_fwd_cpu`'s optional
 /// document mask `docs`.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_cpu(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &[f32],
-    lse: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (o, lse): (&[f32], &[f32]),
     dout: &[f32],
     dims: AttnDims,
-    scale: f32,
-    causal: bool,
-    docs: Option<&[u32]>,
+    AttnMask { scale, causal, docs }: AttnMask<'_>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttnDims { h, hkv, tq, tk, d, .. } = dims;
     let rep = h / hkv;
@@ -431,7 +425,8 @@ impl CustomOp3 for AttentionBwd {
             lse.push(row[2 * d]);
             dout.extend_from_slice(&row[2 * d + 1..3 * d + 1]);
         }
-        let (mut dq, dk, dv) = attention_bwd_cpu(&q, k, v, &o, &lse, &dout, dims, self.scale, self.causal, docs);
+        let (mut dq, dk, dv) =
+            attention_bwd_cpu((&q, k, v), (&o, &lse), &dout, dims, AttnMask::new(self.scale, self.causal, docs));
         dq.reserve(dk.len() + dv.len());
         dq.extend(dk);
         dq.extend(dv);

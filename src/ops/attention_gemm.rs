@@ -45,11 +45,8 @@ struct Mat {
 ///
 /// SAFETY (caller): every operand view must stay inside its allocation for the given sizes and `dst`
 /// must not alias `lhs` or `rhs`.
-#[allow(clippy::too_many_arguments)]
 unsafe fn mm(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
     accumulate: bool,
@@ -120,18 +117,15 @@ pub fn attention_fwd_gemm(
         out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
             let i0 = qb * BQ;
             let lo = |i: usize| dims.first_key(causal, docs, bi, i);
-            fwd_block(&qh[i0 * d..], kh, vh, out_b, i0, dims, scale, causal, &lo);
+            fwd_block((&qh[i0 * d..], kh, vh), out_b, i0, dims, scale, causal, &lo);
         });
     });
     out
 }
 
 /// One query block: rows i0.. of one head (`qb` starts at row i0), `out_b` its packed output rows.
-#[allow(clippy::too_many_arguments)]
 fn fwd_block(
-    qb: &[f32],
-    kh: &[f32],
-    vh: &[f32],
+    (qb, kh, vh): (&[f32], &[f32], &[f32]),
     out_b: &mut [f32],
     i0: usize,
     dims: AttnDims,
@@ -150,7 +144,7 @@ fn fwd_block(
         let n = BK.min(lim_last - kb);
         // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d, s holds nr x n; no aliasing.
         unsafe {
-            mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), transposed(kh[kb * d..].as_ptr(), d), scale)
+            mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), transposed(kh[kb * d..].as_ptr(), d), scale)
         };
         for r in 0..nr {
             let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
@@ -172,7 +166,7 @@ fn fwd_block(
             }
         }
         // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
-        unsafe { mm(nr, d, n, acc.as_mut_ptr(), d, true, rows(s.as_ptr(), n), rows(vh[kb * d..].as_ptr(), d), 1.0) };
+        unsafe { mm((nr, d, n), acc.as_mut_ptr(), d, true, rows(s.as_ptr(), n), rows(vh[kb * d..].as_ptr(), d), 1.0) };
     }
     for (r, row) in out_b.chunks_mut(d + 1).enumerate() {
         if l[r] > 0.0 {
@@ -326,7 +320,7 @@ impl BwdHead<'_> {
             let (kj, vj) = (self.k[kb * d..].as_ptr(), self.v[kb * d..].as_ptr());
             // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj are rows
             // kb..kb+n of d, the dK/dV destinations those rows of this key range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
-            unsafe { mm(nr, n, d, s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
+            unsafe { mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
             for r in 0..nr {
                 let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
                 let first = self.lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
@@ -339,14 +333,14 @@ impl BwdHead<'_> {
                 sr[..first].fill(0.0);
                 sr[valid..].fill(0.0);
             }
-            unsafe { mm(n, d, nr, dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
-            unsafe { mm(nr, n, d, dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
+            unsafe { mm((n, d, nr), dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
+            unsafe { mm((nr, n, d), dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
             for r in 0..nr {
                 let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
                 softmax_grad(dpr, pr, delta[r], self.scale);
             }
-            unsafe { mm(nr, d, n, dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
-            unsafe { mm(n, d, nr, dk_p[at..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
+            unsafe { mm((nr, d, n), dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
+            unsafe { mm((n, d, nr), dk_p[at..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
         }
     }
 }

@@ -148,7 +148,7 @@ fn case(
     if dt == Dt::F32 {
         let (o_ref, lse_ref) = attention_fwd_cpu(&q, &k, &v, dims, scale, causal, docs);
         let (dq_ref, dk_ref, dv_ref) =
-            attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+            attention_bwd_cpu((&q, &k, &v), (&o_ref, &lse_ref), &dout, dims, AttnMask::new(scale, causal, docs));
         let refs = [&o_ref, &lse_ref, &dq_ref, &dk_ref, &dv_ref];
         return Ok((0..5)
             .map(|i| check(&format!("{name} {}", what[i]), label.clone(), dt, &got[i], refs[i], 1e-5))

@@ -67,7 +67,7 @@ fn case(
     let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
     let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
     let scale = 1.0 / (d as f32).sqrt();
-    let (harpe, cflash) = cuda_run::run(dev, dt, &q, &k, &v, dims, scale, docs)?;
+    let (harpe, cflash) = cuda_run::run(dev, dt, (&q, &k, &v), dims, scale, docs)?;
     // the forward's exact values (the backward inputs are unused: dO = 0)
     let (zeros, lse0) = (vec![0f32; q.len()], vec![0f32; b * h * tq]);
     let inp = Inputs { q: &q, k: &k, v: &v, dout: &zeros, o: &cflash, lse: &lse0, dims, scale, causal: true, docs };
@@ -98,13 +98,10 @@ mod cuda_run {
     //! Without candle-flash-attn `checks` returns before calling this.
     use super::{AttnDims, Dt};
     use anyhow::{bail, Result};
-    #[allow(clippy::too_many_arguments)]
     pub fn run(
         _: &candle_core::Device,
         _: Dt,
-        _: &[f32],
-        _: &[f32],
-        _: &[f32],
+        _: (&[f32], &[f32], &[f32]),
         _: AttnDims,
         _: f32,
         _: Option<&[u32]>,
@@ -124,13 +121,10 @@ mod cuda_run {
     use candle_core::Device;
 
     /// (harpe's O, candle-flash-attn's O) as host f32, (B, H, Tq, D).
-    #[allow(clippy::too_many_arguments)]
     pub fn run(
         dev: &Device,
         dt: Dt,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        (q, k, v): (&[f32], &[f32], &[f32]),
         dims: AttnDims,
         scale: f32,
         docs: Option<&[u32]>,

@@ -132,7 +132,8 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
     let (qt, kt, vt, dt) = (to_t::<T>(&q), to_t::<T>(&k), to_t::<T>(&v), to_t::<T>(&dout));
     let (o_t, lse) = ka::attention_fwd::<T>(kernel, (&qt, &kt, &vt), dims, AttnMask::new(scale, causal, docs)).unwrap();
     let o = of_t(&o_t);
-    let (dq_ref, dk_ref, dv_ref) = attention_bwd_cpu(&q, &k, &v, &o_ref, &lse_ref, &dout, dims, scale, causal, docs);
+    let (dq_ref, dk_ref, dv_ref) =
+        attention_bwd_cpu((&q, &k, &v), (&o_ref, &lse_ref), &dout, dims, AttnMask::new(scale, causal, docs));
     let (dq, dk, dv) =
         ka::attention_bwd::<T>(kernel, (&qt, &kt, &vt), (&o_t, &lse), &dt, dims, AttnMask::new(scale, causal, docs))
             .unwrap();
@@ -360,7 +361,7 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     // lse = -inf — far outside any bound
     assert!(max_err(&of_t(&ob), &o_ref) > 0.5, "a forward reading K/V before its wait must fail");
     assert_eq!(max_err(&lseb, &lse_ref), f64::INFINITY, "a forward reading K/V before its wait must fail (lse)");
-    let refs = attention_bwd_cpu(&qf, &kf, &vf, &o_ref, &lse_ref, &df, dims, 0.125, true, None);
+    let refs = attention_bwd_cpu((&qf, &kf, &vf), (&o_ref, &lse_ref), &df, dims, AttnMask::new(0.125, true, None));
     let good = ka::attention_bwd(
         AttnKernel::TensorCore,
         (&q, &k, &v),
