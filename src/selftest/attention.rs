@@ -402,14 +402,8 @@ mod cuda_run {
                     let (Storage::Cuda(cq), Storage::Cuda(ck), Storage::Cuda(cv)) = (&*sq, &*sk, &*sv) else {
                         bail!("attention selftest: inputs are not on the CUDA device");
                     };
-                    let dtens = docs.as_ref().map(|ds| ds.tensor());
-                    let (_, lse, _) = attention_cuda::fwd(
-                        (cq, lq),
-                        (ck, lk),
-                        (cv, lv),
-                        AttnMask::new(scale, causal, dtens),
-                        Some(kernel),
-                    )?;
+                    let mask = AttnMask::new(scale, causal, docs.as_ref().map(|ds| ds.tensor()));
+                    let (_, lse, _) = attention_cuda::fwd((cq, lq), (ck, lk), (cv, lv), mask, Some(kernel))?;
                     cdev.clone_dtoh(&lse)?
                 };
                 let (qv, kv, vv) = (Var::from_tensor(&qt)?, Var::from_tensor(&kt)?, Var::from_tensor(&vt)?);
@@ -431,16 +425,9 @@ mod cuda_run {
                 else {
                     bail!("attention selftest: inputs are not on the CUDA device");
                 };
-                let dtens = docs.as_ref().map(|ds| ds.tensor());
-                let (o, lse, _) = attention_cuda::fwd(
-                    (cq, lq),
-                    (ck, lk),
-                    (cv, lv),
-                    AttnMask::new(scale, causal, dtens),
-                    Some(kernel),
-                )?;
+                let mask = AttnMask::new(scale, causal, docs.as_ref().map(|ds| ds.tensor()));
+                let (o, lse, _) = attention_cuda::fwd((cq, lq), (ck, lk), (cv, lv), mask, Some(kernel))?;
                 let lo = candle_core::Layout::contiguous(qs);
-                let mask = AttnMask::new(scale, causal, dtens);
                 let (dq, dk, dv) =
                     attention_cuda::bwd((cq, lq), (ck, lk), (cv, lv), ((&o, &lo), &lse), (cd, ld), mask, Some(kernel))?;
                 let back = |s: candle_core::CudaStorage, shape: (usize, usize, usize, usize)| -> Result<Vec<f32>> {
