@@ -46,6 +46,7 @@ use crate::flatbuf::FlatBuf;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use local::{Elem, LocalComm, ReduceOp};
+use signature::CollOp;
 use std::sync::Arc;
 use zero::ShardMap;
 
@@ -179,44 +180,30 @@ impl Drop for Started {
     }
 }
 
-/// `$go::<T>(args)` with T the element type of `$t`'s dtype: the types `Local` moves (f32, bf16, f16).
-macro_rules! by_elem {
-    ($t:expr, $op:expr, $label:expr, $go:ident($($arg:expr),*)) => {
-        match $t.dtype() {
-            DType::F32 => $go::<f32>($($arg),*),
-            DType::BF16 => $go::<half::bf16>($($arg),*),
-            DType::F16 => $go::<half::f16>($($arg),*),
-            d => bail!("internal: {} \"{}\" of a {d:?} tensor (Local moves f32, bf16 or f16)", $op, $label),
-        }
-    };
-}
-
-/// `Local`'s all-gather of a 1-D tensor in its own dtype (the compute dtype for weights, as NCCL
-/// gathers), issued to the rank's communication thread.
-fn local_all_gather(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+/// `Local`'s all-gather or reduce-scatter (sum) of a 1-D tensor in its own dtype (f32, bf16 or f16: the
+/// compute dtype for weights, as NCCL gathers), issued to the rank's communication thread.
+fn local_start(c: &LocalComm, op: CollOp, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
     fn go<T: Elem + candle_core::WithDType>(
         c: &LocalComm,
+        op: CollOp,
         t: &Tensor,
         counts: &[usize],
         label: &str,
     ) -> Result<Started> {
-        Ok(Started::local(c.all_gather_v_start(t.to_vec1::<T>()?, counts, label)?, t.device()))
+        let v = t.to_vec1::<T>()?;
+        let issued = match op {
+            CollOp::AllGather => c.all_gather_v_start(v, counts, label)?,
+            CollOp::ReduceScatter => c.reduce_scatter_v_start(v, counts, ReduceOp::Sum, label)?,
+            _ => bail!("internal: {} \"{label}\" has no started form under Local", op.name()),
+        };
+        Ok(Started::local(issued, t.device()))
     }
-    by_elem!(input, "all_gather", label, go(c, input, counts, label))
-}
-
-/// `Local`'s reduce-scatter (sum) of a 1-D tensor in its own dtype, issued to the rank's
-/// communication thread.
-fn local_reduce_scatter(c: &LocalComm, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
-    fn go<T: Elem + candle_core::WithDType>(
-        c: &LocalComm,
-        t: &Tensor,
-        counts: &[usize],
-        label: &str,
-    ) -> Result<Started> {
-        Ok(Started::local(c.reduce_scatter_v_start(t.to_vec1::<T>()?, counts, ReduceOp::Sum, label)?, t.device()))
+    match input.dtype() {
+        DType::F32 => go::<f32>(c, op, input, counts, label),
+        DType::BF16 => go::<half::bf16>(c, op, input, counts, label),
+        DType::F16 => go::<half::f16>(c, op, input, counts, label),
+        d => bail!("internal: {} \"{label}\" of a {d:?} tensor (Local moves f32, bf16 or f16)", op.name()),
     }
-    by_elem!(input, "reduce_scatter", label, go(c, input, counts, label))
 }
 
 /// Run an in-place NCCL collective `f` on `buf`'s device tensor; a host buffer travels through the
@@ -430,7 +417,7 @@ impl Comm {
     /// return.
     pub fn all_gather_v_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
         match self {
-            Comm::Local(c, _) => local_all_gather(c, input, counts, label),
+            Comm::Local(c, _) => local_start(c, CollOp::AllGather, input, counts, label),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
@@ -457,7 +444,7 @@ impl Comm {
     /// return.
     pub fn reduce_scatter_v_sum_tensor_start(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
         match self {
-            Comm::Local(c, _) => local_reduce_scatter(c, input, counts, label),
+            Comm::Local(c, _) => local_start(c, CollOp::ReduceScatter, input, counts, label),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => {
                 let input = input.contiguous()?;
