@@ -33,6 +33,10 @@ mkdir -p "$1"
 PREFIX="$(cd "$1" && pwd)"
 PY="${PYTHON:-python3}"
 log() { echo "[install-cuda-toolchain] $*" >&2; }
+# newest GLOB...: the last match in version order, or nothing. (A bare `$(ls ... | sort -V | tail -n 1)`
+# exits the script under `set -e -o pipefail` when nothing matches, e.g. on a fresh machine whose cargo
+# registry does not hold cudarc yet, before the fallback below could fetch it.)
+newest() { ls -d "$@" 2>/dev/null | sort -V | tail -n 1 || true; }
 
 NVCC_V=13.0.88
 RUNTIME_V=13.0.96
@@ -83,7 +87,7 @@ for d in bin include nvvm; do ln -sfn "$CU13/$d" "$ROOT/$d"; done
 
 link_lib() { # NAME DIR: lib64/libNAME.so -> the newest versioned libNAME.so.* in DIR
   local f
-  f="$(ls "$2"/lib"$1".so.* 2>/dev/null | sort -V | tail -n 1)"
+  f="$(newest "$2"/lib"$1".so.*)"
   [ -n "$f" ] || { log "error: lib$1.so.* not found in $2; hint: delete $PREFIX and rerun"; exit 1; }
   ln -sfn "$f" "$ROOT/lib64/lib$1.so"
 }
@@ -99,11 +103,11 @@ ln -sfn "$CU13/lib/libcudart_static.a" "$ROOT/lib64/libcudart_static.a"
 # loaded at run time (the real libcuda.so.1 of the driver is), so the signatures do not matter.
 STUB="$ROOT/lib64/stubs/libcuda.so"
 if [ ! -f "$STUB" ]; then
-  CUDARC_SRC="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -n 1)"
+  CUDARC_SRC="$(newest "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*)"
   if [ -z "$CUDARC_SRC" ]; then
     log "cudarc sources not in the cargo registry yet: fetching them (cargo fetch)"
     (cd "$(dirname "$0")/.." && cargo fetch >&2)
-    CUDARC_SRC="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -n 1)"
+    CUDARC_SRC="$(newest "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*)"
   fi
   SYS="$CUDARC_SRC/src/driver/sys/mod.rs"
   [ -f "$SYS" ] || { log "error: $SYS not found; hint: run cargo fetch in the harpe checkout first"; exit 1; }
@@ -119,7 +123,7 @@ fi
 # of the commit> when include/ exists there and `git rev-parse HEAD` in it prints the commit. rev-parse
 # reads a detached HEAD without looking the object up, so an empty repository whose HEAD file holds the id
 # passes; nothing else in the checkout is read (no fetch, no checkout).
-FA_SRC="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-0.11.* 2>/dev/null | sort -V | tail -n 1)"
+FA_SRC="$(newest "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-flash-attn-0.11.*)"
 if [ -n "$FA_SRC" ] && ! grep -q "$CUTLASS_COMMIT" "$FA_SRC/build.rs"; then
   log "error: $FA_SRC/build.rs pins another CUTLASS commit than $CUTLASS_COMMIT; hint: update CUTLASS_COMMIT and CUTLASS_V in $0 to that commit's release"
   exit 1
