@@ -259,10 +259,20 @@ impl FlatBuf {
         }
         match self {
             FlatBuf::Host(v) => {
-                let g = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().context("reading a tensor to add")?;
-                for (acc, x) in v[range].iter_mut().zip(&g) {
-                    *acc += x;
+                let dst = &mut v[range];
+                // An f32 CPU gradient (the training case) is added from its storage in place, on rayon;
+                // anything else (another dtype or device, a strided view) is read out first.
+                if t.dtype() == DType::F32 && t.device().is_cpu() {
+                    let (st, l) = t.storage_and_layout();
+                    if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(g)), Some((a, b))) =
+                        (&*st, l.contiguous_offsets())
+                    {
+                        add_par(dst, &g[a..b]);
+                        return Ok(());
+                    }
                 }
+                let g = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().context("reading a tensor to add")?;
+                add_par(dst, &g);
                 Ok(())
             }
             FlatBuf::Device(buf) => {
@@ -426,6 +436,16 @@ fn device_sum_squares(t: &Tensor) -> Result<f64> {
         s += t.narrow(0, r.start, r.len())?.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
     }
     Ok(s)
+}
+
+/// dst += src elementwise, in pieces on rayon (the same bits as one loop).
+fn add_par(dst: &mut [f32], src: &[f32]) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| {
+        for (acc, x) in d.iter_mut().zip(s) {
+            *acc += x;
+        }
+    });
 }
 
 #[cfg(test)]

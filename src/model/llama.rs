@@ -195,16 +195,14 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// x (..., In) @ w^T with w (Out, In).
+/// x (..., In) @ w^T with w (Out, In): the one-node op with its own backward on CPU in f32
+/// (`ops::linear`), plain ops elsewhere (cuBLAS on CUDA).
 fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let inner = dims[dims.len() - 1];
-    let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
-    let mut out = dims;
-    let last = out.len() - 1;
-    out[last] = w.dim(0)?;
-    y.reshape(out)
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        crate::ops::linear::linear(x, w)
+    } else {
+        crate::ops::linear::linear_slow(x, w)
+    }
 }
 
 /// Per-layer key/value cache for generation: (B, Hkv, Tpast, D) each, after RoPE.

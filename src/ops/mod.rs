@@ -6,6 +6,7 @@ pub mod attention_shape;
 pub mod candle_flash;
 pub mod cpu_vec;
 pub mod cross_entropy_chunk;
+pub mod linear;
 pub mod rms_norm;
 pub mod rotary;
 pub mod swiglu;

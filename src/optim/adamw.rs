@@ -21,6 +21,7 @@ use crate::flatbuf::{FlatBuf, Placement};
 use crate::grads::{ParamGroup, ParamLayout};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// AdamW hyper-parameters (the learning rate comes from the schedule each step).
@@ -180,17 +181,15 @@ impl AdamW {
         let (master, m, v) = (self.master.host_mut()?, self.m.host_mut()?, self.v.host_mut()?);
         for (seg, wd) in &self.segments {
             let decay = 1.0 - lr * wd;
-            let p = &mut master[seg.clone()];
-            let m = &mut m[seg.clone()];
-            let v = &mut v[seg.clone()];
-            let g = &grad[seg.clone()];
-            for i in 0..p.len() {
-                p[i] *= decay;
-                m[i] += (1.0 - beta1) * (g[i] - m[i]);
-                v[i] = v[i] * beta2 + (1.0 - beta2) * g[i] * g[i];
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * m[i] / denom;
-            }
+            let hp = StepConsts { decay, beta1, beta2, eps, step_size, bc2_sqrt };
+            let (p, m, v, g) = (&mut master[seg.clone()], &mut m[seg.clone()], &mut v[seg.clone()], &grad[seg.clone()]);
+            // Elementwise, so the pieces on rayon give the same bits as one loop (7 f32 streams: at 25M
+            // parameters one thread's loop was ~5% of a CPU step).
+            p.par_chunks_mut(PAR_CHUNK)
+                .zip(m.par_chunks_mut(PAR_CHUNK))
+                .zip(v.par_chunks_mut(PAR_CHUNK))
+                .zip(g.par_chunks(PAR_CHUNK))
+                .for_each(|(((p, m), v), g)| adamw_loop(p, m, v, g, hp));
         }
         Ok(())
     }
@@ -236,6 +235,32 @@ impl AdamW {
             self.v.set_range_device(s, &v)?;
         }
         Ok(())
+    }
+}
+
+/// Elements per rayon task of the host step.
+const PAR_CHUNK: usize = 1 << 16;
+
+/// The per-slice constants of one host step.
+#[derive(Clone, Copy)]
+struct StepConsts {
+    decay: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+}
+
+/// The host step on one piece: torch's order (decay, lerp m, v, bias corrections, addcdiv).
+fn adamw_loop(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: StepConsts) {
+    let StepConsts { decay, beta1, beta2, eps, step_size, bc2_sqrt } = c;
+    for i in 0..p.len() {
+        p[i] *= decay;
+        m[i] += (1.0 - beta1) * (g[i] - m[i]);
+        v[i] = v[i] * beta2 + (1.0 - beta2) * g[i] * g[i];
+        let denom = v[i].sqrt() / bc2_sqrt + eps;
+        p[i] -= step_size * m[i] / denom;
     }
 }
 

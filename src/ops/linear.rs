@@ -1,0 +1,237 @@
+//! The linear layer y = x W^T (no bias, as every Llama projection) as one op with its own backward on
+//! CPU f32: each of its three GEMMs straight from the operands' storage into a fresh, unfilled buffer.
+//!
+//! Reference: `linear_slow` (candle's reshape, transpose and matmul, the model's projection before this
+//! op), which the tests compare forward and backward. With upstream dy (rows, Out):
+//!   dx = dy W        (rows, Out) (Out, In),   dW = dy^T x   (Out, rows) (rows, In).
+//! The non-obvious decision: candle's plain form is four autograd nodes (reshape, transpose, matmul,
+//! reshape) and its backward fills a zeroed gradient for each and adds into it; dW comes out as (In, Out)
+//! and is added transposed (a strided, scalar pass over the weight) before the parameter sees it. Here
+//! the op is one node whose backward writes dx and dW in their final layouts; at small shapes (hidden
+//! 128-512, a few hundred tokens) that overhead was a sizeable part of a CPU step.
+//! The GEMMs are the `gemm` crate's (the microkernels candle's matmul calls), on rayon's threads.
+//! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
+//! calls `linear_slow` for what it does not take).
+use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
+use gemm::{gemm, Parallelism};
+
+/// A row-major operand view for one GEMM: data at (0, 0), `rs` between rows, `cs` between columns.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl View<'_> {
+    /// Index of element (r, c).
+    fn at(&self, r: usize, c: usize) -> usize {
+        r * self.rs + c * self.cs
+    }
+}
+
+/// lhs (m x k) * rhs (k x n) into a new row-major (m x n) buffer.
+fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
+    if m == 0 || n == 0 {
+        return Vec::new();
+    }
+    if k == 0 {
+        return vec![0f32; m * n];
+    }
+    // Every operand view must stay inside its slice: gemm reads through raw pointers.
+    assert!(
+        lhs.at(m - 1, k - 1) < lhs.data.len() && rhs.at(k - 1, n - 1) < rhs.data.len(),
+        "linear: GEMM view out of range"
+    );
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
+    let mut dst: Vec<f32> = Vec::with_capacity(m * n);
+    // SAFETY: the views are inside their slices (asserted above); dst has room for m * n values and,
+    // with read_dst = false and alpha = 0, gemm writes every one of them without reading any; set_len
+    // follows the writes.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+        dst.set_len(m * n);
+    }
+    dst
+}
+
+/// Forward: x (rows, In) row-major, w (Out, In) -> x W^T (rows, Out).
+pub fn linear_fwd_cpu(x: &[f32], w: &[f32], (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
+    matmul((rows, out, inp), View { data: x, rs: inp, cs: 1 }, View { data: w, rs: 1, cs: inp })
+}
+
+/// Backward: (dx (rows, In), dW (Out, In)) from dy (rows, Out), x and w.
+pub fn linear_bwd_cpu(
+    dy: &[f32],
+    x: &[f32],
+    w: &[f32],
+    (rows, inp, out): (usize, usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    let dx = matmul((rows, inp, out), View { data: dy, rs: out, cs: 1 }, View { data: w, rs: inp, cs: 1 });
+    let dw = matmul((out, inp, rows), View { data: dy, rs: 1, cs: out }, View { data: x, rs: inp, cs: 1 });
+    (dx, dw)
+}
+
+/// A contiguous f32 CPU slice of `t` (the op's arguments and its upstream gradient).
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        (CpuStorage::F32(_), None) => candle_core::bail!("linear: `{arg}` must be contiguous"),
+        _ => candle_core::bail!("linear: `{arg}` must be f32 (other dtypes take linear_slow)"),
+    }
+}
+
+/// (rows, In, Out) of x (..., In) and w (Out, In), or an error naming the mismatch.
+fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
+    let (out, inp) = w.dims2()?;
+    let xd = x.dims();
+    match xd.last() {
+        Some(&last) if last == inp => Ok((xd[..xd.len() - 1].iter().product(), inp, out)),
+        _ => candle_core::bail!("linear: x {x:?} does not end in w's input size {inp} (w {w:?})"),
+    }
+}
+
+/// The forward shape: x's with its last size replaced by Out.
+fn out_shape(x: &Shape, out: usize) -> Shape {
+    let mut d = x.dims().to_vec();
+    if let Some(last) = d.last_mut() {
+        *last = out;
+    }
+    Shape::from_dims(&d)
+}
+
+struct Linear;
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "harpe-linear"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, inp, out) = dims(lx.shape(), lw.shape())?;
+        let y = linear_fwd_cpu(f32_slice(sx, lx, "x")?, f32_slice(sw, lw, "w")?, (rows, inp, out));
+        Ok((CpuStorage::F32(y), out_shape(lx.shape(), out)))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (rows, inp, out) = dims(x.shape(), w.shape())?;
+        let grad = grad.contiguous()?;
+        let (sg, lg) = grad.storage_and_layout();
+        let (sx, lx) = x.storage_and_layout();
+        let (sw, lw) = w.storage_and_layout();
+        let (candle_core::Storage::Cpu(sg), candle_core::Storage::Cpu(sx), candle_core::Storage::Cpu(sw)) =
+            (&*sg, &*sx, &*sw)
+        else {
+            candle_core::bail!("linear: the op runs on CPU tensors only (other devices take linear_slow)")
+        };
+        let (dx, dw) = linear_bwd_cpu(
+            f32_slice(sg, lg, "dy")?,
+            f32_slice(sx, lx, "x")?,
+            f32_slice(sw, lw, "w")?,
+            (rows, inp, out),
+        );
+        let dx = Tensor::from_vec(dx, x.shape(), &Device::Cpu)?;
+        let dw = Tensor::from_vec(dw, w.shape(), &Device::Cpu)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// x (..., In) @ w^T for f32 CPU tensors, w (Out, In): differentiable in both.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
+}
+
+/// The same from plain candle ops (any device and dtype; the reference of the tests).
+pub fn linear_slow(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let inner = dims[dims.len() - 1];
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = w.dim(0)?;
+    y.reshape(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Var};
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        // a fixed, seed-dependent pattern (candle's CPU randn is not seedable per call)
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    /// Forward and both gradients of the op against the plain-op reference, for a 3-D and a 2-D input
+    /// (odd sizes, so no GEMM tile is full).
+    #[test]
+    fn linear_matches_plain_ops_forward_and_backward() {
+        for (xs, out) in [(vec![2usize, 37, 45], 29usize), (vec![70, 64], 96), (vec![1, 1, 8], 3)] {
+            let inp = *xs.last().unwrap();
+            let x = Var::from_tensor(&randn(&xs, 1)).unwrap();
+            let w = Var::from_tensor(&randn(&[out, inp], 2)).unwrap();
+            let up = randn(&[xs[..xs.len() - 1].to_vec(), vec![out]].concat(), 3);
+            let y = linear(x.as_tensor(), w.as_tensor()).unwrap();
+            let y_ref = linear_slow(x.as_tensor(), w.as_tensor()).unwrap();
+            assert_eq!(y.dims(), y_ref.dims());
+            assert!(max_diff(&y, &y_ref) < 1e-4, "forward {xs:?} x {out}: {}", max_diff(&y, &y_ref));
+            let g = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g_ref = (y_ref * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, v) in [("x", &x), ("w", &w)] {
+                let (a, b) = (g.get(v.as_tensor()).unwrap(), g_ref.get(v.as_tensor()).unwrap());
+                assert_eq!(a.dims(), b.dims(), "d{name}");
+                let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                assert!(max_diff(a, b) <= 1e-5 * scale.max(1.0), "d{name} {xs:?} x {out}: {}", max_diff(a, b));
+            }
+        }
+    }
+
+    /// A strided x (a transposed view) is made contiguous first; the answer does not change.
+    #[test]
+    fn linear_takes_a_strided_input() {
+        let x = randn(&[16, 12], 4).t().unwrap(); // (12, 16), strided
+        let w = randn(&[5, 16], 5);
+        let d = max_diff(&linear(&x, &w).unwrap(), &linear_slow(&x, &w).unwrap());
+        assert!(d < 1e-5, "{d}");
+    }
+
+    /// Bad input names the op and the mismatch.
+    #[test]
+    fn linear_refuses_mismatched_and_non_f32_inputs() {
+        let x = randn(&[4, 6], 6);
+        let err = linear(&x, &randn(&[3, 5], 7)).unwrap_err().to_string();
+        assert!(err.contains("linear") && err.contains("input size 5"), "{err}");
+        let err = linear(&x.to_dtype(DType::F64).unwrap(), &randn(&[3, 6], 7).to_dtype(DType::F64).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be f32"), "{err}");
+    }
+}
