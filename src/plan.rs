@@ -45,12 +45,14 @@ pub const CPU_BASELINE_BYTES: u64 = 35 << 19;
 /// candle's backward temporaries per token of one recomputed layer (zeros + sum per gradient, the fused
 /// SwiGLU's packed gradient, matmul gradients) together with what glibc's allocator keeps resident
 /// between steps, in f32 elements per unit of the MLP width I and of the hidden size C. Calibrated on
-/// 2026-12-02 (after SwiGLU was fused: 14.5 and 26.0 before) by `scripts/calibrate_cpu_plan.py`: a
+/// 2026-12-02 (after the linear op (`ops::linear`) took candle's transposed weight gradients and reshape
+/// temporaries away: 11.1 and 17.1 before it, 14.5 and 26.0 before SwiGLU was fused) by
+/// `scripts/calibrate_cpu_plan.py`: a
 /// least-squares fit of the smallest of 3 peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256,
-/// I 512/1024, L 4/8, T 1024; residuals <= 1.7 MiB) after subtracting every enumerated term; validated on
+/// I 512/1024, L 4/8, T 1024; residuals <= 2.4 MiB) after subtracting every enumerated term; validated on
 /// a GQA config of other sizes by tests/stage_train/plan_memory.rs.
-pub const CPU_BWD_PER_I: f64 = 11.1;
-pub const CPU_BWD_PER_C: f64 = 17.1;
+pub const CPU_BWD_PER_I: f64 = 8.5;
+pub const CPU_BWD_PER_C: f64 = 16.0;
 
 /// Hardware a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
