@@ -12,6 +12,7 @@
 //! The GEMMs are the `gemm` crate's (the microkernels candle's matmul calls), on rayon's threads.
 //! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
 //! calls `linear_slow` for what it does not take).
+use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 use gemm::{gemm, Parallelism};
 
@@ -93,15 +94,6 @@ pub fn linear_bwd_cpu(
     (dx, dw)
 }
 
-/// A contiguous f32 CPU slice of `t` (the op's arguments and its upstream gradient).
-fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        (CpuStorage::F32(_), None) => candle_core::bail!("linear: `{arg}` must be contiguous"),
-        _ => candle_core::bail!("linear: `{arg}` must be f32 (other dtypes take linear_slow)"),
-    }
-}
-
 /// (rows, In, Out) of x (..., In) and w (Out, In), or an error naming the mismatch.
 fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
     let (out, inp) = w.dims2()?;
@@ -130,7 +122,7 @@ impl CustomOp2 for Linear {
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let (rows, inp, out) = dims(lx.shape(), lw.shape())?;
-        let y = linear_fwd_cpu(f32_slice(sx, lx, "x")?, f32_slice(sw, lw, "w")?, (rows, inp, out));
+        let y = linear_fwd_cpu(f32_slice(sx, lx, "linear", "x")?, f32_slice(sw, lw, "linear", "w")?, (rows, inp, out));
         Ok((CpuStorage::F32(y), out_shape(lx.shape(), out)))
     }
 
@@ -146,9 +138,9 @@ impl CustomOp2 for Linear {
             candle_core::bail!("linear: the op runs on CPU tensors only (other devices take linear_slow)")
         };
         let (dx, dw) = linear_bwd_cpu(
-            f32_slice(sg, lg, "dy")?,
-            f32_slice(sx, lx, "x")?,
-            f32_slice(sw, lw, "w")?,
+            f32_slice(sg, lg, "linear", "dy")?,
+            f32_slice(sx, lx, "linear", "x")?,
+            f32_slice(sw, lw, "linear", "w")?,
             (rows, inp, out),
         );
         let dx = Tensor::from_vec(dx, x.shape(), &Device::Cpu)?;

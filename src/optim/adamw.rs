@@ -181,7 +181,7 @@ impl AdamW {
         let (master, m, v) = (self.master.host_mut()?, self.m.host_mut()?, self.v.host_mut()?);
         for (seg, wd) in &self.segments {
             let decay = 1.0 - lr * wd;
-            let hp = StepConsts { decay, beta1, beta2, eps, step_size, bc2_sqrt };
+            let c = StepConsts { decay, beta1, beta2, eps, step_size, bc2_sqrt };
             let (p, m, v, g) = (&mut master[seg.clone()], &mut m[seg.clone()], &mut v[seg.clone()], &grad[seg.clone()]);
             // Elementwise, so the pieces on rayon give the same bits as one loop (7 f32 streams: at 25M
             // parameters one thread's loop was ~5% of a CPU step).
@@ -189,7 +189,7 @@ impl AdamW {
                 .zip(m.par_chunks_mut(PAR_CHUNK))
                 .zip(v.par_chunks_mut(PAR_CHUNK))
                 .zip(g.par_chunks(PAR_CHUNK))
-                .for_each(|(((p, m), v), g)| adamw_loop(p, m, v, g, hp));
+                .for_each(|(((p, m), v), g)| adamw_loop(p, m, v, g, c));
         }
         Ok(())
     }
