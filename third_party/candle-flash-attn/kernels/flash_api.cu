@@ -1,5 +1,3 @@
-#include <cstdio>
-#include <cstdlib>
 #include "kernels.h"
 #include "kernel_helpers.h"
 #include "flash_fwd_launch_template.h"
@@ -10,11 +8,7 @@ void run_mha_fwd(Flash_fwd_params &params, cudaStream_t stream) {
           if (params.block_table != nullptr) {
               // harpe's trimmed copy compiles no split-KV kernels, the only ones that understand paged KV;
               // src/lib.rs refuses a block table before a launch, and this is the backstop.
-              fprintf(stderr, "candle-flash-attn (harpe's trimmed copy): paged KV (block_table) not compiled\n");
-              abort();
-          } else {
-                  run_mha_fwd_splitkv_paged_<elem_type, 512, Is_causal>(params, stream);
-              }
+              harpe_not_compiled("paged KV (block_table) of head dim", int(params.d));
           } else {
               HEADDIM_SWITCH(params.d, [&] {
                   run_mha_fwd_<elem_type, kHeadDim, Is_causal>(params, stream);

@@ -4,8 +4,16 @@
 
 #pragma once
 
-#include <cstdio>   // harpe: HEADDIM_SWITCH reports a head dim this copy does not compile
+#include <cstdio>
 #include <cstdlib>
+
+// harpe: the backstop of HEADDIM_SWITCH and of flash_api.cu's paged-KV branch for what this trimmed copy does
+// not compile (src/lib.rs refuses both before a launch). A function outside the macros: glibc's `stderr` macro
+// inside a macro argument puts line markers into the expansion, which cudafe++ rejects.
+[[noreturn]] static inline void harpe_not_compiled(const char *what, int value) {
+  fprintf(stderr, "candle-flash-attn (harpe's trimmed copy): %s %d not compiled\n", what, value);
+  abort();
+}
 
 /// @param COND       - a boolean expression to switch by
 /// @param CONST_NAME - a name given for the constexpr bool variable.
@@ -101,7 +109,6 @@
       constexpr static int kHeadDim = 128; \
       return __VA_ARGS__();                \
     } else {                               \
-      fprintf(stderr, "candle-flash-attn (harpe's trimmed copy): head dim %d not compiled (64 and 128 only)\n", int(HEADDIM)); \
-      abort();                             \
+      harpe_not_compiled("head dim (64 and 128 only)", int(HEADDIM)); \
     }                                      \
   }()
