@@ -2,10 +2,11 @@
 //! loops (`CpuKernel::Reference`), forward and forward + backward, for training shapes (Tq = Tk),
 //! chunked prefill and single-token decode (Tq < Tk), GQA and MHA, and GFLOP/s of the causal work.
 //!
-//!     RAYON_NUM_THREADS=2 cargo bench --bench attention_cpu [-- --quick] [--gemm-only] [--shape B,H,Hkv,Tq,Tk]
+//!     RAYON_NUM_THREADS=2 cargo bench --bench attention_cpu [-- --quick] [--gemm-only] [--shape B,H,Hkv,Tq,Tk] [--d D] [--fwd-only]
 //!
 //! FLOPs counted: causal forward 2 GEMMs of B H Tq Tk_eff D MACs (Tk_eff = keys a row sees on average),
-//! backward 5 (the recomputed S, dV, dP, dQ, dK); a MAC is 2 FLOPs. Not a test: numbers only.
+//! backward 5 (the recomputed S, dV, dP, dQ, dK); a MAC is 2 FLOPs; GFLOP/s is of forward + backward, or of
+//! the forward alone with `--fwd-only`. Not a test: numbers only.
 use candle_core::Var;
 use harpe::ops::attention::{attention_with, CpuKernel};
 use std::time::Instant;
@@ -30,9 +31,11 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     harpe::device::init_cpu_runtime(); // as `harpe` itself runs
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--d N`: head dim (default 32)
+    let d: usize = std::env::args().skip_while(|a| a != "--d").nth(1).map_or(32, |s| s.parse().expect("--d N"));
     let only_gemm = std::env::args().any(|a| a == "--gemm-only"); // for profiling the fast path alone
-    let d = 32;
-    // `--shape B,H,Hkv,Tq,Tk`: that shape alone
+    let fwd_only = std::env::args().any(|a| a == "--fwd-only"); // inference: forward alone (GFLOP/s of it)
+                                                                // `--shape B,H,Hkv,Tq,Tk`: that shape alone
     let pick: Option<Vec<usize>> = std::env::args()
         .skip_while(|a| a != "--shape")
         .nth(1)
@@ -57,7 +60,11 @@ fn main() {
         let tk_eff = (tk - tq) as f64 + (tq as f64 + 1.0) / 2.0;
         let macs = (b * h * tq * d) as f64 * tk_eff;
         let reps = if pick.is_some() {
-            50
+            if tq * tk > 1 << 22 {
+                7
+            } else {
+                50
+            }
         } else if tq * tk > 1 << 22 {
             3
         } else {
@@ -71,12 +78,16 @@ fn main() {
             let fwd = time(reps, || {
                 attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, None, kernel).expect("fwd");
             });
-            let total = time(reps, || {
-                let o = attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, None, kernel)
-                    .expect("fwd");
-                o.sum_all().and_then(|s| s.backward()).expect("bwd");
-            });
-            let gflops = 2.0 * macs * 7.0 / total / 1e9;
+            let total = if fwd_only {
+                f64::NAN
+            } else {
+                time(reps, || {
+                    let o = attention_with(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, true, None, kernel)
+                        .expect("fwd");
+                    o.sum_all().and_then(|s| s.backward()).expect("bwd");
+                })
+            };
+            let gflops = if fwd_only { 2.0 * macs * 2.0 / fwd / 1e9 } else { 2.0 * macs * 7.0 / total / 1e9 };
             let x = match (kernel, ref_total) {
                 (CpuKernel::Gemm, Some(r)) => format!("{:.1}", r / total),
                 _ => "-".into(),

@@ -26,6 +26,13 @@ needs heads divisible by 3 at head dim 64, so it runs at hidden 384 (6/2) and 76
 (4 heads of 32) and 512 (8 heads of 64) are MHA, and hidden 768 also appears as MHA. Without `--grid`,
 `--seq` x `--kv-heads` on the 4-layer, hidden-256 model of the earlier benchmark (both checkpointing modes).
 
+`--infer` runs INFER_GRID instead: perplexity scoring (`harpe eval-ppl` vs transformers' forward) and greedy
+KV-cached decoding (`harpe generate` vs transformers' `generate`) on the same saved weights, each row a model
+with an eval-ppl window T and a decode prompt length (its comment lists the levels covered):
+
+    target/pyenv/bin/python scripts/bench_train_torch.py --infer --threads 2 \
+        --out benches/results/infer-cpu-grid_$(date +%Y%m%d).md
+
 `--profile K` re-runs the K rows with the lowest ratio under `perf record` (both sides) and writes each
 side's top symbols. `--decode N` also times greedy decode of N tokens on the first shape: the torch model is
 saved with `save_pretrained` and `harpe generate` loads the same weights (--rope-parity hf); tokens/s is N
@@ -67,6 +74,23 @@ GRID = [
     shape(384, 6, 2, 4, 4096, 1, "none", inter=1024),
     shape(768, 12, 4, 2, 512, 8, "every-layer"),
 ]
+
+
+# Inference (`--infer`): each row is a model, the eval-ppl window T (window = stride = T: disjoint windows, T-1
+# targets each) and the decode prompt length (64 new tokens). Levels covered: hidden 128 (2, 3), 384 (1, 8),
+# 512 (4, 5), 768 (6, 7); GQA 3:1 (1, 6, 8), MHA (2-5, 7); layers 2 (2, 5), 4 (3, 6, 8), 6 (1), 8 (4, 7);
+# T 256 (2, 4, 7), 512 (1), 1024 (3, 6), 4096 (5, 8); prompt 32 (1, 3, 4, 7, 8), 512 (2, 5, 6).
+INFER_GRID = [
+    (shape(384, 6, 2, 6, 512, 1, "none", inter=1024), 32),  # the issue's model
+    (shape(128, 4, 4, 2, 256, 1, "none"), 512),
+    (shape(128, 4, 4, 4, 1024, 1, "none"), 32),
+    (shape(512, 8, 8, 8, 256, 1, "none"), 32),
+    (shape(512, 8, 8, 2, 4096, 1, "none"), 512),
+    (shape(768, 12, 4, 4, 1024, 1, "none"), 512),
+    (shape(768, 12, 12, 8, 256, 1, "none"), 32),
+    (shape(384, 6, 2, 4, 4096, 1, "none", inter=1024), 32),
+]
+DECODE_NEW = 64
 
 
 def legacy_rows(seqs, kv_heads, batch, ckpt_rows):
@@ -213,6 +237,114 @@ def decode_tokens_per_s(binary, threads, s, prompt_len, new_tokens, attn):
     return new_tokens / statistics.median(times), h, runs[0]["new_tokens"] == torch_ids
 
 
+def byte_tokenizer(path):
+    """harpe's byte tokenizer (model::testing::byte_tokenizer_json): <unk>=0, <s>=1 added first, </s>=2, byte
+    b = 3 + b through BPE byte fallback; built with `tokenizers` (installed with transformers)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=False))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(path)
+    return tok
+
+
+def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
+    """(torch tok/s, harpe tok/s, torch nll, harpe nll, scored tokens) of perplexity scoring on the same weights:
+    one document of max(4, 8192 / T) windows of T tokens, disjoint windows (eval-ppl --window T --stride T;
+    transformers: model(w, labels=w) per window, the rule's T-1 targets each). Median of `reps` passes after a
+    warm-up (torch) / of `reps` fresh processes (harpe, its own scoring time from --json)."""
+    import random
+    import torch
+    torch.set_num_threads(threads)
+    T = s["seq"]
+    model = torch_model(s, attn).eval()
+    rng = random.Random(1)
+    n_tokens = max(4, 8192 // T) * T
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz      ") for _ in range(n_tokens - 1))
+    ids = [1] + [3 + b for b in text.encode()]
+    times, nll, count = [], 0.0, 0
+    with torch.no_grad():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            nll, count = 0.0, 0
+            for k in range(0, len(ids), T):
+                w = torch.tensor([ids[k:k + T]])
+                loss = model(w, labels=w).loss
+                nll += loss.item() * (w.shape[1] - 1)
+                count += w.shape[1] - 1
+            if i > 0:
+                times.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        tok = byte_tokenizer(os.path.join(d, "tokenizer.json"))
+        assert tok.encode(text).ids == ids, "the byte tokenizer does not give harpe's ids"
+        doc = os.path.join(d, "doc.txt")
+        open(doc, "w").write(text)
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        cmd = [binary, "eval-ppl", "--model", d, "--input", doc, "--window", str(T), "--stride", str(T),
+               "--rope-parity", "hf", "--json"]
+        runs = [json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
+                for _ in range(reps)]
+    if runs[0]["tokens"] != count:
+        raise SystemExit(f"eval-ppl scored {runs[0]['tokens']} tokens, transformers {count}: not the same rule")
+    h = statistics.median(r["tokens_per_s"] for r in runs)
+    return count / statistics.median(times), h, nll / count, runs[0]["nll"], count
+
+
+def infer_rows(a):
+    """The INFER_GRID rows: eval-ppl and decode, torch then harpe; returns markdown lines and raw lines."""
+    lines = [
+        "| # | hidden | heads/kv | layers | inter | params | T | load | ppl torch tok/s | ppl harpe tok/s | ratio | "
+        "nll torch / harpe | prompt | load | decode torch tok/s | decode harpe tok/s | ratio | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    raw = []
+    for i, (s, prompt) in enumerate(INFER_GRID, 1):
+        if a.rows and i not in a.rows:
+            continue
+        n_params = sum(p.numel() for p in torch_model(s, a.attn).parameters())
+        load_p = os.getloadavg()[0]
+        pt, ph, nt, nh, count = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn)
+        load_d = os.getloadavg()[0]
+        dt, dh, same = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn)
+        lines.append(f"| {i} | {s['hidden']} | {s['heads']}/{s['kv']} | {s['layers']} | {s['inter']} | "
+                     f"{n_params / 1e6:.1f}M | {s['seq']} | {load_p:.2f} | {pt:.0f} | {ph:.0f} | {ph / pt:.2f} | "
+                     f"{nt:.4f} / {nh:.4f} | {prompt} | {load_d:.2f} | {dt:.1f} | {dh:.1f} | {dh / dt:.2f} | {same} |")
+        line = (f"infer row {i} {describe(s)} ppl({count} tokens) load={load_p:.2f}: torch {pt:.0f} harpe {ph:.0f} "
+                f"tok/s (x{ph / pt:.2f}) nll {nt:.5f}/{nh:.5f}; decode {DECODE_NEW} after {prompt} "
+                f"load={load_d:.2f}: torch {dt:.1f} harpe {dh:.1f} tok/s (x{dh / dt:.2f}) same: {same}")
+        raw.append(line)
+        print(line, file=sys.stderr, flush=True)
+    return lines, raw
+
+
+def infer_report(a, lines, raw, load_before):
+    import torch
+    head = [
+        "# Inference throughput on CPU: harpe vs PyTorch (perplexity scoring and KV-cached decoding)",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_train_torch.py --infer` on "
+        f"`{os.uname().nodename}` ({cpu_model()}, {os.cpu_count()} logical CPUs; 1-minute load average "
+        f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
+        f"sides, f32, vocab {VOCAB}, random-init weights saved by transformers and loaded by harpe "
+        f"(--rope-parity hf). torch {torch.__version__}, transformers LlamaForCausalLM, attn_implementation="
+        f"\"{a.attn}\". Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
+        f"`model(w, labels=w)` per window (no_grad; median of 3 passes after a warm-up) vs `harpe eval-ppl "
+        f"--window T --stride T --json` (median of 3 processes of its `tokens_per_s`: scoring time, not loading); "
+        f"tokens/s = scored tokens (T-1 per window, the same count on both sides: checked) per second; the mean "
+        f"NLL of both is printed as a cross-check. Decode: greedy, {DECODE_NEW} new tokens after the prompt, batch "
+        f"1, transformers `generate` (KV cache) vs `harpe generate`, tokens/s = new tokens over the whole call "
+        f"(prefill included), median of 3 after a warm-up; `same tokens`: both produced the same ids.",
+        "",
+    ]
+    tail = ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
+    return "\n".join(head + lines + tail + raw + ["```"]) + "\n"
+
+
 def cpu_model():
     try:
         for line in open("/proc/cpuinfo"):
@@ -301,7 +433,9 @@ def main():
     ap.add_argument("--harpe", default="target/release/harpe", help="harpe binary")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both sides")
     ap.add_argument("--grid", action="store_true", help="run GRID (the covering design) instead of --seq/--kv-heads")
-    ap.add_argument("--rows", type=int, nargs="+", help="only these GRID rows (1-based)")
+    ap.add_argument("--rows", type=int, nargs="+", help="only these GRID (or INFER_GRID) rows (1-based)")
+    ap.add_argument("--infer", action="store_true",
+                    help="run INFER_GRID (eval-ppl and decode vs transformers) instead of the training grid")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention")
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="sequence lengths (without --grid)")
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[4],
@@ -317,6 +451,14 @@ def main():
     a = ap.parse_args()
     if a.torch_row:
         print(json.dumps(torch_tokens_per_s(json.loads(a.torch_row), a.steps, a.threads, a.attn)))
+        return
+    if a.infer:
+        load_before = os.getloadavg()[0]
+        lines, raw = infer_rows(a)
+        text = infer_report(a, lines, raw, load_before)
+        print(text)
+        if a.out:
+            open(a.out, "w").write(text)
         return
     if a.grid:
         shapes = [(i + 1, s) for i, s in enumerate(GRID) if not a.rows or i + 1 in a.rows]

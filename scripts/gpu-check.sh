@@ -5,13 +5,13 @@
 #                                           # release binary, stripped, its NEEDED list checked, xz-compressed
 #                                           # (Python's lzma unpacks it) into gpu-bundle/; prints the sizes and
 #                                           # fails when bundle + tracked tree exceed 64 MiB
-#   scripts/gpu-check.sh run [--second]     # on the GPU machine (no Rust, no network; python3 with the
+#   scripts/gpu-check.sh run [--second|--flash]  # on the GPU machine (no Rust, no network; python3 with the
 #                                           # NVIDIA CUDA 13 wheels, e.g. torch cu130), from the repository
 #                                           # root with gpu-bundle/ beside it
-#   scripts/gpu-check.sh rehearse [--second]  # here, on CPU: the same `run` code end to end (CPU device,
+#   scripts/gpu-check.sh rehearse [--second|--flash]  # here, on CPU: the same `run` code end to end (CPU device,
 #                                           # `selftest --target emulated`, the Local backend for the NCCL
 #                                           # steps, CPU stand-ins for the CUDA-only benchmarks), same report
-#   scripts/gpu-check.sh steps [--second]   # the step plan (ids, limits, their sum) without running anything
+#   scripts/gpu-check.sh steps [--second|--flash]  # the step plan (ids, limits, their sum) without running anything
 #   scripts/gpu-check.sh sizes [DIR]        # the 64 MiB check of `build` on any bundle directory
 #
 # The report. `run` and `rehearse` write one Markdown file into HARPE_GPU_CHECK_OUT (default benches/results/
@@ -31,15 +31,18 @@
 # the measured device peak at 16K (3 steps; the run is stopped once its 3rd step is logged, before its
 # stage-end checkpoint, and its directory deleted). `--second`: the 7B training step at the largest T
 # that fits, attention at 128K, selftest's small cases under compute-sanitizer memcheck and racecheck,
-# 2 `Local` ranks sharing the GPU (ZeRO-3; Ulysses SP 2, 1e-5), plan vs measured at 32K.
+# 2 `Local` ranks sharing the GPU (ZeRO-3; Ulysses SP 2, 1e-5), plan vs measured at 32K. `--flash` (the
+# flash-attn bundle, HARPE_GPU_BUNDLE=gpu-bundle-fa): selftest with the candle-flash-attn rows, attention
+# at 8K/32K and 128K with its column, eval-ppl of one bf16 model through harpe's attention and through
+# candle-flash-attn's (1e-2).
 # Exit code 0 only when every step ran and passed; 1 otherwise (the report is complete either way).
 #
 # Environment: HARPE_GPU_CHECK_OUT, HARPE_GPU_CHECK_BUDGET, HARPE_GPU_CHECK_STEPS (comma-separated step
 # ids to run, the others left out: tests), HARPE_BIN (the harpe binary; default: gpu-bundle/harpe for
 # `run`, target/release/harpe or else target/debug/harpe for `rehearse`), HARPE_GPU_BUNDLE (default
 # gpu-bundle), PYTHON (default python3), CUDA_COMPUTE_CAP for build (default 80: PTX for A100,
-# JIT-compiled on Hopper), HARPE_GPU_FEATURES for build (default nccl; nccl,flash-attn with
-# HARPE_GPU_BUNDLE=gpu-bundle-fa: the second bundle, README "Build for GPUs").
+# JIT-compiled on Hopper), HARPE_GPU_FEATURES for build (default nccl; flash-attn with
+# HARPE_GPU_BUNDLE=gpu-bundle-fa: the second bundle, for `run --flash`, README "Build for GPUs").
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SELF="$ROOT/scripts/gpu-check.sh"
@@ -425,6 +428,57 @@ second_half() {
   plan_vs_measured plan-32k 32768
 }
 
+# The flash-attn bundle's half (HARPE_GPU_BUNDLE=gpu-bundle-fa, built with HARPE_GPU_FEATURES=flash-attn: no
+# NCCL): selftest with its candle-flash-attn rows, bench attention with its column, and eval-ppl of one bf16
+# model (the tiny config at head dim 64, trained 20 steps on the GPU) through harpe's attention and through
+# candle-flash-attn's: the mean NLLs must agree to 1e-2 relative (bf16, two accumulation orders).
+FLASH_MODEL=(--set model.init.hidden_size=256 --set model.init.intermediate_size=512)
+
+# Compares the `nll` of two eval-ppl --json files: argv = reference, candidate, tolerance.
+NLL_PY='
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+tol = float(sys.argv[3])
+rel = abs(a["nll"] - b["nll"]) / max(abs(a["nll"]), 1e-12)
+print("reference nll %.6f (%d tokens, %.0f tok/s); candidate nll %.6f (%d tokens, %.0f tok/s); relative difference %.2e (bound %.0e)"
+      % (a["nll"], a["tokens"], a["tokens_per_s"], b["nll"], b["tokens"], b["tokens_per_s"], rel, tol))
+sys.exit(0 if a["tokens"] == b["tokens"] and rel <= tol else 1)
+'
+
+flash_eval() {
+  local d="$WORK/flash" ck dev=cuda cand=candle-flash
+  if rehearse; then
+    dev=cpu cand=harpe
+    note "rehearsal: candle-flash-attn is CUDA-only; both eval-ppl runs use harpe's attention on the CPU (the comparison code is what is rehearsed)"
+  fi
+  step flash-ppl "tiny config at head dim 64 on the GPU (20 f32 steps)" 30 "$BIN" "${TINY[@]}" "${FLASH_MODEL[@]}" \
+    --set "train.device=$(gpu_dev)" --out "$d/run"
+  ck="$d/run/checkpoints/step_000020"
+  [ "$MODE" = dry ] || [ -d "$ck" ] || ck="$(ls -d "$d"/run/checkpoints/step_* 2>/dev/null | tail -n 1)"
+  local side a
+  for side in reference candidate; do
+    a=harpe
+    [ "$side" = candidate ] && a="$cand"
+    step flash-ppl "eval-ppl bf16, $side: --attention $a (8K tokens of README.md, window 256)" 20 "$SELF" _to_file \
+      "$d/ppl-$side.json" "$BIN" eval-ppl --model "$ck" --tokenizer "$d/run/tokenizer.json" --input README.md \
+      --max-tokens 8192 --window 256 --stride 256 --dtype bf16 --device "$dev" --attention "$a" --json
+  done
+  step flash-ppl "eval-ppl: candle-flash-attn vs harpe's attention (1e-2 relative)" 5 "$PY" -c "$NLL_PY" \
+    "$d/ppl-reference.json" "$d/ppl-candidate.json" 1e-2
+}
+
+flash_half() {
+  preflight
+  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
+    put "" "**The preflight failed: the run stops here** (the sections above say why)."
+    return
+  fi
+  selftest_step
+  attention attention 8192,32768 60
+  flash_eval
+  attention attention-128k 131072 70
+}
+
 # The harpe binary: HARPE_BIN, else the bundle's (unpacked with Python's lzma/gzip when compressed), else
 # (rehearsal) the CPU build in target/.
 find_bin() {
@@ -465,11 +519,19 @@ print(":".join(dirs))
 PYEOF
 }
 
+half() {
+  case "$HALF" in
+    second) second_half ;;
+    flash) flash_half ;;
+    *) first_half ;;
+  esac
+}
+
 run() {
   cd "$ROOT"
   if [ "$MODE" = dry ]; then
     SEED=0 BIN=harpe WORK=/nonexistent
-    if [ "$HALF" = second ]; then second_half; else first_half; fi
+    half
     echo "total of the step limits: $PLANNED s (budget $BUDGET s)"
     [ "$PLANNED" -le "$BUDGET" ] || die "the step limits ($PLANNED s) exceed the budget ($BUDGET s)"
     return 0
@@ -493,7 +555,7 @@ run() {
   fi
   mkdir -p "$out_dir" || die "cannot create $out_dir"
   local base="$out_dir/${slug}_$(date +%Y%m)" n=1
-  [ "$HALF" = second ] && base="${base}_second"
+  [ "$HALF" = first ] || base="${base}_$HALF"
   REPORT="$base.md"
   while [ -e "$REPORT" ]; do n=$((n + 1)) && REPORT="$base-$n.md"; done
   WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")" || die "mktemp failed"
@@ -508,7 +570,7 @@ run() {
     echo "Each section: the command, its output as it ran, its exit code, wall time and verdict."
   } >>"$REPORT"
   DEADLINE=$((SECONDS + BUDGET))
-  if [ "$HALF" = second ]; then second_half; else first_half; fi
+  half
   {
     echo
     echo "## Summary"
@@ -530,8 +592,12 @@ case "${1:-}" in
   run | rehearse | steps)
     [ "$1" = rehearse ] && MODE=rehearse
     [ "$1" = steps ] && MODE=dry
-    [ "${2:-}" = --second ] && HALF=second
-    [ -z "${2:-}" ] || [ "${2:-}" = --second ] || die "unknown option ${2}; hint: the only option is --second"
+    case "${2:-}" in
+      "") ;;
+      --second) HALF=second ;;
+      --flash) HALF=flash ;;
+      *) die "unknown option ${2}; hint: the options are --second and --flash" ;;
+    esac
     run
     ;;
   _ldd | _torch | _to_file | _train_until)
@@ -540,7 +606,7 @@ case "${1:-}" in
     "$f" "$@"
     ;;
   *)
-    echo "usage: $0 build | run [--second] | rehearse [--second] | steps [--second] | sizes [DIR]   (see the header)" >&2
+    echo "usage: $0 build | run [--second|--flash] | rehearse [--second|--flash] | steps [--second|--flash] | sizes [DIR]   (see the header)" >&2
     exit 2
     ;;
 esac

@@ -19,7 +19,7 @@
 #      tools/util/include} with a .git whose HEAD is the pinned commit id, so `--features flash-attn` builds
 #      with no network (cudaforge would otherwise git-clone CUTLASS from github.com);
 #   5. prints `export NAME=value` lines on stdout (progress goes to stderr), among them CUDAFORGE_HOME and
-#      CANDLE_FLASH_ATTN_BUILD_DIR=PREFIX/flash-attn-build (the 53 compiled FA2 kernel objects survive
+#      CANDLE_FLASH_ATTN_BUILD_DIR=PREFIX/flash-attn-build (the compiled FA2 kernel objects survive
 #      `cargo clean` and are shared by check, debug and release builds).
 # It does not install a driver or anything that runs a kernel; CUDA_COMPUTE_CAP defaults to 80 (A100;
 # Hopper JIT-compiles the PTX); set it before calling to override (90 = Hopper-only build).

@@ -324,6 +324,12 @@ pub fn read_documents(inputs: &[PathBuf]) -> Result<Vec<(String, String)>> {
 
 /// Evaluate; returns per-document results and the total.
 pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
+    evaluate_timed(args).map(|(docs, total, _)| (docs, total))
+}
+
+/// `evaluate` plus the wall seconds of the scoring alone (the forward passes and log-softmax of every window;
+/// not loading the model, reading or tokenizing the inputs): `--json`'s `seconds` and `tokens_per_s`.
+pub fn evaluate_timed(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult, f64)> {
     windows(2, args.window, args.stride)?; // validate W, S before loading anything
     let model = args.scoring.load()?;
     let tok = load_tokenizer(args.tokenizer.as_deref().unwrap_or(&args.scoring.model))?;
@@ -336,22 +342,25 @@ pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
         );
     }
     let docs = read_documents(&args.input)?;
+    let t0 = std::time::Instant::now();
     let (sums, total) =
         score_documents(&model, &tok, &docs, args.window, args.stride, args.max_tokens, args.scoring.loss_chunk)?;
+    let secs = t0.elapsed().as_secs_f64();
     let per_doc = sums.iter().map(|(name, s)| result(name, s, args.aggregate)).collect();
     if total.tokens == 0 {
         bail!("no tokens to score (every document has fewer than 2 tokens)\nhint: check the --input files");
     }
     let tot = result("total", &total, args.aggregate);
-    Ok((per_doc, tot))
+    Ok((per_doc, tot, secs))
 }
 
 /// `harpe eval-ppl`.
 pub fn run(args: EvalPplArgs) -> Result<()> {
-    let (docs, total) = evaluate(&args)?;
+    let (docs, total, secs) = evaluate_timed(&args)?;
     if args.json {
         let v = serde_json::json!({
             "nll": total.nll, "ppl": total.ppl, "tokens": total.tokens, "windows": total.windows,
+            "seconds": secs, "tokens_per_s": total.tokens as f64 / secs,
             "aggregate": args.aggregate, "token_nll": total.token_nll, "window_mean_nll": total.window_mean_nll,
             "window": args.window, "stride": args.stride, "model": args.scoring.model, "documents": docs,
         });

@@ -94,6 +94,13 @@ fn json_output_and_multiple_documents() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let wm = want["window_mean_nll"].as_f64().unwrap();
     assert!((v["nll"].as_f64().unwrap() - wm).abs() < 1e-4, "window mean {} vs transformers {wm}", v["nll"]);
+    // the scoring's own time (the inference benchmark reads it): positive, and tokens_per_s = tokens / seconds
+    let (secs, tps, tokens) =
+        (v["seconds"].as_f64().unwrap(), v["tokens_per_s"].as_f64().unwrap(), v["tokens"].as_f64().unwrap());
+    assert!(
+        secs > 0.0 && (tps * secs - tokens).abs() < 1e-6 * tokens,
+        "seconds {secs}, tokens_per_s {tps}, tokens {tokens}"
+    );
     assert!((wm - want["nll"].as_f64().unwrap()).abs() > 1e-3, "the fixture must tell the aggregates apart");
 }
 

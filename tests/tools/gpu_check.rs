@@ -35,7 +35,7 @@ fn report(dir: &Path) -> String {
 
 #[test]
 fn the_step_limits_of_each_half_fit_the_budget() {
-    for half in [None, Some("--second")] {
+    for half in [None, Some("--second"), Some("--flash")] {
         let args: Vec<&str> = std::iter::once("steps").chain(half).collect();
         let o = gpu_check(&args, &[]);
         let t = text(&o);
@@ -110,4 +110,35 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
     assert!(r.lines().any(|l| l.starts_with("rope fwd") && l.trim_end().ends_with("PASS")), "{r}");
     assert!(r.contains("| selftest | selftest (emulated kernels, 1 round) | FAIL | 1 |"), "{r}");
     assert!(r.contains("Run exit code: 1"), "{r}");
+}
+
+#[test]
+fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
+    // `run --flash` (the flash-attn bundle): a head-dim-64 tiny model trained 20 steps, eval-ppl through two
+    // attentions, their NLLs compared; in a rehearsal both are harpe's on the CPU, so they agree exactly
+    let bin = env!("CARGO_BIN_EXE_harpe");
+    let out = tempfile::tempdir().unwrap();
+    let env = [
+        ("HARPE_BIN", bin),
+        ("HARPE_GPU_CHECK_OUT", out.path().to_str().unwrap()),
+        ("HARPE_GPU_CHECK_STEPS", "flash-ppl"),
+    ];
+    let o = gpu_check(&["rehearse", "--flash"], &env);
+    let r = report(out.path());
+    assert!(o.status.success(), "{}\n{r}", text(&o));
+    for section in [
+        "## tiny config at head dim 64 on the GPU (20 f32 steps)",
+        "## eval-ppl bf16, reference: --attention harpe",
+        "## eval-ppl bf16, candidate: --attention harpe",
+        "## eval-ppl: candle-flash-attn vs harpe's attention (1e-2 relative)",
+    ] {
+        assert!(r.contains(section), "no {section:?} in:\n{r}");
+    }
+    let cmp = r.lines().find(|l| l.starts_with("reference nll")).unwrap_or_else(|| panic!("no comparison in:\n{r}"));
+    assert!(cmp.contains("(8160 tokens,") && cmp.contains("relative difference 0.00e+00"), "{cmp}");
+    assert!(r.contains("Run exit code: 0"), "{r}");
+    // an unknown option is refused with the options named
+    let o = gpu_check(&["rehearse", "--third"], &env);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("the options are --second and --flash"), "{}", text(&o));
 }
