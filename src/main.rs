@@ -1,6 +1,26 @@
 //! harpe command line: one subcommand -> one `run()`; nothing else lives here.
 use clap::{Parser, Subcommand};
 
+/// jemalloc, not glibc malloc: activations and gradients are fresh buffers of up to hundreds of MB every
+/// step (candle's backward alone allocates a zeroed gradient per node). glibc returned each one over its
+/// 32 MiB mmap threshold to the kernel on free, and the next step faulted in zeroed pages again: 2.6M page
+/// faults in 5 steps of a hidden-768 model, `clear_page_erms` ~8% of the samples (README "Benchmarks").
+#[cfg(all(unix, not(target_env = "musl")))]
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options (the `_RJEM_MALLOC_CONF` environment variable overrides them):
+/// - `dirty_decay_ms:-1,muzzy_decay_ms:-1`: freed pages stay with the process for the next step's buffers
+///   (the footprint stays at the step's peak, which the next step reaches again anyway);
+/// - `oversize_threshold:0`: no separate arena that returns allocations over 8 MiB to the kernel at once;
+/// - `thp:always`: besides huge pages where the kernel allows them, a `calloc` (every `vec![0.0; n]`) of
+///   reused memory is zeroed with memset; otherwise jemalloc zeroes it by MADV_DONTNEED and the page
+///   faults come back (3.97M in those 5 steps; 2992 with all four options).
+#[cfg(all(unix, not(target_env = "musl")))]
+#[allow(non_upper_case_globals)]
+#[unsafe(export_name = "_rjem_malloc_conf")]
+pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always\0";
+
 #[derive(Parser)]
 #[command(
     name = "harpe",

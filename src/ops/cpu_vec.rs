@@ -6,9 +6,11 @@
 //! The non-obvious decision: harpe is built for baseline x86-64 (SSE2), where `f32::exp` is a libm call per
 //! element, which made the softmax, not the GEMMs, the cost of attention at small head dims. The same
 //! plain-Rust loop bodies (`#[inline(always)]`, branch-free, written in lanes of 16 so they vectorise) are
-//! compiled again under `#[target_feature(enable = "avx2,fma")]` and `"avx512f"` (no `mul_add`: without FMA
-//! hardware it is a libm call) and chosen at run time.
-//! Accuracy: `exp` is within 2 ulp of `f32::exp` on [-86.6, 88.7], 0 below -86.6 (so -inf gives 0), +inf
+//! compiled again under `#[target_feature(enable = "avx2,fma")]` and `"avx512f"` and chosen at run time. Each
+//! body is generic over `const FMA: bool`: the two FMA copies evaluate `exp`'s polynomial with `mul_add`
+//! (one vfmadd per step instead of a multiply and an add; Rust never contracts `a * b + c` itself), the
+//! baseline copy with separate operations (there `mul_add` would be a libm call).
+//! Accuracy: `exp` (either form) is within 2 ulp of `f32::exp` on [-86.6, 88.7], 0 below -86.6 (so -inf gives 0), +inf
 //! above 88.7, NaN stays NaN. Sums run in 16 lanes, so their rounding differs from a left fold by
 //! ~1e-7 relative. Tested in tests/stage_model/cpu_vec.rs. Does not: f64, or ISA-specific intrinsics (the compiler
 //! picks the instructions).
@@ -48,17 +50,18 @@ macro_rules! dispatch {
     ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty $body:block) => {
         $(#[$doc])*
         pub fn $name($($arg: $ty),*) -> $ret {
+            // FMA: the body may use `mul_add` (through `exp_lane_c::<FMA>`); true only in the FMA copies
             #[inline(always)]
-            fn body($($arg: $ty),*) -> $ret $body
+            fn body<const FMA: bool>($($arg: $ty),*) -> $ret $body
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
             fn avx2($($arg: $ty),*) -> $ret {
-                body($($arg),*)
+                body::<true>($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx2,fma")]
             fn avx512($($arg: $ty),*) -> $ret {
-                body($($arg),*)
+                body::<true>($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
             if have_avx512() {
@@ -70,29 +73,46 @@ macro_rules! dispatch {
                 // SAFETY: the CPU supports avx2 and fma (checked just above).
                 return unsafe { avx2($($arg),*) };
             }
-            body($($arg),*)
+            body::<false>($($arg),*)
         }
     };
 }
 
-/// e^x, branch-free (inlined into the loops below).
+/// e^x, branch-free, the baseline form (`exp_lane_c::<false>`).
 #[inline(always)]
 pub fn exp_lane(x: f32) -> f32 {
+    exp_lane_c::<false>(x)
+}
+
+/// a b + c: fused (one rounding) when `FMA`, else a multiply and an add.
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// e^x, branch-free (inlined into the loops below); `FMA`: the polynomial and range reduction with fused
+/// multiply-adds (only inside functions compiled with the `fma` target feature).
+#[inline(always)]
+pub fn exp_lane_c<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer held in the mantissa
     let xc = x.clamp(-86.6, 88.7);
-    let t = xc * LOG2E + ROUND;
+    let t = madd::<FMA>(xc, LOG2E, ROUND);
     let n = t - ROUND;
-    let r = (xc - n * LN2_HI) - n * LN2_LO; // n * LN2_HI is exact (LN2_HI has 9 significant bits)
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, xc)); // n * LN2_HI is exact (LN2_HI: 9 significant bits)
     let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
-    let p = p * (r * r) + r + 1.0;
+    p = madd::<FMA>(p, r, 1.398_199_9e-3);
+    p = madd::<FMA>(p, r, 8.333_452e-3);
+    p = madd::<FMA>(p, r, 4.166_579_6e-2);
+    p = madd::<FMA>(p, r, 1.666_666_5e-1);
+    p = madd::<FMA>(p, r, 0.5); // Cephes: 5.0000001201e-1, which is 0.5 in f32
+    let p = madd::<FMA>(p, r * r, r) + 1.0;
     let ni = t.to_bits() as i32 - ROUND.to_bits() as i32; // n as an integer, -125..=128
     let y = p * f32::from_bits(((ni + 126) as u32) << 23) * 2.0; // 2^n without overflowing at n = 128
     let y = if x < -86.6 { 0.0 } else { y }; // e^-86.6 = 2.4e-38: below it, flush to 0
@@ -111,13 +131,13 @@ dispatch!(
     let mut chunks = xs.chunks_exact_mut(LANES);
     for c in &mut chunks {
         for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
-            *x = exp_lane(*x - m);
+            *x = exp_lane_c::<FMA>(*x - m);
             *a += *x;
         }
     }
     let mut tail = 0f32;
     for x in chunks.into_remainder() {
-        *x = exp_lane(*x - m);
+        *x = exp_lane_c::<FMA>(*x - m);
         tail += *x;
     }
     acc.iter().sum::<f32>() + tail
@@ -210,7 +230,7 @@ pub fn swiglu_bwd_lane(dy: f32, g: f32, u: f32, exp: impl Fn(f32) -> f32) -> (f3
 dispatch!(
     /// y[i] = silu(g[i]) u[i] (`ops::swiglu`'s forward, vectorised).
     swiglu_fwd(g: &[f32], u: &[f32], y: &mut [f32]) -> () {
-    y.iter_mut().zip(g.iter().zip(u)).for_each(|(y, (&g, &u))| *y = swiglu_lane(g, u, exp_lane));
+    y.iter_mut().zip(g.iter().zip(u)).for_each(|(y, (&g, &u))| *y = swiglu_lane(g, u, exp_lane_c::<FMA>));
 });
 
 dispatch!(
@@ -218,6 +238,6 @@ dispatch!(
     swiglu_bwd(dy: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) -> () {
     let ins = dy.iter().zip(g.iter().zip(u));
     dg.iter_mut().zip(du.iter_mut()).zip(ins).for_each(|((dg, du), (&d, (&g, &u)))| {
-        (*dg, *du) = swiglu_bwd_lane(d, g, u, exp_lane);
+        (*dg, *du) = swiglu_bwd_lane(d, g, u, exp_lane_c::<FMA>);
     });
 });

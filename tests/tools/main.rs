@@ -4,6 +4,7 @@
 //! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 
+mod allocator;
 mod cli_bench;
 mod demo;
 mod gpu_check;
