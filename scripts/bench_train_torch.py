@@ -13,7 +13,10 @@ reads random ids (the tokens do not change the speed). harpe's tokens/s is the m
 first (warm-up) from its metrics.jsonl; torch's is the median over the same number of timed steps after one
 warm-up step. Each side of each row runs in its own fresh process (torch: this script with `--torch-row`),
 back to back, torch first, and the 1-minute load average is recorded before each side: the machine may be
-shared. torch uses transformers' default attention (SDPA; `--attn eager` for the old comparison).
+shared. `--repeats R` runs R processes per side and row, alternating torch and harpe, and takes each side's
+median: on a VM whose speed drifts by 10-20% from minute to minute (benches/results/train-cpu-grid-avx2_*.md),
+one process per side is a coin flip for rows within that of 1.0x. torch uses transformers' default attention
+(SDPA; `--attn eager` for the old comparison).
 Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_enable`
 (torch.utils.checkpoint around every decoder layer, use_reentrant=False); "none" against plain autograd.
 
@@ -364,13 +367,23 @@ def run_rows(a, shapes):
     """Both sides of every (number, shape), torch then harpe back to back; returns row dicts and raw lines."""
     rows, raw, meta = [], [], {}
     for i, s in shapes:
+        # --repeats R: torch, harpe, torch, harpe, ... (R processes each, alternating so a slow spell of the
+        # machine falls on both sides); each side's tok/s is the median over its R processes
+        ts, hs = [], []
         load_t = os.getloadavg()[0]
-        t, meta["torch"], params = torch_row_subprocess(s, a.steps, a.threads, a.attn)
-        load_h = os.getloadavg()[0]
-        h = harpe_tokens_per_s(a.harpe, s, a.steps, a.threads)
+        for _ in range(a.repeats):
+            t, meta["torch"], params = torch_row_subprocess(s, a.steps, a.threads, a.attn)
+            ts.append(t)
+            if not hs:
+                load_h = os.getloadavg()[0]
+            hs.append(harpe_tokens_per_s(a.harpe, s, a.steps, a.threads))
+        t, h = statistics.median(ts), statistics.median(hs)
         rows.append(dict(s, i=i, load_t=load_t, load_h=load_h, torch=t, harpe=h, params=params))
         line = (f"row {i} {describe(s)} params={params / 1e6:.1f}M load={load_t:.2f}/{load_h:.2f}: "
                 f"torch {t:.0f} harpe {h:.0f} tok/s (x{h / t:.2f})")
+        if a.repeats > 1:
+            line += (f" over {a.repeats} processes each: torch {' '.join(f'{x:.0f}' for x in ts)}, "
+                     f"harpe {' '.join(f'{x:.0f}' for x in hs)}")
         raw.append(line)
         print(line, file=sys.stderr, flush=True)
     return rows, raw, meta
@@ -401,7 +414,8 @@ def report(a, rows, raw, meta, load_before, drows):
         f"`{os.uname().nodename}` ({cpu_model()}, {os.cpu_count()} logical CPUs; 1-minute load average "
         f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
         f"sides, f32, vocab {VOCAB}, median of {a.steps} steps after one warm-up step, each side in its own "
-        f"process. torch {meta.get('torch', '?')} (transformers LlamaForCausalLM, attn_implementation="
+        f"process" + (f" ({a.repeats} processes per side and row, torch and harpe alternating; the median of "
+                      f"them; each process's tok/s in the raw lines)" if a.repeats > 1 else "") + f". torch {meta.get('torch', '?')} (transformers LlamaForCausalLM, attn_implementation="
         f"\"{a.attn}\", torch.optim.AdamW; checkpointed rows: gradient_checkpointing_enable, "
         f"torch.utils.checkpoint per layer); harpe binary `{a.harpe}`. Load: 1-minute average before the torch "
         f"side / before the harpe side.",
@@ -442,6 +456,8 @@ def main():
                     help="kv heads of the 8 attention heads (4: GQA, 8: MHA; without --grid)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (without --grid)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="processes per side and row, alternating torch and harpe; each side's median is taken")
     ap.add_argument("--no-ckpt-rows", action="store_true", help="skip the checkpointed rows (without --grid)")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="perf profiles of the K lowest-ratio rows")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also time greedy decode of N tokens")
