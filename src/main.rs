@@ -15,11 +15,14 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// - `oversize_threshold:0`: no separate arena that returns allocations over 8 MiB to the kernel at once;
 /// - `thp:always`: besides huge pages where the kernel allows them, a `calloc` (every `vec![0.0; n]`) of
 ///   reused memory is zeroed with memset; otherwise jemalloc zeroes it by MADV_DONTNEED and the page
-///   faults come back (3.97M in those 5 steps; 2992 with all four options).
+///   faults come back (3.97M in those 5 steps; 2992 with these options);
+/// - `narenas:1`: one arena, so a buffer one thread frees serves the next allocation of any thread; with
+///   jemalloc's 4 arenas per CPU the process peak rose 17-24% above `harpe plan`'s CPU prediction
+///   (tests/stage_train/plan_memory.rs), with one it stays within that test's 15%.
 #[cfg(all(unix, not(target_env = "musl")))]
 #[allow(non_upper_case_globals)]
 #[unsafe(export_name = "_rjem_malloc_conf")]
-pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always\0";
+pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always,narenas:1\0";
 
 #[derive(Parser)]
 #[command(
