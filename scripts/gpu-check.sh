@@ -451,7 +451,7 @@ flash_eval() {
     dev=cpu cand=harpe
     note "rehearsal: candle-flash-attn is CUDA-only; both eval-ppl runs use harpe's attention on the CPU (the comparison code is what is rehearsed)"
   fi
-  step flash-ppl "tiny config at head dim 64 on the GPU (20 f32 steps)" 30 "$BIN" "${TINY[@]}" "${FLASH_MODEL[@]}" \
+  step flash-ppl "tiny config at head dim 64 on the GPU (20 f32 steps)" 40 "$BIN" "${TINY[@]}" "${FLASH_MODEL[@]}" \
     --set "train.device=$(gpu_dev)" --out "$d/run"
   ck="$d/run/checkpoints/step_000020"
   [ "$MODE" = dry ] || [ -d "$ck" ] || ck="$(ls -d "$d"/run/checkpoints/step_* 2>/dev/null | tail -n 1)"
