@@ -256,8 +256,8 @@ def byte_tokenizer(path):
 
 
 def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
-    """(torch tok/s, harpe tok/s, torch nll, harpe nll, scored tokens) of perplexity scoring on the same weights:
-    one document of max(4, 8192 / T) windows of T tokens, disjoint windows (eval-ppl --window T --stride T;
+    """(torch tok/s, harpe tok/s, torch nll, harpe nll, scored tokens, parameters) of perplexity scoring on the
+    same weights: one document of max(4, 8192 / T) windows of T tokens, disjoint windows (eval-ppl --window T --stride T;
     transformers: model(w, labels=w) per window, the rule's T-1 targets each). Median of `reps` passes after a
     warm-up (torch) / of `reps` fresh processes (harpe, its own scoring time from --json)."""
     import random
@@ -295,7 +295,8 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
     if runs[0]["tokens"] != count:
         raise SystemExit(f"eval-ppl scored {runs[0]['tokens']} tokens, transformers {count}: not the same rule")
     h = statistics.median(r["tokens_per_s"] for r in runs)
-    return count / statistics.median(times), h, nll / count, runs[0]["nll"], count
+    n_params = sum(p.numel() for p in model.parameters())
+    return count / statistics.median(times), h, nll / count, runs[0]["nll"], count, n_params
 
 
 def infer_rows(a):
@@ -309,9 +310,8 @@ def infer_rows(a):
     for i, (s, prompt) in enumerate(INFER_GRID, 1):
         if a.rows and i not in a.rows:
             continue
-        n_params = sum(p.numel() for p in torch_model(s, a.attn).parameters())
         load_p = os.getloadavg()[0]
-        pt, ph, nt, nh, count = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn)
+        pt, ph, nt, nh, count, n_params = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn)
         load_d = os.getloadavg()[0]
         dt, dh, same = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn)
         lines.append(f"| {i} | {s['hidden']} | {s['heads']}/{s['kv']} | {s['layers']} | {s['inter']} | "

@@ -402,11 +402,6 @@ step7b() {
 }
 
 first_half() {
-  preflight
-  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
-    put "" "**The preflight failed: the run stops here** (the sections above say why)."
-    return
-  fi
   selftest_step
   parity
   attention attention 8192,32768 60
@@ -416,11 +411,6 @@ first_half() {
 }
 
 second_half() {
-  preflight
-  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
-    put "" "**The preflight failed: the run stops here** (the sections above say why)."
-    return
-  fi
   step7b
   attention attention-128k 131072 70
   sanitizer
@@ -454,7 +444,6 @@ flash_eval() {
   step flash-ppl "tiny config at head dim 64 on the GPU (20 f32 steps)" 40 "$BIN" "${TINY[@]}" "${FLASH_MODEL[@]}" \
     --set "train.device=$(gpu_dev)" --out "$d/run"
   ck="$d/run/checkpoints/step_000020"
-  [ "$MODE" = dry ] || [ -d "$ck" ] || ck="$(ls -d "$d"/run/checkpoints/step_* 2>/dev/null | tail -n 1)"
   local side a
   for side in reference candidate; do
     a=harpe
@@ -468,11 +457,6 @@ flash_eval() {
 }
 
 flash_half() {
-  preflight
-  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
-    put "" "**The preflight failed: the run stops here** (the sections above say why)."
-    return
-  fi
   selftest_step
   attention attention 8192,32768 60
   flash_eval
@@ -519,7 +503,13 @@ print(":".join(dirs))
 PYEOF
 }
 
+# Every half starts with the preflight; a failed preflight ends the run there.
 half() {
+  preflight
+  if [ "$FAILED" -ne 0 ] && [ "$MODE" != dry ]; then
+    put "" "**The preflight failed: the run stops here** (the sections above say why)."
+    return
+  fi
   case "$HALF" in
     second) second_half ;;
     flash) flash_half ;;

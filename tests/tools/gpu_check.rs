@@ -33,6 +33,21 @@ fn report(dir: &Path) -> String {
     std::fs::read_to_string(&files[0]).unwrap()
 }
 
+/// `gpu-check.sh ARGS` (a rehearsal) with the debug harpe, only the step ids `steps`, `extra` in the
+/// environment and a fresh output folder: its exit status, output and the one report it wrote.
+fn rehearse(args: &[&str], steps: &str, extra: &[(&str, &str)]) -> (Output, String) {
+    let out = tempfile::tempdir().unwrap();
+    let mut env = vec![
+        ("HARPE_BIN", env!("CARGO_BIN_EXE_harpe")),
+        ("HARPE_GPU_CHECK_OUT", out.path().to_str().unwrap()),
+        ("HARPE_GPU_CHECK_STEPS", steps),
+    ];
+    env.extend_from_slice(extra);
+    let o = gpu_check(args, &env);
+    let r = report(out.path());
+    (o, r)
+}
+
 #[test]
 fn the_step_limits_of_each_half_fit_the_budget() {
     for half in [None, Some("--second"), Some("--flash")] {
@@ -71,16 +86,8 @@ fn sizes_accepts_a_small_bundle_and_refuses_one_over_64_mib() {
 
 #[test]
 fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
-    let bin = env!("CARGO_BIN_EXE_harpe");
     // the preflight alone passes: exit 0, its sections and the summary in the report
-    let ok = tempfile::tempdir().unwrap();
-    let env = [
-        ("HARPE_BIN", bin),
-        ("HARPE_GPU_CHECK_OUT", ok.path().to_str().unwrap()),
-        ("HARPE_GPU_CHECK_STEPS", "preflight"),
-    ];
-    let o = gpu_check(&["rehearse"], &env);
-    let r = report(ok.path());
+    let (o, r) = rehearse(&["rehearse"], "preflight", &[]);
     assert!(o.status.success(), "{}\n{r}", text(&o));
     for section in [
         "## preflight: shared libraries (ldd)",
@@ -92,15 +99,7 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
     }
     assert!(r.contains("Run exit code: 0"), "{r}");
     // RMSNorm's forward 1% off: its selftest rows FAIL, the run exits 1
-    let bad = tempfile::tempdir().unwrap();
-    let env = [
-        ("HARPE_BIN", bin),
-        ("HARPE_GPU_CHECK_OUT", bad.path().to_str().unwrap()),
-        ("HARPE_GPU_CHECK_STEPS", "preflight,selftest"),
-        ("HARPE_EMU_PERTURB", "rms_norm_fwd"),
-    ];
-    let o = gpu_check(&["rehearse"], &env);
-    let r = report(bad.path());
+    let (o, r) = rehearse(&["rehearse"], "preflight,selftest", &[("HARPE_EMU_PERTURB", "rms_norm_fwd")]);
     assert_eq!(o.status.code(), Some(1), "{}\n{r}", text(&o));
     let rows: Vec<&str> = r.lines().filter(|l| l.starts_with("rms_norm fwd")).collect();
     assert!(
@@ -116,15 +115,7 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
 fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     // `run --flash` (the flash-attn bundle): a head-dim-64 tiny model trained 20 steps, eval-ppl through two
     // attentions, their NLLs compared; in a rehearsal both are harpe's on the CPU, so they agree exactly
-    let bin = env!("CARGO_BIN_EXE_harpe");
-    let out = tempfile::tempdir().unwrap();
-    let env = [
-        ("HARPE_BIN", bin),
-        ("HARPE_GPU_CHECK_OUT", out.path().to_str().unwrap()),
-        ("HARPE_GPU_CHECK_STEPS", "flash-ppl"),
-    ];
-    let o = gpu_check(&["rehearse", "--flash"], &env);
-    let r = report(out.path());
+    let (o, r) = rehearse(&["rehearse", "--flash"], "flash-ppl", &[]);
     assert!(o.status.success(), "{}\n{r}", text(&o));
     for section in [
         "## tiny config at head dim 64 on the GPU (20 f32 steps)",
@@ -138,7 +129,7 @@ fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     assert!(cmp.contains("(8160 tokens,") && cmp.contains("relative difference 0.00e+00"), "{cmp}");
     assert!(r.contains("Run exit code: 0"), "{r}");
     // an unknown option is refused with the options named
-    let o = gpu_check(&["rehearse", "--third"], &env);
+    let o = gpu_check(&["rehearse", "--third"], &[("HARPE_BIN", env!("CARGO_BIN_EXE_harpe"))]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("the options are --second and --flash"), "{}", text(&o));
 }
