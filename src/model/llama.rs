@@ -367,6 +367,38 @@ impl Llama {
         cache: Option<&mut KvCache>,
         docs: Option<&DocStarts>,
     ) -> Result<Tensor> {
+        let (x, mlp) = self.layer_body(layer, w, x, tables, cache, docs)?;
+        Ok((&x + linear(&mlp, &w.down_proj)?)?)
+    }
+
+    /// A scalar whose gradients (in x and the layer's weights) are those of sum(layer_forward_with(..) ⊙ g)
+    /// for the upstream gradient `g` (B, T, C): the recompute of activation checkpointing, which needs the
+    /// layer's gradients but not its output, so the down projection's forward GEMM is never run
+    /// (`ops::linear::linear_vjp`; its value is not the dot product).
+    pub fn layer_vjp_with(
+        &self,
+        layer: usize,
+        w: &LayerWeights,
+        x: &Tensor,
+        g: &Tensor,
+        tables: &RopeTables,
+        docs: Option<&DocStarts>,
+    ) -> Result<Tensor> {
+        let (x, mlp) = self.layer_body(layer, w, x, tables, None, docs)?;
+        let g = g.detach();
+        Ok(((&x * &g)?.sum_all()? + crate::ops::linear::linear_vjp(&mlp, &w.down_proj, &g)?)?)
+    }
+
+    /// The decoder layer up to its last projection: (x + attention (B, T, C), swiglu(gate, up) (B, T, I)).
+    fn layer_body(
+        &self,
+        layer: usize,
+        w: &LayerWeights,
+        x: &Tensor,
+        tables: &RopeTables,
+        cache: Option<&mut KvCache>,
+        docs: Option<&DocStarts>,
+    ) -> Result<(Tensor, Tensor)> {
         let cfg = &self.cfg;
         let (b, t, _c) = x.dims3()?;
         let (h, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
@@ -393,7 +425,7 @@ impl Llama {
         let x = (x + linear(&o, &w.o_proj)?)?;
         let hs = rms_norm(&x, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
         let mlp = swiglu(&linear(&hs, &w.gate_proj)?, &linear(&hs, &w.up_proj)?)?; // (B, T, I)
-        Ok((&x + linear(&mlp, &w.down_proj)?)?)
+        Ok((x, mlp))
     }
 
     /// Final hidden states (after the last RMSNorm): ids (B, T) at positions start.. -> (B, T, C).

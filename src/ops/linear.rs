@@ -13,8 +13,9 @@
 //! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
 //! calls `linear_slow` for what it does not take).
 use crate::ops::rotary::f32_slice;
-use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use gemm::{gemm, Parallelism};
+use rayon::prelude::*;
 
 /// A row-major operand view for one GEMM: data at (0, 0), `rs` between rows, `cs` between columns.
 #[derive(Clone, Copy)]
@@ -31,7 +32,17 @@ impl View<'_> {
     }
 }
 
+/// Fewest rows of the output one thread's band takes (below twice this, the GEMM is not split by rows).
+const MIN_BAND_ROWS: usize = 16;
+
 /// lhs (m x k) * rhs (k x n) into a new row-major (m x n) buffer.
+///
+/// Threads: the output's rows are cut into one band per rayon thread, each band a single-threaded GEMM
+/// (it packs its own rows of lhs and all of rhs). The `gemm` crate's own `Parallelism::Rayon` splits
+/// inside every k-block and meets its threads again after each one; for the weight gradients
+/// (dW = dy^T x: a few hundred rows, k = all tokens) that ran at 70-135 GFLOP/s on 2 AVX2 threads where
+/// bands ran 140-165 (benches/results/train-cpu-grid-avx2_20261203b.md lists the shapes). Fewer than
+/// 2 * MIN_BAND_ROWS rows (decoding) keep the crate's split over columns.
 fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
     if m == 0 || n == 0 {
         return Vec::new();
@@ -45,17 +56,45 @@ fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
         "linear: GEMM view out of range"
     );
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
+    let bands = threads.min(m / MIN_BAND_ROWS).max(1);
     let mut dst: Vec<f32> = Vec::with_capacity(m * n);
-    // SAFETY: the views are inside their slices (asserted above); dst has room for m * n values and,
-    // with read_dst = false and alpha = 0, gemm writes every one of them without reading any; set_len
-    // follows the writes.
+    if bands == 1 {
+        let par = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
+        // SAFETY: the views are inside their slices (asserted above) and dst has room for m * n values.
+        unsafe { gemm_into((m, n, k), dst.spare_capacity_mut(), lhs, rhs, par) };
+    } else {
+        let band = m.div_ceil(bands);
+        dst.spare_capacity_mut().par_chunks_mut(band * n).enumerate().for_each(|(i, out)| {
+            let lhs_band = View { data: &lhs.data[i * band * lhs.rs..], ..lhs };
+            // SAFETY: this band's rows i*band.. of lhs are inside lhs (the whole view is, asserted
+            // above), `out` holds exactly its rows of dst, and bands do not overlap.
+            unsafe { gemm_into((out.len() / n, n, k), out, lhs_band, rhs, Parallelism::None) };
+        });
+    }
+    // SAFETY: the GEMMs above wrote every one of the m * n values (read_dst = false, alpha = 0).
+    unsafe { dst.set_len(m * n) };
+    dst
+}
+
+/// dst (m x n, row-major, uninitialised) := lhs (m x k) * rhs (k x n).
+///
+/// SAFETY (caller): the views hold m x k and k x n elements inside their slices; `dst` holds m * n.
+/// With read_dst = false and alpha = 0 gemm writes every element of dst without reading any.
+unsafe fn gemm_into(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [std::mem::MaybeUninit<f32>],
+    lhs: View,
+    rhs: View,
+    par: Parallelism,
+) {
+    debug_assert!(dst.len() >= m * n);
+    // SAFETY: forwarded from the caller's contract above.
     unsafe {
         gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.as_mut_ptr().cast::<f32>(),
             1,
             n as isize,
             false,
@@ -71,10 +110,8 @@ fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
             false,
             false,
             par,
-        );
-        dst.set_len(m * n);
+        )
     }
-    dst
 }
 
 /// Forward: x (rows, In) row-major, w (Out, In) -> x W^T (rows, Out).
@@ -154,6 +191,49 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
 }
 
+/// The backward half of `linear` alone: a scalar node whose gradients in x and w are those of
+/// sum(linear(x, w) ⊙ g) for a fixed upstream `g` (rows, Out): dx = g W, dW = g^T x. For a recompute
+/// (activation checkpointing) that needs a projection's gradients but not its output: the forward GEMM
+/// x W^T is never run. Its value is 0, not the dot product (nothing reads it; it only seeds `backward`).
+struct LinearVjp {
+    g: Tensor,
+}
+
+impl CustomOp2 for LinearVjp {
+    fn name(&self) -> &'static str {
+        "harpe-linear-vjp"
+    }
+
+    fn cpu_fwd(&self, _sx: &CpuStorage, lx: &Layout, _sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, _, out) = dims(lx.shape(), lw.shape())?;
+        if self.g.dims() != out_shape(lx.shape(), out).dims() {
+            candle_core::bail!("linear_vjp: g {:?} is not the shape of x W^T ({rows} rows of {out})", self.g.shape())
+        }
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from_dims(&[])))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let up = (&self.g * grad.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64)?;
+        Linear.bwd(x, w, &up, &up)
+    }
+}
+
+/// A scalar with the gradients of sum(linear(x, w) ⊙ g) in x and w, without forming linear(x, w) on CPU
+/// f32 (`LinearVjp`; its value is 0); elsewhere the plain product (`linear_vjp_slow`).
+pub fn linear_vjp(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && [x.dtype(), w.dtype(), g.dtype()] == [DType::F32; 3] {
+        x.contiguous()?.apply_op2(&w.contiguous()?, LinearVjp { g: g.detach() })
+    } else {
+        linear_vjp_slow(x, w, g)
+    }
+}
+
+/// sum(linear(x, w) ⊙ g) from plain candle ops: `linear_vjp`'s reference (its gradients are the same; its
+/// value is the real dot product).
+pub fn linear_vjp_slow(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Tensor> {
+    (linear_slow(x, w)? * g.detach())?.sum_all()
+}
+
 /// The same from plain candle ops (any device and dtype; the reference of the tests).
 pub fn linear_slow(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let dims = x.dims().to_vec();
@@ -169,7 +249,7 @@ pub fn linear_slow(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Var};
+    use candle_core::Var;
 
     fn randn(shape: &[usize], seed: u64) -> Tensor {
         // a fixed, seed-dependent pattern (candle's CPU randn is not seedable per call)
@@ -204,6 +284,54 @@ mod tests {
                 assert!(max_diff(a, b) <= 1e-5 * scale.max(1.0), "d{name} {xs:?} x {out}: {}", max_diff(a, b));
             }
         }
+    }
+
+    /// The row-band split (one single-threaded GEMM per rayon thread) at band counts that do not divide
+    /// the rows, forward and backward (dW's rows are Out, dx's the tokens), against the plain ops.
+    #[test]
+    fn row_bands_match_plain_ops_on_any_thread_count() {
+        for threads in [1, 3, 4] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (x, w, up) = (randn(&[101, 40], 11), randn(&[67, 40], 12), randn(&[101, 67], 13));
+                let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+                let y = linear(xv.as_tensor(), wv.as_tensor()).unwrap();
+                let y_ref = linear_slow(&x, &w).unwrap();
+                assert!(max_diff(&y, &y_ref) < 1e-4, "{threads} threads: forward {}", max_diff(&y, &y_ref));
+                let g = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let (dx_ref, dw_ref) = (up.matmul(&w).unwrap(), up.t().unwrap().matmul(&x).unwrap());
+                for (name, v, r) in [("x", &xv, &dx_ref), ("w", &wv, &dw_ref)] {
+                    let d = max_diff(g.get(v.as_tensor()).unwrap(), r);
+                    assert!(d < 1e-4, "{threads} threads: d{name} {d}");
+                }
+            });
+        }
+    }
+
+    /// linear_vjp: the gradients of sum(linear(x, w) ⊙ g) without the product, against the plain form
+    /// (and a scaled upstream gradient reaches both); its value is 0 (documented), the plain form's the
+    /// dot product.
+    #[test]
+    fn linear_vjp_gives_the_gradients_of_the_plain_product() {
+        for (xs, out) in [(vec![2usize, 37, 45], 29usize), (vec![70, 64], 96)] {
+            let inp = *xs.last().unwrap();
+            let x = Var::from_tensor(&randn(&xs, 21)).unwrap();
+            let w = Var::from_tensor(&randn(&[out, inp], 22)).unwrap();
+            let g = randn(&[xs[..xs.len() - 1].to_vec(), vec![out]].concat(), 23);
+            let s = linear_vjp(x.as_tensor(), w.as_tensor(), &g).unwrap();
+            assert_eq!(s.to_scalar::<f32>().unwrap(), 0.0);
+            let s_ref = linear_vjp_slow(x.as_tensor(), w.as_tensor(), &g).unwrap();
+            let gr = (s * 3.0).unwrap().backward().unwrap();
+            let gr_ref = (s_ref * 3.0).unwrap().backward().unwrap();
+            for (name, v) in [("x", &x), ("w", &w)] {
+                let (a, b) = (gr.get(v.as_tensor()).unwrap(), gr_ref.get(v.as_tensor()).unwrap());
+                assert_eq!(a.dims(), b.dims(), "d{name}");
+                let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                assert!(max_diff(a, b) <= 1e-5 * scale.max(1.0), "d{name} {xs:?} x {out}: {}", max_diff(a, b));
+            }
+        }
+        let err = linear_vjp(&randn(&[4, 6], 1), &randn(&[3, 6], 2), &randn(&[4, 5], 3)).unwrap_err().to_string();
+        assert!(err.contains("linear_vjp") && err.contains("4 rows of 3"), "{err}");
     }
 
     /// A strided x (a transposed view) is made contiguous first; the answer does not change.

@@ -193,16 +193,22 @@ pub fn forward_backward_with(
         (0..n_layers).step_by(seg.max(1)).map(|s| (s, (s + seg).min(n_layers))).collect();
     // `after`: the layer gathered after the segment's last one (the next segment's first in the
     // forward; in the backward the first of the segment recomputed next), for ZeRO-3's prefetch
+    // With `vjp = Some(g)` (a recompute) the last layer gives, instead of its output, the scalar whose
+    // backward is that of sum(output ⊙ g) (`Llama::layer_vjp_with`: the down projection's forward skipped).
     let run_segment = |params: &Params,
                        x: &Tensor,
                        (lo, hi): (usize, usize),
                        after: Option<usize>,
-                       held: &mut Vec<Held>|
+                       held: &mut Vec<Held>,
+                       vjp: Option<&Tensor>|
      -> Result<Tensor> {
         let mut x = x.clone();
         for l in lo..hi {
             let (w, h) = params.layer(model, l, if l + 1 < hi { Some(l + 1) } else { after })?;
-            x = model.layer_forward_with(l, &w, &x, table(l), None, docs)?; // (B, T, C)
+            x = match vjp {
+                Some(g) if l + 1 == hi => model.layer_vjp_with(l, &w, &x, g, table(l), docs)?, // ()
+                _ => model.layer_forward_with(l, &w, &x, table(l), None, docs)?,               // (B, T, C)
+            };
             held.extend(h);
         }
         Ok(x)
@@ -218,13 +224,14 @@ pub fn forward_backward_with(
     let n_seg = segments.len();
     for (i, &s) in segments[..n_seg - 1].iter().enumerate() {
         saved.push(x.clone());
-        x = run_segment(params, &x, s, first(Some(i + 1)), &mut vec![])?.detach();
+        x = run_segment(params, &x, s, first(Some(i + 1)), &mut vec![], None)?.detach();
         // gathered weights freed here
     }
     let last_in = Var::from_tensor(&x)?;
     let mut held = vec![];
     // after the last segment comes the recompute of the one before it
-    let y = run_segment(params, last_in.as_tensor(), segments[n_seg - 1], first(n_seg.checked_sub(2)), &mut held)?; // (B, T, C)
+    let y =
+        run_segment(params, last_in.as_tensor(), segments[n_seg - 1], first(n_seg.checked_sub(2)), &mut held, None)?; // (B, T, C)
     let h = rms_norm(&y, &norm, model.cfg.rms_norm_eps)?.reshape((b * t, c))?; // (B*T, C)
     let nll = chunked_cross_entropy(&h, &head, targets, loss_chunk)?; // (B*T)
     let store = (nll.sum_all()? * scale)?.backward()?;
@@ -242,8 +249,8 @@ pub fn forward_backward_with(
     for (i, &s) in segments[..n_seg - 1].iter().enumerate().rev() {
         let xin = Var::from_tensor(&saved[i])?;
         let mut held = vec![];
-        let y = run_segment(params, xin.as_tensor(), s, first(i.checked_sub(1)), &mut held)?; // (B, T, C)
-        let store = (y * g.detach())?.sum_all()?.backward()?;
+        let vjp = run_segment(params, xin.as_tensor(), s, first(i.checked_sub(1)), &mut held, Some(&g))?; // ()
+        let store = vjp.backward()?;
         params.take_grads(&store, &held.iter().collect::<Vec<_>>())?;
         g = store.get(xin.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached layer {}", s.0))?;
         saved.truncate(i);

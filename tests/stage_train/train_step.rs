@@ -204,7 +204,11 @@ fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
             }
         }
     }
-    assert!(worst.0 < 1e-4, "after {} steps: worst relative error {} in {}", lrs.len(), worst.0, worst.1);
+    // 2e-4: f32 summation order alone moves this. The worst element (layer 0's k_proj) is 5.0e-5 off
+    // with one thread or one GEMM over all rows, 1.0e-4 when the linear op cuts the rows into one
+    // single-threaded GEMM per thread (`ops::linear`: a band's k-blocking follows its own row count);
+    // five clipped Adam steps, each dividing by sqrt(v), carry such differences into the weights.
+    assert!(worst.0 < 2e-4, "after {} steps: worst relative error {} in {}", lrs.len(), worst.0, worst.1);
 }
 
 /// The host computation `LossSums` replaced: every predicted token's nll added, in position order, to
