@@ -28,10 +28,14 @@ use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-/// Query rows per block.
-const BQ: usize = 64;
+/// Query rows per block. 128 x 256 against the earlier 64 x 128 (`benches/attention_cpu.rs`, 2 threads,
+/// AVX-512, 2026-12-03, interleaved runs): (B,H,Hkv,T,D) = (1,6,2,4096,64) forward 71-95 ms against 91-110,
+/// forward + backward 254-325 against 284-377; (1,4,4,1024,32) fwd+bwd 13.6-13.9 against 14.5-15.7; at T = 256
+/// and 512 within the run-to-run spread (128 x 128, 128 x 512, 256 x 256 and 256 x 512 no better than 128 x 256).
+/// Fewer, larger block GEMMs: the gemm crate packs both operands on every call.
+const BQ: usize = 128;
 /// Keys per block.
-const BK: usize = 128;
+const BK: usize = 256;
 
 /// A row-major matrix view for one GEMM operand: `ptr` at (0, 0), `rs` between rows, `cs` between columns.
 #[derive(Clone, Copy)]

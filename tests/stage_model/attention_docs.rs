@@ -47,8 +47,8 @@ fn cases() -> Vec<(Shape5, Vec<Vec<usize>>)> {
         ((1, 4, 2, 40, 8), vec![vec![0, 1, 18, 23]]),
         ((2, 4, 1, 33, 16), vec![vec![5, 22], vec![0, 17, 32]]),
         ((1, 2, 1, 20, 8), vec![vec![7]]),
-        // GEMM blocks of 64 queries x 64 keys: documents crossing both, a query block past whole key blocks
-        ((1, 2, 1, 200, 8), vec![vec![1, 70, 150, 199]]),
+        // GEMM blocks of 128 queries x 256 keys: documents crossing both, a query block past whole key blocks
+        ((1, 2, 1, 600, 8), vec![vec![1, 140, 300, 599]]),
     ]
 }
 

@@ -43,23 +43,23 @@ fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: 
 
 #[test]
 fn gemm_attention_matches_reference_training_shapes() {
-    case(2, 4, 2, 150, 150, 16, true, 1.0); // GQA, ragged last query and key block
+    case(2, 4, 2, 300, 300, 16, true, 1.0); // GQA, ragged last query and key block (128 + 128 + 44, 256 + 44)
     case(1, 2, 2, 129, 129, 64, true, 1.0); // MHA, head dim 64, one row past a query block
-    case(1, 3, 1, 64, 64, 8, true, 1.0); // MQA, exactly one query block
-    case(1, 2, 1, 260, 260, 4, true, 1.0); // key blocks 128 + 128 + 4
+    case(1, 3, 1, 128, 128, 8, true, 1.0); // MQA, exactly one query block
+    case(1, 2, 1, 516, 516, 4, true, 1.0); // key blocks 256 + 256 + 4
 }
 
 #[test]
 fn gemm_attention_matches_reference_prefill_and_decode() {
-    case(1, 4, 2, 70, 300, 8, true, 1.0); // chunked prefill: 70 new rows after 230 cached keys
-    case(2, 4, 2, 1, 257, 8, true, 1.0); // single-token decode over a KV cache
+    case(1, 4, 2, 70, 600, 8, true, 1.0); // chunked prefill: 70 new rows after 530 cached keys
+    case(2, 4, 2, 1, 513, 8, true, 1.0); // single-token decode over a KV cache (256 + 256 + 1 keys)
     case(1, 2, 1, 3, 5, 8, true, 1.0); // tiny
 }
 
 #[test]
 fn gemm_attention_matches_reference_full_and_large_logits() {
-    case(1, 2, 2, 130, 77, 8, false, 1.0); // full attention, Tq > Tk
-    case(1, 2, 1, 140, 140, 8, true, 6.0); // logits up to ~100: online softmax rescaling matters
+    case(1, 2, 2, 260, 77, 8, false, 1.0); // full attention, Tq > Tk
+    case(1, 2, 1, 300, 300, 8, true, 6.0); // logits up to ~100: online softmax rescaling across key blocks
 }
 
 #[test]
@@ -67,10 +67,10 @@ fn gemm_attention_backward_split_over_key_ranges_matches_reference() {
     // more threads than B * Hkv tasks: the backward cuts each head's keys into ranges (private dQ sums)
     let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
     pool.install(|| {
-        case(1, 2, 1, 300, 300, 8, true, 1.0); // ranges of 128 keys: 128 + 128 + 44
-        case(1, 4, 2, 70, 600, 8, true, 1.0); // chunked prefill: early ranges are all cached keys
-        case(2, 2, 1, 257, 257, 16, true, 1.0);
-        case(1, 2, 1, 130, 200, 8, false, 1.0); // full attention
+        case(1, 2, 1, 600, 600, 8, true, 1.0); // ranges of 256 keys: 256 + 256 + 88
+        case(1, 4, 2, 70, 1200, 8, true, 1.0); // chunked prefill: early ranges are all cached keys
+        case(2, 2, 1, 513, 513, 16, true, 1.0);
+        case(1, 2, 1, 260, 400, 8, false, 1.0); // full attention
     });
 }
 
