@@ -41,8 +41,10 @@ const MIN_BAND_ROWS: usize = 16;
 /// (it packs its own rows of lhs and all of rhs). The `gemm` crate's own `Parallelism::Rayon` splits
 /// inside every k-block and meets its threads again after each one; for the weight gradients
 /// (dW = dy^T x: a few hundred rows, k = all tokens) that ran at 70-135 GFLOP/s on 2 AVX2 threads where
-/// bands ran 140-165 (benches/results/train-cpu-grid-avx2_20261203b.md lists the shapes). Fewer than
-/// 2 * MIN_BAND_ROWS rows (decoding) keep the crate's split over columns.
+/// bands ran 140-165; on 2 AVX-512 threads (2026-12-03, medians of 15, (m, k, n) of the hidden-384 and
+/// hidden-768 linears and their gradients) bands 215-292 GFLOP/s against 159-237, equal at 2048 x 768 x 2048
+/// (benches/results/train-cpu-grid-avx512_20261203.md). Fewer than 2 * MIN_BAND_ROWS rows (decoding) keep
+/// the crate's split over columns.
 fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
     if m == 0 || n == 0 {
         return Vec::new();
