@@ -117,7 +117,24 @@ unsafe fn gemm_into(
 }
 
 /// Forward: x (rows, In) row-major, w (Out, In) -> x W^T (rows, Out).
+///
+/// One row (a decode step): y_j = x · w_j with `cpu_vec::dot` over W's contiguous rows, split over rayon
+/// threads. The gemm crate packs all of W for a 1-row product on AVX-512 and runs it on one thread whatever
+/// `Parallelism` says: `perf` of `harpe generate` (hidden 512, 8 layers) had its packing at 55% of the samples
+/// (benches/results/infer-cpu-grid-avx512_20261203.md).
 pub fn linear_fwd_cpu(x: &[f32], w: &[f32], (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
+    if rows == 1 && inp > 0 {
+        use crate::ops::cpu_vec::dot;
+        let x = &x[..inp];
+        let mut y = vec![0f32; out];
+        y.par_chunks_mut(64).enumerate().for_each(|(c, yc)| {
+            for (i, yj) in yc.iter_mut().enumerate() {
+                let j = c * 64 + i;
+                *yj = dot(x, &w[j * inp..(j + 1) * inp]);
+            }
+        });
+        return y;
+    }
     matmul((rows, out, inp), View { data: x, rs: inp, cs: 1 }, View { data: w, rs: 1, cs: inp })
 }
 
@@ -292,10 +309,11 @@ mod tests {
     /// the rows, forward and backward (dW's rows are Out, dx's the tokens), against the plain ops.
     #[test]
     fn row_bands_match_plain_ops_on_any_thread_count() {
-        for threads in [1, 3, 4] {
+        // 101 rows: row bands; 1 row: the decode path (dot products over W's rows, 67 = 64 + 3 outputs)
+        for (threads, rows) in [(1, 101), (3, 101), (4, 101), (1, 1), (3, 1)] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
-                let (x, w, up) = (randn(&[101, 40], 11), randn(&[67, 40], 12), randn(&[101, 67], 13));
+                let (x, w, up) = (randn(&[rows, 40], 11), randn(&[67, 40], 12), randn(&[rows, 67], 13));
                 let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
                 let y = linear(xv.as_tensor(), wv.as_tensor()).unwrap();
                 let y_ref = linear_slow(&x, &w).unwrap();
