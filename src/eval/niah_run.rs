@@ -706,7 +706,7 @@ pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
 /// decode the new tokens with special tokens skipped (spec §5).
 fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
     let device = args.device.open("--device")?;
-    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?;
+    let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?.with_inference_layout()?;
     let attention = crate::model::attention::AttentionImpl::for_eval(
         args.attention,
         &device,

@@ -67,7 +67,7 @@ impl ScoringModel {
     /// Load the model on the chosen device in the chosen dtype, RoPE arithmetic and attention.
     pub fn load(&self) -> Result<Llama> {
         let device = self.device.open("--device")?;
-        let mut model = load_model_dir(&self.model, self.dtype.dtype(), &device)?;
+        let mut model = load_model_dir(&self.model, self.dtype.dtype(), &device)?.with_inference_layout()?;
         model.parity = self.rope_parity;
         let attention = AttentionImpl::for_eval(self.attention, &device, self.dtype.dtype(), model.cfg.head_dim)?;
         Ok(model.with_attention(attention))

@@ -299,6 +299,38 @@ impl Llama {
         v
     }
 
+    /// The same model with every projection (q, k, v, o, gate, up, down; the LM head when untied) stored
+    /// column-major on CPU f32: the same (Out, In) tensor and values, viewing a contiguous (In, Out) buffer
+    /// (strides (1, Out)). `ops::linear`'s forward GEMM reads W^T, which in a checkpoint's row-major W is
+    /// strided: the gemm crate then packs it with a scalar gather on every call and in every thread's band
+    /// (27-30% of a `perf` of `harpe eval-ppl`, hidden 512, 8 layers, windows of 256). For models that only
+    /// run forward (eval-ppl, generate, NIAH, RULER): training's backward reads W row-major as well, and
+    /// `tensors()` of this model gives the strided views. Other devices and dtypes: unchanged.
+    pub fn with_inference_layout(mut self) -> Result<Llama> {
+        if !self.device().is_cpu() || self.dtype() != DType::F32 {
+            return Ok(self);
+        }
+        let column_major = |w: &Tensor| -> Result<Tensor> { Ok(w.t()?.contiguous()?.t()?) };
+        for l in &mut self.layers {
+            let projections = [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ];
+            for w in projections {
+                *w = column_major(w)?;
+            }
+        }
+        if !self.cfg.tie_word_embeddings {
+            self.lm_head = column_major(&self.lm_head)?;
+        }
+        Ok(self)
+    }
+
     /// The same model calling attention through `attention` (chosen outside `model/`).
     pub fn with_attention(mut self, attention: AttentionImpl) -> Llama {
         self.attention = attention;

@@ -241,3 +241,35 @@ dispatch!(
         (*dg, *du) = swiglu_bwd_lane(d, g, u, exp_lane_c::<FMA>);
     });
 });
+
+dispatch!(
+    /// y[j] += sum_i a[i] w[i * stride + j] for j < y.len(): y plus a times the rows of a row-major w (the
+    /// rows a.len(), `stride` apart, each at least y.len() long). Four rows per pass over y, so y is read
+    /// and written a quarter as often as row-by-row axpy.
+    axpy_rows(a: &[f32], w: &[f32], stride: usize, y: &mut [f32]) -> () {
+    let n = y.len();
+    let mut quads = a.chunks_exact(4);
+    let mut i = 0;
+    for q in &mut quads {
+        let (w0, w1) = (&w[i * stride..i * stride + n], &w[(i + 1) * stride..(i + 1) * stride + n]);
+        let (w2, w3) = (&w[(i + 2) * stride..(i + 2) * stride + n], &w[(i + 3) * stride..(i + 3) * stride + n]);
+        for j in 0..n {
+            y[j] += q[0] * w0[j] + q[1] * w1[j] + q[2] * w2[j] + q[3] * w3[j];
+        }
+        i += 4;
+    }
+    for &ai in quads.remainder() {
+        let wi = &w[i * stride..i * stride + n];
+        y.iter_mut().zip(wi).for_each(|(y, &x)| *y += ai * x);
+        i += 1;
+    }
+});
+
+/// y[j] += sum_i a[i] w[i * stride + j]: `axpy_rows`' reference, one row at a time.
+pub fn axpy_rows_ref(a: &[f32], w: &[f32], stride: usize, y: &mut [f32]) {
+    for (i, &ai) in a.iter().enumerate() {
+        for (j, yj) in y.iter_mut().enumerate() {
+            *yj += ai * w[i * stride + j];
+        }
+    }
+}

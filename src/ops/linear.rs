@@ -17,34 +17,83 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, T
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-/// A row-major operand view for one GEMM: data at (0, 0), `rs` between rows, `cs` between columns.
+/// A strided matrix view (one GEMM operand, or the weight): element (r, c) at data[r * rs + c * cs].
 #[derive(Clone, Copy)]
-struct View<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
+pub struct View<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
 }
 
-impl View<'_> {
+impl<'a> View<'a> {
+    /// A row-major (rows x cols) matrix.
+    pub fn row_major(data: &'a [f32], cols: usize) -> View<'a> {
+        View { data, rs: cols, cs: 1 }
+    }
+
     /// Index of element (r, c).
     fn at(&self, r: usize, c: usize) -> usize {
         r * self.rs + c * self.cs
     }
+
+    /// The transpose (the same data).
+    fn t(self) -> View<'a> {
+        View { rs: self.cs, cs: self.rs, ..self }
+    }
 }
 
-/// Fewest rows of the output one thread's band takes (below twice this, the GEMM is not split by rows).
-const MIN_BAND_ROWS: usize = 16;
+/// Weight elements (In x Out) from which a 1-row product is split over threads (below: one thread, where
+/// waking the pool cost more than it saved: hidden 128 decoded at 884 tok/s split, 1630 whole).
+const PAR_DECODE_WEIGHTS: usize = 1 << 17;
+/// Output columns per task of a split 1-row product.
+const DECODE_CHUNK: usize = 64;
+
+/// W (Out, In) of a CPU storage as a view: row-major (strides (In, 1), as checkpoints store it) or
+/// column-major (strides (1, Out), the inference layout of `Llama::with_inference_layout`); any other
+/// layout is an error (`linear` makes such a weight contiguous before it gets here).
+fn weight_view<'a>(s: &'a CpuStorage, l: &Layout) -> Result<View<'a>> {
+    let CpuStorage::F32(v) = s else { candle_core::bail!("linear: `w` must be f32") };
+    let (out, inp) = l.shape().dims2()?;
+    let (rs, cs) = match *l.stride() {
+        [rs, 1] if rs == inp || out <= 1 => (inp, 1),
+        [1, cs] if cs == out || inp <= 1 => (1, out),
+        _ => candle_core::bail!(
+            "linear: w {:?} with strides {:?} is neither row- nor column-major",
+            l.shape(),
+            l.stride()
+        ),
+    };
+    let start = l.start_offset();
+    if start + out * inp > v.len() {
+        candle_core::bail!("linear: w {:?} at offset {start} runs past its storage ({} values)", l.shape(), v.len());
+    }
+    Ok(View { data: &v[start..start + out * inp], rs, cs })
+}
+
+/// True when `w` (2-D) is row-major or column-major: the layouts `weight_view` reads without a copy.
+fn weight_layout_ok(w: &Tensor) -> bool {
+    match (w.dims(), w.stride()) {
+        (&[out, inp], &[rs, cs]) => (cs == 1 && (rs == inp || out <= 1)) || (rs == 1 && (cs == out || inp <= 1)),
+        _ => false,
+    }
+}
+
+/// Fewest rows (columns) of the output one thread's band takes (below twice this, the GEMM is not split).
+const MIN_BAND: usize = 16;
 
 /// lhs (m x k) * rhs (k x n) into a new row-major (m x n) buffer.
 ///
-/// Threads: the output's rows are cut into one band per rayon thread, each band a single-threaded GEMM
-/// (it packs its own rows of lhs and all of rhs). The `gemm` crate's own `Parallelism::Rayon` splits
-/// inside every k-block and meets its threads again after each one; for the weight gradients
-/// (dW = dy^T x: a few hundred rows, k = all tokens) that ran at 70-135 GFLOP/s on 2 AVX2 threads where
-/// bands ran 140-165; on 2 AVX-512 threads (2026-12-03, medians of 15, (m, k, n) of the hidden-384 and
-/// hidden-768 linears and their gradients) bands 215-292 GFLOP/s against 159-237, equal at 2048 x 768 x 2048
-/// (benches/results/train-cpu-grid-avx512_20261203.md). Fewer than 2 * MIN_BAND_ROWS rows (decoding) keep
-/// the crate's split over columns.
+/// Threads: the output is cut into one band per rayon thread, each band a single-threaded GEMM. The
+/// `gemm` crate's own `Parallelism::Rayon` splits inside every k-block and meets its threads again after
+/// each one; for the weight gradients (dW = dy^T x: a few hundred rows, k = all tokens) that ran at
+/// 70-135 GFLOP/s on 2 AVX2 threads where bands ran 140-165; on 2 AVX-512 threads (2026-12-03, medians of
+/// 15, (m, k, n) of the hidden-384 and hidden-768 linears and their gradients) bands 215-292 GFLOP/s
+/// against 159-237, equal at 2048 x 768 x 2048 (benches/results/train-cpu-grid-avx512_20261203.md).
+/// A band packs its own part of one operand and all of the other, so the split runs along the larger of
+/// m and n: bands of rows (each packs all of rhs, k x n) when m >= n, bands of columns (each packs all of
+/// lhs, m x k) when m < n. A forward over a 256-token window (m = 256, n = 768-2048 outputs) cut into rows
+/// packed every weight once per thread; `perf` of eval-ppl (hidden 768, 8 layers) had that packing at 13%.
+/// Fewer than 2 * MIN_BAND rows and columns keep the crate's own split.
 fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
     if m == 0 || n == 0 {
         return Vec::new();
@@ -58,19 +107,32 @@ fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
         "linear: GEMM view out of range"
     );
     let threads = rayon::current_num_threads();
-    let bands = threads.min(m / MIN_BAND_ROWS).max(1);
+    let by_rows = m >= n;
+    let bands = threads.min(m.max(n) / MIN_BAND).max(1);
     let mut dst: Vec<f32> = Vec::with_capacity(m * n);
     if bands == 1 {
         let par = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
         // SAFETY: the views are inside their slices (asserted above) and dst has room for m * n values.
-        unsafe { gemm_into((m, n, k), dst.spare_capacity_mut(), lhs, rhs, par) };
-    } else {
+        unsafe { gemm_into((m, n, k), dst.as_mut_ptr(), n, lhs, rhs, par) };
+    } else if by_rows {
         let band = m.div_ceil(bands);
         dst.spare_capacity_mut().par_chunks_mut(band * n).enumerate().for_each(|(i, out)| {
             let lhs_band = View { data: &lhs.data[i * band * lhs.rs..], ..lhs };
             // SAFETY: this band's rows i*band.. of lhs are inside lhs (the whole view is, asserted
             // above), `out` holds exactly its rows of dst, and bands do not overlap.
-            unsafe { gemm_into((out.len() / n, n, k), out, lhs_band, rhs, Parallelism::None) };
+            unsafe { gemm_into((out.len() / n, n, k), out.as_mut_ptr().cast(), n, lhs_band, rhs, Parallelism::None) };
+        });
+    } else {
+        // Column bands of a multiple of MIN_BAND (whole SIMD lanes of the microkernel's output columns).
+        let band = n.div_ceil(bands).next_multiple_of(MIN_BAND);
+        let base = SendPtr(dst.as_mut_ptr());
+        (0..n.div_ceil(band)).into_par_iter().for_each(|i| {
+            let (c0, width) = (i * band, band.min(n - i * band));
+            let rhs_band = View { data: &rhs.data[c0 * rhs.cs..], ..rhs };
+            // SAFETY: columns c0..c0 + width of rhs are inside rhs (the whole view is); the band writes
+            // only columns c0..c0 + width of each of dst's m rows (row stride n), which no other band
+            // writes, and dst has room for m * n values.
+            unsafe { gemm_into((m, width, k), base.get().add(c0), n, lhs, rhs_band, Parallelism::None) };
         });
     }
     // SAFETY: the GEMMs above wrote every one of the m * n values (read_dst = false, alpha = 0).
@@ -78,27 +140,42 @@ fn matmul((m, n, k): (usize, usize, usize), lhs: View, rhs: View) -> Vec<f32> {
     dst
 }
 
-/// dst (m x n, row-major, uninitialised) := lhs (m x k) * rhs (k x n).
+/// A raw output pointer the column bands share (each writes its own columns).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: only `matmul`'s column bands use it, each writing a disjoint set of elements.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// dst (m x n, row stride `dst_rs`, uninitialised) := lhs (m x k) * rhs (k x n).
 ///
-/// SAFETY (caller): the views hold m x k and k x n elements inside their slices; `dst` holds m * n.
-/// With read_dst = false and alpha = 0 gemm writes every element of dst without reading any.
+/// SAFETY (caller): the views hold m x k and k x n elements inside their slices; `dst` points at m rows
+/// of n writable values, `dst_rs` apart. With read_dst = false and alpha = 0 gemm writes every element of
+/// dst without reading any.
 unsafe fn gemm_into(
     (m, n, k): (usize, usize, usize),
-    dst: &mut [std::mem::MaybeUninit<f32>],
+    dst: *mut f32,
+    dst_rs: usize,
     lhs: View,
     rhs: View,
     par: Parallelism,
 ) {
-    debug_assert!(dst.len() >= m * n);
     // SAFETY: forwarded from the caller's contract above.
     unsafe {
         gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr().cast::<f32>(),
+            dst,
             1,
-            n as isize,
+            dst_rs as isize,
             false,
             lhs.data.as_ptr(),
             lhs.cs as isize,
@@ -116,36 +193,48 @@ unsafe fn gemm_into(
     }
 }
 
-/// Forward: x (rows, In) row-major, w (Out, In) -> x W^T (rows, Out).
+/// Forward: x (rows, In) row-major, w (Out, In) in either layout of `weight_view` -> x W^T (rows, Out).
 ///
-/// One row (a decode step): y_j = x · w_j with `cpu_vec::dot` over W's contiguous rows, split over rayon
-/// threads. The gemm crate packs all of W for a 1-row product on AVX-512 and runs it on one thread whatever
-/// `Parallelism` says: `perf` of `harpe generate` (hidden 512, 8 layers) had its packing at 55% of the samples
-/// (benches/results/infer-cpu-grid-avx512_20261203.md).
-pub fn linear_fwd_cpu(x: &[f32], w: &[f32], (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
+/// The GEMM reads W^T (In x Out). Over row-major W its rows are strided, and the gemm crate packs them
+/// with a scalar gather per call and per thread band: `perf` of `harpe eval-ppl` (hidden 512, 8 layers,
+/// windows of 256) had that packing at 27-30% of the samples. Inference models store W column-major
+/// (`Llama::with_inference_layout`), where W^T's rows are contiguous and packing is a copy.
+///
+/// One row (a decode step) skips the gemm crate, which packs all of W for a 1-row product on AVX-512 and
+/// runs it on one thread whatever `Parallelism` says (`perf` of `harpe generate`, hidden 512, 8 layers: the
+/// packing at 55%; benches/results/infer-cpu-grid-avx512_20261203.md): row-major W gives y_j = x · w_j with
+/// `cpu_vec::dot` over W's rows, column-major W gives y = sum_i x_i W^T_i with `cpu_vec::axpy` over W^T's
+/// rows, either split over rayon threads by output columns when W is large enough to pay for the split.
+pub fn linear_fwd_cpu(x: &[f32], w: View, (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
     if rows == 1 && inp > 0 {
-        use crate::ops::cpu_vec::dot;
+        use crate::ops::cpu_vec::{axpy_rows, dot};
         let x = &x[..inp];
         let mut y = vec![0f32; out];
-        y.par_chunks_mut(64).enumerate().for_each(|(c, yc)| {
-            for (i, yj) in yc.iter_mut().enumerate() {
-                let j = c * 64 + i;
-                *yj = dot(x, &w[j * inp..(j + 1) * inp]);
-            }
-        });
+        let chunk = if inp * out >= PAR_DECODE_WEIGHTS { DECODE_CHUNK } else { out.max(1) };
+        if w.cs == 1 {
+            y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| {
+                for (i, yj) in yc.iter_mut().enumerate() {
+                    let j = c * chunk + i;
+                    *yj = dot(x, &w.data[j * w.rs..j * w.rs + inp]);
+                }
+            });
+        } else {
+            // one band of columns per thread: each streams its part of every row of W^T once
+            let chunk = if chunk == out.max(1) {
+                chunk
+            } else {
+                out.div_ceil(rayon::current_num_threads()).next_multiple_of(16)
+            };
+            y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| axpy_rows(x, &w.data[c * chunk..], w.cs, yc));
+        }
         return y;
     }
-    matmul((rows, out, inp), View { data: x, rs: inp, cs: 1 }, View { data: w, rs: 1, cs: inp })
+    matmul((rows, out, inp), View { data: x, rs: inp, cs: 1 }, w.t())
 }
 
 /// Backward: (dx (rows, In), dW (Out, In)) from dy (rows, Out), x and w.
-pub fn linear_bwd_cpu(
-    dy: &[f32],
-    x: &[f32],
-    w: &[f32],
-    (rows, inp, out): (usize, usize, usize),
-) -> (Vec<f32>, Vec<f32>) {
-    let dx = matmul((rows, inp, out), View { data: dy, rs: out, cs: 1 }, View { data: w, rs: inp, cs: 1 });
+pub fn linear_bwd_cpu(dy: &[f32], x: &[f32], w: View, (rows, inp, out): (usize, usize, usize)) -> (Vec<f32>, Vec<f32>) {
+    let dx = matmul((rows, inp, out), View { data: dy, rs: out, cs: 1 }, w);
     let dw = matmul((out, inp, rows), View { data: dy, rs: 1, cs: out }, View { data: x, rs: inp, cs: 1 });
     (dx, dw)
 }
@@ -178,7 +267,7 @@ impl CustomOp2 for Linear {
 
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let (rows, inp, out) = dims(lx.shape(), lw.shape())?;
-        let y = linear_fwd_cpu(f32_slice(sx, lx, "linear", "x")?, f32_slice(sw, lw, "linear", "w")?, (rows, inp, out));
+        let y = linear_fwd_cpu(f32_slice(sx, lx, "linear", "x")?, weight_view(sw, lw)?, (rows, inp, out));
         Ok((CpuStorage::F32(y), out_shape(lx.shape(), out)))
     }
 
@@ -196,7 +285,7 @@ impl CustomOp2 for Linear {
         let (dx, dw) = linear_bwd_cpu(
             f32_slice(sg, lg, "linear", "dy")?,
             f32_slice(sx, lx, "linear", "x")?,
-            f32_slice(sw, lw, "linear", "w")?,
+            weight_view(sw, lw)?,
             (rows, inp, out),
         );
         let dx = Tensor::from_vec(dx, x.shape(), &Device::Cpu)?;
@@ -207,7 +296,16 @@ impl CustomOp2 for Linear {
 
 /// x (..., In) @ w^T for f32 CPU tensors, w (Out, In): differentiable in both.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
+    x.contiguous()?.apply_op2(&weight_operand(w)?, Linear)
+}
+
+/// w as it is when `weight_view` reads it (row- or column-major), else a contiguous copy.
+fn weight_operand(w: &Tensor) -> Result<Tensor> {
+    if weight_layout_ok(w) {
+        Ok(w.clone())
+    } else {
+        w.contiguous()
+    }
 }
 
 /// The backward half of `linear` alone: a scalar node whose gradients in x and w are those of
@@ -241,7 +339,7 @@ impl CustomOp2 for LinearVjp {
 /// f32 (`LinearVjp`; its value is 0); elsewhere the plain product (`linear_vjp_slow`).
 pub fn linear_vjp(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Tensor> {
     if x.device().is_cpu() && [x.dtype(), w.dtype(), g.dtype()] == [DType::F32; 3] {
-        x.contiguous()?.apply_op2(&w.contiguous()?, LinearVjp { g: g.detach() })
+        x.contiguous()?.apply_op2(&weight_operand(w)?, LinearVjp { g: g.detach() })
     } else {
         linear_vjp_slow(x, w, g)
     }
@@ -305,27 +403,78 @@ mod tests {
         }
     }
 
-    /// The row-band split (one single-threaded GEMM per rayon thread) at band counts that do not divide
-    /// the rows, forward and backward (dW's rows are Out, dx's the tokens), against the plain ops.
+    /// rows x cols values of `t` (any layout) in row-major order.
+    fn vals(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// The band splits (rows when rows >= Out, columns below; one single-threaded GEMM per rayon thread)
+    /// at band counts that do not divide the sizes, the 1-row decode path (small W on one thread, large W
+    /// split), each over a row-major and a column-major W, forward and backward (dx = dy W, dW = dy^T x)
+    /// against candle's matmul.
     #[test]
-    fn row_bands_match_plain_ops_on_any_thread_count() {
-        // 101 rows: row bands; 1 row: the decode path (dot products over W's rows, 67 = 64 + 3 outputs)
-        for (threads, rows) in [(1, 101), (3, 101), (4, 101), (1, 1), (3, 1)] {
+    fn bands_and_layouts_match_plain_ops_on_any_thread_count() {
+        let cases = [
+            (1, 101, 40, 67), // row bands
+            (3, 101, 40, 67),
+            (4, 101, 40, 67),
+            (3, 20, 40, 67), // column bands (20 rows < 67 outputs): 32 + 32 + 3 columns
+            (2, 20, 40, 67),
+            (1, 1, 40, 67), // decode, one thread
+            (3, 1, 40, 67),
+            (3, 1, 300, 450), // decode, W large enough to split: 64-column chunks / 160-column bands
+        ];
+        for (threads, rows, inp, out) in cases {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
-                let (x, w, up) = (randn(&[rows, 40], 11), randn(&[67, 40], 12), randn(&[rows, 67], 13));
-                let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
-                let y = linear(xv.as_tensor(), wv.as_tensor()).unwrap();
-                let y_ref = linear_slow(&x, &w).unwrap();
-                assert!(max_diff(&y, &y_ref) < 1e-4, "{threads} threads: forward {}", max_diff(&y, &y_ref));
-                let g = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
-                let (dx_ref, dw_ref) = (up.matmul(&w).unwrap(), up.t().unwrap().matmul(&x).unwrap());
-                for (name, v, r) in [("x", &xv, &dx_ref), ("w", &wv, &dw_ref)] {
-                    let d = max_diff(g.get(v.as_tensor()).unwrap(), r);
-                    assert!(d < 1e-4, "{threads} threads: d{name} {d}");
+                let (x, w, dy) = (randn(&[rows, inp], 11), randn(&[out, inp], 12), randn(&[rows, out], 13));
+                let y_ref = x.matmul(&w.t().unwrap()).unwrap();
+                let (dx_ref, dw_ref) = (dy.matmul(&w).unwrap(), dy.t().unwrap().matmul(&x).unwrap());
+                let (xs, ws, dys) = (vals(&x), vals(&w), vals(&dy));
+                let wt = vals(&w.t().unwrap()); // (In, Out) row-major: W column-major
+                let layouts =
+                    [("row-major", View::row_major(&ws, inp)), ("column-major", View { data: &wt, rs: 1, cs: out })];
+                for (layout, wv) in layouts {
+                    let what = format!("{threads} threads, {rows} x {inp} -> {out}, W {layout}");
+                    let close = |got: Vec<f32>, want: &Tensor, name: &str| {
+                        let got = Tensor::from_vec(got, want.shape(), &Device::Cpu).unwrap();
+                        let d = max_diff(&got, want);
+                        assert!(d < 1e-4, "{what}: {name} off by {d}");
+                    };
+                    close(linear_fwd_cpu(&xs, wv, (rows, inp, out)), &y_ref, "y");
+                    let (dx, dw) = linear_bwd_cpu(&dys, &xs, wv, (rows, inp, out));
+                    close(dx, &dx_ref, "dx");
+                    close(dw, &dw_ref, "dW");
                 }
             });
         }
+    }
+
+    /// The op over a column-major weight (a transposed view of a contiguous (In, Out) tensor, as
+    /// `Llama::with_inference_layout` stores it) reads it in place and gives the plain ops' values and
+    /// gradients; a weight in neither layout (a narrowed view) is copied first, with the same answer.
+    #[test]
+    fn linear_takes_column_major_and_strided_weights() {
+        let x = Var::from_tensor(&randn(&[2, 9, 24], 31)).unwrap();
+        let w = Var::from_tensor(&randn(&[40, 24], 32)).unwrap();
+        let up = randn(&[2, 9, 40], 33);
+        let w_col = w.as_tensor().t().unwrap().contiguous().unwrap().t().unwrap();
+        assert_eq!((w_col.dims(), w_col.stride()), (&[40, 24][..], &[1, 40][..]));
+        assert!(weight_layout_ok(&w_col));
+        let y = linear(x.as_tensor(), &w_col).unwrap();
+        let y_ref = linear_slow(x.as_tensor(), w.as_tensor()).unwrap();
+        assert!(max_diff(&y, &y_ref) < 1e-4, "forward {}", max_diff(&y, &y_ref));
+        let g = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_ref = (y_ref * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, v) in [("x", &x), ("w", &w)] {
+            let d = max_diff(g.get(v.as_tensor()).unwrap(), g_ref.get(v.as_tensor()).unwrap());
+            assert!(d < 1e-4, "d{name} through the column-major weight: {d}");
+        }
+        let wide = randn(&[40, 30], 34);
+        let narrow = wide.narrow(1, 0, 24).unwrap(); // strides (30, 1): neither layout
+        assert!(!weight_layout_ok(&narrow));
+        let d = max_diff(&linear(x.as_tensor(), &narrow).unwrap(), &linear_slow(x.as_tensor(), &narrow).unwrap());
+        assert!(d < 1e-4, "narrowed weight: {d}");
     }
 
     /// linear_vjp: the gradients of sum(linear(x, w) ⊙ g) without the product, against the plain form

@@ -1,4 +1,4 @@
-//! `ops::cpu_vec` (the vectorised exp, max, dot, sums of the CPU fast paths) against their scalar
+//! `ops::cpu_vec` (the vectorised exp, max, dot, sums, axpy of the CPU fast paths) against their scalar
 //! twins (`f32::exp`, plain folds) on ragged lengths, and exp's special values.
 use harpe::ops::cpu_vec::*;
 
@@ -46,5 +46,22 @@ fn vector_loops_match_their_references() {
         let mut c = xs.clone();
         scale_in_place(&mut c, 0.5);
         assert!(c.iter().zip(&xs).all(|(p, q)| *p == q * 0.5), "scale n={n}");
+    }
+}
+
+/// y += a times the rows of w (four rows per pass, then the rest one by one) against one row at a time,
+/// for row counts on and off the multiple of four and y shorter than the stride (a band of columns).
+#[test]
+fn axpy_rows_matches_its_reference() {
+    for (rows, n, stride) in [(0, 5, 5), (1, 17, 17), (4, 16, 16), (7, 33, 40), (9, 100, 257)] {
+        let a: Vec<f32> = (0..rows).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.25).collect();
+        let w: Vec<f32> = (0..rows * stride).map(|i| ((i * 29 % 61) as f32 - 30.0) * 0.05).collect();
+        let y0: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+        let (mut y, mut y_ref) = (y0.clone(), y0);
+        axpy_rows(&a, &w, stride, &mut y);
+        axpy_rows_ref(&a, &w, stride, &mut y_ref);
+        for (j, (p, q)) in y.iter().zip(&y_ref).enumerate() {
+            assert!((p - q).abs() <= 1e-5 * q.abs().max(1.0), "rows={rows} n={n} j={j}: {p} vs {q}");
+        }
     }
 }

@@ -73,6 +73,35 @@ fn kv_cached_decoding_equals_full_recomputation() {
     }
 }
 
+/// The inference layout (every projection column-major, `Llama::with_inference_layout`) keeps each
+/// tensor's shape and the model's outputs: full-sequence logits, KV-cached steps and greedy tokens, for
+/// an untied and a tied model (whose LM head stays the embedding).
+#[test]
+fn inference_layout_keeps_shapes_logits_and_generations() {
+    for tied in [false, true] {
+        let m = tiny(RopeScheme::Default { theta: 1e4 }, tied);
+        let c = m.clone().with_inference_layout().unwrap();
+        for ((name, a), (_, b)) in m.tensors().iter().zip(c.tensors().iter()) {
+            assert_eq!(a.dims(), b.dims(), "{name}");
+        }
+        assert_eq!(c.layers[0].q_proj.stride(), &[1, c.layers[0].q_proj.dims()[0]][..], "q_proj not column-major");
+        let x = ids(2, 19);
+        let (la, lb) = (
+            m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap(),
+            c.logits(&c.forward_hidden(&x, 0).unwrap()).unwrap(),
+        );
+        let e = (la - lb).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert!(e < 1e-4, "tied={tied}: logits differ by {e}");
+        let prompt: Vec<u32> = (0..9).map(|i| (i * 29 % 250) as u32 + 3).collect();
+        let opts = GenerateOptions { max_new_tokens: 12, stop_tokens: vec![], prefill_chunk: 4 };
+        assert_eq!(
+            greedy_generate(&m, &prompt, &opts).unwrap(),
+            greedy_generate(&c, &prompt, &opts).unwrap(),
+            "tied={tied}"
+        );
+    }
+}
+
 #[test]
 fn greedy_generation_is_prefill_chunk_invariant_and_stops() {
     let m = tiny(RopeScheme::Default { theta: 1e4 }, false);

@@ -41,11 +41,21 @@ seq_len = SEQ
 steps = 2
 "#;
 
-/// (measured peak RSS of the run, planned total bytes) at sequence length `t`.
+/// (measured peak RSS, planned total bytes) at sequence length `t`: the smaller peak of two runs, as
+/// `scripts/calibrate_cpu_plan.py` keeps the smallest of its repeats. The same binary's peak at T 1024
+/// is bimodal across runs (119 or 127 MiB, 2026-12-03: how glibc's arenas meet rayon's threads), and an
+/// 8 MiB step is a quarter of the 512 -> 1024 growth this test compares.
 fn measured_and_planned(dir: &std::path::Path, t: usize) -> (u64, u64) {
+    let (a, plan) = measured_and_planned_once(dir, t, 0);
+    let (b, _) = measured_and_planned_once(dir, t, 1);
+    (a.min(b), plan)
+}
+
+/// One run's (measured peak RSS, planned total bytes) at sequence length `t`.
+fn measured_and_planned_once(dir: &std::path::Path, t: usize, attempt: usize) -> (u64, u64) {
     let cfg = dir.join(format!("p{t}.toml"));
     std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
-    let out = dir.join(format!("r{t}"));
+    let out = dir.join(format!("r{t}-{attempt}"));
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
         .args(["train", "--config"])
         .arg(&cfg)
