@@ -94,6 +94,32 @@ fn transposed(ptr: *const f32, rs: usize) -> Mat {
     Mat { ptr, rs: 1, cs: rs as isize }
 }
 
+/// Fewest query rows for which the forward transposes K first (below: decode and short prefill chunks,
+/// where the transposition would cost as much as the block products it speeds up).
+const TRANSPOSE_MIN_TQ: usize = 64;
+
+/// (d x t) row-major: the transpose of `x` (t x d, row-major).
+fn transpose(x: &[f32], t: usize, d: usize) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    for (c, yc) in y.chunks_mut(t.max(1)).enumerate() {
+        yc.iter_mut().zip(x[c..].iter().step_by(d)).for_each(|(o, &v)| *o = v);
+    }
+    y
+}
+
+/// The operand K_j^T (d x n) of the score GEMM S = Q K_j^T for keys kb.. of one head: a column slice of
+/// the transposed keys `kt` (d x tk) when there are, else a transposed view of the keys' rows `kh`.
+///
+/// Why both: the gemm crate packs its operands on every call, and for a row-major S it packs K_j^T
+/// along the keys; from K's rows (stride d) that is a scalar gather, from K^T's rows a copy. `perf` of a
+/// T = 4096 training step had the packing at 12%.
+fn keys_t(kh: &[f32], kt: Option<&[f32]>, kb: usize, tk: usize, d: usize) -> Mat {
+    match kt {
+        Some(kt) => rows(kt[kb..].as_ptr(), tk),
+        None => transposed(kh[kb * d..].as_ptr(), d),
+    }
+}
+
 /// Forward: returns the op's packed output, rows of D + 1 = [O | lse] for (B, H, Tq).
 /// `docs`: an optional document mask (B*Tk, per key the start of its document; causal only).
 pub fn attention_fwd_gemm(
@@ -113,23 +139,30 @@ pub fn attention_fwd_gemm(
     if tq == 0 {
         return out;
     }
+    // K^T per (b, kv head), made once and read by every query block of the head's query heads
+    let kt: Option<Vec<f32>> = (tq >= TRANSPOSE_MIN_TQ && tk > 0 && d > 0)
+        .then(|| k.par_chunks(tk * d).flat_map_iter(|kh| transpose(kh, tk, d)).collect());
     out.par_chunks_mut(tq * w).enumerate().for_each(|(bh, out_h)| {
         let (bi, g) = (bh / h, (bh % h) / rep);
         let qh = &q[bh * tq * d..(bh + 1) * tq * d];
         let kv = (bi * hkv + g) * tk * d..(bi * hkv + g + 1) * tk * d;
-        let (kh, vh) = (&k[kv.clone()], &v[kv]);
+        let (kh, vh) = (&k[kv.clone()], &v[kv.clone()]);
+        let kth = kt.as_ref().map(|kt| &kt[kv]);
         out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
             let i0 = qb * BQ;
             let lo = |i: usize| dims.first_key(causal, docs, bi, i);
-            fwd_block((&qh[i0 * d..], kh, vh), out_b, i0, dims, scale, causal, &lo);
+            fwd_block((&qh[i0 * d..], kh, kth, vh), out_b, i0, dims, scale, causal, &lo);
         });
     });
     out
 }
 
+/// A query block's rows, its head's keys, their transpose (when made: `keys_t`) and values.
+type BlockInputs<'a> = (&'a [f32], &'a [f32], Option<&'a [f32]>, &'a [f32]);
+
 /// One query block: rows i0.. of one head (`qb` starts at row i0), `out_b` its packed output rows.
 fn fwd_block(
-    (qb, kh, vh): (&[f32], &[f32], &[f32]),
+    (qb, kh, kt, vh): BlockInputs<'_>,
     out_b: &mut [f32],
     i0: usize,
     dims: AttnDims,
@@ -146,9 +179,10 @@ fn fwd_block(
     // keys before the first row's document start are seen by no row of the block
     for kb in (lo(i0)..lim_last).step_by(BK) {
         let n = BK.min(lim_last - kb);
-        // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d, s holds nr x n; no aliasing.
+        // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d (kt its columns kb..kb+n of d rows
+        // of tk), s holds nr x n; no aliasing.
         unsafe {
-            mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), transposed(kh[kb * d..].as_ptr(), d), scale)
+            mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), keys_t(kh, kt, kb, dims.tk, d), scale)
         };
         for r in 0..nr {
             let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
@@ -212,16 +246,9 @@ pub fn attention_bwd_gemm(
     let keys = key_range_len(b * hkv, tk);
     dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d))).enumerate().for_each(
         |(bg, (dq_g, (dk_g, dv_g)))| {
-            let head = BwdHead {
-                packed,
-                k: &k[bg * tk * d..(bg + 1) * tk * d],
-                v: &v[bg * tk * d..(bg + 1) * tk * d],
-                bg,
-                dims,
-                scale,
-                causal,
-                docs,
-            };
+            let (kh, vh) = (&k[bg * tk * d..(bg + 1) * tk * d], &v[bg * tk * d..(bg + 1) * tk * d]);
+            let (kt, vt) = (transpose(kh, tk, d), transpose(vh, tk, d));
+            let head = BwdHead { packed, k: kh, kt: &kt, vt: &vt, bg, dims, scale, causal, docs };
             if keys >= tk {
                 head.run(0, dq_g, dk_g, dv_g);
                 return;
@@ -263,7 +290,9 @@ fn key_range_len(tasks: usize, tk: usize) -> usize {
 struct BwdHead<'a> {
     packed: &'a [f32],
     k: &'a [f32],
-    v: &'a [f32],
+    /// K^T and V^T (d x tk): the score and dP GEMMs read K_j^T and V_j^T from them (see `keys_t`)
+    kt: &'a [f32],
+    vt: &'a [f32],
     bg: usize,
     dims: AttnDims,
     scale: f32,
@@ -321,10 +350,13 @@ impl BwdHead<'_> {
         for kb in (keys.start.max(self.lo(i0))..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
-            let (kj, vj) = (self.k[kb * d..].as_ptr(), self.v[kb * d..].as_ptr());
-            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj/vj are rows
-            // kb..kb+n of d, the dK/dV destinations those rows of this key range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
-            unsafe { mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qp, w), transposed(kj, d), self.scale) };
+            let tk = self.dims.tk;
+            let (kj, kjt, vjt) =
+                (self.k[kb * d..].as_ptr(), rows(self.kt[kb..].as_ptr(), tk), rows(self.vt[kb..].as_ptr(), tk));
+            // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj is rows kb..kb+n
+            // of d, kjt/vjt columns kb..kb+n of d rows of tk, the dK/dV destinations those rows of this key
+            // range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
+            unsafe { mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qp, w), kjt, self.scale) };
             for r in 0..nr {
                 let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
                 let first = self.lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
@@ -338,7 +370,7 @@ impl BwdHead<'_> {
                 sr[valid..].fill(0.0);
             }
             unsafe { mm((n, d, nr), dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
-            unsafe { mm((nr, n, d), dp.as_mut_ptr(), n, false, rows(dop, w), transposed(vj, d), 1.0) };
+            unsafe { mm((nr, n, d), dp.as_mut_ptr(), n, false, rows(dop, w), vjt, 1.0) };
             for r in 0..nr {
                 let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
                 softmax_grad(dpr, pr, delta[r], self.scale);
