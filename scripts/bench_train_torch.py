@@ -259,7 +259,8 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
     """(torch tok/s, harpe tok/s, torch nll, harpe nll, scored tokens, parameters) of perplexity scoring on the
     same weights: one document of max(4, 8192 / T) windows of T tokens, disjoint windows (eval-ppl --window T --stride T;
     transformers: model(w, labels=w) per window, the rule's T-1 targets each). Median of `reps` passes after a
-    warm-up (torch) / of `reps` fresh processes (harpe, its own scoring time from --json)."""
+    warm-up (torch) / of `reps` fresh processes (harpe: its --json `warm_tokens_per_s`, the windows after its
+    first, so both sides are timed warm; the first window pays the allocator's first touch of every buffer)."""
     import random
     import torch
     torch.set_num_threads(threads)
@@ -294,7 +295,7 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
                 for _ in range(reps)]
     if runs[0]["tokens"] != count:
         raise SystemExit(f"eval-ppl scored {runs[0]['tokens']} tokens, transformers {count}: not the same rule")
-    h = statistics.median(r["tokens_per_s"] for r in runs)
+    h = statistics.median(r["warm_tokens_per_s"] for r in runs)
     n_params = sum(p.numel() for p in model.parameters())
     return count / statistics.median(times), h, nll / count, runs[0]["nll"], count, n_params
 
@@ -337,7 +338,8 @@ def infer_report(a, lines, raw, load_before):
         f"(--rope-parity hf). torch {torch.__version__}, transformers LlamaForCausalLM, attn_implementation="
         f"\"{a.attn}\". Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
         f"`model(w, labels=w)` per window (no_grad; median of 3 passes after a warm-up) vs `harpe eval-ppl "
-        f"--window T --stride T --json` (median of 3 processes of its `tokens_per_s`: scoring time, not loading); "
+        f"--window T --stride T --json` (median of 3 processes of its `warm_tokens_per_s`: scoring time of the windows after the first, "
+        f"not loading; the torch side is timed after a warm-up pass); "
         f"tokens/s = scored tokens (T-1 per window, the same count on both sides: checked) per second; the mean "
         f"NLL of both is printed as a cross-check. Decode: greedy, {DECODE_NEW} new tokens after the prompt, batch "
         f"1, transformers `generate` (KV cache) vs `harpe generate`, tokens/s = new tokens over the whole call "

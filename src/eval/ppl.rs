@@ -123,6 +123,28 @@ pub struct WindowSums {
     pub nll_sum: f64,
     pub tokens: usize,
     pub window_means: Vec<f64>,
+    /// per window in order: scored targets, and wall seconds of its forward pass and log-softmax
+    pub window_tokens: Vec<usize>,
+    pub window_seconds: Vec<f64>,
+}
+
+impl WindowSums {
+    /// Adds another's sums and appends its windows.
+    pub fn extend(&mut self, o: &WindowSums) {
+        self.nll_sum += o.nll_sum;
+        self.tokens += o.tokens;
+        self.window_means.extend(o.window_means.iter().copied());
+        self.window_tokens.extend(o.window_tokens.iter().copied());
+        self.window_seconds.extend(o.window_seconds.iter().copied());
+    }
+
+    /// Scored targets per second over every window but the first (the first pays the one-time costs:
+    /// the allocator's first touch of each buffer, rayon's thread start-up), or None with one window.
+    pub fn warm_tokens_per_s(&self) -> Option<f64> {
+        let secs: f64 = self.window_seconds.iter().skip(1).sum();
+        let toks: usize = self.window_tokens.iter().skip(1).sum();
+        (self.window_seconds.len() > 1 && secs > 0.0).then(|| toks as f64 / secs)
+    }
 }
 
 /// The windows of the pinned rule: (begin, end, first scored target).
@@ -194,6 +216,7 @@ pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chun
     let dev = model.device().clone();
     let mut sums = WindowSums::default();
     for (begin, end, lo) in windows(ids.len(), window, stride)? {
+        let t0 = std::time::Instant::now();
         let x = Tensor::new(&ids[begin..end], &dev)?.unsqueeze(0)?; // (1, L)
         let hidden = model.forward_hidden(&x, 0)?; // (1, L, C)
                                                    // target t is predicted at window position t - 1 - begin
@@ -203,6 +226,8 @@ pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chun
         sums.nll_sum += wsum;
         sums.tokens += n;
         sums.window_means.push(wsum / n as f64);
+        sums.window_tokens.push(n);
+        sums.window_seconds.push(t0.elapsed().as_secs_f64());
     }
     Ok(sums)
 }
@@ -230,9 +255,7 @@ pub fn score_documents(
             bail!("{name}: the tokenizer produced ids >= vocab_size {}\nhint: the tokenizer does not belong to this model", model.cfg.vocab_size);
         }
         let s = window_nll(model, &ids, window, stride, chunk)?;
-        total.nll_sum += s.nll_sum;
-        total.tokens += s.tokens;
-        total.window_means.extend(s.window_means.iter().copied());
+        total.extend(&s);
         per_doc.push((name.clone(), s));
     }
     Ok((per_doc, total))
@@ -327,9 +350,17 @@ pub fn evaluate(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult)> {
     evaluate_timed(args).map(|(docs, total, _)| (docs, total))
 }
 
-/// `evaluate` plus the wall seconds of the scoring alone (the forward passes and log-softmax of every window;
-/// not loading the model, reading or tokenizing the inputs): `--json`'s `seconds` and `tokens_per_s`.
-pub fn evaluate_timed(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult, f64)> {
+/// Wall time of the scoring alone (the forward passes and log-softmax of every window; not loading the
+/// model, reading or tokenizing the inputs): `--json`'s `seconds`, `tokens_per_s` and `warm_tokens_per_s`.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoringTime {
+    pub seconds: f64,
+    /// `WindowSums::warm_tokens_per_s` of the total: every window after the first
+    pub warm_tokens_per_s: Option<f64>,
+}
+
+/// `evaluate` plus the scoring's wall time.
+pub fn evaluate_timed(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult, ScoringTime)> {
     windows(2, args.window, args.stride)?; // validate W, S before loading anything
     let model = args.scoring.load()?;
     let tok = load_tokenizer(args.tokenizer.as_deref().unwrap_or(&args.scoring.model))?;
@@ -351,16 +382,17 @@ pub fn evaluate_timed(args: &EvalPplArgs) -> Result<(Vec<PplResult>, PplResult, 
         bail!("no tokens to score (every document has fewer than 2 tokens)\nhint: check the --input files");
     }
     let tot = result("total", &total, args.aggregate);
-    Ok((per_doc, tot, secs))
+    Ok((per_doc, tot, ScoringTime { seconds: secs, warm_tokens_per_s: total.warm_tokens_per_s() }))
 }
 
 /// `harpe eval-ppl`.
 pub fn run(args: EvalPplArgs) -> Result<()> {
-    let (docs, total, secs) = evaluate_timed(&args)?;
+    let (docs, total, time) = evaluate_timed(&args)?;
     if args.json {
+        let secs = time.seconds;
         let v = serde_json::json!({
             "nll": total.nll, "ppl": total.ppl, "tokens": total.tokens, "windows": total.windows,
-            "seconds": secs, "tokens_per_s": total.tokens as f64 / secs,
+            "seconds": secs, "tokens_per_s": total.tokens as f64 / secs, "warm_tokens_per_s": time.warm_tokens_per_s,
             "aggregate": args.aggregate, "token_nll": total.token_nll, "window_mean_nll": total.window_mean_nll,
             "window": args.window, "stride": args.stride, "model": args.scoring.model, "documents": docs,
         });
@@ -388,4 +420,22 @@ pub fn eval_file(model: &Path, input: &Path, window: usize, stride: usize) -> Re
         tokenizer: None,
     };
     Ok(evaluate(&args)?.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The warm rate counts every window but the first; totals keep each document's windows in order.
+    #[test]
+    fn warm_rate_skips_the_first_window_of_the_total() {
+        let a = WindowSums { window_tokens: vec![5, 10], window_seconds: vec![2.0, 0.5], ..Default::default() };
+        let b = WindowSums { window_tokens: vec![10], window_seconds: vec![0.5], ..Default::default() };
+        let mut total = WindowSums::default();
+        total.extend(&a);
+        total.extend(&b);
+        assert_eq!(total.window_tokens, [5, 10, 10]);
+        assert_eq!(total.warm_tokens_per_s(), Some(20.0));
+        assert_eq!(b.warm_tokens_per_s(), None);
+    }
 }

@@ -101,6 +101,27 @@ fn json_output_and_multiple_documents() {
         secs > 0.0 && (tps * secs - tokens).abs() < 1e-6 * tokens,
         "seconds {secs}, tokens_per_s {tps}, tokens {tokens}"
     );
+    // several windows: the windows after the first are timed on their own (warm_tokens_per_s)
+    assert!(v["windows"].as_u64().unwrap() > 1);
+    let warm = v["warm_tokens_per_s"].as_f64().expect("warm_tokens_per_s with several windows");
+    assert!(warm > 0.0 && warm.is_finite(), "warm_tokens_per_s {warm}");
+    // one window (the whole document fits): nothing is warm
+    let (ok, out, err) = harpe(&[
+        "eval-ppl",
+        "--model",
+        s(&model),
+        "--input",
+        s(&text),
+        "--window",
+        "4096",
+        "--stride",
+        "256",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["windows"], 1);
+    assert!(v["warm_tokens_per_s"].is_null(), "one window has no warm rate: {}", v["warm_tokens_per_s"]);
     assert!((wm - want["nll"].as_f64().unwrap()).abs() > 1e-3, "the fixture must tell the aggregates apart");
 }
 
