@@ -97,25 +97,38 @@ fn transposed(ptr: *const f32, rs: usize) -> Mat {
 /// Fewest query rows for which the forward transposes K first (below: decode and short prefill chunks,
 /// where the transposition would cost as much as the block products it speeds up).
 const TRANSPOSE_MIN_TQ: usize = 64;
+/// Fewest keys for which K (and in the backward V) is transposed first. Measured on 2 AVX-512 threads,
+/// interleaved `harpe train` runs (noisy VM: 3-4 processes each): T 4096 (grid row 9) 2037-2482 tok/s
+/// without, 2253-2494 with; T 256 (row 5: hidden 512, 8 heads of 64) 687-759 without, 546-707 with (the
+/// padded row stride did not change that), so below this length the gather-packed view stays.
+const TRANSPOSE_MIN_TK: usize = 1024;
 
-/// (d x t) row-major: the transpose of `x` (t x d, row-major).
+/// Row stride of a transposed key or value matrix (`transpose`) of t keys: t plus 16, so that a power of two
+/// t (256, 4096: the usual lengths) does not put the d rows a GEMM walks down into the same few cache sets.
+fn t_ld(t: usize) -> usize {
+    t + 16
+}
+
+/// (d x t) with row stride `t_ld(t)`: the transpose of `x` (t x d, row-major); the padding is zero.
 fn transpose(x: &[f32], t: usize, d: usize) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
-    for (c, yc) in y.chunks_mut(t.max(1)).enumerate() {
-        yc.iter_mut().zip(x[c..].iter().step_by(d)).for_each(|(o, &v)| *o = v);
+    let ld = t_ld(t);
+    let mut y = vec![0f32; d * ld];
+    for (c, yc) in y.chunks_mut(ld).enumerate() {
+        yc[..t].iter_mut().zip(x[c..].iter().step_by(d)).for_each(|(o, &v)| *o = v);
     }
     y
 }
 
-/// The operand K_j^T (d x n) of the score GEMM S = Q K_j^T for keys kb.. of one head: a column slice of
-/// the transposed keys `kt` (d x tk) when there are, else a transposed view of the keys' rows `kh`.
+/// The operand K_j^T (d x n) of the score GEMM S = Q K_j^T for keys kb.. of one head (or V_j^T of the
+/// backward's dP = dO V_j^T): a column slice of the transposed keys `kt` (d rows of `t_ld(tk)`) when they
+/// were made, else a transposed view of the keys' rows `kh`.
 ///
 /// Why both: the gemm crate packs its operands on every call, and for a row-major S it packs K_j^T
 /// along the keys; from K's rows (stride d) that is a scalar gather, from K^T's rows a copy. `perf` of a
 /// T = 4096 training step had the packing at 12%.
 fn keys_t(kh: &[f32], kt: Option<&[f32]>, kb: usize, tk: usize, d: usize) -> Mat {
     match kt {
-        Some(kt) => rows(kt[kb..].as_ptr(), tk),
+        Some(kt) => rows(kt[kb..].as_ptr(), t_ld(tk)),
         None => transposed(kh[kb * d..].as_ptr(), d),
     }
 }
@@ -140,14 +153,15 @@ pub fn attention_fwd_gemm(
         return out;
     }
     // K^T per (b, kv head), made once and read by every query block of the head's query heads
-    let kt: Option<Vec<f32>> = (tq >= TRANSPOSE_MIN_TQ && tk > 0 && d > 0)
+    let kt: Option<Vec<f32>> = (tq >= TRANSPOSE_MIN_TQ && tk >= TRANSPOSE_MIN_TK && d > 0)
         .then(|| k.par_chunks(tk * d).flat_map_iter(|kh| transpose(kh, tk, d)).collect());
     out.par_chunks_mut(tq * w).enumerate().for_each(|(bh, out_h)| {
         let (bi, g) = (bh / h, (bh % h) / rep);
         let qh = &q[bh * tq * d..(bh + 1) * tq * d];
         let kv = (bi * hkv + g) * tk * d..(bi * hkv + g + 1) * tk * d;
         let (kh, vh) = (&k[kv.clone()], &v[kv.clone()]);
-        let kth = kt.as_ref().map(|kt| &kt[kv]);
+        let hi = bi * hkv + g; // this head's K^T: d rows of t_ld(tk)
+        let kth = kt.as_ref().map(|kt| &kt[hi * d * t_ld(tk)..(hi + 1) * d * t_ld(tk)]);
         out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
             let i0 = qb * BQ;
             let lo = |i: usize| dims.first_key(causal, docs, bi, i);
@@ -247,8 +261,12 @@ pub fn attention_bwd_gemm(
     dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d))).enumerate().for_each(
         |(bg, (dq_g, (dk_g, dv_g)))| {
             let (kh, vh) = (&k[bg * tk * d..(bg + 1) * tk * d], &v[bg * tk * d..(bg + 1) * tk * d]);
-            let (kt, vt) = (transpose(kh, tk, d), transpose(vh, tk, d));
-            let head = BwdHead { packed, k: kh, kt: &kt, vt: &vt, bg, dims, scale, causal, docs };
+            let (kt, vt) = match tk >= TRANSPOSE_MIN_TK {
+                true => (Some(transpose(kh, tk, d)), Some(transpose(vh, tk, d))),
+                false => (None, None),
+            };
+            let head =
+                BwdHead { packed, k: kh, v: vh, kt: kt.as_deref(), vt: vt.as_deref(), bg, dims, scale, causal, docs };
             if keys >= tk {
                 head.run(0, dq_g, dk_g, dv_g);
                 return;
@@ -290,9 +308,11 @@ fn key_range_len(tasks: usize, tk: usize) -> usize {
 struct BwdHead<'a> {
     packed: &'a [f32],
     k: &'a [f32],
-    /// K^T and V^T (d x tk): the score and dP GEMMs read K_j^T and V_j^T from them (see `keys_t`)
-    kt: &'a [f32],
-    vt: &'a [f32],
+    v: &'a [f32],
+    /// K^T and V^T (d rows of `t_ld(tk)`) when made: the score and dP GEMMs read K_j^T and V_j^T from them
+    /// (see `keys_t`)
+    kt: Option<&'a [f32]>,
+    vt: Option<&'a [f32]>,
     bg: usize,
     dims: AttnDims,
     scale: f32,
@@ -352,7 +372,7 @@ impl BwdHead<'_> {
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range
             let tk = self.dims.tk;
             let (kj, kjt, vjt) =
-                (self.k[kb * d..].as_ptr(), rows(self.kt[kb..].as_ptr(), tk), rows(self.vt[kb..].as_ptr(), tk));
+                (self.k[kb * d..].as_ptr(), keys_t(self.k, self.kt, kb, tk, d), keys_t(self.v, self.vt, kb, tk, d));
             // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj is rows kb..kb+n
             // of d, kjt/vjt columns kb..kb+n of d rows of tk, the dK/dV destinations those rows of this key
             // range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.

@@ -49,6 +49,8 @@ fn cases() -> Vec<(Shape5, Vec<Vec<usize>>)> {
         ((1, 2, 1, 20, 8), vec![vec![7]]),
         // GEMM blocks of 128 queries x 256 keys: documents crossing both, a query block past whole key blocks
         ((1, 2, 1, 600, 8), vec![vec![1, 140, 300, 599]]),
+        // >= 1024 keys: the GEMMs read K^T and V^T made first
+        ((1, 2, 1, 1100, 8), vec![vec![3, 500, 1030]]),
     ]
 }
 

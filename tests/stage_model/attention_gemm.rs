@@ -47,6 +47,7 @@ fn gemm_attention_matches_reference_training_shapes() {
     case(1, 2, 2, 129, 129, 64, true, 1.0); // MHA, head dim 64, one row past a query block
     case(1, 3, 1, 128, 128, 8, true, 1.0); // MQA, exactly one query block
     case(1, 2, 1, 516, 516, 4, true, 1.0); // key blocks 256 + 256 + 4
+    case(1, 4, 2, 1100, 1100, 8, true, 1.0); // >= 1024 keys: K^T (and V^T) made first, 4 key blocks + 76
 }
 
 #[test]
