@@ -9,24 +9,11 @@
 //! the forward alone with `--fwd-only`. Not a test: numbers only.
 use candle_core::Var;
 use harpe::ops::attention::{attention_with, CpuKernel};
-use std::time::Instant;
+mod timing;
+use timing::time;
 #[path = "../tests/ops_common/mod.rs"]
 mod ops_common;
 use ops_common::randn;
-
-/// Median seconds of `reps` calls of `f` after one warm-up call.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t0 = Instant::now();
-            f();
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
-}
 
 fn main() {
     harpe::device::init_cpu_runtime(); // as `harpe` itself runs

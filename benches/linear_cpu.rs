@@ -7,21 +7,8 @@
 //!
 //! Not a test: numbers only (medians of `reps` calls after one warm-up).
 use harpe::ops::linear::{linear_bwd_cpu, linear_fwd_cpu, View};
-use std::time::Instant;
-
-/// Median seconds of `reps` calls of `f` after one warm-up call.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t0 = Instant::now();
-            f();
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
-}
+mod timing;
+use timing::time;
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {

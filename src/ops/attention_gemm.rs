@@ -158,9 +158,9 @@ pub fn attention_fwd_gemm(
     out.par_chunks_mut(tq * w).enumerate().for_each(|(bh, out_h)| {
         let (bi, g) = (bh / h, (bh % h) / rep);
         let qh = &q[bh * tq * d..(bh + 1) * tq * d];
-        let kv = (bi * hkv + g) * tk * d..(bi * hkv + g + 1) * tk * d;
-        let (kh, vh) = (&k[kv.clone()], &v[kv.clone()]);
-        let hi = bi * hkv + g; // this head's K^T: d rows of t_ld(tk)
+        let hi = bi * hkv + g; // this query head's (b, kv head)
+        let kv = hi * tk * d..(hi + 1) * tk * d;
+        let (kh, vh) = (&k[kv.clone()], &v[kv]);
         let kth = kt.as_ref().map(|kt| &kt[hi * d * t_ld(tk)..(hi + 1) * d * t_ld(tk)]);
         out_h.par_chunks_mut(BQ * w).enumerate().for_each(|(qb, out_b)| {
             let i0 = qb * BQ;

@@ -48,20 +48,24 @@ const PAR_DECODE_WEIGHTS: usize = 1 << 17;
 /// Output columns per task of a split 1-row product.
 const DECODE_CHUNK: usize = 64;
 
-/// W (Out, In) of a CPU storage as a view: row-major (strides (In, 1), as checkpoints store it) or
-/// column-major (strides (1, Out), the inference layout of `Llama::with_inference_layout`); any other
-/// layout is an error (`linear` makes such a weight contiguous before it gets here).
+/// (rs, cs) of W (Out, In) with strides `strides` when it is row-major (strides (In, 1), as checkpoints
+/// store it) or column-major (strides (1, Out), the inference layout of `Llama::with_inference_layout`);
+/// None for any other layout. A size-1 dimension's stride is free.
+fn weight_strides((out, inp): (usize, usize), strides: &[usize]) -> Option<(usize, usize)> {
+    match *strides {
+        [rs, 1] if rs == inp || out <= 1 => Some((inp, 1)),
+        [1, cs] if cs == out || inp <= 1 => Some((1, out)),
+        _ => None,
+    }
+}
+
+/// W (Out, In) of a CPU storage as a view in either layout of `weight_strides`; any other layout is an
+/// error (`linear` makes such a weight contiguous before it gets here).
 fn weight_view<'a>(s: &'a CpuStorage, l: &Layout) -> Result<View<'a>> {
     let CpuStorage::F32(v) = s else { candle_core::bail!("linear: `w` must be f32") };
     let (out, inp) = l.shape().dims2()?;
-    let (rs, cs) = match *l.stride() {
-        [rs, 1] if rs == inp || out <= 1 => (inp, 1),
-        [1, cs] if cs == out || inp <= 1 => (1, out),
-        _ => candle_core::bail!(
-            "linear: w {:?} with strides {:?} is neither row- nor column-major",
-            l.shape(),
-            l.stride()
-        ),
+    let Some((rs, cs)) = weight_strides((out, inp), l.stride()) else {
+        candle_core::bail!("linear: w {:?} with strides {:?} is neither row- nor column-major", l.shape(), l.stride())
     };
     let start = l.start_offset();
     if start + out * inp > v.len() {
@@ -70,12 +74,9 @@ fn weight_view<'a>(s: &'a CpuStorage, l: &Layout) -> Result<View<'a>> {
     Ok(View { data: &v[start..start + out * inp], rs, cs })
 }
 
-/// True when `w` (2-D) is row-major or column-major: the layouts `weight_view` reads without a copy.
+/// True when `w` (2-D) is in a layout `weight_view` reads without a copy.
 fn weight_layout_ok(w: &Tensor) -> bool {
-    match (w.dims(), w.stride()) {
-        (&[out, inp], &[rs, cs]) => (cs == 1 && (rs == inp || out <= 1)) || (rs == 1 && (cs == out || inp <= 1)),
-        _ => false,
-    }
+    matches!(w.dims(), &[out, inp] if weight_strides((out, inp), w.stride()).is_some())
 }
 
 /// Fewest rows (columns) of the output one thread's band takes (below twice this, the GEMM is not split).
@@ -203,14 +204,21 @@ unsafe fn gemm_into(
 /// One row (a decode step) skips the gemm crate, which packs all of W for a 1-row product on AVX-512 and
 /// runs it on one thread whatever `Parallelism` says (`perf` of `harpe generate`, hidden 512, 8 layers: the
 /// packing at 55%; benches/results/infer-cpu-grid-avx512_20261203.md): row-major W gives y_j = x · w_j with
-/// `cpu_vec::dot` over W's rows, column-major W gives y = sum_i x_i W^T_i with `cpu_vec::axpy` over W^T's
+/// `cpu_vec::dot` over W's rows, column-major W gives y = sum_i x_i W^T_i with `cpu_vec::axpy_rows` over W^T's
 /// rows, either split over rayon threads by output columns when W is large enough to pay for the split.
 pub fn linear_fwd_cpu(x: &[f32], w: View, (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
     if rows == 1 && inp > 0 {
         use crate::ops::cpu_vec::{axpy_rows, dot};
         let x = &x[..inp];
         let mut y = vec![0f32; out];
-        let chunk = if inp * out >= PAR_DECODE_WEIGHTS { DECODE_CHUNK } else { out.max(1) };
+        let chunk = if inp * out < PAR_DECODE_WEIGHTS {
+            out.max(1) // one task
+        } else if w.cs == 1 {
+            DECODE_CHUNK
+        } else {
+            // one band of columns per thread: each streams its part of every row of W^T once
+            out.div_ceil(rayon::current_num_threads()).next_multiple_of(16)
+        };
         if w.cs == 1 {
             y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| {
                 for (i, yj) in yc.iter_mut().enumerate() {
@@ -219,12 +227,6 @@ pub fn linear_fwd_cpu(x: &[f32], w: View, (rows, inp, out): (usize, usize, usize
                 }
             });
         } else {
-            // one band of columns per thread: each streams its part of every row of W^T once
-            let chunk = if chunk == out.max(1) {
-                chunk
-            } else {
-                out.div_ceil(rayon::current_num_threads()).next_multiple_of(16)
-            };
             y.par_chunks_mut(chunk).enumerate().for_each(|(c, yc)| axpy_rows(x, &w.data[c * chunk..], w.cs, yc));
         }
         return y;
