@@ -37,6 +37,31 @@ pub fn init_cpu_runtime() {
     }
 }
 
+/// Run `f` on this thread made worker 0 of a rayon pool (as many threads as the global pool would have,
+/// `RAYON_NUM_THREADS`), so the CPU ops' parallel loops start from a worker: this thread takes part and
+/// the others steal, instead of a thread outside the pool injecting every op and sleeping until the
+/// workers wake, finish and wake it (two context switches per op: ~8% of a small CPU step in `perf`,
+/// half of it gone with this). This thread, not a pool thread, keeps running the step, so its tensors
+/// stay in the main malloc arena: run on a pool thread instead, the same run's peak memory came out
+/// bimodal (96 or 106 MiB; tests/stage_train/plan_memory.rs). Results do not depend on it: every op
+/// splits its work by size, not by thread. Already a worker (a second run in one process): `f` as is.
+/// Used by `harpe train` (one process's rank) and the commands that run a model on the CPU (eval-ppl,
+/// eval-loss, generate, eval-niah, eval-tasks: main.rs): eval-ppl of a 0.5M-parameter model spent ~20% of
+/// its samples in the scheduler (context switches, `sched_yield`) injecting each small op from outside.
+pub fn as_pool_worker<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("harpe-cpu-{i}"))
+        .use_current_thread()
+        .build()
+        .map_err(|e| anyhow!("starting the CPU thread pool: {e}"))?;
+    // this thread is the pool's worker 0, so `install` runs `f` right here
+    pool.install(f)
+}
+
 /// A device as the user names it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DeviceSpec {

@@ -1,5 +1,6 @@
 //! harpe command line: one subcommand -> one `run()`; nothing else lives here.
 use clap::{Parser, Subcommand};
+use harpe::device::as_pool_worker;
 
 /// jemalloc, not glibc malloc: activations and gradients are fresh buffers of up to hundreds of MB every
 /// step (candle's backward alone allocates a zeroed gradient per node). glibc returned each one over its
@@ -83,11 +84,11 @@ fn main() {
         Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
         Cmd::InspectData(a) => harpe::data::inspect::run(a),
         Cmd::Train(a) => harpe::train::run(a),
-        Cmd::EvalPpl(a) => harpe::eval::ppl::run(a),
-        Cmd::EvalLoss(a) => harpe::eval::eval_loss::run(a),
-        Cmd::Generate(a) => harpe::eval::generate::run(a),
-        Cmd::EvalNiah(a) => harpe::eval::niah_run::run(a),
-        Cmd::EvalTasks(a) => harpe::eval::tasks::run::run(*a),
+        Cmd::EvalPpl(a) => as_pool_worker(|| harpe::eval::ppl::run(a)),
+        Cmd::EvalLoss(a) => as_pool_worker(|| harpe::eval::eval_loss::run(a)),
+        Cmd::Generate(a) => as_pool_worker(|| harpe::eval::generate::run(a)),
+        Cmd::EvalNiah(a) => as_pool_worker(|| harpe::eval::niah_run::run(a)),
+        Cmd::EvalTasks(a) => as_pool_worker(|| harpe::eval::tasks::run::run(*a)),
         Cmd::SearchBases(a) => harpe::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate(a),

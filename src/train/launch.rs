@@ -60,32 +60,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         Backend::Single => {
             let comm = Comm::from_config(&cfg.dist, &origin)?;
-            as_pool_worker(|| run_rank(&args, comm, None))
+            crate::device::as_pool_worker(|| run_rank(&args, comm, None))
         }
         Backend::Nccl => run_nccl_rank(&args, &cfg, &origin),
     }
-}
-
-/// Run `f` on this thread made worker 0 of a rayon pool (as many threads as the global pool would have,
-/// `RAYON_NUM_THREADS`), so the CPU ops' parallel loops start from a worker: this thread takes part and
-/// the others steal, instead of a thread outside the pool injecting every op and sleeping until the
-/// workers wake, finish and wake it (two context switches per op: ~8% of a small CPU step in `perf`,
-/// half of it gone with this). This thread, not a pool thread, keeps running the step, so its tensors
-/// stay in the main malloc arena: run on a pool thread instead, the same run's peak memory came out
-/// bimodal (96 or 106 MiB; tests/stage_train/plan_memory.rs). Results do not depend on it: every op
-/// splits its work by size, not by thread. Already a worker (a second run in one process): `f` as is.
-fn as_pool_worker<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    if rayon::current_thread_index().is_some() {
-        return f();
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(rayon::current_num_threads())
-        .thread_name(|i| format!("harpe-cpu-{i}"))
-        .use_current_thread()
-        .build()
-        .context("starting the CPU thread pool")?;
-    // this thread is the pool's worker 0, so `install` runs `f` right here
-    pool.install(f)
 }
 
 /// One process of an NCCL group (started by `--nproc-per-node`, torchrun or srun; alone it is a group
