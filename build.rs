@@ -23,6 +23,36 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         build_ptx(&kdir, &out);
     }
+    if std::env::var_os("CARGO_FEATURE_MKL").is_some() {
+        link_mkl();
+    }
+}
+
+/// Feature `mkl`: link MKL's sequential LP64 static libraries from `HARPE_MKL_LIB` (scripts/install-mkl.sh
+/// lays them out) as one group (the three archives reference each other). Static, so the binary needs no
+/// MKL at run time. A missing directory is a build error with the command that makes it.
+fn link_mkl() {
+    println!("cargo:rerun-if-env-changed=HARPE_MKL_LIB");
+    let hint = "hint: eval \"$(scripts/install-mkl.sh target/mkl)\" (downloads mkl-static from PyPI), then build again";
+    let dir = PathBuf::from(std::env::var("HARPE_MKL_LIB").unwrap_or_else(|_| {
+        panic!("feature `mkl`: HARPE_MKL_LIB is not set (the directory holding MKL's static libraries)\n{hint}")
+    }));
+    let libs = ["libmkl_intel_lp64.a", "libmkl_sequential.a", "libmkl_core.a"];
+    for l in libs {
+        let p = dir.join(l);
+        if !p.is_file() {
+            panic!("feature `mkl`: {} does not exist (HARPE_MKL_LIB={})\n{hint}", p.display(), dir.display());
+        }
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+    println!("cargo:rustc-link-arg=-Wl,--start-group");
+    for l in libs {
+        println!("cargo:rustc-link-arg={}", dir.join(l).display());
+    }
+    println!("cargo:rustc-link-arg=-Wl,--end-group");
+    for l in ["pthread", "m", "dl"] {
+        println!("cargo:rustc-link-arg=-l{l}");
+    }
 }
 
 /// One wrapper .cpp per kernel (`#include ".../rope.cu"`), so the host compiler sees C++ sources.

@@ -336,7 +336,7 @@ def infer_report(a, lines, raw, load_before):
         f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
         f"sides, f32, vocab {VOCAB}, random-init weights saved by transformers and loaded by harpe "
         f"(--rope-parity hf). torch {torch.__version__}, transformers LlamaForCausalLM, attn_implementation="
-        f"\"{a.attn}\". Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
+        f"\"{a.attn}\"; harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
         f"`model(w, labels=w)` per window (no_grad; median of 3 passes after a warm-up) vs `harpe eval-ppl "
         f"--window T --stride T --json` (median of 3 processes of its `warm_tokens_per_s`: scoring time of the windows after the first, "
         f"not loading; the torch side is timed after a warm-up pass); "
@@ -348,6 +348,14 @@ def infer_report(a, lines, raw, load_before):
     ]
     tail = ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
     return "\n".join(head + lines + tail + raw + ["```"]) + "\n"
+
+
+def harpe_version(binary):
+    """`harpe --version` (the build's cargo features and CPU GEMM backend), or why it could not be read."""
+    try:
+        return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except OSError as e:
+        return f"unknown ({e})"
 
 
 def cpu_model():
@@ -419,7 +427,7 @@ def report(a, rows, raw, meta, load_before, drows):
         f"process" + (f" ({a.repeats} processes per side and row, torch and harpe alternating; the median of "
                       f"them; each process's tok/s in the raw lines)" if a.repeats > 1 else "") + f". torch {meta.get('torch', '?')} (transformers LlamaForCausalLM, attn_implementation="
         f"\"{a.attn}\", torch.optim.AdamW; checkpointed rows: gradient_checkpointing_enable, "
-        f"torch.utils.checkpoint per layer); harpe binary `{a.harpe}`. Load: 1-minute average before the torch "
+        f"torch.utils.checkpoint per layer); harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Load: 1-minute average before the torch "
         f"side / before the harpe side.",
         "",
         "| # | hidden | heads/kv | layers | inter | T | mb | ckpt | params | load | torch tok/s | harpe tok/s | ratio |",

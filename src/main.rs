@@ -25,10 +25,27 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[unsafe(export_name = "_rjem_malloc_conf")]
 pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always,narenas:1\0";
 
+/// `harpe --version`: the package version, the cargo features the binary was built with and its CPU GEMM
+/// backend (benchmark records name the build they measured: scripts/bench_train_torch.py reads this line).
+fn version() -> &'static str {
+    static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        let features = [
+            ("cuda", cfg!(feature = "cuda")),
+            ("nccl", cfg!(feature = "nccl")),
+            ("flash-attn", cfg!(feature = "flash-attn")),
+            ("mkl", cfg!(feature = "mkl")),
+        ];
+        let on: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
+        let on = if on.is_empty() { "none".to_string() } else { on.join(", ") };
+        format!("{} (features: {on}; CPU GEMM: {})", env!("CARGO_PKG_VERSION"), harpe::ops::cpu_gemm::backend())
+    })
+}
+
 #[derive(Parser)]
 #[command(
     name = "harpe",
-    version,
+    version = version(),
     about = "Continual pretraining of Llama models to long context with head-adaptive RoPE, and its evaluation"
 )]
 struct Cli {

@@ -25,7 +25,8 @@
 //! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention_shape::AttnDims;
 use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
-use gemm::{gemm, Parallelism};
+use crate::ops::cpu_gemm::{sgemm, Mat};
+use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// Query rows per block. 128 x 256 against the earlier 64 x 128 (`benches/attention_cpu.rs`, 2 threads,
@@ -37,15 +38,8 @@ const BQ: usize = 128;
 /// Keys per block.
 const BK: usize = 256;
 
-/// A row-major matrix view for one GEMM operand: `ptr` at (0, 0), `rs` between rows, `cs` between columns.
-#[derive(Clone, Copy)]
-struct Mat {
-    ptr: *const f32,
-    rs: isize,
-    cs: isize,
-}
-
-/// dst (m x n, row stride `dst_rs`) := (accumulate ? dst : 0) + beta * lhs (m x k) * rhs (k x n).
+/// dst (m x n, row stride `dst_rs`) := (accumulate ? dst : 0) + beta * lhs (m x k) * rhs (k x n), on
+/// `ops::cpu_gemm` (single-threaded: the tasks are the parallelism).
 ///
 /// SAFETY (caller): every operand view must stay inside its allocation for the given sizes and `dst`
 /// must not alias `lhs` or `rhs`.
@@ -59,29 +53,7 @@ unsafe fn mm(
     beta: f32,
 ) {
     // SAFETY: forwarded from the caller's contract above.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.ptr,
-            lhs.cs,
-            lhs.rs,
-            rhs.ptr,
-            rhs.cs,
-            rhs.rs,
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
+    unsafe { sgemm((m, n, k), dst, dst_rs, accumulate, lhs, rhs, beta, Parallelism::None) }
 }
 
 /// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).

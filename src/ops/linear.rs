@@ -9,12 +9,14 @@
 //! and is added transposed (a strided, scalar pass over the weight) before the parameter sees it. Here
 //! the op is one node whose backward writes dx and dW in their final layouts; at small shapes (hidden
 //! 128-512, a few hundred tokens) that overhead was a sizeable part of a CPU step.
-//! The GEMMs are the `gemm` crate's (the microkernels candle's matmul calls), on rayon's threads.
+//! The GEMMs are `ops::cpu_gemm::sgemm` (the `gemm` crate's microkernels, or MKL with feature `mkl`) on
+//! rayon's threads, one band per thread.
 //! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
 //! calls `linear_slow` for what it does not take).
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
-use gemm::{gemm, Parallelism};
+use crate::ops::cpu_gemm::{sgemm, Mat};
+use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// A strided matrix view (one GEMM operand, or the weight): element (r, c) at data[r * rs + c * cs].
@@ -158,8 +160,8 @@ impl SendPtr {
 /// dst (m x n, row stride `dst_rs`, uninitialised) := lhs (m x k) * rhs (k x n).
 ///
 /// SAFETY (caller): the views hold m x k and k x n elements inside their slices; `dst` points at m rows
-/// of n writable values, `dst_rs` apart. With read_dst = false and alpha = 0 gemm writes every element of
-/// dst without reading any.
+/// of n writable values, `dst_rs` apart. `sgemm` without accumulation writes every element of dst without
+/// reading any.
 unsafe fn gemm_into(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
@@ -168,30 +170,9 @@ unsafe fn gemm_into(
     rhs: View,
     par: Parallelism,
 ) {
-    // SAFETY: forwarded from the caller's contract above.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            false,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
+    let view = |v: View| Mat { ptr: v.data.as_ptr(), rs: v.rs as isize, cs: v.cs as isize };
+    // SAFETY: forwarded from the caller's contract above (read_dst = false: dst is written, never read).
+    unsafe { sgemm((m, n, k), dst, dst_rs, false, view(lhs), view(rhs), 1.0, par) }
 }
 
 /// Forward: x (rows, In) row-major, w (Out, In) in either layout of `weight_view` -> x W^T (rows, Out).

@@ -4,6 +4,7 @@ pub mod attention;
 pub mod attention_gemm;
 pub mod attention_shape;
 pub mod candle_flash;
+pub mod cpu_gemm;
 pub mod cpu_vec;
 pub mod cross_entropy_chunk;
 pub mod linear;

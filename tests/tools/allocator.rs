@@ -26,3 +26,20 @@ fn the_binary_runs_on_jemalloc_with_the_step_reuse_options() {
         assert!(stats.contains(opt), "{opt:?} is not in effect:\n{stats}");
     }
 }
+
+/// `harpe --version` names the build's features and its CPU GEMM backend (benchmark records copy this
+/// line to say which build they measured).
+#[test]
+fn version_names_the_features_and_the_cpu_gemm_backend() {
+    let out = Command::new(env!("CARGO_BIN_EXE_harpe")).arg("--version").output().expect("harpe runs");
+    assert!(out.status.success());
+    let v = String::from_utf8_lossy(&out.stdout);
+    assert!(v.starts_with(&format!("harpe {}", env!("CARGO_PKG_VERSION"))), "{v}");
+    let gemm = if cfg!(feature = "mkl") { "CPU GEMM: mkl" } else { "CPU GEMM: gemm" };
+    assert!(v.contains(gemm), "{v}");
+    let features: Vec<&str> = v.split("features: ").nth(1).and_then(|r| r.split(';').next()).expect("features").split(", ").collect();
+    for (f, on) in [("mkl", cfg!(feature = "mkl")), ("cuda", cfg!(feature = "cuda")), ("nccl", cfg!(feature = "nccl"))] {
+        assert_eq!(features.contains(&f), on, "{f}: {v}");
+    }
+    assert_eq!(features == ["none"], !cfg!(any(feature = "mkl", feature = "cuda")), "{v}");
+}
