@@ -24,8 +24,8 @@
 //! Memory: O(T D) plus one (BQ x BK) score block (two in the backward) per task. Not done here: bf16
 //! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention_shape::AttnDims;
-use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
 use crate::ops::cpu_gemm::{sgemm, Mat};
+use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
 use gemm::Parallelism;
 use rayon::prelude::*;
 

@@ -27,8 +27,9 @@ pub struct Mat {
 /// rhs (k x n). With `accumulate` false dst is written without being read (it may be uninitialised).
 /// `par`: the gemm crate's own threads (MKL runs sequential whatever it says).
 ///
-/// SAFETY (caller): every operand view holds its m x k / k x n elements inside its allocation, dst points
-/// at m rows of n writable values `dst_rs` apart, and dst aliases neither operand.
+/// # Safety
+/// Every operand view holds its m x k / k x n elements inside its allocation, dst points at m rows of n
+/// writable values `dst_rs` apart, and dst aliases neither operand.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm(
     (m, n, k): (usize, usize, usize),

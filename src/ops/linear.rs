@@ -13,9 +13,9 @@
 //! rayon's threads, one band per thread.
 //! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
 //! calls `linear_slow` for what it does not take).
+use crate::ops::cpu_gemm::{sgemm, Mat};
 use crate::ops::rotary::f32_slice;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
-use crate::ops::cpu_gemm::{sgemm, Mat};
 use gemm::Parallelism;
 use rayon::prelude::*;
 

@@ -37,8 +37,10 @@ fn version_names_the_features_and_the_cpu_gemm_backend() {
     assert!(v.starts_with(&format!("harpe {}", env!("CARGO_PKG_VERSION"))), "{v}");
     let gemm = if cfg!(feature = "mkl") { "CPU GEMM: mkl" } else { "CPU GEMM: gemm" };
     assert!(v.contains(gemm), "{v}");
-    let features: Vec<&str> = v.split("features: ").nth(1).and_then(|r| r.split(';').next()).expect("features").split(", ").collect();
-    for (f, on) in [("mkl", cfg!(feature = "mkl")), ("cuda", cfg!(feature = "cuda")), ("nccl", cfg!(feature = "nccl"))] {
+    let features: Vec<&str> =
+        v.split("features: ").nth(1).and_then(|r| r.split(';').next()).expect("features").split(", ").collect();
+    for (f, on) in [("mkl", cfg!(feature = "mkl")), ("cuda", cfg!(feature = "cuda")), ("nccl", cfg!(feature = "nccl"))]
+    {
         assert_eq!(features.contains(&f), on, "{f}: {v}");
     }
     assert_eq!(features == ["none"], !cfg!(any(feature = "mkl", feature = "cuda")), "{v}");
