@@ -5,7 +5,8 @@
 //! Reference: PyTorch's device strings (`cuda:1`). The non-obvious decision: a CPU build still
 //! parses `cuda` (a recipe for a GPU run can be read, planned and hashed anywhere) and fails only when
 //! the device is opened, with a hint to rebuild with `--features cuda`. `init_cpu_runtime` sets candle's
-//! elementwise pool to one thread and glibc's reuse of large blocks (see there). Not done here: choosing
+//! elementwise pool to one thread and glibc's reuse of large blocks (see there); `as_pool_worker` makes the
+//! calling thread worker 0 of the CPU ops' rayon pool. Not done here: choosing
 //! the attention implementation for a device (`model::attention::AttentionImpl::for_device`).
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device};
