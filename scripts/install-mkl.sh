@@ -38,7 +38,7 @@ else
   rm -rf "$PREFIX/wheel" "$PREFIX/lib"
   mkdir -p "$PREFIX/wheel" "$PREFIX/lib"
   log "downloading mkl-static==$MKL_V from PyPI"
-  "$PY" -m pip download --quiet --no-deps "mkl-static==$MKL_V" -d "$PREFIX/wheel" >&2 \
+  "$PY" -m pip download --quiet --no-cache-dir --no-deps "mkl-static==$MKL_V" -d "$PREFIX/wheel" >&2 \
     || { log "error: pip could not download mkl-static==$MKL_V; hint: check the network or the pip index (PIP_INDEX_URL)"; exit 1; }
   log "extracting $LIBS"
   "$PY" - "$PREFIX" $LIBS <<'PY'
