@@ -1,5 +1,6 @@
-//! CPU fast path of the attention op: FlashAttention-2 tiling with every block product on the `gemm`
-//! crate (the microkernels candle's CPU matmul uses), the online softmax between the GEMMs.
+//! CPU fast path of the attention op: FlashAttention-2 tiling with every block product one single-threaded
+//! `ops::cpu_gemm::sgemm` call (the gemm crate, or MKL with feature `mkl`; the tasks are the parallelism),
+//! the online softmax between the GEMMs.
 //!
 //! Reference: FlashAttention-2 (Dao 2023) Algorithms 1-2; the readable scalar loops this must match are
 //! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/stage_model/attention_gemm.rs compares them,
@@ -37,24 +38,6 @@ use rayon::prelude::*;
 const BQ: usize = 128;
 /// Keys per block.
 const BK: usize = 256;
-
-/// dst (m x n, row stride `dst_rs`) := (accumulate ? dst : 0) + beta * lhs (m x k) * rhs (k x n), on
-/// `ops::cpu_gemm` (single-threaded: the tasks are the parallelism).
-///
-/// SAFETY (caller): every operand view must stay inside its allocation for the given sizes and `dst`
-/// must not alias `lhs` or `rhs`.
-unsafe fn mm(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Mat,
-    rhs: Mat,
-    beta: f32,
-) {
-    // SAFETY: forwarded from the caller's contract above.
-    unsafe { sgemm((m, n, k), dst, dst_rs, accumulate, lhs, rhs, beta, Parallelism::None) }
-}
 
 /// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).
 fn rows(ptr: *const f32, rs: usize) -> Mat {
@@ -168,7 +151,16 @@ fn fwd_block(
         // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d (kt its columns kb..kb+n of d rows
         // of tk), s holds nr x n; no aliasing.
         unsafe {
-            mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qb.as_ptr(), d), keys_t(kh, kt, kb, dims.tk, d), scale)
+            sgemm(
+                (nr, n, d),
+                s.as_mut_ptr(),
+                n,
+                false,
+                rows(qb.as_ptr(), d),
+                keys_t(kh, kt, kb, dims.tk, d),
+                scale,
+                Parallelism::None,
+            )
         };
         for r in 0..nr {
             let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
@@ -190,7 +182,18 @@ fn fwd_block(
             }
         }
         // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
-        unsafe { mm((nr, d, n), acc.as_mut_ptr(), d, true, rows(s.as_ptr(), n), rows(vh[kb * d..].as_ptr(), d), 1.0) };
+        unsafe {
+            sgemm(
+                (nr, d, n),
+                acc.as_mut_ptr(),
+                d,
+                true,
+                rows(s.as_ptr(), n),
+                rows(vh[kb * d..].as_ptr(), d),
+                1.0,
+                Parallelism::None,
+            )
+        };
     }
     for (r, row) in out_b.chunks_mut(d + 1).enumerate() {
         if l[r] > 0.0 {
@@ -348,7 +351,7 @@ impl BwdHead<'_> {
             // SAFETY (all GEMMs below): q/dO views are nr rows of stride w inside `p`; kj is rows kb..kb+n
             // of d, kjt/vjt columns kb..kb+n of d rows of tk, the dK/dV destinations those rows of this key
             // range (lim_last <= keys.end); s, dp are nr x n; destinations alias no input.
-            unsafe { mm((nr, n, d), s.as_mut_ptr(), n, false, rows(qp, w), kjt, self.scale) };
+            unsafe { sgemm((nr, n, d), s.as_mut_ptr(), n, false, rows(qp, w), kjt, self.scale, Parallelism::None) };
             for r in 0..nr {
                 let valid = self.dims.limit(self.causal, i0 + r).saturating_sub(kb).min(n);
                 let first = self.lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
@@ -361,14 +364,38 @@ impl BwdHead<'_> {
                 sr[..first].fill(0.0);
                 sr[valid..].fill(0.0);
             }
-            unsafe { mm((n, d, nr), dv_p[at..].as_mut_ptr(), d, true, transposed(s.as_ptr(), n), rows(dop, w), 1.0) };
-            unsafe { mm((nr, n, d), dp.as_mut_ptr(), n, false, rows(dop, w), vjt, 1.0) };
+            unsafe {
+                sgemm(
+                    (n, d, nr),
+                    dv_p[at..].as_mut_ptr(),
+                    d,
+                    true,
+                    transposed(s.as_ptr(), n),
+                    rows(dop, w),
+                    1.0,
+                    Parallelism::None,
+                )
+            };
+            unsafe { sgemm((nr, n, d), dp.as_mut_ptr(), n, false, rows(dop, w), vjt, 1.0, Parallelism::None) };
             for r in 0..nr {
                 let (pr, dpr) = (&s[r * n..(r + 1) * n], &mut dp[r * n..(r + 1) * n]);
                 softmax_grad(dpr, pr, delta[r], self.scale);
             }
-            unsafe { mm((nr, d, n), dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0) };
-            unsafe { mm((n, d, nr), dk_p[at..].as_mut_ptr(), d, true, transposed(dp.as_ptr(), n), rows(qp, w), 1.0) };
+            unsafe {
+                sgemm((nr, d, n), dq_b.as_mut_ptr(), d, true, rows(dp.as_ptr(), n), rows(kj, d), 1.0, Parallelism::None)
+            };
+            unsafe {
+                sgemm(
+                    (n, d, nr),
+                    dk_p[at..].as_mut_ptr(),
+                    d,
+                    true,
+                    transposed(dp.as_ptr(), n),
+                    rows(qp, w),
+                    1.0,
+                    Parallelism::None,
+                )
+            };
         }
     }
 }
