@@ -20,7 +20,8 @@ use std::str::FromStr;
 ///    spinning barrier pool (CANDLE_NUM_THREADS - 1 workers, default: all cores) beside rayon's pool
 ///    (GEMMs, harpe's ops), so every core gets two busy-waiting threads; on 2 threads, training at
 ///    T = 256 measured 400 tok/s with the default and 2200-2900 with one pool thread. Elementwise ops then
-///    run on the calling thread; the parallel work stays on rayon.
+///    split over rayon's pool when called from one of its threads (`as_pool_worker`; the change in
+///    third_party/candle-core/HARPE.md), else run on the calling thread.
 /// 2. glibc keeps freed blocks up to 32 MiB for reuse (`M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD`) instead of
 ///    returning every activation-sized buffer to the kernel and page-faulting it back in on the next op
 ///    (15% of a T = 1024 step was page faults; +50% tok/s). Freed blocks are reused, so the peak is the

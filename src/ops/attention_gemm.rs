@@ -6,8 +6,9 @@
 //! `ops::attention::{attention_fwd_cpu, attention_bwd_cpu}` (tests/stage_model/attention_gemm.rs compares them,
 //! forward and backward, ragged, GQA, Tq < Tk).
 //! Forward: one task per (b, h, query block of `BQ` rows) on rayon; for each key block of `BK` keys up
-//! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per-row running max / sum / rescale,
-//! acc += P V_j (GEMM); O and lse are written straight into the packed (B, H, Tq, D + 1) rows the op
+//! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per row the exponentials and their sum
+//! against the row's reference max in one pass (the reference moves, rescaling sum and acc, only when a
+//! block's scores rise `REBASE_ABOVE` past it), acc += P V_j (GEMM); O and lse are written straight into the packed (B, H, Tq, D + 1) rows the op
 //! returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
 //! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
 //! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
@@ -26,7 +27,7 @@
 //! compute (inputs arrive as f32), dropout, sliding windows.
 use crate::ops::attention_shape::AttnDims;
 use crate::ops::cpu_gemm::{sgemm, Mat};
-use crate::ops::cpu_vec::{dot, exp_sub_sum, max as vmax, scale_in_place, softmax_grad};
+use crate::ops::cpu_vec::{dot, exp_sub_sum, exp_sub_sum_max, max as vmax, scale_in_place, softmax_grad};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -38,6 +39,15 @@ use rayon::prelude::*;
 const BQ: usize = 128;
 /// Keys per block.
 const BK: usize = 256;
+
+/// How far (in units of the scaled scores) a key block's scores may rise above a row's softmax reference
+/// before the row is rebased on them. Between rebases the exponentials are taken against the old
+/// reference in the pass that also finds the block's max (`cpu_vec::exp_sub_sum_max`), so there is no
+/// separate max pass and no rescaling of the accumulator each time the running max creeps up. e^16 = 8.9e6:
+/// the row sum stays far from f32's 3.4e38 (4096 keys at e^16: 3.6e10), and the result is the same
+/// softmax up to rounding (floating point does not care which reference scales it). Measured on the
+/// attention forward of (1, 8, 8, 4096, 64), 2 AVX-512 threads: see `benches/attention_cpu.rs`.
+const REBASE_ABOVE: f32 = 16.0;
 
 /// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).
 fn rows(ptr: *const f32, rs: usize) -> Mat {
@@ -145,15 +155,22 @@ fn fwd_block(
     let mut acc = vec![0f32; nr * d];
     let mut s = vec![0f32; nr * BK];
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
-    // keys before the first row's document start are seen by no row of the block
+    let mut rebase: Vec<(usize, f32)> = Vec::new(); // (row, its block max) of rows to put on a new reference
+    let mut s_again: Vec<f32> = Vec::new(); // the block's scores once more, for those rows
+                                            // keys before the first row's document start are seen by no row of the block
     for kb in (lo(i0)..lim_last).step_by(BK) {
         let n = BK.min(lim_last - kb);
-        // SAFETY: qb holds nr rows of d, kh/vh hold rows kb..kb+n of d (kt its columns kb..kb+n of d rows
-        // of tk), s holds nr x n; no aliasing.
-        unsafe {
+        // this row's keys in the block: first..valid
+        let keys = |r: usize| {
+            let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
+            (lo(i0 + r).saturating_sub(kb).min(valid), valid)
+        };
+        // SAFETY (both calls): qb holds nr rows of d, kh/vh hold rows kb..kb+n of d (kt its columns
+        // kb..kb+n of d rows of tk), dst holds nr x n; no aliasing.
+        let scores = |dst: &mut [f32]| unsafe {
             sgemm(
                 (nr, n, d),
-                s.as_mut_ptr(),
+                dst.as_mut_ptr(),
                 n,
                 false,
                 rows(qb.as_ptr(), d),
@@ -162,24 +179,50 @@ fn fwd_block(
                 Parallelism::None,
             )
         };
+        scores(&mut s);
         for r in 0..nr {
-            let valid = dims.limit(causal, i0 + r).saturating_sub(kb).min(n);
-            let first = lo(i0 + r).saturating_sub(kb).min(valid); // this row's keys: first..valid
+            let (first, valid) = keys(r);
             let sr = &mut s[r * n..(r + 1) * n];
-            let mnew = m[r].max(vmax(&sr[first..valid]));
-            if mnew == f32::NEG_INFINITY {
-                sr.fill(0.0);
-                continue;
-            }
-            let corr = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - mnew).exp() };
-            let sum = exp_sub_sum(&mut sr[first..valid], mnew);
+            // m[r] is the row's reference, not its running max: the exponentials are taken against it
+            // in the pass that also finds the block's max, and it moves only at the row's first keys or
+            // when a block's scores rise more than REBASE_ABOVE above it
+            let sum = if m[r] == f32::NEG_INFINITY {
+                let top = vmax(&sr[first..valid]);
+                if top == f32::NEG_INFINITY {
+                    sr.fill(0.0); // no key of this row so far
+                    continue;
+                }
+                m[r] = top;
+                exp_sub_sum(&mut sr[first..valid], top)
+            } else {
+                let (sum, top) = exp_sub_sum_max(&mut sr[first..valid], m[r]);
+                if top > m[r] + REBASE_ABOVE {
+                    rebase.push((r, top)); // its exponentials may have overflowed: below
+                    continue;
+                }
+                sum
+            };
             sr[..first].fill(0.0);
             sr[valid..].fill(0.0);
-            l[r] = l[r] * corr + sum;
-            m[r] = mnew;
-            if corr != 1.0 {
+            l[r] += sum;
+        }
+        if !rebase.is_empty() {
+            // the pass above overwrote these rows' scores: the same block product again (the same bits),
+            // then each row and what it summed so far moved to its new reference
+            s_again.resize(nr * n, 0.0);
+            scores(&mut s_again);
+            for &(r, top) in &rebase {
+                let (first, valid) = keys(r);
+                let sr = &mut s[r * n..(r + 1) * n];
+                sr.copy_from_slice(&s_again[r * n..(r + 1) * n]);
+                let corr = (m[r] - top).exp();
                 scale_in_place(&mut acc[r * d..(r + 1) * d], corr);
+                l[r] = l[r] * corr + exp_sub_sum(&mut sr[first..valid], top);
+                m[r] = top;
+                sr[..first].fill(0.0);
+                sr[valid..].fill(0.0);
             }
+            rebase.clear();
         }
         // SAFETY: s is nr x n, vh rows kb..kb+n of d, acc nr x d; no aliasing.
         unsafe {

@@ -20,15 +20,20 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
 
 #[allow(clippy::too_many_arguments)]
 fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, amp: f32) {
-    let q = Var::from_tensor(&randn(&[b, h, tq, d], 31 + tq as u64, amp)).unwrap();
-    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 32 + tk as u64, amp)).unwrap();
-    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 33, 1.0)).unwrap();
-    let w = randn(&[b, h, tq, d], 34, 1.0);
-    let scale = 1.0 / (d as f32).sqrt();
+    let q = randn(&[b, h, tq, d], 31 + tq as u64, amp);
+    let k = randn(&[b, hkv, tk, d], 32 + tk as u64, amp);
+    let v = randn(&[b, hkv, tk, d], 33, 1.0);
+    compare(&q, &k, &v, causal, &format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} d{d} causal {causal} amp {amp}"));
+}
+
+/// The fast op against the reference loops on these inputs: forward, and dq, dk, dv of sum(out * w).
+fn compare(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, tag: &str) {
+    let (q, k, v) = (Var::from_tensor(q).unwrap(), Var::from_tensor(k).unwrap(), Var::from_tensor(v).unwrap());
+    let w = randn(q.dims(), 34, 1.0);
+    let scale = 1.0 / (q.dim(3).unwrap() as f32).sqrt();
     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
     let fast = attention(qt, kt, vt, scale, causal, None).unwrap();
     let reference = attention_with(qt, kt, vt, scale, causal, None, CpuKernel::Reference).unwrap();
-    let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} d{d} causal {causal} amp {amp}");
     let e = rel_err(&fast, &reference);
     assert!(e < 1e-5, "{tag}: forward differs by {e}");
     let gf = (fast * &w).unwrap().sum_all().unwrap().backward().unwrap();
@@ -61,6 +66,28 @@ fn gemm_attention_matches_reference_prefill_and_decode() {
 fn gemm_attention_matches_reference_full_and_large_logits() {
     case(1, 2, 2, 260, 77, 8, false, 1.0); // full attention, Tq > Tk
     case(1, 2, 1, 300, 300, 8, true, 6.0); // logits up to ~100: online softmax rescaling across key blocks
+}
+
+/// Scores that climb along the keys (key j scaled by 0.05 j, queries positive): every key block's
+/// scores rise far above the row's softmax reference, so the forward rebases rows block after block
+/// (re-running the row's block product and rescaling; `attention_gemm::REBASE_ABOVE`), and with the
+/// climb reversed never does (later blocks' exponentials are tiny against the reference).
+#[test]
+fn gemm_attention_matches_reference_when_scores_climb_across_key_blocks() {
+    let (h, t, d) = (2, 700, 8);
+    let q = (randn(&[1, h, t, d], 41, 0.1) + 1.0).unwrap();
+    let ramp: Vec<f32> = (0..t).map(|j| 0.05 * j as f32).collect();
+    let ramp = Tensor::from_vec(ramp, (1, 1, t, 1), &Device::Cpu).unwrap();
+    let k = (randn(&[1, 1, t, d], 42, 0.1) + 1.0).unwrap();
+    let v = randn(&[1, 1, t, d], 43, 1.0);
+    let climbing = k.broadcast_mul(&ramp).unwrap();
+    let falling = k.broadcast_mul(&(ramp.max_keepdim(2).unwrap().broadcast_sub(&ramp).unwrap())).unwrap();
+    for (name, k) in [("climbing", climbing), ("falling", falling)] {
+        let top = max_abs(&k) * max_abs(&q) * d as f32 / (d as f32).sqrt();
+        assert!(top > 80.0, "{name}: scores reach {top}: no block rises 16 above the one before");
+        compare(&q, &k, &v, true, name);
+        compare(&q, &k, &v, false, name);
+    }
 }
 
 #[test]

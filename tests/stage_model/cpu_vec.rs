@@ -39,6 +39,16 @@ fn vector_loops_match_their_references() {
         let (sa, sb) = (exp_sub_sum(&mut a, m), exp_sub_sum_ref(&mut b, m));
         assert!((sa - sb).abs() <= 1e-6 * sb.max(1.0), "exp_sub_sum n={n}: {sa} vs {sb}");
         assert!(a.iter().zip(&b).all(|(p, q)| ulps(*p, *q) <= 2), "exp values n={n}");
+        // the one-pass form, around a reference below the max (scores above it give values above 1)
+        let (mut c, mut e) = (xs.clone(), xs.clone());
+        let m_low = m - 3.0;
+        let ((sc, tc), (se, te)) = (exp_sub_sum_max(&mut c, m_low), exp_sub_sum_max_ref(&mut e, m_low));
+        assert_eq!(tc, if n == 0 { f32::NEG_INFINITY } else { m }, "exp_sub_sum_max's max n={n}");
+        assert_eq!(tc, te, "exp_sub_sum_max_ref's max n={n}");
+        assert!((sc - se).abs() <= 1e-6 * se.max(1.0), "exp_sub_sum_max n={n}: {sc} vs {se}");
+        assert!(c.iter().zip(&e).all(|(p, q)| ulps(*p, *q) <= 2), "exp_sub_sum_max values n={n}");
+        let mut d = xs.clone();
+        assert_eq!(exp_sub_sum(&mut d, m_low).to_bits(), sc.to_bits(), "the same lanes as exp_sub_sum n={n}");
         let (da, db) = (dot(&xs, &ys), dot_ref(&xs, &ys));
         assert!((da - db).abs() <= 1e-5 * db.abs().max(1.0), "dot n={n}: {da} vs {db}");
         let sq = dot_ref(&xs, &xs);
@@ -64,4 +74,40 @@ fn axpy_rows_matches_its_reference() {
             assert!((p - q).abs() <= 1e-5 * q.abs().max(1.0), "rows={rows} n={n} j={j}: {p} vs {q}");
         }
     }
+}
+
+/// The AVX-512 softmax loops (`cpu_vec::avx512`, what `exp_sub_sum` and `exp_sub_sum_max` run on such CPUs)
+/// against the portable loops: the same exponentials bit for bit on [-86.6, 88.7] (the same polynomial;
+/// only 2^n is applied another way), sums within rounding, the same max, and the ends of the range.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_softmax_loops_match_the_portable_ones() {
+    if !std::is_x86_feature_detected!("avx512f") {
+        eprintln!("this CPU has no AVX-512: nothing to compare (the portable loops are tested above)");
+        return;
+    }
+    for n in [0, 1, 15, 16, 17, 33, 100, 257] {
+        let xs: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 0.17).collect(); // -85..85
+        let m = 0.25;
+        let (mut a, mut b) = (xs.clone(), xs.clone());
+        // SAFETY: the CPU has avx512f (checked above), and avx2 and fma with it on every such CPU.
+        let sa = unsafe { avx512::exp_sub_sum(&mut a, m) };
+        let sb = exp_sub_sum_lanes(&mut b, m);
+        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "exp values n={n}");
+        assert!((sa - sb).abs() <= 1e-6 * sb.max(1.0), "exp_sub_sum n={n}: {sa} vs {sb}");
+        let (mut c, mut e) = (xs.clone(), xs.clone());
+        // SAFETY: as above.
+        let (sc, tc) = unsafe { avx512::exp_sub_sum_max(&mut c, m) };
+        let (se, te) = exp_sub_sum_max_lanes(&mut e, m);
+        assert_eq!(tc, te, "max n={n}");
+        assert!(c.iter().zip(&e).all(|(p, q)| p.to_bits() == q.to_bits()), "exp_sub_sum_max values n={n}");
+        assert!((sc - se).abs() <= 1e-6 * se.max(1.0), "exp_sub_sum_max n={n}: {sc} vs {se}");
+    }
+    let mut ends = [f32::NEG_INFINITY, -200.0, -100.0, 0.0, 100.0, f32::INFINITY, f32::NAN];
+    // SAFETY: as above.
+    unsafe { avx512::exp_sub_sum(&mut ends, 0.0) };
+    assert_eq!(ends[..2], [0.0, 0.0]);
+    assert!((0.0..1e-43).contains(&ends[2]), "e^-100 is a denormal or 0: {}", ends[2]);
+    assert_eq!(ends[3..6], [1.0, f32::INFINITY, f32::INFINITY]);
+    assert!(ends[6].is_nan());
 }

@@ -325,6 +325,16 @@ impl BarrierPool {
             f(0..n_items);
             return;
         }
+        // harpe: called from a rayon worker (harpe runs its CPU work on a rayon pool and this pool with
+        // no workers, CANDLE_NUM_THREADS=1), the units go to that rayon pool, in the same chunks.
+        if rayon::current_thread_index().is_some() {
+            use rayon::prelude::*;
+            let chunk = n_items.div_ceil(rayon::current_num_threads() * 8).max(1);
+            (0..n_items.div_ceil(chunk))
+                .into_par_iter()
+                .for_each(|c| f(c * chunk..n_items.min((c + 1) * chunk)));
+            return;
+        }
         let n_threads = self.threads.len() + 1;
         // ~8 grabs per thread amortizes cursor contention while keeping tail imbalance small
         let chunk = n_items.div_ceil(n_threads * 8).max(1);
