@@ -12,8 +12,10 @@
 //! baseline copy with separate operations (there `mul_add` would be a libm call).
 //! Accuracy: `exp` (either form) is within 2 ulp of `f32::exp` on [-86.6, 88.7], 0 below -86.6 (so -inf gives 0), +inf
 //! above 88.7, NaN stays NaN. Sums run in 16 lanes, so their rounding differs from a left fold by
-//! ~1e-7 relative. Tested in tests/stage_model/cpu_vec.rs. Does not: f64, or ISA-specific intrinsics (the compiler
-//! picks the instructions).
+//! ~1e-7 relative. Tested in tests/stage_model/cpu_vec.rs. One exception to "the compiler picks the
+//! instructions": the two softmax loops (`exp_sub_sum`, `exp_sub_sum_max`) have an AVX-512 form in
+//! intrinsics (`avx512`), where `vscalefps` applies 2^n: the same values on [-86.6, 88.7], libm's denormals
+//! down to -104 instead of 0. Does not: f64.
 
 /// Lanes of the split accumulators (one AVX-512 register, two AVX2 ones).
 const LANES: usize = 16;
@@ -191,7 +193,7 @@ pub fn exp_sub_sum_max(xs: &mut [f32], m: f32) -> (f32, f32) {
 /// The softmax loops written with AVX-512 intrinsics: `exp_lane_c`'s range reduction and polynomial (the
 /// same operations, so the same values on [-86.6, 88.7]), with 2^n applied by `vscalefps`, which also
 /// gives 0 and +inf past the ends of f32's range, in place of the exponent-bit arithmetic, the two
-/// multiplies and the three selects of the portable form: 20 instructions per 16 values against 31 in
+/// multiplies and the three selects of the portable form: 22 vector instructions per 16 values against 29 in
 /// the compiled `exp_sub_sum_max_lanes` loop. Inputs are clamped to [-104, 89] first (so -inf gives 0,
 /// +inf gives +inf; NaN stays NaN): between -104 and -86.6 the result is libm's denormal rather than 0.
 /// Ragged tails run through masked loads and stores, so there is no scalar loop.
