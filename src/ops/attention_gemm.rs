@@ -8,8 +8,8 @@
 //! Forward: one task per (b, h, query block of `BQ` rows) on rayon; for each key block of `BK` keys up
 //! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per row the exponentials and their sum
 //! against the row's reference max in one pass (the reference moves, rescaling sum and acc, only when a
-//! block's scores rise `REBASE_ABOVE` past it), acc += P V_j (GEMM); O and lse are written straight into the packed (B, H, Tq, D + 1) rows the op
-//! returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
+//! block's scores rise `REBASE_ABOVE` past it), acc += P V_j (GEMM); O and lse are written straight into
+//! the packed (B, H, Tq, D + 1) rows the op returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
 //! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
 //! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
 //! the packed backward input through GEMM row strides (no unpacking copies). The row work between the
@@ -45,8 +45,9 @@ const BK: usize = 256;
 /// reference in the pass that also finds the block's max (`cpu_vec::exp_sub_sum_max`), so there is no
 /// separate max pass and no rescaling of the accumulator each time the running max creeps up. e^16 = 8.9e6:
 /// the row sum stays far from f32's 3.4e38 (4096 keys at e^16: 3.6e10), and the result is the same
-/// softmax up to rounding (floating point does not care which reference scales it). Measured on the
-/// attention forward of (1, 8, 8, 4096, 64), 2 AVX-512 threads: see `benches/attention_cpu.rs`.
+/// softmax up to rounding (floating point does not care which reference scales it). Attention forward
+/// (`benches/attention_cpu.rs --fwd-only`, (1, 8, 8, 4096, 4096, D 64), 2 AVX-512 threads, 4 interleaved
+/// runs): 113-140 ms with the max pass, 110-120 without (benches/results/train-cpu-grid-avx512-onepass-mkl_20261203.md).
 const REBASE_ABOVE: f32 = 16.0;
 
 /// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).
@@ -155,9 +156,10 @@ fn fwd_block(
     let mut acc = vec![0f32; nr * d];
     let mut s = vec![0f32; nr * BK];
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
-    let mut rebase: Vec<(usize, f32)> = Vec::new(); // (row, its block max) of rows to put on a new reference
-    let mut s_again: Vec<f32> = Vec::new(); // the block's scores once more, for those rows
-                                            // keys before the first row's document start are seen by no row of the block
+    // (row, its block max) of the rows to put on a new reference, and the block's scores once more for them
+    let mut rebase: Vec<(usize, f32)> = Vec::new();
+    let mut s_again: Vec<f32> = Vec::new();
+    // keys before the first row's document start are seen by no row of the block
     for kb in (lo(i0)..lim_last).step_by(BK) {
         let n = BK.min(lim_last - kb);
         // this row's keys in the block: first..valid
