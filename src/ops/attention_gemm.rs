@@ -9,8 +9,8 @@
 //! to the block's causal limit: S = scale Q_b K_j^T (GEMM), per row the exponentials and their sum
 //! against the row's reference max in one pass (the reference moves, rescaling sum and acc, only when a
 //! block's scores rise `REBASE_ABOVE` past it), acc += P V_j (GEMM); O and lse are written straight into
-//! the packed (B, H, Tq, D + 1) rows the op returns. Backward: one task per (b, kv head) (it alone owns dK, dV of that head and dQ of its query
-//! heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
+//! the packed (B, H, Tq, D + 1) rows the op returns. Backward: one task per (b, kv head) (it alone owns
+//! dK, dV of that head and dQ of its query heads, as in the reference); per block pair 5 GEMMs: S = scale Q K^T, P = exp(S - lse), dV += P^T dO,
 //! dP = dO V^T, dS = scale P (dP - Δ), dQ += dS K, dK += dS^T Q; q, O, lse and dO are read in place from
 //! the packed backward input through GEMM row strides (no unpacking copies). The row work between the
 //! GEMMs (max, exp, sums, dS) runs on `ops::cpu_vec`'s vectorised loops: with libm's scalar `expf` the
