@@ -30,7 +30,8 @@ needs heads divisible by 3 at head dim 64, so it runs at hidden 384 (6/2) and 76
 `--seq` x `--kv-heads` on the 4-layer, hidden-256 model of the earlier benchmark (both checkpointing modes).
 
 `--infer` runs INFER_GRID instead: perplexity scoring (`harpe eval-ppl` vs transformers' forward) and greedy
-KV-cached decoding (`harpe generate` vs transformers' `generate`) on the same saved weights, each row a model
+KV-cached decoding (`harpe generate` vs transformers' `generate`) on the same saved weights (max(3, --repeats)
+timed runs per side, torch and harpe alternating, after a warm-up of each; medians), each row a model
 with an eval-ppl window T and a decode prompt length (its comment lists the levels covered):
 
     target/pyenv/bin/python scripts/bench_train_torch.py --infer --threads 2 \
@@ -39,8 +40,8 @@ with an eval-ppl window T and a decode prompt length (its comment lists the leve
 `--profile K` re-runs the K rows with the lowest ratio under `perf record` (both sides) and writes each
 side's top symbols. `--decode N` also times greedy decode of N tokens on the first shape: the torch model is
 saved with `save_pretrained` and `harpe generate` loads the same weights (--rope-parity hf); tokens/s is N
-over the whole call (prefill included), median of 3 calls after a warm-up; the file says whether both
-produced the same tokens.
+over the whole call (prefill included), median of 3 calls after a warm-up call of each side, torch and harpe
+calls alternating; the file says whether both produced the same tokens.
 """
 import argparse
 import json
@@ -211,8 +212,10 @@ def perf_top(perf_out, n=12):
     return lines[:n]
 
 
-def decode_tokens_per_s(binary, threads, s, prompt_len, new_tokens, attn):
-    """(torch tok/s, harpe tok/s, same tokens?) of greedy decoding on the same weights and prompt."""
+def decode_tokens_per_s(binary, threads, s, prompt_len, new_tokens, attn, reps=3):
+    """(torch tok/s, harpe tok/s, same tokens?, torch runs, harpe runs) of greedy decoding on the same weights and
+    prompt: a warm-up call of each side, then `reps` calls of each alternating (torch, harpe, torch, ...), so that a
+    slow spell of the machine falls on both sides; medians."""
     import torch
     torch.set_num_threads(threads)
     model = torch_model(dict(s, seq=prompt_len + new_tokens), attn).eval()
@@ -220,24 +223,30 @@ def decode_tokens_per_s(binary, threads, s, prompt_len, new_tokens, attn):
     model.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=g)
-    times = []
-    with torch.no_grad():
-        for i in range(4):
-            t0 = time.perf_counter()
+
+    def torch_call():
+        t0 = time.perf_counter()
+        with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, use_cache=True)
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-    torch_ids = out[0, prompt_len:].tolist()
+        return new_tokens / (time.perf_counter() - t0), out[0, prompt_len:].tolist()
+
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d, safe_serialization=True)
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
         cmd = [binary, "generate", "--model", d, "--prompt-ids", ",".join(map(str, prompt[0].tolist())),
                "--max-new-tokens", str(new_tokens), "--rope-parity", "hf"]
-        runs = [json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
-                for _ in range(4)]
-    h = statistics.median(r["tokens_per_s"] for r in runs[1:])
-    return new_tokens / statistics.median(times), h, runs[0]["new_tokens"] == torch_ids
+
+        def harpe_call():
+            return json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
+
+        _, torch_ids = torch_call()  # warm-up
+        first = harpe_call()
+        ts, hs = [], []
+        for _ in range(reps):
+            ts.append(torch_call()[0])
+            hs.append(harpe_call()["tokens_per_s"])
+    return statistics.median(ts), statistics.median(hs), first["new_tokens"] == torch_ids, ts, hs
 
 
 def byte_tokenizer(path):
@@ -260,7 +269,8 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
     same weights: one document of max(4, 8192 / T) windows of T tokens, disjoint windows (eval-ppl --window T --stride T;
     transformers: model(w, labels=w) per window, the rule's T-1 targets each). Median of `reps` passes after a
     warm-up (torch) / of `reps` fresh processes (harpe: its --json `warm_tokens_per_s`, the windows after its
-    first, so both sides are timed warm; the first window pays the allocator's first touch of every buffer)."""
+    first, so both sides are timed warm; the first window pays the allocator's first touch of every buffer),
+    alternating: torch pass, harpe process, torch pass, ... Also returns each side's runs."""
     import random
     import torch
     torch.set_num_threads(threads)
@@ -270,18 +280,18 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
     n_tokens = max(4, 8192 // T) * T
     text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz      ") for _ in range(n_tokens - 1))
     ids = [1] + [3 + b for b in text.encode()]
-    times, nll, count = [], 0.0, 0
-    with torch.no_grad():
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            nll, count = 0.0, 0
+
+    def torch_pass():
+        t0 = time.perf_counter()
+        nll, count = 0.0, 0
+        with torch.no_grad():
             for k in range(0, len(ids), T):
                 w = torch.tensor([ids[k:k + T]])
                 loss = model(w, labels=w).loss
                 nll += loss.item() * (w.shape[1] - 1)
                 count += w.shape[1] - 1
-            if i > 0:
-                times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0, nll, count
+
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d, safe_serialization=True)
         tok = byte_tokenizer(os.path.join(d, "tokenizer.json"))
@@ -291,13 +301,17 @@ def ppl_tokens_per_s(binary, threads, s, attn, reps=3):
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
         cmd = [binary, "eval-ppl", "--model", d, "--input", doc, "--window", str(T), "--stride", str(T),
                "--rope-parity", "hf", "--json"]
-        runs = [json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
-                for _ in range(reps)]
+        _, nll, count = torch_pass()  # warm-up
+        # alternating, a torch pass then a harpe process, so that a slow spell of the machine falls on both sides
+        ts, runs = [], []
+        for _ in range(reps):
+            ts.append(count / torch_pass()[0])
+            runs.append(json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout))
     if runs[0]["tokens"] != count:
         raise SystemExit(f"eval-ppl scored {runs[0]['tokens']} tokens, transformers {count}: not the same rule")
-    h = statistics.median(r["warm_tokens_per_s"] for r in runs)
+    hs = [r["warm_tokens_per_s"] for r in runs]
     n_params = sum(p.numel() for p in model.parameters())
-    return count / statistics.median(times), h, nll / count, runs[0]["nll"], count, n_params
+    return statistics.median(ts), statistics.median(hs), nll / count, runs[0]["nll"], count, n_params, ts, hs
 
 
 def infer_rows(a):
@@ -312,15 +326,18 @@ def infer_rows(a):
         if a.rows and i not in a.rows:
             continue
         load_p = os.getloadavg()[0]
-        pt, ph, nt, nh, count, n_params = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn)
+        reps = max(3, a.repeats)
+        pt, ph, nt, nh, count, n_params, pts, phs = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn, reps)
         load_d = os.getloadavg()[0]
-        dt, dh, same = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn)
+        dt, dh, same, dts, dhs = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn, reps)
         lines.append(f"| {i} | {s['hidden']} | {s['heads']}/{s['kv']} | {s['layers']} | {s['inter']} | "
                      f"{n_params / 1e6:.1f}M | {s['seq']} | {load_p:.2f} | {pt:.0f} | {ph:.0f} | {ph / pt:.2f} | "
                      f"{nt:.4f} / {nh:.4f} | {prompt} | {load_d:.2f} | {dt:.1f} | {dh:.1f} | {dh / dt:.2f} | {same} |")
         line = (f"infer row {i} {describe(s)} ppl({count} tokens) load={load_p:.2f}: torch {pt:.0f} harpe {ph:.0f} "
                 f"tok/s (x{ph / pt:.2f}) nll {nt:.5f}/{nh:.5f}; decode {DECODE_NEW} after {prompt} "
-                f"load={load_d:.2f}: torch {dt:.1f} harpe {dh:.1f} tok/s (x{dh / dt:.2f}) same: {same}")
+                f"load={load_d:.2f}: torch {dt:.1f} harpe {dh:.1f} tok/s (x{dh / dt:.2f}) same: {same}; "
+                f"ppl runs torch {' '.join(f'{x:.0f}' for x in pts)} / harpe {' '.join(f'{x:.0f}' for x in phs)}, "
+                f"decode runs torch {' '.join(f'{x:.1f}' for x in dts)} / harpe {' '.join(f'{x:.1f}' for x in dhs)}")
         raw.append(line)
         print(line, file=sys.stderr, flush=True)
     return lines, raw
@@ -337,13 +354,14 @@ def infer_report(a, lines, raw, load_before):
         f"sides, f32, vocab {VOCAB}, random-init weights saved by transformers and loaded by harpe "
         f"(--rope-parity hf). torch {torch.__version__}, transformers LlamaForCausalLM, attn_implementation="
         f"\"{a.attn}\"; harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
-        f"`model(w, labels=w)` per window (no_grad; median of 3 passes after a warm-up) vs `harpe eval-ppl "
-        f"--window T --stride T --json` (median of 3 processes of its `warm_tokens_per_s`: scoring time of the windows after the first, "
-        f"not loading; the torch side is timed after a warm-up pass); "
+        f"`model(w, labels=w)` per window (no_grad; median of {max(3, a.repeats)} passes after a warm-up) vs `harpe eval-ppl "
+        f"--window T --stride T --json` (median of {max(3, a.repeats)} processes of its `warm_tokens_per_s`: scoring time of the windows after the first, "
+        f"not loading; the torch side is timed after a warm-up pass; torch passes and harpe processes alternate); "
         f"tokens/s = scored tokens (T-1 per window, the same count on both sides: checked) per second; the mean "
         f"NLL of both is printed as a cross-check. Decode: greedy, {DECODE_NEW} new tokens after the prompt, batch "
         f"1, transformers `generate` (KV cache) vs `harpe generate`, tokens/s = new tokens over the whole call "
-        f"(prefill included), median of 3 after a warm-up; `same tokens`: both produced the same ids.",
+        f"(prefill included), median of {max(3, a.repeats)} after a warm-up call of each side, torch and harpe calls "
+        f"alternating; `same tokens`: both produced the same ids; each run's tok/s in the raw lines.",
         "",
     ]
     tail = ["", "Command:", "", "```", " ".join([sys.executable] + sys.argv), "```", "", "Raw output:", "", "```"]
@@ -496,7 +514,7 @@ def main():
     if a.decode:
         s = shapes[0][1]
         load = os.getloadavg()[0]
-        t, h, same = decode_tokens_per_s(a.harpe, a.threads, s, a.prompt, a.decode, a.attn)
+        t, h, same, _, _ = decode_tokens_per_s(a.harpe, a.threads, s, a.prompt, a.decode, a.attn)
         d = f"C={s['hidden']} H={s['heads']}/{s['kv']} L={s['layers']}"
         drows.append((d, load, t, h, same))
         line = f"decode {a.decode} after {a.prompt} {d} load={load:.2f}: torch {t:.1f} harpe {h:.1f} tok/s (x{h / t:.2f}), same: {same}"
