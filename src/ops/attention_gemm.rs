@@ -28,6 +28,7 @@
 use crate::ops::attention_shape::AttnDims;
 use crate::ops::cpu_gemm::{sgemm, Mat};
 use crate::ops::cpu_vec::{dot, exp_sub_sum, exp_sub_sum_max, max as vmax, scale_in_place, softmax_grad};
+use crate::ops::for_overwrite;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -118,7 +119,7 @@ pub fn attention_fwd_gemm(
     // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
     assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
     let (rep, w) = (h / hkv, d + 1);
-    let mut out = vec![0f32; b * h * tq * w];
+    let mut out = for_overwrite(b * h * tq * w); // fwd_block writes every row
     if tq == 0 {
         return out;
     }
@@ -162,7 +163,7 @@ fn fwd_block(
     let nr = out_b.len() / (d + 1);
     let lim_last = dims.limit(causal, i0 + nr - 1);
     let mut acc = vec![0f32; nr * d];
-    let mut s = vec![0f32; nr * BK];
+    let mut s = for_overwrite(nr * BK); // each block's scores GEMM writes it first
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
     // (row, its block max) of the rows to put on a new reference, and the block's scores once more for them
     let mut rebase: Vec<(usize, f32)> = Vec::new();
@@ -254,6 +255,7 @@ fn fwd_block(
             row[..d].iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
             row[d] = m[r] + l[r].ln();
         } else {
+            row[..d].fill(0.0); // no key: O = 0, lse = -inf
             row[d] = f32::NEG_INFINITY;
         }
     }
@@ -394,7 +396,8 @@ impl BwdHead<'_> {
         let (delta, lse): (Vec<f32>, Vec<f32>) =
             p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
         let lim_last = self.dims.limit(self.causal, i0 + nr - 1).min(keys.end);
-        let (mut s, mut dp) = (vec![0f32; nr * BK], vec![0f32; nr * BK]);
+        // the block's scores and dP GEMMs write them first
+        let (mut s, mut dp) = (for_overwrite(nr * BK), for_overwrite(nr * BK));
         for kb in (keys.start.max(self.lo(i0))..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range

@@ -87,7 +87,7 @@ pub fn ce_rows_f32(
             None
         }
         Some(g) => {
-            let mut dl = vec![0f32; n * v];
+            let mut dl = crate::ops::for_overwrite(n * v); // each row: its logits copied, then scaled
             rows.zip(dl.par_chunks_mut(v.max(1))).for_each(|((i, (nll_i, lse_i)), d)| {
                 let (a, b, sum) = row_stats(i, d);
                 (*nll_i, *lse_i) = (a, b);

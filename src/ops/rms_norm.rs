@@ -10,6 +10,7 @@
 //! which keeps the op's memory equal to candle's plain-op version at long T.
 //! The op's CPU path runs the reference's row code in parallel over rows (`rms_norm_par`, `rms_norm_bwd_par`).
 //! Does not: fuse the residual add; give a second derivative (the backward op has no backward).
+use crate::ops::{for_overwrite, Plain};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -101,8 +102,8 @@ pub fn rms_norm_bwd_cpu<T: NormFloat>(dy: &[T], x: &[T], w: &[T], c: usize, eps:
 const ROWS_PER_TASK: usize = 16;
 
 /// `rms_norm_cpu`'s forward, rows in parallel (the op's CPU path): the same row code, so the same bits.
-pub fn rms_norm_par<T: NormFloat + Send + Sync>(x: &[T], w: &[T], c: usize, eps: f32) -> Vec<T> {
-    let mut y = vec![T::default(); x.len()];
+pub fn rms_norm_par<T: NormFloat + Plain>(x: &[T], w: &[T], c: usize, eps: f32) -> Vec<T> {
+    let mut y = for_overwrite(x.len());
     let blk = ROWS_PER_TASK * c.max(1);
     y.par_chunks_mut(blk).zip(x.par_chunks(blk)).for_each(|(yb, xb)| {
         for (yr, xr) in yb.chunks_mut(c).zip(xb.chunks(c)) {
@@ -116,14 +117,8 @@ pub fn rms_norm_par<T: NormFloat + Send + Sync>(x: &[T], w: &[T], c: usize, eps:
 /// over the groups in index order: another rounding order than the reference's one running sum (equal
 /// within f32 rounding, not bit-equal), but the same on every run whatever rayon's work stealing does
 /// (a `fold`/`reduce` tree follows the run-time splits and made training runs differ in the last bits).
-pub fn rms_norm_bwd_par<T: NormFloat + Send + Sync>(
-    dy: &[T],
-    x: &[T],
-    w: &[T],
-    c: usize,
-    eps: f32,
-) -> (Vec<T>, Vec<T>) {
-    let mut dx = vec![T::default(); x.len()];
+pub fn rms_norm_bwd_par<T: NormFloat + Plain>(dy: &[T], x: &[T], w: &[T], c: usize, eps: f32) -> (Vec<T>, Vec<T>) {
+    let mut dx = for_overwrite(x.len());
     let c = c.max(1);
     let rows = x.len() / c;
     let per_group = rows.div_ceil(DW_GROUPS).max(ROWS_PER_TASK) * c;

@@ -11,6 +11,7 @@
 //! rounded once at the store, which gives the same values without the two casts' memory traffic.
 //! The CPU op runs `rotary_par`: rows in parallel, x read through its strides (no transpose copy); the
 //! readable `rotary_cpu` is its reference. Not done here: building the tables (`model::rope`).
+use crate::ops::for_overwrite;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -79,7 +80,7 @@ pub fn rotary_par(
     htab: usize,
 ) -> Vec<f32> {
     let (half, rep) = (d / 2, h / htab);
-    let mut y = vec![0f32; b * h * t * d];
+    let mut y = for_overwrite(b * h * t * d);
     if y.is_empty() {
         return y;
     }

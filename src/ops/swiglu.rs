@@ -14,7 +14,7 @@
 //! `swiglu_cpu` / `swiglu_bwd_cpu` are the scalar reference with `f32::exp`.
 //! Does not: run on CUDA or in bf16/f16 (`model::llama` calls `swiglu_slow` there); give a second
 //! derivative.
-use crate::ops::cpu_vec;
+use crate::ops::{cpu_vec, for_overwrite};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -33,7 +33,7 @@ const PER_TASK: usize = 1 << 14;
 
 /// The op's forward: `swiglu_cpu` with the vectorised exp, chunks in parallel.
 pub fn swiglu_par(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    let mut y = vec![0f32; gate.len()];
+    let mut y = for_overwrite(gate.len());
     y.par_chunks_mut(PER_TASK)
         .zip(gate.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
         .for_each(|(y, (g, u))| cpu_vec::swiglu_fwd(g, u, y));
@@ -43,7 +43,7 @@ pub fn swiglu_par(gate: &[f32], up: &[f32]) -> Vec<f32> {
 /// The op's backward into one buffer [dgate (N) | dup (N)]: `swiglu_bwd_cpu` vectorised, in parallel.
 pub fn swiglu_bwd_par(dy: &[f32], gate: &[f32], up: &[f32]) -> Vec<f32> {
     let n = gate.len();
-    let mut out = vec![0f32; 2 * n];
+    let mut out = for_overwrite(2 * n);
     let (dg, du) = out.split_at_mut(n);
     dg.par_chunks_mut(PER_TASK)
         .zip(du.par_chunks_mut(PER_TASK))
