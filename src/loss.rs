@@ -9,9 +9,10 @@
 //! loss per data source and scale the sum by the number of target tokens of the whole optimizer step
 //! (exact gradient accumulation). Targets equal to `IGNORE_INDEX` contribute 0 and get no gradient.
 //! `chunked_nll` / `nll_rows` are the one NLL rule: eval-ppl calls them too (accumulating in f64).
-//! The CPU f32 path runs its GEMMs through `ops::linear` (MKL with feature `mkl`) on chunks, reading
-//! hidden and weight in place (the op's node only carries the nll, so no copy of either is made). On CUDA the chunk's softmax part is the fused kernel
-//! (kernels/cross_entropy.cu through `ops::cross_entropy_chunk`: nll forward, dlogits backward) between
+//! The CPU path runs its GEMMs on chunks (the forward's logits through `ops::linear` on f32: MKL with
+//! feature `mkl`; the backward's with candle's matmul), reading hidden and weight in place (the op's
+//! node only carries the nll, so no copy of either is made). On CUDA the chunk's softmax part is the
+//! fused kernel (kernels/cross_entropy.cu through `ops::cross_entropy_chunk`: nll forward, dlogits backward) between
 //! the same cuBLAS matmuls; on the CPU the same ops' vectorised row loops; the logits are f32 on both
 //! paths. `chunked_cross_entropy_with(.., fused)` picks the path explicitly (tests run the fused path
 //! against the plain ops).
@@ -166,10 +167,6 @@ impl CustomOp3 for ChunkedCe {
         let (h, w, t) = (hidden.detach(), weight.detach(), self.targets.clone());
         let (n, c, v) = check_shapes(&h, &w, &t)?; // the ids were checked in the forward
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
-        if self.fused && cpu_f32(&h, &w) {
-            let (dh, dw) = self.bwd_cpu_f32(&h, &w, &g.flatten_all()?, (n, c, v))?;
-            return Ok((None, Some(dh), Some(dw)));
-        }
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
         let w_t = w.t()?; // (C, V)
         let mut dh = Vec::new();
@@ -197,69 +194,16 @@ impl CustomOp3 for ChunkedCe {
     }
 }
 
-impl ChunkedCe {
-    /// `bwd`'s fused path on CPU f32 tensors, straight on their storages: per chunk the logits GEMM again,
-    /// dlogits by `ce_rows_f32` (what `ce_chunk_dlogits` runs on the CPU), and dh and the chunk's dW by
-    /// `linear_bwd_cpu`; dW sums the chunks in order. The GEMMs are `ops::linear`'s (MKL with feature
-    /// `mkl`): candle's matmul is the `gemm` crate's in every build, 5% of grid row 3's step (hidden 128,
-    /// vocab 259, 2048 tokens) and the lm head of a 32K vocabulary at full size.
-    fn bwd_cpu_f32(
-        &self,
-        h: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-        (n, c, v): (usize, usize, usize),
-    ) -> Result<(Tensor, Tensor)> {
-        use crate::ops::cross_entropy_chunk::ce_rows_f32;
-        use crate::ops::linear::{linear_bwd_cpu, linear_fwd_cpu, View};
-        use crate::ops::rotary::f32_slice;
-        use candle_core::Storage;
-        use rayon::prelude::*;
-        const OP: &str = "chunked cross-entropy";
-        let (h, w, g, t) = (h.contiguous()?, w.contiguous()?, g.contiguous()?, self.targets.contiguous()?);
-        let ((sh, lh), (sw, lw), (sg, lg), (st, lt)) =
-            (h.storage_and_layout(), w.storage_and_layout(), g.storage_and_layout(), t.storage_and_layout());
-        let (Storage::Cpu(sh), Storage::Cpu(sw), Storage::Cpu(sg), Storage::Cpu(st)) = (&*sh, &*sw, &*sg, &*st) else {
-            candle_core::bail!("{OP}: the CPU backward got tensors on another device")
-        };
-        let (hs, ws, gs) =
-            (f32_slice(sh, lh, OP, "hidden")?, f32_slice(sw, lw, OP, "weight")?, f32_slice(sg, lg, OP, "grad")?);
-        let ts = match (st, lt.contiguous_offsets()) {
-            (CpuStorage::U32(x), Some((a, b))) => &x[a..b],
-            _ => candle_core::bail!("{OP}: the targets must be contiguous u32"),
-        };
-        let wv = View::row_major(ws, c); // W (V, C)
-        let mut dh = Vec::with_capacity(n * c);
-        let mut dw: Vec<f32> = Vec::new();
-        for start in (0..n).step_by(self.chunk) {
-            let len = self.chunk.min(n - start);
-            let hc = &hs[start * c..(start + len) * c];
-            let logits = linear_fwd_cpu(hc, wv, (len, c, v)); // (len, V)
-            let rows = start..start + len;
-            let (_, _, dl) = ce_rows_f32(&logits, &ts[rows.clone()], Some(&gs[rows]), v);
-            let dl = dl.expect("ce_rows_f32 returns dlogits when given the upstream gradient");
-            let (dhc, dwc) = linear_bwd_cpu(&dl, hc, wv, (len, c, v)); // (len, C), (V, C)
-            dh.extend_from_slice(&dhc);
-            if dw.is_empty() {
-                dw = dwc;
-            } else {
-                dw.par_iter_mut().zip(dwc.par_iter()).for_each(|(a, b)| *a += b);
-            }
-        }
-        if dw.is_empty() {
-            dw = vec![0f32; v * c]; // no tokens
-        }
-        Ok((Tensor::from_vec(dh, (n, c), h.device())?, Tensor::from_vec(dw, (v, c), h.device())?))
-    }
-}
-
-/// True for CPU tensors of f32 hidden states and weight: the loss's GEMMs go to `ops::linear`.
+/// True for CPU tensors of f32 hidden states and weight: the forward's logits GEMM goes to `ops::linear`.
 fn cpu_f32(h: &Tensor, w: &Tensor) -> bool {
     h.device().is_cpu() && h.dtype() == DType::F32 && w.dtype() == DType::F32
 }
 
 /// h (n, C) W^T for the lm-head weight W (V, C): `ops::linear`'s GEMM bands on CPU f32 (MKL with feature
-/// `mkl`), else candle's matmul reading W^T in place.
+/// `mkl`; candle's matmul is the `gemm` crate's in every build), else candle's matmul reading W^T in place.
+/// The backward keeps candle's matmuls: a CPU backward on `linear_bwd_cpu` (tried 2026-12-04) made a
+/// 25.6M-parameter run's resident memory grow 785 -> 985-1054 MB over its first 7-11 steps (each growing
+/// step at half speed on this VM's first touch of pages), where candle's stayed at 790 MB; not understood.
 fn times_wt(h: &Tensor, w: &Tensor) -> Result<Tensor> {
     if cpu_f32(h, w) {
         crate::ops::linear::linear(h, w)
@@ -372,7 +316,7 @@ mod tests {
     }
 
     /// The fused path (on the CPU the CE chunk ops' vectorised row loops, the default since issue 29; the
-    /// CUDA kernels' twin; on CPU f32 its GEMMs are `ops::linear`'s) gives the plain-op path's nll and
+    /// CUDA kernels' twin; on CPU f32 its forward GEMM is `ops::linear`'s) gives the plain-op path's nll and
     /// gradients: small chunks with a ragged last one, and chunks of 40 rows over a vocabulary of 70 (the
     /// GEMMs split into one band per thread).
     #[test]

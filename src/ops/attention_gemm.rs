@@ -119,7 +119,8 @@ pub fn attention_fwd_gemm(
     // invariant (dims_of checked the shapes); the unsafe GEMM views below rely on it
     assert!(q.len() == b * h * tq * d && k.len() == b * hkv * tk * d && v.len() == k.len(), "attention: sizes");
     let (rep, w) = (h / hkv, d + 1);
-    let mut out = for_overwrite(b * h * tq * w); // fwd_block writes every row
+    // SAFETY: the query blocks below cover out, and fwd_block writes all d + 1 values of each row.
+    let mut out = unsafe { for_overwrite(b * h * tq * w) };
     if tq == 0 {
         return out;
     }
@@ -163,7 +164,8 @@ fn fwd_block(
     let nr = out_b.len() / (d + 1);
     let lim_last = dims.limit(causal, i0 + nr - 1);
     let mut acc = vec![0f32; nr * d];
-    let mut s = for_overwrite(nr * BK); // each block's scores GEMM writes it first
+    // SAFETY: each key block's score GEMM (accumulate false) writes the nr x n values read after it.
+    let mut s = unsafe { for_overwrite(nr * BK) };
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
     // (row, its block max) of the rows to put on a new reference, and the block's scores once more for them
     let mut rebase: Vec<(usize, f32)> = Vec::new();
@@ -396,8 +398,8 @@ impl BwdHead<'_> {
         let (delta, lse): (Vec<f32>, Vec<f32>) =
             p.chunks(w).map(|row| (dot(&row[d..2 * d], &row[2 * d + 1..3 * d + 1]), row[2 * d])).unzip();
         let lim_last = self.dims.limit(self.causal, i0 + nr - 1).min(keys.end);
-        // the block's scores and dP GEMMs write them first
-        let (mut s, mut dp) = (for_overwrite(nr * BK), for_overwrite(nr * BK));
+        // SAFETY: each key block's score and dP GEMMs (accumulate false) write the nr x n values read after.
+        let (mut s, mut dp) = unsafe { (for_overwrite(nr * BK), for_overwrite(nr * BK)) };
         for kb in (keys.start.max(self.lo(i0))..lim_last).step_by(BK) {
             let n = BK.min(lim_last - kb);
             let at = (kb - keys.start) * d; // row kb in dK, dV of this key range

@@ -87,7 +87,8 @@ pub fn ce_rows_f32(
             None
         }
         Some(g) => {
-            let mut dl = crate::ops::for_overwrite(n * v); // each row: its logits copied, then scaled
+            // SAFETY: each row's chunk below is first the row's logits (copy_from_slice), then scaled.
+            let mut dl = unsafe { crate::ops::for_overwrite(n * v) };
             rows.zip(dl.par_chunks_mut(v.max(1))).for_each(|((i, (nll_i, lse_i)), d)| {
                 let (a, b, sum) = row_stats(i, d);
                 (*nll_i, *lse_i) = (a, b);

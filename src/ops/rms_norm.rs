@@ -103,7 +103,8 @@ const ROWS_PER_TASK: usize = 16;
 
 /// `rms_norm_cpu`'s forward, rows in parallel (the op's CPU path): the same row code, so the same bits.
 pub fn rms_norm_par<T: NormFloat + Plain>(x: &[T], w: &[T], c: usize, eps: f32) -> Vec<T> {
-    let mut y = for_overwrite(x.len());
+    // SAFETY: the row blocks below cover y, and norm_row writes each row's c values.
+    let mut y = unsafe { for_overwrite(x.len()) };
     let blk = ROWS_PER_TASK * c.max(1);
     y.par_chunks_mut(blk).zip(x.par_chunks(blk)).for_each(|(yb, xb)| {
         for (yr, xr) in yb.chunks_mut(c).zip(xb.chunks(c)) {
@@ -118,7 +119,9 @@ pub fn rms_norm_par<T: NormFloat + Plain>(x: &[T], w: &[T], c: usize, eps: f32) 
 /// within f32 rounding, not bit-equal), but the same on every run whatever rayon's work stealing does
 /// (a `fold`/`reduce` tree follows the run-time splits and made training runs differ in the last bits).
 pub fn rms_norm_bwd_par<T: NormFloat + Plain>(dy: &[T], x: &[T], w: &[T], c: usize, eps: f32) -> (Vec<T>, Vec<T>) {
-    let mut dx = for_overwrite(x.len());
+    assert_eq!(dy.len(), x.len(), "rms_norm backward: dy and x differ in length");
+    // SAFETY: the row groups below cover dx, and norm_bwd_row writes each row's c values.
+    let mut dx = unsafe { for_overwrite(x.len()) };
     let c = c.max(1);
     let rows = x.len() / c;
     let per_group = rows.div_ceil(DW_GROUPS).max(ROWS_PER_TASK) * c;

@@ -33,7 +33,9 @@ const PER_TASK: usize = 1 << 14;
 
 /// The op's forward: `swiglu_cpu` with the vectorised exp, chunks in parallel.
 pub fn swiglu_par(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    let mut y = for_overwrite(gate.len());
+    assert_eq!(gate.len(), up.len(), "swiglu: gate and up differ in length");
+    // SAFETY: the chunks below cover y, and swiglu_fwd writes each of its values.
+    let mut y = unsafe { for_overwrite(gate.len()) };
     y.par_chunks_mut(PER_TASK)
         .zip(gate.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
         .for_each(|(y, (g, u))| cpu_vec::swiglu_fwd(g, u, y));
@@ -43,7 +45,9 @@ pub fn swiglu_par(gate: &[f32], up: &[f32]) -> Vec<f32> {
 /// The op's backward into one buffer [dgate (N) | dup (N)]: `swiglu_bwd_cpu` vectorised, in parallel.
 pub fn swiglu_bwd_par(dy: &[f32], gate: &[f32], up: &[f32]) -> Vec<f32> {
     let n = gate.len();
-    let mut out = for_overwrite(2 * n);
+    assert!(dy.len() == n && up.len() == n, "swiglu backward: dy, gate and up differ in length");
+    // SAFETY: the chunks below cover both halves, and swiglu_bwd writes each of their values.
+    let mut out = unsafe { for_overwrite(2 * n) };
     let (dg, du) = out.split_at_mut(n);
     dg.par_chunks_mut(PER_TASK)
         .zip(du.par_chunks_mut(PER_TASK))
