@@ -12,10 +12,10 @@
 //! The CPU path runs its GEMMs on chunks (the forward's logits through `ops::linear` on f32: MKL with
 //! feature `mkl`; the backward's with candle's matmul), reading hidden and weight in place (the op's
 //! node only carries the nll, so no copy of either is made). On CUDA the chunk's softmax part is the
-//! fused kernel (kernels/cross_entropy.cu through `ops::cross_entropy_chunk`: nll forward, dlogits backward) between
-//! the same cuBLAS matmuls; on the CPU the same ops' vectorised row loops; the logits are f32 on both
-//! paths. `chunked_cross_entropy_with(.., fused)` picks the path explicitly (tests run the fused path
-//! against the plain ops).
+//! fused kernel (kernels/cross_entropy.cu through `ops::cross_entropy_chunk`: nll forward, dlogits
+//! backward) between the same cuBLAS matmuls; on the CPU the same ops' vectorised row loops; the logits
+//! are f32 on both paths. `chunked_cross_entropy_with(.., fused)` picks the path explicitly (tests run
+//! the fused path against the plain ops).
 //! Not done here: z-loss, label smoothing.
 pub use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
 use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
@@ -237,9 +237,8 @@ pub fn chunked_cross_entropy_with(
     let (hd, wd) = (h.detach(), w.detach());
     let (n, _, v) = check_shapes(&hd, &wd, &targets)?;
     check_target_ids(&targets, v)?; // on the CPU only: see there
-                                    // (len, V); the plain-op twin keeps candle's matmul too
     let logits_of = |start: usize, len: usize| {
-        let hc = hd.narrow(0, start, len)?;
+        let hc = hd.narrow(0, start, len)?; // -> (len, V) logits; the plain-op twin keeps candle's matmul
         match fused {
             true => times_wt(&hc, &wd)?.to_dtype(DType::F32),
             false => hc.matmul(&wd.t()?)?.to_dtype(DType::F32),
@@ -321,8 +320,7 @@ mod tests {
     /// GEMMs split into one band per thread).
     #[test]
     fn fused_chunk_path_matches_the_plain_op_path() {
-        let c = 6;
-        for (n, c, v, chunk, seed) in [(11, c, 13, 4, 4), (90, 24, 70, 40, 6)] {
+        for (n, c, v, chunk, seed) in [(11, 6, 13, 4, 4), (90, 24, 70, 40, 6)] {
             let (h, w, t) = setup(n, c, v, seed);
             let up = Tensor::from_vec((0..n).map(|i| 0.3 - (i % 9) as f32 * 0.07).collect::<Vec<_>>(), n, &Device::Cpu)
                 .unwrap();
@@ -339,7 +337,7 @@ mod tests {
             }
         }
         let bad = Tensor::from_vec(vec![0u32, 99, 1], 3, &Device::Cpu).unwrap();
-        let (h3, w3, _) = setup(3, c, 13, 5);
+        let (h3, w3, _) = setup(3, 6, 13, 5);
         assert!(chunked_cross_entropy_with(&h3, &w3, &bad, 2, true).unwrap_err().to_string().contains("target id 99"));
     }
 
