@@ -167,6 +167,10 @@ impl CustomOp3 for ChunkedCe {
         let (h, w, t) = (hidden.detach(), weight.detach(), self.targets.clone());
         let (n, c, v) = check_shapes(&h, &w, &t)?; // the ids were checked in the forward
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
+                                                                      // The backward keeps candle's matmuls: a CPU backward on `linear_bwd_cpu` (tried 2026-12-04) made a
+                                                                      // 25.6M-parameter run's resident memory grow 785 -> 985-1054 MB over its first 7-11 steps (each
+                                                                      // growing step at half speed on this VM's first touch of pages), where this one stays at 790 MB;
+                                                                      // not understood.
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
         let w_t = w.t()?; // (C, V)
         let mut dh = Vec::new();
@@ -191,24 +195,6 @@ impl CustomOp3 for ChunkedCe {
         }
         let dh = Tensor::cat(&dh, 0)?.to_dtype(hidden.dtype())?;
         Ok((None, Some(dh), Some(dw.to_dtype(weight.dtype())?)))
-    }
-}
-
-/// True for CPU tensors of f32 hidden states and weight: the forward's logits GEMM goes to `ops::linear`.
-fn cpu_f32(h: &Tensor, w: &Tensor) -> bool {
-    h.device().is_cpu() && h.dtype() == DType::F32 && w.dtype() == DType::F32
-}
-
-/// h (n, C) W^T for the lm-head weight W (V, C): `ops::linear`'s GEMM bands on CPU f32 (MKL with feature
-/// `mkl`; candle's matmul is the `gemm` crate's in every build), else candle's matmul reading W^T in place.
-/// The backward keeps candle's matmuls: a CPU backward on `linear_bwd_cpu` (tried 2026-12-04) made a
-/// 25.6M-parameter run's resident memory grow 785 -> 985-1054 MB over its first 7-11 steps (each growing
-/// step at half speed on this VM's first touch of pages), where candle's stayed at 790 MB; not understood.
-fn times_wt(h: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if cpu_f32(h, w) {
-        crate::ops::linear::linear(h, w)
-    } else {
-        h.matmul(&w.t()?)
     }
 }
 
@@ -240,7 +226,7 @@ pub fn chunked_cross_entropy_with(
     let logits_of = |start: usize, len: usize| {
         let hc = hd.narrow(0, start, len)?; // -> (len, V) logits; the plain-op twin keeps candle's matmul
         match fused {
-            true => times_wt(&hc, &wd)?.to_dtype(DType::F32),
+            true => crate::ops::linear::linear_any(&hc, &wd)?.to_dtype(DType::F32),
             false => hc.matmul(&wd.t()?)?.to_dtype(DType::F32),
         }
     };
@@ -275,6 +261,7 @@ pub fn cross_entropy_slow(hidden: &Tensor, weight: &Tensor, targets: &Tensor) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::backprop::GradStore;
     use candle_core::{Device, Var};
 
     fn setup(n: usize, c: usize, v: usize, seed: u64) -> (Var, Var, Tensor) {
@@ -292,6 +279,19 @@ mod tests {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
     }
 
+    /// The gradients in each var of sum(nll ⊙ up) for nll `a` and its reference `b` agree within 1e-5, and
+    /// the reference's are not all zero; returns `a`'s gradients.
+    fn assert_same_grads(a: Tensor, b: Tensor, up: &Tensor, vars: [&Var; 2], what: &str) -> GradStore {
+        let ga = (a * up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (b * up).unwrap().sum_all().unwrap().backward().unwrap();
+        for var in vars {
+            let (x, y) = (ga.get(var.as_tensor()).unwrap(), gb.get(var.as_tensor()).unwrap());
+            assert!(max_abs_diff(x, y) < 1e-5, "{what}: {}", max_abs_diff(x, y));
+            assert!(y.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "{what}: zero gradient");
+        }
+        ga
+    }
+
     #[test]
     fn forward_and_backward_match_the_slow_reference() {
         let (n, c, v) = (13, 8, 11);
@@ -302,13 +302,7 @@ mod tests {
         let slow = cross_entropy_slow(&h, &w, &t).unwrap();
         assert!(max_abs_diff(&fast, &slow) < 1e-5);
         assert_eq!(fast.to_vec1::<f32>().unwrap()[1], 0.0);
-        let gf = (fast * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let gs = (slow * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        for var in [&h, &w] {
-            let (a, b) = (gf.get(var.as_tensor()).unwrap(), gs.get(var.as_tensor()).unwrap());
-            assert!(max_abs_diff(a, b) < 1e-5, "{}", max_abs_diff(a, b));
-            assert!(b.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
-        }
+        let gf = assert_same_grads(fast, slow, &up, [&h, &w], "slow reference");
         // the ignored token's hidden row gets no gradient
         let dh1 = gf.get(h.as_tensor()).unwrap().get(1).unwrap().abs().unwrap().sum_all().unwrap();
         assert_eq!(dh1.to_scalar::<f32>().unwrap(), 0.0);
@@ -328,13 +322,7 @@ mod tests {
             let b = chunked_cross_entropy_with(&h, &w, &t, chunk, false).unwrap();
             assert!(max_abs_diff(&a, &b) < 1e-5, "{}", max_abs_diff(&a, &b));
             assert_eq!(a.to_vec1::<f32>().unwrap()[1], 0.0, "the ignored token");
-            let ga = (a * &up).unwrap().sum_all().unwrap().backward().unwrap();
-            let gb = (b * &up).unwrap().sum_all().unwrap().backward().unwrap();
-            for var in [&h, &w] {
-                let (x, y) = (ga.get(var.as_tensor()).unwrap(), gb.get(var.as_tensor()).unwrap());
-                assert!(max_abs_diff(x, y) < 1e-5, "n {n}: {}", max_abs_diff(x, y));
-                assert!(y.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
-            }
+            assert_same_grads(a, b, &up, [&h, &w], &format!("plain ops, n {n}"));
         }
         let bad = Tensor::from_vec(vec![0u32, 99, 1], 3, &Device::Cpu).unwrap();
         let (h3, w3, _) = setup(3, 6, 13, 5);

@@ -16,6 +16,7 @@ use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::{Positions, RopeParity, RopeTables};
 use crate::ops::attention::DocStarts;
+use crate::ops::linear::linear_any as linear;
 use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -192,16 +193,6 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
         crate::ops::swiglu::swiglu(gate, up)
     } else {
         crate::ops::swiglu::swiglu_slow(gate, up)
-    }
-}
-
-/// x (..., In) @ w^T with w (Out, In): the one-node op with its own backward on CPU in f32
-/// (`ops::linear`), plain ops elsewhere (cuBLAS on CUDA).
-fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
-        crate::ops::linear::linear(x, w)
-    } else {
-        crate::ops::linear::linear_slow(x, w)
     }
 }
 

@@ -11,7 +11,7 @@
 //! 128-512, a few hundred tokens) that overhead was a sizeable part of a CPU step.
 //! The GEMMs are `ops::cpu_gemm::sgemm` (the `gemm` crate's microkernels, or MKL with feature `mkl`) on
 //! rayon's threads, one band per thread.
-//! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`model::llama::linear`
+//! Does not: run on CUDA or in bf16/f16, take a bias, or give a second derivative (`linear_any`
 //! calls `linear_slow` for what it does not take).
 use crate::ops::cpu_gemm::{sgemm, Mat};
 use crate::ops::rotary::f32_slice;
@@ -332,6 +332,17 @@ pub fn linear_vjp(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// value is the real dot product).
 pub fn linear_vjp_slow(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<Tensor> {
     (linear_slow(x, w)? * g.detach())?.sum_all()
+}
+
+/// x (..., In) @ w^T with w (Out, In) on any device and dtype: `linear` (the one-node op with its own
+/// backward) on CPU in f32, `linear_slow` elsewhere (cuBLAS on CUDA). The model's projections and the
+/// loss's logits call this.
+pub fn linear_any(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        linear(x, w)
+    } else {
+        linear_slow(x, w)
+    }
 }
 
 /// The same from plain candle ops (any device and dtype; the reference of the tests).
