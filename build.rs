@@ -2,7 +2,8 @@
 //! (always; a static lib whose `emu_*` entry points run the kernels' own source on CPU, see
 //! `harpe::kernels_emu`), and with nvcc to PTX when the `cuda` feature is on (embedded by `ops::cuda`).
 //!
-//! Reference: ../shared/cuda-build.md §3 (nvcc -ptx -arch=compute_80, include_str!).
+//! Reference: `nvcc -ptx -arch=compute_80 -O3 -std=c++17` per kernel file into OUT_DIR, embedded by `ops::cuda`
+//! with `include_str!`; nvcc and its headers come from PyPI (scripts/install-cuda-toolchain.sh).
 //! The non-obvious decision: PTX for compute_80 (not SASS) so one binary runs on A100 and, JIT-compiled
 //! by the driver, on Hopper; `HARPE_PTX_ARCH` overrides it (e.g. compute_90).
 //! Does not: build candle's kernels (candle-kernels does), or look for a GPU.

@@ -30,7 +30,7 @@
 // dim: the readable reference and the f32 path), `attn_{fwd,bwd}_tc_*` the same algorithm on sm_80 tensor
 // cores (mma.sync m16n8k16 + ldmatrix + cp.async, bf16/f16, D = 64 and 128, 8 warps; described below).
 // The non-obvious decision: correctness first, proven by the host emulation (kernels/emu.h, whose twins of
-// mma.sync/ldmatrix reproduce the PTX per-lane fragment layouts; tests/attention_emu.rs) before any GPU
+// mma.sync/ldmatrix reproduce the PTX per-lane fragment layouts; tests/stage_model/attention_emu.rs) before any GPU
 // sees it. Grids are 1-D (block index decoded into tile, head, batch) so the same entry macro serves the
 // emulator.
 // Document masks (packed sequences; `docs` non-null, causal only): docs (B, Tk) u32 holds, per key
@@ -306,7 +306,7 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
 // 16-wide k step), O += P V (B = V via ldmatrix_x4_trans). A warp skips the tiles none of its 16 rows can see
 // (past its last row's causal limit, wholly before its first row's document start), so a 128-row tile pays
 // for the diagonal only in each warp's own 16 x BK corner. P is rounded to the input type before P V (FA2's
-// choice); the row sum l is f32. Why 128 rows and 8 warps (issue 27): a thread holds the registers of 16 rows
+// choice); the row sum l is f32. Why 128 rows and 8 warps: a thread holds the registers of 16 rows
 // as with 4 warps x 16 rows, while every K/V byte loaded serves twice the queries: the emulated profile's
 // forward sectors at T = 256 drop by a third and its roofline bound rises accordingly
 // (benches/results/attention_design_20261202.md); 32 rows per warp would double the O accumulator (D/2 more

@@ -9,7 +9,7 @@
 // wait_group 1 and after wait_group 0 — or, with `early`, before any wait (poison on the emulator: the bug
 // the poison exists to catch).
 // Reference: CUDA C++ Best Practices Guide (coalescing, 32 banks of 4 bytes); PTX ISA cp.async.
-// The non-obvious decision: the counts are asserted in tests/emu_profile.rs from arithmetic written there,
+// The non-obvious decision: the counts are asserted in tests/stage_model/emu_profile.rs from arithmetic written there,
 // so these kernels stay tiny (one warp) and use the measured accessors (gld/gst/sld/sst) for every access.
 // Does not: anything harpe runs in training (they exist for the tests; compiled to PTX too, never launched).
 #define EMU_DEFINE_PROFILE_EXPORTS

@@ -14,7 +14,7 @@
 // 2(l%4)+1); with .trans, r[i] = (rows 2(l%4), 2(l%4)+1 of column l/4), i.e. the fragment of the transpose.
 // The non-obvious decision: this file is the only one with PTX; kernels/emu.h defines the same functions
 // with the same signatures for the host, reproducing these per-lane layouts exactly (through the warp's
-// exchange), so the kernels' fragment bookkeeping is tested on CPU (tests/attention_emu.rs, mma_probe).
+// exchange), so the kernels' fragment bookkeeping is tested on CPU (tests/stage_model/attention_emu.rs, mma_probe).
 // `cp_async16` / `cp_async_commit` / `cp_async_wait<N>`: sm_80's asynchronous global -> shared copies.
 // Does not: wgmma / TMA (Hopper-only; a later, run-time-chosen extra path).
 #pragma once

@@ -5,7 +5,7 @@
 // B^T, x2.trans from B, x4 from B^T — and writes the four products (16x16 f32 each, from the C fragments'
 // per-lane positions). Each must equal the plain matmul.
 // Reference: PTX ISA, warp-level matrix fragments for mma.m16n8k16 and ldmatrix (kernels/mma.cuh).
-// The non-obvious decision: the same source runs on the host (kernels/emu.h twins; tests/attention_emu.rs)
+// The non-obvious decision: the same source runs on the host (kernels/emu.h twins; tests/stage_model/attention_emu.rs)
 // and on the GPU (`harpe selftest`), so the emulated layouts are checked against the hardware's.
 // Does not: time anything; it exists to pin the fragment layouts the attention kernels rely on.
 #include "common.cuh"

@@ -10,7 +10,8 @@
 // `ops::rotary::rotary_cpu` upcasts bf16 to f32 and casts back, so results agree to that rounding).
 // Work split: one thread per (row, j) pair, rows = B*H*T, a grid-stride loop; consecutive threads take
 // consecutive j of one row, so x, y and the table row are read/written coalesced.
-// Saved tensors: none (the tables are rebuilt once per (length, scheme) on the host in f64, DESIGN §4).
+// Saved tensors: none (the tables are rebuilt once per (length, scheme) on the host, with angles in f64: in
+// f32 the angle pos * inv_freq at position 131072 is off by ~0.008 rad).
 // Does not: build tables, handle strided x (the launcher makes x contiguous first).
 #include "common.cuh"
 

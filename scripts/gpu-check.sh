@@ -300,7 +300,8 @@ selftest_step() {
 }
 
 # The tiny config trained 20 f32 steps on the GPU (device-resident state, harpe's kernels) and on the CPU
-# by the same binary; the losses must agree to 1e-4 relative at every step (issue 10's parity target).
+# by the same binary; the losses must agree to 1e-4 relative at every step (f32 on both: what differs is
+# only the kernels' summation order).
 parity() {
   local d="$WORK/parity"
   rehearse && note "rehearsal: the \"GPU\" run is a second CPU run (the comparison code is what is rehearsed)"
@@ -326,7 +327,7 @@ layer() {
   fi
 }
 
-# issue 12: NCCL with one process equals the single-process run (ZeRO-0: all-reduce; ZeRO-3: per-layer
+# NCCL with one process equals the single-process run (ZeRO-0: all-reduce; ZeRO-3: per-layer
 # all-gather-v and reduce-scatter-v on device buffers). A rehearsal runs the Local backend with one rank.
 nccl() {
   local d="$WORK/nccl" z backend=(--set 'dist.backend="nccl"' --nproc-per-node 1)
@@ -341,7 +342,7 @@ nccl() {
   done
 }
 
-# Issue 13: harpe plan vs the measured peak for the Llama-2-7B-shaped stack (configs/gpu-plan-check.toml),
+# harpe plan vs the measured peak for the Llama-2-7B-shaped stack (configs/gpu-plan-check.toml),
 # 3 bf16 steps, stopped before its checkpoint; a rehearsal plans and runs the tiny config on the CPU.
 plan_vs_measured() { # ID T
   local id="$1" t="$2" d="$WORK/plan$2" cfg=configs/gpu-plan-check.toml

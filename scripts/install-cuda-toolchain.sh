@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install NVIDIA's CUDA 13.0 compiler, headers and link libraries from PyPI into PREFIX, so that
 # `cargo build --release --features cuda` (and `--features nccl`) works on a machine with no GPU and no
-# system CUDA. Recipe and measurements: ../shared/cuda-build.md (DESIGN.md §7).
+# system CUDA. Why each version is pinned: the steps below and the comments beside the versions.
 #
 #   eval "$(scripts/install-cuda-toolchain.sh PREFIX)"
 #   cargo build --release --features cuda

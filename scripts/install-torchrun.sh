@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install PyTorch's launcher, torchrun, into a virtual environment at PREFIX, small enough for CI and for
-# machines without a GPU, so that tests/comms_torchrun.rs runs harpe under the real torchrun.
+# machines without a GPU, so that tests/stage_comms/comms_torchrun.rs runs harpe under the real torchrun.
 #
 #   scripts/install-torchrun.sh PREFIX      # prints PREFIX/bin/torchrun on stdout (progress on stderr)
 #

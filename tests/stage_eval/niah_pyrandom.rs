@@ -1,4 +1,5 @@
-//! The CPython `random` port against the spec's vectors (§1.6) and extra CPython 3.11 outputs.
+//! The CPython `random` port against outputs of CPython 3.11's `random` (seed, getrandbits, randint, uuid4,
+//! sample, shuffle), among them the draws RULER's NIAH generator makes at seed 42.
 use harpe::eval::pyrandom::PyRandom;
 
 const DEPTHS: [u32; 40] = [

@@ -9,7 +9,7 @@
 //! boundaries, query tiles that skip whole key tiles, GQA; FMA and tensor-core tiles against the CPU
 //! reference under the same mask (itself checked against the dense-mask slow op in tests/stage_model/attention_docs.rs);
 //! one document per sequence gives the causal kernels' output bit for bit.
-//! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16/f16 — the STYLE.md rule: the exact result is the f32
+//! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16/f16 — the project's rule: the exact result is the f32
 //! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
 //! implementation in that type (every intermediate rounded, `naive16` below).
 use half::{bf16, f16};

@@ -1,5 +1,5 @@
 //! The repository's import-circle check: no file of src/ may import a file that imports it back
-//! (STYLE.md convention 17; issue 24 item 4). Every `crate::` path in src/ — `use crate::a::{b, c::{d}}`
+//! (a circle means a type lives too high). Every `crate::` path in src/ — `use crate::a::{b, c::{d}}`
 //! trees (with `self`, `*` and `as`) and inline paths such as `crate::a::b::f(..)` — is resolved to the FILE
 //! that defines its longest module prefix (src/a/b.rs, src/a/b/mod.rs, or src/a.rs for a `mod b { .. }`
 //! written inline there), giving a graph of files; every strongly connected component of more than one
@@ -385,7 +385,7 @@ impl Crate {
     }
 }
 
-/// The graph between top-level modules (src/comms/*.rs and src/comms.rs are `comms`): a circle here is a
+/// The graph between top-level modules (src/NAME.rs and every file under src/NAME/ are `NAME`): a circle here is a
 /// layer that imports a layer above it and is imported back (config calling into comms while comms reads
 /// config sections), even where no two files close the circle themselves.
 fn top_level(g: &Graph) -> Graph {

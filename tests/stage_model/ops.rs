@@ -187,7 +187,7 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     let r = rope(&q, &cos, &sin).unwrap();
     assert_eq!(r.dtype(), DType::BF16);
     // Values: against the f32 reference on the same (bf16-rounded) inputs, the fused ops must be within
-    // 2x the error of a naive bf16 computation (STYLE: the ggml / flash-attention criterion), and no worse
+    // 2x the error of a naive bf16 computation (the ggml / flash-attention criterion), and no worse
     // than one bf16 rounding of the output.
     let (q32, k32) = (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap());
     let want = attention_slow(&q32, &k32, &k32, 0.3, true, None).unwrap();

@@ -122,7 +122,7 @@ fn peak_valley_json_snippet_and_plot() {
     assert_eq!(picks.len(), 5);
     assert_eq!(picks[0]["base"], 10000.0);
     assert!(picks[0]["d"].is_null() && picks[1..].iter().all(|p| p["d"].is_u64()));
-    // the start base's extrema are the Attention Buckets golden values (spec §1.6)
+    // the start base's extrema are the values Attention Buckets' own peak/trough finders give at base 10000
     let e0 = &v["extrema"][0];
     assert_eq!(e0["peaks"], serde_json::json!([1030, 1189, 1375, 1589, 1835, 2118]));
     assert_eq!(e0["valleys"], serde_json::json!([1970, 2290, 2629, 3044, 3515, 4060]));

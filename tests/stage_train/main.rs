@@ -1,7 +1,7 @@
 //! The training stage: one step against torch, runs and resume, N ranks equal one, ZeRO-3 prefetch, document masks, in-training evaluation, memory against the plan, the plan itself, the train CLI.
 //!
-//! One test binary per stage (issue 24): each file below was its own binary, each linking the
-//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
+//! the suite builds a handful of binaries. Shared helpers live in
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 #[macro_use]
 #[path = "../common/mod.rs"]

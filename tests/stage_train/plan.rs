@@ -1,4 +1,6 @@
-//! `harpe plan` reproduces DESIGN §5 (Llama-2-7B, 128K, 8 x 80 GB A100), refuses bad worlds with the
+//! `harpe plan` reproduces the memory budget harpe was designed against (Llama-2-7B, 128K, 8 x 80 GB A100:
+//! bf16 weights and gradients, fp32 master/m/v, one checkpoint per layer; plain ZeRO-3 at batch 1 fits
+//! without offload; below, "the design budget"), refuses bad worlds with the
 //! nearest valid choice, and prints the same plan as JSON. Expected values are derived here from the
 //! architecture, not read back from the plan.
 use harpe::comms::ZeroStage;
@@ -40,7 +42,7 @@ fn state(p: &Plan) -> u64 {
 fn design_section_5_state_per_zero_stage() {
     let n = n_params();
     assert_eq!(n, 6_738_415_616);
-    // DESIGN §5 budgets bf16 gradients (16 B/param: 5.5 / 3.75 / 2 B per GPU for ZeRO-1/2/3); harpe
+    // The design budget counts bf16 gradients (16 B/param: 5.5 / 3.75 / 2 B per GPU for ZeRO-1/2/3); harpe
     // accumulates and reduce-scatters gradients in fp32 (Megatron's main_grad), 18 B/param:
     // 2 + 4 + 12/8 = 7.5 B/param (ZeRO-1), 2 + 16/8 = 4 (ZeRO-2), 18/8 = 2.25 (ZeRO-3)
     let (z1, z2, z3) = (plan(1, 1, &[]), plan(2, 1, &[]), plan(3, 1, &[]));
@@ -53,7 +55,7 @@ fn design_section_5_state_per_zero_stage() {
     assert!((gb(state(&z3)) - 15.2).abs() < 0.1, "ZeRO-3 {:.2} GB", gb(state(&z3)));
     // plus, at ZeRO-3 only, what stays gathered for a micro-batch (train/step.rs): the embedding, the
     // final norm and the untied head (2 x 32000 x 4096 + 4096), the one layer of an every-layer
-    // checkpoint segment (~0.4 GB, DESIGN §5) and on GPUs the next layer's prefetch beside it (NCCL
+    // checkpoint segment (~0.4 GB in the design budget) and on GPUs the next layer's prefetch beside it (NCCL
     // overlaps it with this layer's compute): bf16, 1.33 GB
     let layer = 4 * C * C + 3 * C * I + 2 * C;
     let outer = 2 * 32000 * C + C;
@@ -81,13 +83,13 @@ fn design_section_5_activations_totals_and_sp() {
     // elements) and its f32 scratch (delta + dQ accumulator, 129 floats) per head and token — the op's own
     // function (ops::attention_shape::attention_workspace), 5.5 GB at 128K
     assert_eq!(z3.term("attention_workspace"), T * 32 * (400 * 2 + 129 * 4));
-    // plain ZeRO-3 at batch 1 x 128K fits without offload: ~60 GB in DESIGN §5, + 1.7 GB of fp32
+    // plain ZeRO-3 at batch 1 x 128K fits without offload: ~60 GB in the design budget, + 1.7 GB of fp32
     // gradient shard, + 0.4 GB of prefetched layer, + 1.6 GB of two layers' fp32 gradients in flight, + the
     // attention workspace
     let total = z3.total_bytes as f64 / 1e9;
     assert!((54.0..=76.0).contains(&total), "ZeRO-3 total {total:.2} GB");
     assert!(z3.fits);
-    // ZeRO-2 is tight (DESIGN §5) — with fp32 gradients it no longer fits: less than 15% of 80 GiB left
+    // ZeRO-2 is tight in the design budget — with fp32 gradients it no longer fits: less than 15% of 80 GiB left
     let z2 = plan(2, 1, &[]);
     let left = 1.0 - z2.total_bytes as f64 / z2.gpu.mem_bytes as f64;
     assert!(left < 0.15, "ZeRO-2 leaves {:.0}%", 100.0 * left);
@@ -106,7 +108,7 @@ fn design_section_5_activations_totals_and_sp() {
     assert_eq!(sp.term("working_set") * 8, z3.term("working_set"));
     assert_eq!(sp.term("attention_workspace") * 8, z3.term("attention_workspace"), "H / 8 heads per rank");
     let total = sp.total_bytes as f64 / 1e9;
-    // (DESIGN's ~20 GB + harpe's fp32 gradient shard, the prefetched layer, the gradients in flight and the
+    // (the design budget's ~20 GB + harpe's fp32 gradient shard, the prefetched layer, the gradients in flight and the
     // attention workspace)
     assert!((17.0..=28.0).contains(&total), "SP 8 total {total:.2} GB");
     // ... which leaves room for 512K
@@ -227,7 +229,7 @@ fn cli_json_has_the_contract_fields() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("DOES NOT FIT") && text.contains("dist.zero_stage = 3"), "{text}");
-    // issue 12: the ZeRO traffic's time as a share of the step's compute
+    // the ZeRO traffic's time as a share of the step's compute: how much of it the overlap must hide
     assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"])

@@ -43,7 +43,7 @@ steps = 2
 
 /// (measured peak RSS, planned total bytes) at sequence length `t`: the smaller peak of two runs, as
 /// `scripts/calibrate_cpu_plan.py` keeps the smallest of its repeats. The same binary's peak at T 1024
-/// is bimodal across runs (119 or 127 MiB, 2026-12-03: how glibc's arenas meet rayon's threads), and an
+/// is bimodal across runs (119 or 127 MiB: how glibc's arenas meet rayon's threads), and an
 /// 8 MiB step is a quarter of the 512 -> 1024 growth this test compares.
 fn measured_and_planned(dir: &std::path::Path, t: usize) -> (u64, u64) {
     let (a, plan) = measured_and_planned_once(dir, t, 0);

@@ -1,4 +1,4 @@
-//! `[eval]` and checkpoints in multi-rank runs (issue 25 item 4), through the `harpe` binary: every rank
+//! `[eval]` and checkpoints in multi-rank runs, through the `harpe` binary: every rank
 //! scores its share of the items and the logged numbers are one rank's evaluation of the same weights
 //! (the eval commands on the run's own final checkpoint, 1e-9 relative), within training's summation
 //! noise of a one-rank run, also across a resume; an evaluation and a checkpoint commit that each

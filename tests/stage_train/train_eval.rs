@@ -1,4 +1,4 @@
-//! `[eval]` during training (issue 16 item 2): a run with `[eval]` trains bit-identically to one without;
+//! `[eval]` during training: a run with `[eval]` trains bit-identically to one without;
 //! the eval lines of metrics.jsonl have the documented keys and the values the eval commands compute on
 //! the saved checkpoint (an independent path: weights read back from disk); a resumed run neither loses
 //! nor repeats evaluations, also when it resumes from before an evaluation that was already logged.

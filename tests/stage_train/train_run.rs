@@ -164,7 +164,7 @@ fn bad_input_is_refused_with_a_hint() {
     let file = d.path().join("plainfile");
     std::fs::write(&file, "x").unwrap();
     let e = format!("{:#}", run(args(&cfg, &file.join("run"))).unwrap_err());
-    // (the run-directory lock, taken first, is what reports it now: issue 16)
+    // (the run-directory lock, taken first, is what reports it)
     assert!(e.contains("cannot create") && e.contains("plainfile") && e.contains("hint:"), "{e}");
     // a run directory of another config
     let o3 = d.path().join("o3");

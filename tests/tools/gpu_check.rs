@@ -1,4 +1,4 @@
-//! scripts/gpu-check.sh, exercised here on CPU (issue 26): its step plan fits the budget, `sizes` holds
+//! scripts/gpu-check.sh, exercised here on CPU: its step plan fits the budget, `sizes` holds
 //! bundles to 64 MiB, and its `rehearse` mode (the `run` code with the CPU device and the emulated
 //! kernels) writes the report section by section and turns a broken kernel into a FAIL row and exit 1.
 //! The whole rehearsal runs in .ci/run; these tests run the preflight and selftest steps of it, with the

@@ -1,7 +1,7 @@
 //! The tools around the stages: bench, demo, sweep and report.
 //!
-//! One test binary per stage (issue 24): each file below was its own binary, each linking the
-//! whole crate; grouped, the suite builds a handful of binaries. Shared helpers live in
+//! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
+//! the suite builds a handful of binaries. Shared helpers live in
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 
 mod allocator;

@@ -1,4 +1,4 @@
-//! The binary needs no system library beyond glibc's and libgcc/libstdc++ (issue 26: a GPU image with only
+//! The binary needs no system library beyond glibc's and libgcc/libstdc++ (a GPU image with only
 //! the NVIDIA stack and torch must be able to start it), and the plots still have text (drawn with the
 //! font embedded by src/plot_font.rs, not a system font).
 //!

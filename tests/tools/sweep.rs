@@ -115,8 +115,7 @@ fn processes_with(needle: &str) -> Vec<String> {
 
 /// A complete checkpoint (`step_N/DONE`, what `checkpoint::list_complete` resumes from). Not `.tmp-step_N`:
 /// a save writes DONE there before its rename, and a kill in between can leave the victim with nothing to
-/// resume (the likely cause of one failure in 4 runs on 2026-12-03: the sweep said `train` where this test
-/// expects `resume`).
+/// resume, and the sweep then says `train` where this test expects `resume`.
 fn has_checkpoint(run: &Path) -> bool {
     std::fs::read_dir(run.join("checkpoints"))
         .map(|rd| {

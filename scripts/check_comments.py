@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Comment and doc hygiene, run by scripts/check-comments.sh: comments and docs are written for a reader
+who has only this repository, so they say the why themselves and name files that exist.
+
+Two checks, each failure printed as FILE:LINE so an editor can jump to it:
+
+  refs   an issue-tracker number (`issue 12`) or a section pointer into a spec or design note that is
+         not in the repository (`spec §1.6`, `spec A7`, `DESIGN §5`). The reader can follow neither.
+  paths  a repository path named in a comment or a doc that does not exist (a file moved or renamed
+         and its mentions not updated). Only tokens that start with a top-level directory of this
+         repository and end in a file extension or `/` are checked; globs and placeholders
+         (`*`, `{a,b}`, `<name>`, `NAME`, one-letter names such as `src/a/b.rs`) are skipped, and
+         `FILE:LINE` is checked without the line. URLs and `owner/repo:path` (another repository) are
+         not repository paths.
+
+Which text is read: the comments of Rust/CUDA/C (`//`, `/* */`) and of shell/Python/TOML (`#`)
+files, and the whole of README.md and docs/*.md. String literals in code are not comments and
+are skipped, so a test's file name in a string does not count. Test data (JSON, text and binary
+fixtures under tests/golden, tests/data, tests/fixtures) is not read at all.
+
+Usage: check_comments.py [PATH...]   (default: the whole repository; paths restrict the files read)
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# The checker names its own patterns; it is not a violation of them.
+SELF = {"scripts/check-comments.sh", "scripts/check_comments.py"}
+
+# Trees read by the `refs` check (README.md is added by name below).
+REFS_TREES = ("src/", "kernels/", "tests/", "scripts/", "configs/", "benches/", ".ci/")
+REFS_FILES = {"README.md", "build.rs", "Cargo.toml"}
+# Measurements name the commit and date they were taken at; that is their data, not a diary.
+REFS_SKIP_TREES = ("benches/results/",)
+
+# Trees whose data files are inputs of tests (golden outputs, fixtures), not prose.
+DATA_TREES = ("tests/golden/", "tests/data/", "tests/fixtures/")
+DATA_EXT = (".json", ".jsonl", ".txt", ".bin", ".safetensors", ".npy", ".csv", ".parquet", ".zst", ".model")
+
+PROSE_EXT = (".md", ".yaml", ".yml")
+
+SLASH_EXT = (".rs", ".cu", ".cuh", ".h", ".c", ".cc", ".cpp")
+HASH_EXT = (".sh", ".py", ".toml")
+
+REF_RE = re.compile(r"\bissues?[ ]+#?[0-9]+|\bissue#[0-9]+|\bspec\s*(§|A[0-9]+\b)|\bDESIGN(\.md)?\s*§", re.IGNORECASE)
+
+TOP = ("src", "tests", "kernels", "scripts", "configs", "benches", "docs", "third_party", "assets", ".ci")
+PATH_EXT = (".rs", ".cu", ".cuh", ".h", ".sh", ".py", ".toml", ".md", ".json", ".txt")
+# A path token: one of the top-level directories at a word boundary (not inside a URL or `../x/src/`),
+# then path characters. `:` stays in so `FILE:LINE` is seen whole and the line can be cut off.
+PATH_RE = re.compile(r"(?<![\w./~:-])((?:%s)/[\w./*{}<>@+:,-]*)" % "|".join(re.escape(t) for t in TOP))
+# Upper-case words that stand for a name in a path pattern (`third_party/NAME.patch`, `YYYYMMDD`).
+PLACEHOLDER_RE = re.compile(r"(?<![A-Za-z])(NAME|DIR|FILE|PATH|STAGE|TASK|RUN|DATE|YYYY\w*|X|N)(?![a-z])")
+
+
+def git_files():
+    out = subprocess.run(
+        ["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True, capture_output=True,
+    ).stdout
+    # A file moved in the working tree but not yet committed is still listed by --cached: keep what exists.
+    return sorted({p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))})
+
+
+def kind(path):
+    """'slash', 'hash', 'doc' or None (not read for paths)."""
+    if path.endswith(SLASH_EXT):
+        return "slash"
+    if path.endswith(HASH_EXT):
+        return "hash"
+    if path == "README.md" or (path.startswith("docs/") and path.endswith(".md")):
+        return "doc"
+    if "." not in os.path.basename(path) and path.startswith((".ci/", "scripts/")):
+        return "hash"  # extensionless scripts (.ci/run)
+    return None
+
+
+def is_data(path):
+    return path.startswith(DATA_TREES) and path.endswith(DATA_EXT)
+
+
+def slash_comments(text):
+    """(line, comment text) of every // and /* */ comment, skipping string and char literals."""
+    out = []
+    i, n, line = 0, len(text), 1
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            line += 1
+            i += 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append((line, text[i + 2:j]))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j
+            for k, part in enumerate(text[i + 2:j].split("\n")):
+                out.append((line + k, part))
+            line += text.count("\n", i, j)
+            i = j + 2
+        elif c == "r" and re.match(r'r#*"', text[i:i + 8]) and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            hashes = len(re.match(r'r(#*)"', text[i:]).group(1))
+            start = i + 2 + hashes
+            j = text.find('"' + "#" * hashes, start)
+            j = n if j < 0 else j
+            line += text.count("\n", i, j)
+            i = j + 1 + hashes
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            line += text.count("\n", i, j)
+            i = j + 1
+        elif c == "'":
+            # a char literal ('"', '\'', '\u{..}'); a lifetime ('a) has no closing quote nearby
+            m = re.match(r"'(\\u\{[0-9a-fA-F]+\}|\\.|[^\\'\n])'", text[i:i + 12])
+            i += len(m.group(0)) if m else 1
+        else:
+            i += 1
+    return out
+
+
+def hash_comments(text):
+    """(line, comment text) of every # comment in shell, Python or TOML, skipping quoted strings."""
+    out = []
+    for no, raw in enumerate(text.split("\n"), 1):
+        quote = None
+        i = 0
+        while i < len(raw):
+            c = raw[i]
+            if quote:
+                if c == "\\" and quote == '"':
+                    i += 1
+                elif c == quote:
+                    quote = None
+            elif c in "\"'":
+                quote = c
+            elif c == "#" and (i == 0 or raw[i - 1] in " \t;(") and not raw.startswith("#!", i):
+                out.append((no, raw[i + 1:]))
+                break
+            i += 1
+    return out
+
+
+def doc_lines(text):
+    return list(enumerate(text.split("\n"), 1))
+
+
+def clean_token(tok):
+    tok = re.sub(r":[0-9][0-9,-]*.*$", "", tok)  # FILE:LINE, FILE:12-30
+    tok = tok.rstrip(".,;:)]'\"`")
+    return tok
+
+
+def skipped(tok):
+    if any(ch in tok for ch in "*{}<>") or "..." in tok or PLACEHOLDER_RE.search(tok):
+        return True
+    # one-letter names stand for any module or file (`src/a/b.rs`)
+    return any(len(part.split(".")[0]) == 1 for part in tok.rstrip("/").split("/")[1:])
+
+
+def hint(tok, by_name):
+    base = os.path.basename(tok.rstrip("/"))
+    if tok.endswith("/"):
+        cands = [d + "/" for d in by_name.get(base + "/", [])]
+    else:
+        cands = by_name.get(base, [])
+    if cands:
+        return "moved? the repository has " + ", ".join(cands[:3])
+    return "nothing by that name in the repository: name what replaced it, or drop the path"
+
+
+def main(argv):
+    restrict = [os.path.relpath(os.path.abspath(a), ROOT).rstrip("/") for a in argv]
+    files = git_files()
+    by_name = {}  # file name -> files, "dir/" -> directories, for the hints
+    dirs = set()
+    for p in files:
+        by_name.setdefault(os.path.basename(p), []).append(p)
+        d = os.path.dirname(p)
+        while d:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs):
+        by_name.setdefault(os.path.basename(d) + "/", []).append(d)
+
+    def selected(p):
+        return not restrict or any(r in (".", "") or p == r or p.startswith(r + "/") for r in restrict)
+
+    fails = []
+    for path in files:
+        if path in SELF or not selected(path) or is_data(path):
+            continue
+        k = kind(path)
+        # prose and code only: a data file (a word list, a table) may hold "issue 36" as data
+        in_refs = ((path.startswith(REFS_TREES) or path in REFS_FILES) and not path.startswith(REFS_SKIP_TREES)
+                   and (k is not None or path.endswith(PROSE_EXT)))
+        if k is None and not in_refs:
+            continue
+        try:
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue  # binary
+        if in_refs:
+            for no, line in enumerate(text.split("\n"), 1):
+                m = REF_RE.search(line)
+                if m:
+                    fails.append((path, no, f"'{m.group(0)}': points to a tracker or a document outside the "
+                                  "repository; say the reason itself"))
+        if k is None:
+            continue
+        chunks = slash_comments(text) if k == "slash" else hash_comments(text) if k == "hash" else doc_lines(text)
+        for no, chunk in chunks:
+            seen = set()  # `[docs/x.md](docs/x.md)` is one problem
+            for m in PATH_RE.finditer(chunk):
+                tok = clean_token(m.group(1))
+                if tok in seen or skipped(tok) or not (tok.endswith("/") or tok.endswith(PATH_EXT)):
+                    continue
+                seen.add(tok)
+                if not os.path.exists(os.path.join(ROOT, tok)):
+                    fails.append((path, no, f"missing path '{tok}' ({hint(tok, by_name)})"))
+
+    for path, no, msg in fails:
+        print(f"{path}:{no}: {msg}")
+    if fails:
+        print(f"check-comments: {len(fails)} problem(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
