@@ -1,4 +1,4 @@
-//! Criterion bench of the HARPE-PV v1 search (spec §1.7): the full 32-base search over the 133
+//! Criterion bench of the HARPE-PV v1 search (`research::bases::search`): the full 32-base search over the 133
 //! candidates of the paper's setting (1m..5m, stride 30k, 128K grid of 98,881 distances), plus its
 //! parts — one waveform on the grid (64 cosines per point) and the greedy loop on precomputed extrema.
 //! The waveforms are ~99% of the time: 134 bases x 98,881 points x 64 cos = 848M cos evaluations.

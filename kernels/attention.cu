@@ -309,7 +309,7 @@ __device__ void attn_dq_convert_impl(const float* __restrict__ acc, T* __restric
 // choice); the row sum l is f32. Why 128 rows and 8 warps: a thread holds the registers of 16 rows
 // as with 4 warps x 16 rows, while every K/V byte loaded serves twice the queries: the emulated profile's
 // forward sectors at T = 256 drop by a third and its roofline bound rises accordingly
-// (benches/results/attention_design_20261202.md); 32 rows per warp would double the O accumulator (D/2 more
+// (benches/results/attention-design.md); 32 rows per warp would double the O accumulator (D/2 more
 // floats per lane, past 255 registers at D = 128).
 // Backward: one block per (b, kv head, BKB = 64 keys). Warp w works on the 16 keys kg = w % 4 and the half
 // hf = w / 4: of the BQB queries of a tile for S^T = K Q^T and dP^T = V dO^T (A = K rows via ldmatrix and V

@@ -14,9 +14,9 @@ first (warm-up) from its metrics.jsonl; torch's is the median over the same numb
 warm-up step. Each side of each row runs in its own fresh process (torch: this script with `--torch-row`),
 back to back, torch first, and the 1-minute load average is recorded before each side: the machine may be
 shared. `--repeats R` runs R processes per side and row, alternating torch and harpe, and takes each side's
-median: on a VM whose speed drifts by 10-20% from minute to minute (benches/results/train-cpu-grid-avx2_*.md),
-one process per side is a coin flip for rows within that of 1.0x. torch uses transformers' default attention
-(SDPA; `--attn eager` for the old comparison).
+median: on a VM whose speed drifts by 10-20% from minute to minute (benches/results/train-cpu-grid.md, its
+note on the VM), one process per side is a coin flip for rows within that of 1.0x. torch uses transformers'
+default attention (SDPA; `--attn eager` for the old comparison).
 Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_enable`
 (torch.utils.checkpoint around every decoder layer, use_reentrant=False); "none" against plain autograd.
 

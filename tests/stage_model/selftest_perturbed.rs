@@ -1,5 +1,5 @@
-//! The selftest's bounds catch a wrong kernel (issue 26): with one emulated kernel perturbed by 1%
-//! through `HARPE_EMU_PERTURB` (kernels_emu::perturb: a scaled output, or a wrong mask tile), that
+//! The selftest's bounds catch a wrong kernel: with one emulated kernel perturbed by 1%
+//! through `HARPE_EMU_PERTURB` (ops::emu::perturb: a scaled output, or a wrong mask tile), that
 //! kernel's rows FAIL, while without the switch every row passes with margin (err/bound well below 1).
 //!
 //! One #[test] on purpose: the switch is a process-wide environment variable, and the tests of one
