@@ -1,6 +1,6 @@
 //! Build script: compiles kernels/*.cu twice over — with the host C++ compiler against kernels/emu.h
 //! (always; a static lib whose `emu_*` entry points run the kernels' own source on CPU, see
-//! `harpe::kernels_emu`), and with nvcc to PTX when the `cuda` feature is on (embedded by `ops::cuda`).
+//! `harpe::ops::emu`), and with nvcc to PTX when the `cuda` feature is on (embedded by `ops::cuda`).
 //!
 //! Reference: `nvcc -ptx -arch=compute_80 -O3 -std=c++17` per kernel file into OUT_DIR, embedded by `ops::cuda`
 //! with `include_str!`; nvcc and its headers come from PyPI (scripts/install-cuda-toolchain.sh).

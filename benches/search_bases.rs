@@ -3,7 +3,7 @@
 //! parts — one waveform on the grid (64 cosines per point) and the greedy loop on precomputed extrema.
 //! The waveforms are ~99% of the time: 134 bases x 98,881 points x 64 cos = 848M cos evaluations.
 use criterion::{criterion_group, criterion_main, Criterion};
-use harpe::bases::search::{candidates, extrema, greedy_select, peak_valley_search, waveform_grid, PvParams};
+use harpe::research::bases::search::{candidates, extrema, greedy_select, peak_valley_search, waveform_grid, PvParams};
 use std::hint::black_box;
 
 fn bench(c: &mut Criterion) {

@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-pub use crate::model::layout::{ParamGroup, ParamInfo, ParamLayout};
+use crate::model::layout::ParamLayout;
 
 /// Flatten HF-named tensors (in `order`) into one fp32 buffer (on the tensors' device) and its layout.
 pub fn flatten_params(order: &[(String, Tensor)]) -> Result<(ParamLayout, FlatBuf)> {
@@ -101,6 +101,7 @@ pub fn clip_by_global_norm(g: &mut FlatBuf, norm: f64, max_norm: f64) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::layout::ParamGroup;
     use candle_core::{Device, Tensor};
 
     #[test]

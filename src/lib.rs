@@ -1,6 +1,7 @@
 //! harpe: continual pretraining of Llama-family models to long context with head-adaptive RoPE.
 //!
-//! Modules follow the data flow (DESIGN.md §1):
+//! Modules in pipeline order, each using only those declared before it (checked by
+//! tests/stage_model/import_cycles.rs):
 //!
 //! ```text
 //!  jsonl(.zst) ──prepare-data──▶ shards+manifest ──▶ data::loader ──▶ model (llama + rope) ──▶ loss
@@ -8,32 +9,32 @@
 //!                                       optim ◀── comms ◀── grads ◀──── backward ◀───────────┘
 //!                                         │
 //!                                         ▼
-//!                               checkpoint (HF layout) ──▶ eval (ppl, niah)
+//!                               checkpoint (HF layout) ──▶ eval (ppl, niah) ──▶ research (sweep, report)
 //! ```
 //!
 //! Training state (fp32 master weights, AdamW moments, gradients) is `flatbuf::FlatBuf`s over one flat
 //! index space in HF parameter order, shared by `grads`, `optim`, `comms` and `train::checkpoint`.
-//! `train/` is the training stage (loop, step, checkpoint, loss, metrics, run directory); the tools
-//! (`plan`, `bench`, `selftest`, `demo`, `kernels_emu`) sit apart and may use any stage.
-pub mod config;
+//! `launch` starts and watches the processes of a multi-process run; `comms` holds the collectives
+//! between them. The tools (`plan`, `bench`, `selftest`, `demo`) sit apart under `tools` and may use any
+//! stage; nothing in the pipeline uses them. docs/ARCHITECTURE.md has the reading order and every file.
+
+// Foundations: small shared helpers, devices, the ops every stage computes with.
+pub mod util;
+pub mod plot_font;
 pub mod device;
-pub mod data;
-pub mod model;
 pub mod ops;
 pub mod flatbuf;
+// The pipeline: data, the model, the recipe, training state, processes and collectives, evaluation
+// (which training also runs), training, the research workflow.
+pub mod data;
+pub mod model;
+pub mod config;
 pub mod grads;
-pub mod loss;
-pub mod optim;
+pub mod launch;
 pub mod comms;
-pub mod plot_font;
-pub mod plan;
-pub mod train;
+pub mod optim;
 pub mod eval;
-pub mod bases;
+pub mod train;
 pub mod research;
-pub mod demo;
-pub mod selftest;
-pub mod bench;
-pub mod util;
-#[doc(hidden)]
-pub mod kernels_emu;
+// Around the pipeline.
+pub mod tools;

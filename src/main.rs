@@ -72,26 +72,26 @@ enum Cmd {
     /// MMLU, HellaSwag, ARC, PIQA, TriviaQA from local files with lm-evaluation-harness's prompts and metrics
     EvalTasks(Box<harpe::eval::tasks::run::EvalTasksArgs>),
     /// Choose HARPE's per-head RoPE bases: the paper's Table 2, uniform sets, or the peak-valley search
-    SearchBases(harpe::bases::cli::SearchBasesArgs),
+    SearchBases(harpe::research::bases::cli::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
     /// A plain HF model plus one optimizer state file from a sharded (multi-rank) checkpoint
     Consolidate(harpe::train::checkpoint::ConsolidateArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
-    Plan(harpe::plan::PlanArgs),
+    Plan(harpe::tools::plan::PlanArgs),
     /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
     Sweep(harpe::research::sweep::SweepArgs),
     /// One table of a sweep: mean ± std over seeds, paired differences with 95% intervals, curves, cost
     Report(harpe::research::report::ReportArgs),
     /// The whole pipeline on built-in data, on CPU (the README's first command)
-    Demo(harpe::demo::DemoArgs),
+    Demo(harpe::tools::demo::DemoArgs),
     /// Start or join a multi-process group, rendezvous, share a payload, barrier (launcher smoke test)
     #[command(hide = true)]
-    DistCheck(harpe::comms::launch::DistCheckArgs),
+    DistCheck(harpe::launch::spawn::DistCheckArgs),
     /// Every harpe kernel against its CPU reference (fwd+bwd, f32/bf16, ragged sizes); exit 1 on FAIL
-    Selftest(harpe::selftest::SelftestArgs),
+    Selftest(harpe::tools::selftest::SelftestArgs),
     /// Time each harpe kernel on the GPU: GB/s, percent of copy bandwidth, and PyTorch side by side
-    Bench(harpe::bench::BenchArgs),
+    Bench(harpe::tools::bench::BenchArgs),
 }
 
 fn main() {
@@ -106,16 +106,16 @@ fn main() {
         Cmd::Generate(a) => as_pool_worker(|| harpe::eval::generate::run(a)),
         Cmd::EvalNiah(a) => as_pool_worker(|| harpe::eval::niah_run::run(a)),
         Cmd::EvalTasks(a) => as_pool_worker(|| harpe::eval::tasks::run::run(*a)),
-        Cmd::SearchBases(a) => harpe::bases::cli::run(a),
+        Cmd::SearchBases(a) => harpe::research::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate(a),
-        Cmd::Plan(a) => harpe::plan::run(a),
+        Cmd::Plan(a) => harpe::tools::plan::run(a),
         Cmd::Sweep(a) => harpe::research::sweep::run(a),
         Cmd::Report(a) => harpe::research::report::run(a),
-        Cmd::Demo(a) => harpe::demo::run(a),
-        Cmd::DistCheck(a) => harpe::comms::launch::run_check(a),
-        Cmd::Selftest(a) => harpe::selftest::run(a),
-        Cmd::Bench(a) => harpe::bench::run(a),
+        Cmd::Demo(a) => harpe::tools::demo::run(a),
+        Cmd::DistCheck(a) => harpe::launch::spawn::run_check(a),
+        Cmd::Selftest(a) => harpe::tools::selftest::run(a),
+        Cmd::Bench(a) => harpe::tools::bench::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

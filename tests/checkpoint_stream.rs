@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use harpe::comms::zero::{ShardMap, Split};
 use harpe::flatbuf::{FlatBuf, Placement};
-use harpe::grads::ParamLayout;
+use harpe::model::layout::ParamLayout;
 use harpe::model::weights::{write_safetensors, StreamSrc, TensorBytes};
 use harpe::optim::adamw::{AdamW, AdamWHyper};
 use harpe::train::checkpoint::write_optim_shard;

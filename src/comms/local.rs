@@ -33,7 +33,7 @@
 //!
 //! What it does not do: device (CUDA) buffers or cross-process transport; it is a correctness backend
 //! for one process (the NCCL backend is the fast one).
-use crate::comms::signature::{CollOp, Mismatch, SigBoard, SigLog, SIG_EVERY};
+use crate::launch::signature::{CollOp, GroupFailure, SigBoard, SigLog, SIG_EVERY};
 use anyhow::{anyhow, bail, Result};
 use candle_core::DType;
 use half::{bf16, f16};
@@ -128,33 +128,6 @@ pub enum ReduceOp {
     /// Sum over ranks in rank order, then divide by the world size.
     Avg,
 }
-
-/// Why a group stopped: the first rank that failed and what it was doing.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GroupFailure {
-    /// The rank that failed first.
-    pub rank: usize,
-    /// What it was doing, e.g. `in collective #3 all_reduce "grads"` or `after collective #2 ...`.
-    pub doing: String,
-    /// The error, panic message or timeout description.
-    pub reason: String,
-}
-
-impl GroupFailure {
-    /// The collective signature check's verdict as the group's failure (blames the rank that differs
-    /// from the first window seen; the reason names both ranks' signatures).
-    pub fn from_mismatch(m: &Mismatch) -> GroupFailure {
-        GroupFailure { rank: m.rank(), doing: m.doing(), reason: m.reason() }
-    }
-}
-
-impl fmt::Display for GroupFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} failed {}: {}", self.rank, self.doing, self.reason)
-    }
-}
-
-impl std::error::Error for GroupFailure {}
 
 /// What each exchange round compares between the ranks' deposits (see the file header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -27,26 +27,19 @@
 //! `signature` is the collective signature check both use (`dist.check_collectives` under NCCL).
 //! What this file does not do: start the NCCL group (`NcclComm::join`, called by `harpe train`);
 //! `Comm::from_config` builds only `Single`. A new backend is one more variant.
-pub mod launch;
-pub mod launch_env;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod rendezvous;
 pub mod sequence;
-pub mod signature;
-pub mod store;
-pub mod watch;
 pub mod zero;
 
-pub use crate::config::zero_stage::{GradReduce, ZeroStage};
 use crate::config::{Backend, DistSection};
 use crate::device::DeviceSpec;
 use crate::flatbuf::FlatBuf;
+use crate::launch::signature::CollOp;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use local::{Elem, LocalComm, ReduceOp};
-use signature::CollOp;
 use std::sync::Arc;
 use zero::ShardMap;
 
@@ -533,7 +526,7 @@ mod tests {
         let mut d =
             g.try_clone().unwrap().placed(&crate::flatbuf::Placement::Device(candle_core::Device::Cpu)).unwrap();
         c.all_reduce_sum(&mut d).unwrap();
-        let l = crate::grads::ParamLayout::new(&[("w".into(), vec![2])]);
+        let l = crate::model::layout::ParamLayout::new(&[("w".into(), vec![2])]);
         c.all_gather(&mut d, &ShardMap::new(&l, 1, zero::Split::Slices)).unwrap();
         assert!(matches!(d, FlatBuf::Device(_)) && d == g);
         assert!(c.all_ok(true).unwrap() && !c.all_ok(false).unwrap());
@@ -589,7 +582,7 @@ mod tests {
     fn local_collectives_accept_device_buffers() {
         use crate::flatbuf::Placement;
         use std::time::Duration;
-        let l = crate::grads::ParamLayout::new(&[("w".into(), vec![5])]);
+        let l = crate::model::layout::ParamLayout::new(&[("w".into(), vec![5])]);
         let map = ShardMap::new(&l, 2, zero::Split::Slices);
         let out = local::spawn_local(2, Duration::from_secs(20), |lc| {
             let c = Comm::Local(lc, 1);

@@ -40,11 +40,11 @@
 //! What it does not do: prefetch ZeRO-3's next layer weights (gathers are joined at once), reduce in bf16, or
 //! run anywhere but on CUDA devices (one GPU per rank: NCCL refuses two ranks on one GPU; the thread
 //! backend `Local` shares one). Compiled with `--features nccl` only; not run in CI (no GPU there).
-use crate::comms::launch_env::LaunchEnv;
-use crate::comms::local::GroupFailure;
-use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
-use crate::comms::signature::{CollOp, SigLog};
-use crate::comms::watch::Watch;
+use crate::launch::env::LaunchEnv;
+use crate::launch::rendezvous::{rendezvous, RendezvousSpec};
+use crate::launch::signature::GroupFailure;
+use crate::launch::signature::{CollOp, SigLog};
+use crate::launch::watch::Watch;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaDevice;
@@ -311,7 +311,7 @@ fn rendezvous_with_id(
     env: &LaunchEnv,
     resolved_config: &str,
     timeout: Duration,
-) -> Result<(crate::comms::rendezvous::Rendezvous, ns::ncclUniqueId)> {
+) -> Result<(crate::launch::rendezvous::Rendezvous, ns::ncclUniqueId)> {
     let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
     let mut id_err = None;
     let rv = rendezvous(&spec, || match nr::get_uniqueid() {

@@ -22,7 +22,7 @@
 //! What this file does not do: the collectives themselves (`Comm`).
 use crate::comms::{Comm, Started};
 use crate::flatbuf::FlatBuf;
-use crate::grads::{ParamInfo, ParamLayout};
+use crate::model::layout::{ParamInfo, ParamLayout};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -69,8 +69,9 @@ impl ShardMap {
             Split::WholeParams => {
                 // a parameter goes to the rank its middle element falls into under an even cut: monotone
                 // in the parameter index, so every rank gets a consecutive run of parameters
-                let owner =
-                    |p: &crate::grads::ParamInfo| ((p.range.start + p.range.end) / 2 * world / n.max(1)).min(world - 1);
+                let owner = |p: &crate::model::layout::ParamInfo| {
+                    ((p.range.start + p.range.end) / 2 * world / n.max(1)).min(world - 1)
+                };
                 let mut start = 0;
                 let mut ranges: Vec<Range<usize>> = (0..world)
                     .map(|r| {

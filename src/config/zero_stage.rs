@@ -6,8 +6,8 @@
 //! published after a step, how gradients are reduced, whether a checkpoint or an evaluation needs the
 //! full weights gathered. At one rank every stage is the same computation.
 //!
-//! It lives under config (the `[dist]` section's vocabulary, below every reader of it) and `comms`
-//! re-exports it as `comms::ZeroStage`: config calls nobody above it.
+//! It lives under config (the `[dist]` section's vocabulary, below every reader of it): config calls
+//! nobody above it.
 //!
 //! The config spells the stage as the integer 0-3 (serde reads and writes that integer, so resolved
 //! configs and their hashes are unchanged); anything else is refused with one message.

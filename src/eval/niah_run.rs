@@ -841,7 +841,7 @@ fn eval_tokenizer(args: &EvalNiahArgs) -> Result<(PathBuf, Tokenizer)> {
         (None, Some(m)) => m.clone(),
         (None, None) => bail!("no tokenizer: pass --model DIR (with tokenizer.json) or --tokenizer FILE\nhint: --prepare-only needs only a tokenizer"),
     };
-    let mut tok = crate::model::load_tokenizer(&tok_path)?;
+    let mut tok = crate::data::tokenize::load_tokenizer(&tok_path)?;
     tok.with_truncation(None).map_err(|e| anyhow::anyhow!("cannot disable truncation: {e}"))?;
     tok.with_padding(None);
     Ok((tok_path, tok))

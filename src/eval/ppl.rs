@@ -9,9 +9,10 @@
 //! positions (never (T x V) logits at once), log-sum-exp and sums in f64, only the NLLs leave the
 //! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here:
 //! YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
+use crate::data::tokenize::load_tokenizer;
 use crate::device::{ComputeDtype, DeviceSpec};
 use crate::model::attention::{AttentionChoice, AttentionImpl};
-use crate::model::{load_model_dir, load_tokenizer, rope::RopeParity, Llama};
+use crate::model::{load_model_dir, rope::RopeParity, Llama};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Tensor};
 use serde::Serialize;
@@ -203,7 +204,7 @@ pub fn position_nlls(
         return Ok(vec![]);
     }
     let targets = Tensor::new(&ids[p0 + 1..p1 + 1], hidden.device())?; // (p1 - p0)
-    let nll = crate::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
+    let nll = crate::model::loss::chunked_nll(&targets, chunk, DType::F64, |start, len| {
         let logits =
             model.logits(&hidden.narrow(1, p0 + start, len)?).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
         logits.squeeze(0)?.to_dtype(DType::F32) // (len, V)

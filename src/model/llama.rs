@@ -21,6 +21,7 @@ use crate::ops::rotary::rope;
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashMap;
+use std::ops::Range;
 
 /// One decoder layer's parameters (HF names in comments).
 #[derive(Clone, Debug)]
@@ -194,6 +195,62 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
     } else {
         crate::ops::swiglu::swiglu_slow(gate, up)
     }
+}
+
+/// The weights outside the decoder layers, as one forward uses them.
+#[derive(Clone, Debug)]
+pub struct OuterWeights {
+    /// model.embed_tokens.weight (V, C)
+    pub embed: Tensor,
+    /// model.norm.weight (C)
+    pub norm: Tensor,
+    /// lm_head.weight (V, C); the embedding when tied
+    pub head: Tensor,
+}
+
+/// Where a forward takes its weights from, asked in the order the forward uses them: the model's own
+/// (`OwnWeights`), or what the training loop gathers per layer under ZeRO (`train::params`), which also
+/// keeps, as `Held`, what it needs to hand the gradients on. A trait because `model/` does not know
+/// the collectives.
+pub trait WeightSource {
+    /// What the source keeps per layer while that layer's graph is alive.
+    type Held;
+    /// The embedding, final norm and head of one forward.
+    fn outer(&mut self, model: &Llama) -> Result<OuterWeights>;
+    /// Decoder layer `l`'s weights.
+    fn layer(&mut self, model: &Llama, l: usize) -> Result<(LayerWeights, Self::Held)>;
+}
+
+/// The model's own weights (inference, and every weight resident).
+pub struct OwnWeights;
+
+impl WeightSource for OwnWeights {
+    type Held = ();
+    fn outer(&mut self, model: &Llama) -> Result<OuterWeights> {
+        Ok(OuterWeights { embed: model.embed_tokens.clone(), norm: model.norm.clone(), head: model.lm_head.clone() })
+    }
+    fn layer(&mut self, model: &Llama, l: usize) -> Result<(LayerWeights, ())> {
+        Ok((model.layer(l)?.clone(), ()))
+    }
+}
+
+/// What a forward's layers read besides the weights: RoPE tables (`tables[l]`, or one shared), the
+/// document mask ((B, T) of the whole sequences: under sequence parallelism the global ones), and the
+/// KV cache of generation.
+pub struct Forward<'a> {
+    pub tables: &'a [RopeTables],
+    pub docs: Option<&'a DocStarts>,
+    pub cache: Option<&'a mut KvCache>,
+}
+
+/// The output of `Llama::forward_segments`.
+pub struct Segmented<H> {
+    /// hidden states after the final norm (B, T, C)
+    pub hidden: Tensor,
+    /// the embedding, norm and head the forward used
+    pub outer: OuterWeights,
+    /// what the weight source handed out for the last segment's layers
+    pub held: Vec<H>,
 }
 
 /// Per-layer key/value cache for generation: (B, Hkv, Tpast, D) each, after RoPE.
@@ -474,20 +531,78 @@ impl Llama {
         &self,
         ids: &Tensor,
         start: usize,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         docs: Option<&DocStarts>,
     ) -> Result<Tensor> {
         let t = ids.dim(1)?;
-        let mut x = self.embed(ids)?;
-        let shared = if self.cfg.rope.per_layer() { None } else { Some(self.rope_tables(0, start, t)?) };
-        for l in 0..self.cfg.num_hidden_layers {
-            let tables = match &shared {
-                Some(tab) => tab.clone(),
-                None => self.rope_tables(l, start, t)?,
-            };
-            x = self.layer_forward_with(l, self.layer(l)?, &x, &tables, cache.as_deref_mut(), docs)?;
+        let tables = self.rope_tables_all(start, t)?;
+        let layers = [0..self.cfg.num_hidden_layers];
+        let run = Forward { tables: &tables, docs, cache };
+        Ok(self.forward_segments(&mut OwnWeights, ids, &layers, run, &mut |_, x| Ok(x))?.hidden)
+    }
+
+    /// RoPE tables of every layer for positions start..start+len: one shared table, or one per layer
+    /// when the scheme makes layers differ (`tables[l.min(len - 1)]` is layer l's).
+    pub fn rope_tables_all(&self, start: usize, len: usize) -> Result<Vec<RopeTables>> {
+        let n = if self.cfg.rope.per_layer() { self.cfg.num_hidden_layers } else { 1 };
+        (0..n).map(|l| self.rope_tables(l, start, len)).collect()
+    }
+
+    /// The model's forward, written once: embed -> decoder layers, cut into `segments` (consecutive
+    /// ranges covering every layer) -> final RMSNorm, with every weight taken from `w` in the order the
+    /// forward uses it. Before each segment, `cut(i, x)` sees the segment's input and returns what the
+    /// segment starts from: the identity for a plain forward; activation checkpointing saves and detaches
+    /// it. What `w` hands out for the segments before the last is dropped when the next one starts; the
+    /// last segment's is returned (its graph is the one the backward runs first).
+    pub fn forward_segments<W: WeightSource>(
+        &self,
+        w: &mut W,
+        ids: &Tensor,
+        segments: &[Range<usize>],
+        mut run: Forward,
+        cut: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    ) -> Result<Segmented<W::Held>> {
+        let outer = w.outer(self)?;
+        let mut x = self.embed_with(&outer.embed, ids)?; // (B, T, C)
+        let mut held = vec![];
+        for (i, layers) in segments.iter().enumerate() {
+            x = cut(i, x)?;
+            held.clear(); // the previous segment's weights are released before the next one's are taken
+            let cache = run.cache.as_deref_mut();
+            let step = Forward { tables: run.tables, docs: run.docs, cache };
+            let (y, h) = self.run_layers(w, &x, layers.clone(), step, None)?;
+            x = y;
+            held = h;
         }
-        Ok(rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?)
+        let hidden = rms_norm(&x, &outer.norm, self.cfg.rms_norm_eps)?; // (B, T, C)
+        Ok(Segmented { hidden, outer, held })
+    }
+
+    /// Decoder layers `layers` on x (B, T, C), weights from `w`; returns the output and what `w` handed
+    /// out for them. With `vjp = Some(g)` (the recompute of activation checkpointing) the last layer
+    /// gives, instead of its output, the scalar whose backward is that of sum(output ⊙ g)
+    /// (`layer_vjp_with`: the down projection's forward skipped).
+    pub fn run_layers<W: WeightSource>(
+        &self,
+        w: &mut W,
+        x: &Tensor,
+        layers: Range<usize>,
+        mut run: Forward,
+        vjp: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<W::Held>)> {
+        let mut x = x.clone();
+        let mut held = Vec::with_capacity(layers.len());
+        let last = layers.end.saturating_sub(1);
+        for l in layers {
+            let (lw, h) = w.layer(self, l)?;
+            let tables = &run.tables[l.min(run.tables.len() - 1)];
+            x = match vjp {
+                Some(g) if l == last => self.layer_vjp_with(l, &lw, &x, g, tables, run.docs)?, // ()
+                _ => self.layer_forward_with(l, &lw, &x, tables, run.cache.as_deref_mut(), run.docs)?, // (B, T, C)
+            };
+            held.push(h);
+        }
+        Ok((x, held))
     }
 
     /// Logits of hidden states: (..., C) -> (..., V). Use on chunks of tokens at long T.

@@ -7,6 +7,7 @@ pub mod config;
 pub mod inspect;
 pub mod layout;
 pub mod llama;
+pub mod loss;
 pub mod rope;
 pub mod testing;
 pub mod weights;
@@ -18,5 +19,3 @@ pub use weights::load_model_dir;
 pub fn flops_per_token(n_params: usize, n_layers: usize, hidden: usize, seq_len: usize) -> f64 {
     6.0 * n_params as f64 + 12.0 * (n_layers * hidden * seq_len) as f64
 }
-
-pub use crate::data::tokenize::load_tokenizer;

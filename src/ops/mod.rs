@@ -7,6 +7,7 @@ pub mod candle_flash;
 pub mod cpu_gemm;
 pub mod cpu_vec;
 pub mod cross_entropy_chunk;
+pub mod emu;
 pub mod linear;
 pub mod rms_norm;
 pub mod rotary;

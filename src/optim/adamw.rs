@@ -18,7 +18,7 @@
 use crate::comms::zero::ShardMap;
 use crate::config::OptimSection;
 use crate::flatbuf::{FlatBuf, Placement};
-use crate::grads::{ParamGroup, ParamLayout};
+use crate::model::layout::{ParamGroup, ParamLayout};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use rayon::prelude::*;

@@ -6,13 +6,13 @@
 use crate::config::targets_in;
 use crate::data::Sequence;
 use crate::flatbuf::FlatBuf;
-use crate::grads::ParamLayout;
-use crate::loss::IGNORE_INDEX;
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
+use crate::model::layout::ParamLayout;
 use crate::model::rope::RopeTables;
 use crate::model::Llama;
 use crate::ops::attention::DocStarts;
+use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 

@@ -74,7 +74,7 @@ impl TrainEval {
         loss_chunk: usize,
     ) -> Result<Option<TrainEval>> {
         let Some(cfg) = cfg else { return Ok(None) };
-        let mut tok = crate::model::load_tokenizer(tokenizer)?;
+        let mut tok = crate::data::tokenize::load_tokenizer(tokenizer)?;
         tok.with_truncation(None).map_err(|e| anyhow!("cannot disable truncation: {e}"))?;
         tok.with_padding(None);
         let docs = if cfg.ppl_inputs.is_empty() {

@@ -7,11 +7,11 @@
 //! error or panic), so the other ranks stop naming it instead of waiting for the collective timeout.
 use super::args::TrainArgs;
 use super::training_loop::run_rank;
-use crate::comms::launch::launch_if_asked;
 use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
 use crate::comms::sequence::SpGroup;
 use crate::comms::Comm;
 use crate::config::{Backend, RunConfig};
+use crate::launch::spawn::launch_if_asked;
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::Arc;
 
@@ -71,9 +71,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
 /// rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
 #[cfg(feature = "nccl")]
 fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
-    use crate::comms::launch::place;
-    use crate::comms::launch_env::{free_port, LaunchEnv, LaunchSource};
     use crate::comms::nccl::NcclComm;
+    use crate::launch::env::{free_port, LaunchEnv, LaunchSource};
+    use crate::launch::spawn::place;
     let dist = &cfg.dist;
     let placed = place(dist, origin, LaunchEnv::from_env()?)?;
     let env = match placed.launch {
@@ -94,7 +94,7 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
     };
     let resolved = RunConfig::load(&args.config, &args.set)?.toml;
     // the collective signature check (`comms::signature`): a window every SIG_EVERY collectives
-    let check_every = if dist.check_collectives { crate::comms::signature::SIG_EVERY } else { 0 };
+    let check_every = if dist.check_collectives { crate::launch::signature::SIG_EVERY } else { 0 };
     let comm = Arc::new(
         NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1), check_every)
             .with_context(|| format!("{origin}: joining the NCCL group as rank {} of {}", env.rank, env.world_size))?,
@@ -132,7 +132,7 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
 
 #[cfg(not(feature = "nccl"))]
 fn run_nccl_rank(_args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
-    crate::comms::launch::place(&cfg.dist, origin, None)?; // refuses: this build has no NCCL
+    crate::launch::spawn::place(&cfg.dist, origin, None)?; // refuses: this build has no NCCL
     bail!("{origin}: dist.backend = \"nccl\" needs a build with --features nccl")
 }
 
@@ -141,7 +141,7 @@ fn run_nccl_rank(_args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()>
 /// shared by the `Local` ranks, or of the CUDA device's free memory (queried).
 fn plan_check(cfg: &RunConfig, origin: &str, force: bool) -> Result<()> {
     use crate::device::DeviceSpec;
-    use crate::plan::{plan_for, Gpu, GpuKind, World};
+    use crate::train::plan::{plan_for, Gpu, GpuKind, World};
     let dist = &cfg.dist;
     let ranks = dist.world_size.max(1);
     // ranks that share one device's memory: threads of one process (the host, or one GPU under `local`)

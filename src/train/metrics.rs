@@ -64,8 +64,6 @@ fn nan_map_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Resul
     Ok(m.into_iter().map(|(k, v)| (k, v.unwrap_or(f64::NAN))).collect())
 }
 
-pub use crate::model::flops_per_token;
-
 /// The console line of one step.
 pub fn step_line(r: &StepRecord, total_steps: u64) -> String {
     let mfu = r.mfu.map(|m| format!(" mfu {:.1}%", 100.0 * m)).unwrap_or_default();

@@ -32,7 +32,7 @@
 //!   a stage's model is built the same way from the master shards (`zero::gather_params`): no rank keeps
 //!   a full fp32 copy of the weights beside the compute weights.
 //! - The communicator comes from `[dist]`; with one rank every collective is a no-op, so the loop has no
-//!   `if distributed` branches. `comms::ZeroStage` changes only where parameters and gradients live,
+//!   `if distributed` branches. `config::ZeroStage` changes only where parameters and gradients live,
 //!   never the order of the loop. Rank 0 alone writes the run directory.
 //! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
 //!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
@@ -52,9 +52,11 @@ pub mod checkpoint;
 mod launch;
 mod eval;
 pub mod metrics;
+pub mod plan;
 mod run_dir;
 mod session;
 mod stage;
+mod params;
 mod step;
 pub mod tensorboard;
 mod training_loop;
@@ -65,6 +67,7 @@ pub use batch::{
     LossSums,
 };
 pub use launch::run;
+pub use params::Params;
 pub use run_dir::RunDir;
 pub use session::results_hash;
-pub use step::{forward_backward, forward_backward_with, Backward, MicroBatch, MicroOut, Params};
+pub use step::{forward_backward, forward_backward_with, Backward, MicroBatch, MicroOut};

@@ -6,16 +6,16 @@
 //! them; a stage builds its model from the master shards (`Stage::open`), so no rank keeps a full fp32
 //! copy of the weights beside the compute weights.
 use super::args::TrainArgs;
-use super::stage::Stage;
 use super::RunDir;
 use crate::comms::sequence::SpGroup;
 use crate::comms::zero::{self, ShardMap, Split};
-use crate::comms::{Comm, Mesh, ZeroStage};
+use crate::comms::{Comm, Mesh};
+use crate::config::ZeroStage;
 use crate::config::{DataSource, RunConfig};
 use crate::data::{builtin_texts, prepare_from_texts, tokenizer_sha256, PrepareOptions};
 use crate::flatbuf::{FlatBuf, Placement};
-use crate::grads::ParamLayout;
 use crate::model::config::LlamaConfig;
+use crate::model::layout::ParamLayout;
 use crate::model::llama::param_shapes;
 use crate::model::weights::{init_flat, load_flat};
 use crate::optim::adamw::{AdamW, AdamWHyper};
@@ -185,17 +185,6 @@ impl Run {
             self.state.step
         )
     }
-
-    /// Print a line above the progress bar (or plainly without one).
-    pub(super) fn say(&self, stage: &Stage, line: String) {
-        if self.mesh.rank() != 0 {
-            return;
-        }
-        match &stage.pb {
-            Some(pb) => pb.println(line),
-            None => println!("{line}"),
-        }
-    }
 }
 
 /// The run's model architecture: the model directory's `config.json`, or `[model.init]`'s shape.
@@ -261,15 +250,14 @@ pub(super) fn prepare_run_dir(run_dir: &RunDir, toml: &str, hash: &str, force: b
     crate::util::write_atomic(&cfg_path, toml.as_bytes())
 }
 
-/// The hash that guards a run directory and its resume: sha256 of the resolved TOML without its
-/// `[dist]` table, whose keys (backend, world size, ZeRO stage, buckets, timeout) change how the run is
-/// computed, never its results, so a checkpoint continues on another world size.
+/// The hash that guards a run directory and its resume: `RunConfig::hash` of the resolved TOML without
+/// its `[dist]` table, whose keys (backend, world size, ZeRO stage, buckets, timeout) change how the run
+/// is computed, never its results, so a checkpoint continues on another world size.
 pub fn results_hash(toml_text: &str) -> Result<String> {
-    let mut t: toml::Table = toml_text.parse().map_err(|e: toml::de::Error| {
+    let cfg: RunConfig = toml::from_str(toml_text).map_err(|e: toml::de::Error| {
         anyhow!("config.toml: {}\nhint: the run directory's config.toml is damaged", e.to_string().trim_end())
     })?;
-    t.remove("dist");
-    Ok(crate::util::sha256_hex(toml::to_string(&t)?.as_bytes()))
+    cfg.hash(true)
 }
 
 /// The dataset directory of stage `i`, preparing the built-in one on first use.

@@ -16,7 +16,6 @@ use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::RopeTables;
 use crate::model::Llama;
-use crate::train::metrics;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
 use std::sync::Arc;
@@ -49,6 +48,17 @@ pub(super) struct Stage {
 }
 
 impl Stage {
+    /// Print a line above the progress bar (or plainly without one), on rank 0 only.
+    pub(super) fn say(&self, r: &Run, line: String) {
+        if r.mesh.rank() != 0 {
+            return;
+        }
+        match &self.pb {
+            Some(pb) => pb.println(line),
+            None => println!("{line}"),
+        }
+    }
+
     /// Build stage `si`'s model from the run's weights, open its data (restoring the cursor when the
     /// run resumes inside it), and apply the stage boundary (optimizer reset) when it starts fresh.
     pub(super) fn open(r: &mut Run, si: usize) -> Result<Stage> {
@@ -113,7 +123,7 @@ impl Stage {
             seg: cfg.train.activation_checkpointing.segment_len(mc.num_hidden_layers),
             // the GLOBAL step's targets: each rank's gradients are partial sums of one global mean
             targets_per_step: cfg.targets_per_step(si) as f64,
-            flops_tok: metrics::flops_per_token(r.layout.total, mc.num_hidden_layers, mc.hidden_size, seq_len),
+            flops_tok: crate::model::flops_per_token(r.layout.total, mc.num_hidden_layers, mc.hidden_size, seq_len),
             pb: progress_bar(cfg.log.progress && r.mesh.rank() == 0, si, steps, r.state.stage_step),
             mc,
             model,

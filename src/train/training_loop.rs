@@ -9,20 +9,22 @@
 use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts, LossSums};
 use super::eval::{eval_line, EvalPoint, TrainEval};
+use super::params::Params;
 use super::session::Run;
 use super::stage::Stage;
-use super::step::{forward_backward_with, Backward, MicroBatch, Params};
+use super::step::{forward_backward_with, Backward, MicroBatch};
 use crate::comms::sequence::SpGroup;
 use crate::comms::zero::{self, ZeroShards};
 use crate::comms::Comm;
-use crate::comms::GradReduce;
 use crate::config::targets_in;
+use crate::config::GradReduce;
 use crate::data::loader::source_name;
 use crate::data::Sequence;
 use crate::grads;
 use crate::model::attention::AttentionImpl;
 use crate::model::weights::save_model_dir;
 use crate::model::Llama;
+use crate::optim::schedule::Progress;
 use crate::train::checkpoint;
 use crate::train::metrics::{self, mem, StepRecord};
 use crate::train::tensorboard;
@@ -128,7 +130,13 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         .filter(|(_, c)| c[1] > 0.0)
         .map(|(i, c)| (source_name(&s.sources, Some(i as u32)), (c[0], c[1])))
         .collect();
-    let lr = r.sched.lr_at(s.lr_peak, r.state.stage_step, s.steps);
+    let at = Progress {
+        stage_step: r.state.stage_step,
+        stage_steps: s.steps,
+        step: r.state.step,
+        total_steps: r.total_steps,
+    };
+    let lr = r.sched.lr(s.lr_peak, at);
     let skipped = !(loss.is_finite() && grad_norm.is_finite());
     if skipped {
         r.bad_streak += 1;
@@ -169,12 +177,12 @@ fn micro_step(r: &mut Run, s: &mut Stage, sums: &mut LossSums) -> Result<f64> {
     let mut params = if r.zero.shards_gradients() {
         let z = ZeroShards::new(r.shards(), s.grads.buf_mut(), r.dtype, r.device.clone(), r.bucket);
         if r.zero.gathers_weights() {
-            Params::Sharded(z)
+            Params::sharded(z)
         } else {
-            Params::ShardedGrads { vars: &s.vars, z }
+            Params::sharded_grads(&s.vars, z)
         }
     } else {
-        Params::Resident { vars: &s.vars, layout: &r.layout, grads: &mut s.grads }
+        Params::resident(&s.vars, &r.layout, &mut s.grads)
     };
     let batch = MicroBatch { ids: &ids, targets: &targets, tables: &s.tables, docs: docs.as_ref() };
     let how = Backward { seg: s.seg, loss_chunk: r.cfg.train.loss_chunk_tokens, scale: 1.0 / s.targets_per_step };
@@ -256,7 +264,7 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         tb.scalars(rec.step, &tensorboard::step_scalars(&rec))?;
     }
     if r.state.step.is_multiple_of(r.cfg.log.every.max(1)) || out.skipped {
-        r.say(s, metrics::step_line(&rec, r.total_steps));
+        s.say(r, metrics::step_line(&rec, r.total_steps));
     }
     if let Some(pb) = &s.pb {
         pb.set_position(r.state.stage_step);
@@ -298,7 +306,7 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
     if let Some(tb) = &mut r.tb {
         tb.scalars(rec.step, &tensorboard::eval_scalars(&rec))?;
     }
-    r.say(s, eval_line(&rec));
+    s.say(r, eval_line(&rec));
     if r.cfg.log.plot {
         let recs = metrics::read_evals(&r.run_dir.metrics())?;
         metrics::plot_evals(&recs, &r.run_dir.eval_plot())?;
@@ -351,7 +359,7 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut, stop: bool) -> Result
         model_bytes: (r.layout.total * r.dtype.size_in_bytes()) as u64,
     };
     let p = checkpoint::save(&root, &snap, &r.optim, &r.comm, &opts, &write_model)?;
-    r.say(s, format!("saved {}", p.display()));
+    s.say(r, format!("saved {}", p.display()));
     r.last_saved = Some(p);
     Ok(())
 }

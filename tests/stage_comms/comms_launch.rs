@@ -1,11 +1,11 @@
 //! The launcher environment (torchrun, Slurm, hostlists), the worker spawner, and the TCP rendezvous
 //! (threads and real processes on localhost).
-use harpe::comms::launch::{place, spawn_workers, strip_nproc_flag, SpawnOptions};
-use harpe::comms::launch_env::{expand_nodelist, free_port, LaunchEnv, LaunchSource, RunToken, TokenOrigin};
-use harpe::comms::rendezvous::{
+use harpe::config::{rank_batching, Backend, DistSection};
+use harpe::launch::env::{expand_nodelist, free_port, LaunchEnv, LaunchSource, RunToken, TokenOrigin};
+use harpe::launch::rendezvous::{
     binary_version, config_hash, rendezvous, Meeting, Rendezvous, RendezvousSpec, HANDSHAKE_WAIT,
 };
-use harpe::config::{rank_batching, Backend, DistSection};
+use harpe::launch::spawn::{place, spawn_workers, strip_nproc_flag, SpawnOptions};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Write;

@@ -41,7 +41,7 @@ fn need_torchrun() -> Option<(PathBuf, MutexGuard<'static, ()>)> {
 }
 
 fn free_port() -> String {
-    harpe::comms::launch_env::free_port("127.0.0.1").unwrap().to_string()
+    harpe::launch::env::free_port("127.0.0.1").unwrap().to_string()
 }
 
 /// One torchrun agent running `harpe dist-check <check...>` with `--no-python`.

@@ -13,9 +13,9 @@
 //! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
 //! implementation in that type (every intermediate rounded, `naive16` below).
 use half::{bf16, f16};
-use harpe::kernels_emu::attention::{self as ka, AttnFloat};
 use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
 use harpe::ops::attention_shape::{attention_workspace, AttnDims, AttnKernel, AttnMask, PackedRows};
+use harpe::ops::emu::attention::{self as ka, AttnFloat};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -474,7 +474,7 @@ fn packed_rows_keep_16_bit_parts_aligned_and_f32_rows_as_before() {
 
 #[test]
 fn selftest_attention_rows_pass_on_the_emulator() {
-    use harpe::selftest::{attention, Target};
+    use harpe::tools::selftest::{attention, Target};
     for seed in [1u64, 2] {
         let checks = attention::checks(&Target::Emulated, &mut ChaCha8Rng::seed_from_u64(seed)).unwrap();
         // 2 probe rows + 4 (dtype, kernel) pairs x 3 shapes (one with a document mask) x 5 outputs (O, lse, dQ, dK, dV)

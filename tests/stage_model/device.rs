@@ -1,7 +1,8 @@
 //! One device chooser: `--device` on eval-ppl / eval-loss / eval-niah and `train.device` parse `cpu`,
 //! `cuda`, `cuda:N`; asking for CUDA from a CPU build fails with the rebuild hint, naming the flag or
 //! the config field; the one dtype enum refuses f16 for training.
-use harpe::config::{DeviceSpec, RunConfig};
+use harpe::config::RunConfig;
+use harpe::device::DeviceSpec;
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -3,9 +3,9 @@
 //! attention kernels' counts that follow from their tiling.
 //! Measuring is process-wide, so every test takes `LOCK` and resets the table first.
 use half::bf16;
-use harpe::kernels_emu::attention as ka;
-use harpe::kernels_emu::profile::{self, Profile};
 use harpe::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
+use harpe::ops::emu::attention as ka;
+use harpe::ops::emu::profile::{self, Profile};
 use std::sync::Mutex;
 
 static LOCK: Mutex<()> = Mutex::new(());

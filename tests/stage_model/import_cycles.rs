@@ -15,8 +15,10 @@
 //! Run it alone: `cargo test --test stage_model import_cycles -- --nocapture` (scripts/check-import-cycles.sh).
 //! Unit-test code (items under `#[cfg(test)]`) is skipped: a test may use the layers above the code it
 //! tests without that being a circle of the code itself.
-//! Does not: follow relative paths (`super::`, `self::`, a module imported by name and then used as
-//! `m::f`), `#[path]` attributes (src/ has none; the module walk fails if a declared file is missing),
+//! Relative paths (`super::`, `self::`) are resolved against the file's module and the inline modules
+//! they sit in. A second check holds the rooms (top-level modules) to the order src/lib.rs declares them
+//! in: a room imports only rooms declared before it.
+//! Does not: follow a module imported by name and then used as `m::f`, `#[path]` attributes (src/ has none; the module walk fails if a declared file is missing),
 //! or src/main.rs (the binary reaches the library as `harpe::`).
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -162,11 +164,14 @@ fn lex(src: &str) -> Vec<(Tok, usize)> {
 
 // ---------------------------------------------------------------- paths and modules
 
-/// One `crate::` path found in a file: its segments after `crate` and its line.
+/// One path found in a file: its segments after `crate` (or after `self`/`super`) and its line.
 #[derive(Clone, Debug, PartialEq)]
 struct CratePath {
     segs: Vec<String>,
     line: usize,
+    /// None for a `crate::` path; for a relative one, the inline modules it sits in and how many
+    /// `super`s lead it (0 for `self::`): it resolves against the file's own module path
+    rel: Option<(Vec<String>, usize)>,
 }
 
 /// What one file declares and references: `mod x;` (with the inline-module path it sits in), inline
@@ -212,7 +217,7 @@ fn parse_tree(toks: &[(Tok, usize)], i: &mut usize, prefix: &[String], line: usi
     match ident(toks.get(*i)) {
         Some("self") => {
             *i += 1;
-            out.push(CratePath { segs: prefix.to_vec(), line });
+            out.push(CratePath { segs: prefix.to_vec(), line, rel: None });
         }
         Some(seg) => {
             let mut p = prefix.to_vec();
@@ -222,7 +227,7 @@ fn parse_tree(toks: &[(Tok, usize)], i: &mut usize, prefix: &[String], line: usi
                 *i += 1;
                 parse_tree(toks, i, &p, line, out);
             } else {
-                out.push(CratePath { segs: p, line });
+                out.push(CratePath { segs: p, line, rel: None });
             }
         }
         None => {
@@ -230,7 +235,7 @@ fn parse_tree(toks: &[(Tok, usize)], i: &mut usize, prefix: &[String], line: usi
             if punct(toks.get(*i), '*') {
                 *i += 1;
             }
-            out.push(CratePath { segs: prefix.to_vec(), line });
+            out.push(CratePath { segs: prefix.to_vec(), line, rel: None });
         }
     }
 }
@@ -303,6 +308,30 @@ fn scan(src: &str) -> FileScan {
                     }
                 }
             }
+            Tok::Ident(w)
+                if (w == "super" || w == "self")
+                    && matches!(toks.get(i + 1), Some((Tok::Path, _)))
+                    && !(i > 0 && matches!(toks.get(i - 1), Some((Tok::Path, _)))) =>
+            {
+                // `super::super::a::b` / `self::a`: count the leading supers, then read the rest as a tree
+                let mut up = 0;
+                let mut j = i;
+                while ident(toks.get(j)) == Some("super") && matches!(toks.get(j + 1), Some((Tok::Path, _))) {
+                    up += 1;
+                    j += 2;
+                }
+                if up == 0 {
+                    j += 2; // `self::`
+                }
+                let here: Vec<String> = inline.iter().map(|(n, _)| n.clone()).collect();
+                let start = fs.paths.len();
+                parse_tree(&toks, &mut j, &[], *line, &mut fs.paths);
+                for p in &mut fs.paths[start..] {
+                    p.rel = Some((here.clone(), up));
+                }
+                i = j;
+                continue;
+            }
             Tok::Ident(w) if w == "crate" => {
                 let prev_dollar = i > 0 && punct(toks.get(i - 1), '$');
                 let prev_in = i > 0 && ident(toks.get(i - 1)) == Some("in");
@@ -370,13 +399,38 @@ impl Crate {
         (0..=segs.len()).rev().find_map(|n| self.modules.get(&segs[..n])).map_or("src/lib.rs", |s| s.as_str())
     }
 
+    /// The module path of `file` (its first: a file is one module).
+    fn module_of(&self, file: &str) -> Vec<String> {
+        self.modules
+            .iter()
+            .filter(|(_, f)| f.as_str() == file)
+            .map(|(m, _)| m.clone())
+            .min_by_key(|m| m.len())
+            .unwrap_or_default()
+    }
+
+    /// `p` as segments after `crate`: relative paths resolved against `file`'s module and inline modules.
+    fn absolute(&self, file: &str, p: &CratePath) -> Vec<String> {
+        match &p.rel {
+            None => p.segs.clone(),
+            Some((inline, up)) => {
+                let mut base = self.module_of(file);
+                base.extend(inline.iter().cloned());
+                base.truncate(base.len().saturating_sub(*up));
+                base.extend(p.segs.iter().cloned());
+                base
+            }
+        }
+    }
+
     fn graph(&self) -> Graph {
         let mut g = Graph::new();
         for (file, fs) in &self.scans {
             for p in &fs.paths {
-                let to = self.resolve(&p.segs);
+                let segs = self.absolute(file, p);
+                let to = self.resolve(&segs);
                 if to != file {
-                    let text = format!("crate::{}", p.segs.join("::"));
+                    let text = format!("crate::{}", segs.join("::"));
                     g.entry((file.clone(), to.to_string())).or_default().push((p.line, text));
                 }
             }
@@ -508,7 +562,7 @@ fn check(found: &[Vec<String>], known: &[(&[&str], &str)], g: &Graph) -> Result<
         Ok(())
     } else {
         Err(errs
-            + "hint: tests/import_cycles.rs explains the check; `cargo test --test stage_model import_cycles -- --nocapture`\n")
+            + "hint: tests/stage_model/import_cycles.rs explains the check; `cargo test --test stage_model import_cycles -- --nocapture`\n")
     }
 }
 
@@ -543,6 +597,71 @@ fn top_level_modules_have_no_circles_beyond_the_known_ones() {
     }
 }
 
+/// The top-level modules in the order src/lib.rs declares them: the pipeline, lowest room first.
+fn rooms(lib: &str) -> Vec<String> {
+    lib.lines().filter_map(|l| l.trim().strip_prefix("pub mod ")?.strip_suffix(';').map(String::from)).collect()
+}
+
+/// Imports from a room to one declared after it in src/lib.rs (a lower room reaching up), with where.
+fn upward(g: &Graph, rooms: &[String]) -> Vec<String> {
+    let pos = |u: &str| rooms.iter().position(|r| r == u);
+    let mut out = vec![];
+    for ((a, b), uses) in g {
+        if let (Some(ia), Some(ib)) = (pos(a), pos(b)) {
+            if ib > ia {
+                out.push(format!("{a} -> {b}: {}", uses[0].1));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn rooms_import_only_the_rooms_below_them() {
+    let read = repo_reader();
+    let krate = load_crate(&read).unwrap_or_else(|e| panic!("{e}"));
+    let rooms = rooms(&read("src/lib.rs").expect("src/lib.rs"));
+    assert!(rooms.len() > 10 && rooms.contains(&"tools".to_string()), "{rooms:?}");
+    let up = upward(&top_level(&krate.graph()), &rooms);
+    assert!(
+        up.is_empty(),
+        "imports from a lower room to a higher one (src/lib.rs declares the rooms lowest first):\n{}\nhint: move the \
+         type the lower room needs down into it (or below it)",
+        up.join("\n")
+    );
+}
+
+#[test]
+fn an_upward_import_is_found() {
+    let mut g = Graph::new();
+    g.insert(("data".into(), "model".into()), vec![(3, "crate::model::Llama (src/data/x.rs:3)".into())]);
+    g.insert(("model".into(), "data".into()), vec![(4, "crate::data::Loader (src/model/y.rs:4)".into())]);
+    let rooms = rooms("pub mod util;\npub mod data;\n// a comment\npub mod model;\n");
+    assert_eq!(rooms, ["util", "data", "model"]);
+    assert_eq!(upward(&g, &rooms), ["data -> model: crate::model::Llama (src/data/x.rs:3)"]);
+}
+
+#[test]
+fn relative_paths_resolve_against_the_file_and_its_inline_modules() {
+    let read = |p: &str| -> Option<String> {
+        match p {
+            "src/lib.rs" => Some("pub mod a;\npub mod b;\n".into()),
+            "src/a/mod.rs" => Some("pub mod x;\npub mod y;\n".into()),
+            "src/a/x.rs" => {
+                Some("use super::y::f;\nmod inner { use super::super::super::b::g; fn h() { self::k(); } }\n".into())
+            }
+            "src/a/y.rs" => Some("pub fn f() {}\n".into()),
+            "src/b.rs" => Some("pub fn g() {}\n".into()),
+            _ => None,
+        }
+    };
+    let krate = load_crate(&read).unwrap_or_else(|e| panic!("{e}"));
+    let g = krate.graph();
+    assert!(g.contains_key(&("src/a/x.rs".into(), "src/a/y.rs".into())), "{g:?}");
+    assert!(g.contains_key(&("src/a/x.rs".into(), "src/b.rs".into())), "{g:?}");
+    assert_eq!(g.len(), 2, "self::k inside `inner` stays in the file: {g:?}");
+}
+
 #[test]
 fn the_real_crate_is_read_whole() {
     // guards against a parser that silently finds nothing: known modules and imports are there
@@ -553,8 +672,11 @@ fn the_real_crate_is_read_whole() {
     assert!(krate.modules.len() > 60, "{} modules", krate.modules.len());
     let g = krate.graph();
     let edge = |a: &str, b: &str| g.contains_key(&(a.to_string(), b.to_string()));
-    assert!(edge("src/loss.rs", "src/ops/cross_entropy_chunk.rs"));
-    assert!(edge("src/kernels_emu/attention.rs", "src/ops/attention_shape.rs"));
+    assert!(edge("src/model/loss.rs", "src/ops/linear.rs"));
+    assert!(edge("src/ops/emu/attention.rs", "src/ops/attention_shape.rs"));
+    // relative paths are followed: `use super::params::..` and `super::{check_len, perturb, ..}`
+    assert!(edge("src/train/step.rs", "src/train/params.rs"), "super:: is followed");
+    assert!(edge("src/ops/emu/attention.rs", "src/ops/emu/perturb.rs"), "super::{{..}} groups are followed");
     assert!(g.len() > 150, "{} edges", g.len());
 }
 

@@ -4,9 +4,10 @@
 //! `loss::chunked_cross_entropy` end to end (nll and both gradients through the matmuls), in-place
 //! dlogits, the RMSNorm kernels against the op's autograd, and the emulator's collectives.
 use candle_core::{DType, Device, Tensor, Var};
-use harpe::kernels_emu::{self as emu, Dims};
-use harpe::loss::{chunked_cross_entropy, IGNORE_INDEX};
-use harpe::selftest::{self, Check, Dt, Target};
+use harpe::model::loss::chunked_cross_entropy;
+use harpe::ops::cross_entropy_chunk::IGNORE_INDEX;
+use harpe::ops::emu::{self as emu, Dims};
+use harpe::tools::selftest::{self, Check, Dt, Target};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 

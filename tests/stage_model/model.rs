@@ -261,7 +261,7 @@ fn bad_model_directories_get_clear_errors() {
     // random model dir writes a tokenizer that round-trips text
     let d4 = tmp.path().join("tok");
     write_random_model_dir(&d4, &cfg, 1).unwrap();
-    let tok = harpe::model::load_tokenizer(&d4).unwrap();
+    let tok = harpe::data::tokenize::load_tokenizer(&d4).unwrap();
     let enc = tok.encode("héllo 7", true).unwrap();
     assert_eq!(enc.get_ids()[0], 1);
     assert_eq!(tok.decode(&enc.get_ids()[1..], false).unwrap(), "héllo 7");

@@ -4,7 +4,7 @@
 //!
 //! One #[test] on purpose: the switch is a process-wide environment variable, and the tests of one
 //! binary run on parallel threads.
-use harpe::selftest::{self, attention, Check, Dt, Target};
+use harpe::tools::selftest::{self, attention, Check, Dt, Target};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -30,7 +30,7 @@ fn show(c: &Check) -> String {
 
 #[test]
 fn a_kernel_off_by_one_percent_fails_its_rows_and_correct_kernels_pass_with_margin() {
-    std::env::remove_var(harpe::kernels_emu::perturb::VAR);
+    std::env::remove_var(harpe::ops::emu::perturb::VAR);
     let every: [CaseFn; 3] = [selftest::rope_checks, selftest::rms_norm_checks, selftest::cross_entropy_checks];
     for seed in [3u64, 4] {
         let all = rows(&every, true, seed);
@@ -54,7 +54,7 @@ fn a_kernel_off_by_one_percent_fails_its_rows_and_correct_kernels_pass_with_marg
         ("attention_fwd:mask", &[], "attention", " lse"),
     ];
     for (switch, fns, prefix, suffix) in cases {
-        std::env::set_var(harpe::kernels_emu::perturb::VAR, switch);
+        std::env::set_var(harpe::ops::emu::perturb::VAR, switch);
         for seed in [3u64] {
             let all = rows(fns, fns.is_empty(), seed);
             let hit: Vec<&Check> =
@@ -81,6 +81,6 @@ fn a_kernel_off_by_one_percent_fails_its_rows_and_correct_kernels_pass_with_marg
             };
             assert!(bystander_fails.iter().all(allowed), "{switch}, seed {seed}: other rows fail: {bystander_fails:?}");
         }
-        std::env::remove_var(harpe::kernels_emu::perturb::VAR);
+        std::env::remove_var(harpe::ops::emu::perturb::VAR);
     }
 }

@@ -3,8 +3,9 @@
 //! without offload; below, "the design budget"), refuses bad worlds with the
 //! nearest valid choice, and prints the same plan as JSON. Expected values are derived here from the
 //! architecture, not read back from the plan.
-use harpe::comms::ZeroStage;
-use harpe::plan::{load_config, parse_bytes, plan_for, Gpu, GpuKind, Plan, World};
+use harpe::config::ZeroStage;
+use harpe::tools::plan::load_config;
+use harpe::train::plan::{parse_bytes, plan_for, Gpu, GpuKind, Plan, World};
 use std::path::Path;
 
 const MISSION: &str = "configs/harpe-128k.toml";

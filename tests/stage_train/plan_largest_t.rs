@@ -1,10 +1,10 @@
 //! `plan::largest_fitting_tokens` for Llama-2-7B on one GPU (the `harpe bench model` step row's T):
 //! the returned T fits and the next multiple does not, the fitting T are a prefix of the multiples,
 //! the multiple is respected, and nothing fits an 80 GB A100 (18 B/param = 121 GB of state alone).
-use harpe::comms::ZeroStage;
 use harpe::config::Checkpointing;
+use harpe::config::ZeroStage;
 use harpe::model::config::LlamaConfig;
-use harpe::plan::{largest_fitting_tokens, plan_stage, Arch, Gpu, GpuKind, StageShape, World};
+use harpe::train::plan::{largest_fitting_tokens, plan_stage, Arch, Gpu, GpuKind, StageShape, World};
 use std::path::Path;
 
 fn llama_7b() -> Arch {

@@ -5,9 +5,10 @@
 //! The difference between the two lengths isolates the activation terms from the fixed overhead.
 //! Under `Local` ranks (threads of one process) the process holds every rank's memory once and the
 //! fixed overhead once, so the prediction is `ranks x (total - fixed_overhead) + fixed_overhead`.
-use harpe::comms::ZeroStage;
-use harpe::plan::{load_config, plan_for, Gpu, GpuKind, World};
+use harpe::config::ZeroStage;
+use harpe::tools::plan::load_config;
 use harpe::train::metrics::read_records;
+use harpe::train::plan::{plan_for, Gpu, GpuKind, World};
 
 const CFG: &str = r#"
 [model.init]

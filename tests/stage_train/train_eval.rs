@@ -157,7 +157,7 @@ fn eval_during_training_is_in_place_bit_neutral_and_resumable() {
         assert!((got - cell.loss).abs() < 1e-9, "bucket {k}: {got} vs eval-loss {}", cell.loss);
     }
     let model = ScoringModel::new(&model_dir).load().unwrap();
-    let t = harpe::model::load_tokenizer(&model_dir).unwrap();
+    let t = harpe::data::tokenize::load_tokenizer(&model_dir).unwrap();
     let recs = harpe::eval::passkey::make_samples(&t, 300, 2, 2, 42).unwrap();
     let scores: Vec<f64> = recs
         .iter()

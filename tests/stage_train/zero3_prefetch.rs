@@ -73,16 +73,15 @@ fn sharded(world: usize, dtype: DType, seg: usize, placement: &Placement, prefet
         );
         assert!(z.prefetch, "Local collectives run beside the compute (communication threads): prefetch by default");
         z.prefetch = prefetch;
-        let mut params = Params::Sharded(z);
+        let mut params = Params::sharded(z);
         forward_backward_with(
             &model,
             &mut params,
             &MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None },
             Backward { seg, loss_chunk: 7, scale: 1.0 },
         )?;
-        let Params::Sharded(z) = params else { unreachable!() };
-        let cold = z.cold_gathers();
-        drop(z);
+        let cold = params.shards().expect("ZeRO-3 holds shards").cold_gathers();
+        drop(params);
         Ok((grads.to_host()?.to_vec(), cold))
     })
     .map_err(|e| e.to_string())

@@ -345,7 +345,7 @@ pub fn evaluate(args: &EvalTasksArgs) -> Result<Evaluation> {
         .collect::<Result<_>>()?;
     let model = args.scoring.load()?;
     let tok_path = args.tokenizer.clone().unwrap_or_else(|| args.scoring.model.join("tokenizer.json"));
-    let mut tok = crate::model::load_tokenizer(&tok_path)?;
+    let mut tok = crate::data::tokenize::load_tokenizer(&tok_path)?;
     tok.with_truncation(None).map_err(|e| anyhow!("cannot disable truncation: {e}"))?;
     tok.with_padding(None);
     let max_length = args.max_length.unwrap_or(model.max_context());

@@ -92,7 +92,7 @@ impl Scorer<'_> {
             let len = self.chunk.max(1).min(targets.len() - start);
             let logits = self.model.logits(&hidden.narrow(0, start, len)?)?.to_dtype(DType::F32)?; // (len, V)
             let idx = Tensor::new(&targets[start..start + len], dev)?.unsqueeze(1)?; // (len, 1)
-            let nll = crate::loss::nll_rows(&logits, &idx, DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            let nll = crate::model::loss::nll_rows(&logits, &idx, DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
             ll -= nll.iter().sum::<f64>();
             let am = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
             greedy &= am.iter().zip(&targets[start..start + len]).all(|(a, t)| a == t);

@@ -49,10 +49,10 @@
 pub mod attention;
 pub mod candle_flash;
 
-use crate::kernels_emu::{self as emu, Dims};
-use crate::loss::IGNORE_INDEX;
 use crate::model::rope::{RopeParity, RopeScheme};
 use crate::ops::cross_entropy_chunk::ce_rows_cpu;
+use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
+use crate::ops::emu::{self as emu, Dims};
 use crate::ops::rms_norm::{rms_norm_bwd_cpu, rms_norm_cpu};
 use crate::ops::rotary::rotary_cpu;
 use crate::optim::adamw::{AdamW, AdamWHyper};
@@ -522,7 +522,7 @@ pub fn adamw_checks(target: &Target, dt: Dt, r: &mut ChaCha8Rng) -> Result<Vec<C
     let n = ragged(r, 40, if big { 300_000 } else { 3000 });
     let split = r.random_range(1..n);
     let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.1, wd_embedding: 0.1, wd_norm: 0.0 };
-    let layout = crate::grads::ParamLayout::new(&[
+    let layout = crate::model::layout::ParamLayout::new(&[
         ("model.layers.0.mlp.up_proj.weight".into(), vec![split]),
         ("model.layers.0.input_layernorm.weight".into(), vec![n - split]),
     ]);

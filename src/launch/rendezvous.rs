@@ -30,8 +30,8 @@
 //! What it does not do: carry training traffic (NCCL or `Local` do), authenticate (the token guards
 //! against mixing runs and stray clients, not against an attacker who can read the launcher's
 //! environment or the network), or reconnect after a drop.
-use crate::comms::launch_env::{LaunchEnv, LaunchSource, RunToken, TokenOrigin};
-use crate::comms::store::StoreClient;
+use crate::launch::env::{LaunchEnv, LaunchSource, RunToken, TokenOrigin};
+use crate::launch::store::StoreClient;
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{ErrorKind, Read, Write};
@@ -441,7 +441,7 @@ fn serve(
                 let msg = format!(
                     "rendezvous refused: {why}\nhint: every rank must present the run token of the run it belongs \
                      to ({} or the launcher's), with a rank in 1..{} that no other process holds",
-                    crate::comms::launch_env::TOKEN_VAR,
+                    crate::launch::env::TOKEN_VAR,
                     spec.world
                 );
                 let _ = s.write_all(&frame(b'R', msg.as_bytes()));

@@ -1,16 +1,15 @@
 //! The launcher that starts the processes of a multi-process run (`--nproc-per-node N`), the `[dist]`
 //! checks against the launcher's environment, and `harpe dist-check`.
 //!
-//! Reference: DESIGN.md §6; torchrun's worker contract (the variables it sets, `launch_env.rs` reads
-//! them). The non-obvious decision: the spawner puts workers in their own process group, so a
+//! Reference: torchrun's worker contract (the variables it sets; `env.rs` reads them). The non-obvious decision: the spawner puts workers in their own process group, so a
 //! terminal's Ctrl-C reaches them exactly once (forwarded by the launcher) — two SIGINTs would make
 //! `train` skip its graceful stop — and on Linux each worker gets SIGTERM if the launcher dies.
 //!
 //! What it does not do: elastic restarts or multi-node spawning (use the cluster's launcher: torchrun,
 //! srun), GPU selection (the worker maps `LOCAL_RANK` to a device), or any collective (see
 //! `rendezvous.rs`).
-use crate::comms::launch_env::{free_port, LaunchEnv, TOKEN_VAR};
 use crate::config::{Backend, DistSection};
+use crate::launch::env::{free_port, LaunchEnv, TOKEN_VAR};
 use anyhow::{bail, Context, Result};
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -398,8 +397,8 @@ pub struct DistCheckArgs {
 
 /// `--work-s`: keep the group under the failure watch (`comms::watch`) for that long, as a training run
 /// does; the test hooks make one rank fail or vanish half a second in.
-fn watched_work(rv: crate::comms::rendezvous::Rendezvous, a: &DistCheckArgs, rank: usize) -> Result<()> {
-    use crate::comms::watch::Watch;
+fn watched_work(rv: crate::launch::rendezvous::Rendezvous, a: &DistCheckArgs, rank: usize) -> Result<()> {
+    use crate::launch::watch::Watch;
     let watch = Watch::start(rv, Box::new(|_| {}))?;
     let t0 = Instant::now();
     let mut step = 0u64;
@@ -429,7 +428,7 @@ fn watched_work(rv: crate::comms::rendezvous::Rendezvous, a: &DistCheckArgs, ran
 
 /// Run `harpe dist-check`.
 pub fn run_check(a: DistCheckArgs) -> Result<()> {
-    use crate::comms::rendezvous::{rendezvous, RendezvousSpec};
+    use crate::launch::rendezvous::{rendezvous, RendezvousSpec};
     use sha2::{Digest, Sha256};
     if let Some(out) = launch_if_asked(a.nproc_per_node)? {
         let n = out.statuses.len();

@@ -17,7 +17,7 @@
 //! are f32 on both paths. `chunked_cross_entropy_with(.., fused)` picks the path explicitly (tests run
 //! the fused path against the plain ops).
 //! Not done here: z-loss, label smoothing.
-pub use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
+use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
 use crate::ops::cross_entropy_chunk::{ce_chunk_dlogits, ce_chunk_nll};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 

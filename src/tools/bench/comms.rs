@@ -12,11 +12,12 @@
 //! host wait comes after every queued collective on the collective stream, so the clock sees them done.
 //! Does not: sweep message sizes finely, or time all-to-all (Ulysses) — its volume per step is small
 //! next to ZeRO's (harpe plan's `sp_comm_s`).
-use crate::bench::BenchArgs;
 use crate::comms::local::spawn_local;
 use crate::comms::Comm;
-use crate::comms::{launch::launch_if_asked, launch_env::LaunchEnv};
 use crate::flatbuf::{FlatBuf, Placement};
+use crate::launch::env::LaunchEnv;
+use crate::launch::spawn::launch_if_asked;
+use crate::tools::bench::BenchArgs;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;

@@ -272,6 +272,33 @@ pub fn decode(b: &[u8]) -> Option<Window> {
     Some(Window { index: u64_at(0)?, hash: u64_at(8)?, sigs })
 }
 
+/// Why a group stopped: the first rank that failed and what it was doing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupFailure {
+    /// The rank that failed first.
+    pub rank: usize,
+    /// What it was doing, e.g. `in collective #3 all_reduce "grads"` or `after collective #2 ...`.
+    pub doing: String,
+    /// The error, panic message or timeout description.
+    pub reason: String,
+}
+
+impl GroupFailure {
+    /// The collective signature check's verdict as the group's failure (blames the rank that differs
+    /// from the first window seen; the reason names both ranks' signatures).
+    pub fn from_mismatch(m: &Mismatch) -> GroupFailure {
+        GroupFailure { rank: m.rank(), doing: m.doing(), reason: m.reason() }
+    }
+}
+
+impl fmt::Display for GroupFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} failed {}: {}", self.rank, self.doing, self.reason)
+    }
+}
+
+impl std::error::Error for GroupFailure {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

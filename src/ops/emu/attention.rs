@@ -13,7 +13,7 @@
 //! tile heights and the kernel choice from `ops::attention_shape::AttnKernel`, one owner for both targets
 //! (this file depends on the op's types, never the op on this file).
 //! Does not: run fast (one OS thread per emulated GPU thread; every mma is a warp barrier).
-use super::{check_len, u32_of};
+use super::{check_len, perturb, u32_of};
 use crate::ops::attention_shape::{
     attention_workspace, check_dims, AttnDims, AttnKernel, AttnMask, PackedRows, ATTN_THREADS,
 };
@@ -340,8 +340,41 @@ pub fn attention_fwd<T: AttnFloat>(
     let out = FwdOut { o: o.as_mut_ptr(), lse: lse.as_mut_ptr(), ldo: d, ldl: 1 };
     // SAFETY: o holds B*H*Tq rows of D, lse B*H*Tq values, as `out` says.
     unsafe { fwd_launch(T::fwd_fn(kernel, dims.d), kernel, (q, k, v), dims, AttnMask::new(scale, causal, docs), out)? };
-    super::perturb::attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
+    perturb_attention_fwd(kernel, (q, k, v), dims, scale, causal, &mut o, &mut lse)?; // test-only switch
     Ok((o, lse))
+}
+
+/// The `attention_fwd` hook of the forward launcher (`perturb`, test-only): scales O, or (`:mask`, causal
+/// launches only, so the launch below is not perturbed again) recomputes the first query tile of
+/// (batch 0, head 0) with every key up to the end of its diagonal tile visible.
+fn perturb_attention_fwd<T: AttnFloat>(
+    kernel: crate::ops::attention_shape::AttnKernel,
+    (q, k, v): (&[T], &[T], &[T]),
+    dims: crate::ops::attention_shape::AttnDims,
+    scale: f32,
+    causal: bool,
+    o: &mut [T],
+    lse: &mut [f32],
+) -> candle_core::Result<()> {
+    match perturb::mode("attention_fwd").as_deref() {
+        Some("") => perturb::scale("attention_fwd", o, T::to_f32, T::from_f32),
+        Some("mask") if causal => {
+            let crate::ops::attention_shape::AttnDims { tq, tk, d, .. } = dims;
+            let rows = kernel.fwd_rows(d).min(tq);
+            let keys = (tk - tq + rows).min(tk);
+            let sub = crate::ops::attention_shape::AttnDims { b: 1, h: 1, hkv: 1, tq: rows, tk: keys, d };
+            let (o2, l2) = attention_fwd(
+                kernel,
+                (&q[..rows * d], &k[..keys * d], &v[..keys * d]),
+                sub,
+                crate::ops::attention_shape::AttnMask::new(scale, false, None),
+            )?;
+            o[..rows * d].copy_from_slice(&o2);
+            lse[..rows].copy_from_slice(&l2);
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// The CUDA launcher's `fwd_packed` on the emulator: the op's forward output, rows of O | lse | pad

@@ -553,9 +553,9 @@ fn model_summary(dir: &Path) -> Result<String> {
 
 /// The shipped base (`assets/demo-base/`, written by `scripts/make_demo_base.sh`), compiled in so the
 /// binary runs the demo anywhere.
-const BASE_CONFIG: &str = include_str!("../assets/demo-base/config.json");
-const BASE_WEIGHTS: &[u8] = include_bytes!("../assets/demo-base/model.safetensors");
-const BASE_PROVENANCE: &str = include_str!("../assets/demo-base/provenance.json");
+const BASE_CONFIG: &str = include_str!("../../assets/demo-base/config.json");
+const BASE_WEIGHTS: &[u8] = include_bytes!("../../assets/demo-base/model.safetensors");
+const BASE_PROVENANCE: &str = include_str!("../../assets/demo-base/provenance.json");
 
 /// Write the shipped base into `out/base` (a model directory with the byte tokenizer).
 fn shipped_base(out: &Path) -> Result<PathBuf> {

@@ -182,11 +182,11 @@ fn step_tokens(sh: &Shape, dev: &Device) -> Result<std::result::Result<(Shape, O
 /// `step_tokens` for a memory reading `m` (pure: tested with made-up devices).
 fn pick_tokens(sh: &Shape, m: &crate::device::DeviceMemory) -> std::result::Result<(Shape, Option<String>), String> {
     use crate::config::Checkpointing;
-    use crate::plan::{largest_fitting_tokens, plan_stage, Arch, Gpu, StageShape, World};
+    use crate::train::plan::{largest_fitting_tokens, plan_stage, Arch, Gpu, StageShape, World};
     const MULTIPLE: usize = 1024;
     let arch = Arch::from_llama(&sh.config(sh.layers));
     let (gpu, _) = Gpu::measured(m);
-    let world = World { gpus: 1, zero_stage: crate::comms::ZeroStage::Replicated, sp_degree: 1 };
+    let world = World { gpus: 1, zero_stage: crate::config::ZeroStage::Replicated, sp_degree: 1 };
     let template = StageShape {
         seq_len: MULTIPLE,
         micro_batch: 1,
@@ -356,7 +356,7 @@ fn mfu(dev: &Device, n_params: usize, sh: &Shape, tok_s: f64) -> Result<Option<(
     let Some(m) = crate::device::device_memory(&crate::device::DeviceSpec::Cuda(gpu_id), "--device")? else {
         return Ok(None);
     };
-    let (gpu, known) = crate::plan::Gpu::measured(&m);
+    let (gpu, known) = crate::train::plan::Gpu::measured(&m);
     let achieved = crate::model::flops_per_token(n_params, sh.layers, sh.hidden, sh.tokens) * tok_s / 1e12;
     Ok(known.then_some((achieved / gpu.peak_tflops, gpu.peak_tflops)))
 }

@@ -114,10 +114,10 @@ impl Default for DataSection {
     }
 }
 
-pub use crate::device::{ComputeDtype, DeviceSpec};
+use crate::device::{ComputeDtype, DeviceSpec};
 
-pub mod zero_stage;
-pub use zero_stage::ZeroStage;
+mod zero_stage;
+pub use zero_stage::{GradReduce, ZeroStage};
 
 /// Activation checkpointing: `"none"`, `"every-layer"`, or `{ every = k }` (one saved input per k layers).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,7 +253,18 @@ pub enum ScheduleKind {
     Cosine,
 }
 
-/// `[schedule]`: the lr curve inside each stage.
+/// Which steps one schedule spans.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleSpan {
+    /// each stage runs the schedule over its own steps (a multi-stage recipe re-warms per stage)
+    #[default]
+    Stage,
+    /// one schedule over the whole run: the global step of the run's total steps
+    Run,
+}
+
+/// `[schedule]`: the lr curve inside each stage (or over the run, `span = "run"`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSection {
@@ -263,6 +274,9 @@ pub struct ScheduleSection {
     pub warmup_steps: u64,
     #[serde(default)]
     pub min_lr_ratio: f64,
+    /// the steps the schedule spans: "stage" (default) or "run"
+    #[serde(default)]
+    pub span: ScheduleSpan,
 }
 
 /// `[checkpoint]`.
@@ -312,7 +326,7 @@ impl Backend {
 
 /// `[dist]`, also the runtime type of the distribution: `validate` owns every world / sequence-parallel /
 /// kv-head / seq-len / batch divisibility rule (`RunConfig::validate`, `harpe plan` and the training run
-/// call it), `comms::launch::place` reconciles it with a launcher's environment.
+/// call it), `launch::spawn::place` reconciles it with a launcher's environment.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DistSection {
@@ -790,6 +804,65 @@ fn set_in_element(item: &mut toml::Value, rest: &[&str], value: toml::Value, key
     Ok(())
 }
 
+/// One step of a key path in a TOML document.
+#[derive(Clone, Debug)]
+enum Seg {
+    Key(String),
+    Index(usize),
+}
+
+/// `cfg` as a TOML table of only the keys that matter: a key is left out when the value its absence
+/// gives (serde's default) is the value it has. Found by trial, deepest keys first, so a section left
+/// with no keys is left out too where the section has a default; what serde cannot default stays. The
+/// basis of the config hash: a defaulted key added to a section later does not change it.
+pub fn without_defaults<T: Serialize + serde::de::DeserializeOwned + PartialEq>(cfg: &T) -> Result<toml::Table> {
+    let full = toml::Table::try_from(cfg).context("cannot serialize the config")?;
+    let same = |t: &toml::Table| toml::Value::Table(t.clone()).try_into::<T>().is_ok_and(|c| &c == cfg);
+    fn paths(v: &toml::Value, at: &mut Vec<Seg>, out: &mut Vec<Vec<Seg>>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    at.push(Seg::Key(k.clone()));
+                    out.push(at.clone());
+                    paths(v, at, out);
+                    at.pop();
+                }
+            }
+            toml::Value::Array(a) => {
+                for (i, v) in a.iter().enumerate().filter(|(_, v)| v.is_table()) {
+                    at.push(Seg::Index(i));
+                    paths(v, at, out); // the element itself is never removed: a list keeps its length
+                    at.pop();
+                }
+            }
+            _ => {}
+        }
+    }
+    fn remove(v: &mut toml::Value, path: &[Seg]) -> bool {
+        match (v, path) {
+            (toml::Value::Table(t), [Seg::Key(k)]) => t.remove(k).is_some(),
+            (toml::Value::Table(t), [Seg::Key(k), rest @ ..]) => t.get_mut(k).is_some_and(|v| remove(v, rest)),
+            (toml::Value::Array(a), [Seg::Index(i), rest @ ..]) => a.get_mut(*i).is_some_and(|v| remove(v, rest)),
+            _ => false,
+        }
+    }
+    let root = toml::Value::Table(full);
+    let mut all = vec![];
+    paths(&root, &mut vec![], &mut all);
+    all.sort_by_key(|p| std::cmp::Reverse(p.len())); // stable: document order within a depth
+    let mut work = root;
+    for p in &all {
+        let mut trial = work.clone();
+        if remove(&mut trial, p) && trial.as_table().is_some_and(&same) {
+            work = trial;
+        }
+    }
+    match work {
+        toml::Value::Table(t) => Ok(t),
+        _ => unreachable!("the root stays a table"),
+    }
+}
+
 /// Deserialize TOML text into a `RunConfig`; errors name `origin` and the line/key toml points at.
 fn parse(text: &str, origin: &str) -> Result<RunConfig> {
     toml::from_str::<RunConfig>(text).map_err(|e| {
@@ -826,8 +899,19 @@ impl RunConfig {
         };
         cfg.validate(origin)?;
         let toml = toml::to_string_pretty(&cfg).context("cannot serialize the resolved config")?;
-        let hash = crate::util::sha256_hex(toml.as_bytes());
+        let hash = cfg.hash(false)?;
         Ok(Resolved { cfg, toml, hash })
+    }
+
+    /// sha256 of the config's keys that differ from their defaults (`without_defaults`), so a key added
+    /// to harpe with a default leaves the hash of every existing recipe as it was. `results_only`: the
+    /// `[dist]` table left out (how a run is computed, never what it computes).
+    pub fn hash(&self, results_only: bool) -> Result<String> {
+        let mut t = without_defaults(self)?;
+        if results_only {
+            t.remove("dist");
+        }
+        Ok(crate::util::sha256_hex(toml::to_string(&t)?.as_bytes()))
     }
 
     /// Checks that serde cannot express.

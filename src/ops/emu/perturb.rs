@@ -29,36 +29,3 @@ pub fn scale<T: Copy>(kernel: &str, out: &mut [T], to_f32: impl Fn(T) -> f32, fr
         out.iter_mut().for_each(|x| *x = from_f32(to_f32(*x) * FACTOR));
     }
 }
-
-/// The `attention_fwd` hook of `kernels_emu::attention`'s forward launcher: scales O, or (`:mask`, causal
-/// launches only, so the launch below is not perturbed again) recomputes the first query tile of
-/// (batch 0, head 0) with every key up to the end of its diagonal tile visible.
-pub fn attention_fwd<T: super::attention::AttnFloat>(
-    kernel: crate::ops::attention_shape::AttnKernel,
-    (q, k, v): (&[T], &[T], &[T]),
-    dims: crate::ops::attention_shape::AttnDims,
-    scale: f32,
-    causal: bool,
-    o: &mut [T],
-    lse: &mut [f32],
-) -> candle_core::Result<()> {
-    match mode("attention_fwd").as_deref() {
-        Some("") => self::scale("attention_fwd", o, T::to_f32, T::from_f32),
-        Some("mask") if causal => {
-            let crate::ops::attention_shape::AttnDims { tq, tk, d, .. } = dims;
-            let rows = kernel.fwd_rows(d).min(tq);
-            let keys = (tk - tq + rows).min(tk);
-            let sub = crate::ops::attention_shape::AttnDims { b: 1, h: 1, hkv: 1, tq: rows, tk: keys, d };
-            let (o2, l2) = super::attention::attention_fwd(
-                kernel,
-                (&q[..rows * d], &k[..keys * d], &v[..keys * d]),
-                sub,
-                crate::ops::attention_shape::AttnMask::new(scale, false, None),
-            )?;
-            o[..rows * d].copy_from_slice(&o2);
-            lse[..rows].copy_from_slice(&l2);
-        }
-        _ => {}
-    }
-    Ok(())
-}

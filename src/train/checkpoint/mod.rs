@@ -476,7 +476,7 @@ pub fn consolidate(a: ConsolidateArgs) -> Result<()> {
 mod tests {
     use super::*;
     use crate::comms::zero::{ShardMap, Split};
-    use crate::grads::ParamLayout;
+    use crate::model::layout::ParamLayout;
     use crate::optim::adamw::AdamWHyper;
 
     fn state(step: u64) -> TrainState {

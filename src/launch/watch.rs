@@ -30,9 +30,9 @@
 //!
 //! What it does not do: carry data, detect a rank that is alive but stuck (the collective timeout of the
 //! NCCL watchdog does), or survive the loss of rank 0 for the others (they all stop, told why).
-use crate::comms::local::GroupFailure;
-use crate::comms::rendezvous::{frame, put_str, read_frame, Rendezvous};
-use crate::comms::signature::{self, SigBoard, Window};
+use crate::launch::rendezvous::{frame, put_str, read_frame, Rendezvous};
+use crate::launch::signature::GroupFailure;
+use crate::launch::signature::{self, SigBoard, Window};
 use anyhow::{bail, Result};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -338,8 +338,8 @@ impl Drop for Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comms::launch_env::free_port;
-    use crate::comms::rendezvous::{rendezvous, Meeting, RendezvousSpec};
+    use crate::launch::env::free_port;
+    use crate::launch::rendezvous::{rendezvous, Meeting, RendezvousSpec};
     use std::sync::atomic::AtomicUsize;
     use std::time::Instant;
 
@@ -449,7 +449,7 @@ mod tests {
     /// The NCCL path of the collective signature check, without NCCL: windows over the watch to rank 0.
     #[test]
     fn a_diverging_collective_stops_every_rank_naming_both_signatures() {
-        use crate::comms::signature::{CollOp, SigLog};
+        use crate::launch::signature::{CollOp, SigLog};
         use candle_core::DType;
         let out = group(3, |rank, w, hooks| {
             let mut log = SigLog::new(4);

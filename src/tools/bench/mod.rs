@@ -269,7 +269,7 @@ mod gpu {
     }
 
     pub fn run(args: BenchArgs) -> Result<()> {
-        let dev = crate::selftest::open_cuda()?;
+        let dev = crate::tools::selftest::open_cuda()?;
         let cd = dev.as_cuda_device()?.clone();
         let iters = args.iters.max(1);
         let t = args.tokens.max(1);

@@ -6,7 +6,7 @@
 //! j = 0 term is cos(m)), so each curve is drawn as its per-pixel-column min/max envelope: the image shows
 //! exactly the range the raw values span in each column, in 2 points per column instead of 10^5.
 //! What it does not do: choose bases or compute extrema (`bases::search`).
-use crate::bases::search::{waveform_grid, Extrema, PvParams};
+use crate::research::bases::search::{waveform_grid, Extrema, PvParams};
 use anyhow::{anyhow, bail, Result};
 use plotters::prelude::*;
 use rayon::prelude::*;

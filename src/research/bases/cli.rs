@@ -6,9 +6,9 @@
 //! the head count comes from its config.json and one base per kv head is produced (query heads of a GQA
 //! group share their kv head's base). Not done here: the search maths (`bases::search`), drawing
 //! (`bases::plot`), applying bases to a model (`model::rope`).
-use crate::bases::plot;
-use crate::bases::search::*;
 use crate::model::rope::{uniform_bases, BaseOrder, TABLE2_BASES};
+use crate::research::bases::plot;
+use crate::research::bases::search::*;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};

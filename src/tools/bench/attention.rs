@@ -128,7 +128,7 @@ pub struct PredictedTflops {
 /// FLOPs of one mma.sync m16n8k16 (a warp instruction).
 const MMA_FLOPS: f64 = 2.0 * 16.0 * 8.0 * 16.0;
 
-fn roofline(useful_flops: f64, p: &crate::kernels_emu::profile::Profile) -> PredictedTflops {
+fn roofline(useful_flops: f64, p: &crate::ops::emu::profile::Profile) -> PredictedTflops {
     let at = |bw_tb_s: f64, peak_tflops: f64| {
         let s =
             (p.global_sectors as f64 * 32.0 / (bw_tb_s * 1e12)).max(p.mma as f64 * MMA_FLOPS / (peak_tflops * 1e12));
@@ -145,8 +145,8 @@ fn roofline(useful_flops: f64, p: &crate::kernels_emu::profile::Profile) -> Pred
 /// host emulation with measuring on, one row per kernel and shape. The shapes are small (the emulator runs a
 /// thread per GPU thread); per-tile counts do not depend on T beyond the causal tile count.
 pub fn run_emulated(args: &BenchArgs) -> Result<()> {
-    use crate::kernels_emu::{attention as ka, profile};
     use crate::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
+    use crate::ops::emu::{attention as ka, profile};
     if !args.profile {
         anyhow::bail!(
             "harpe bench attention --target emulated only measures (it cannot time a GPU)\nhint: add --profile"
@@ -270,7 +270,7 @@ mod gpu {
     }
 
     pub fn run(args: &BenchArgs) -> Result<()> {
-        let dev = crate::selftest::open_cuda()?;
+        let dev = crate::tools::selftest::open_cuda()?;
         let cd = dev.as_cuda_device()?.clone();
         let ctx = cd.cuda_stream().context().clone();
         let name = ctx.name().unwrap_or_else(|_| "CUDA device 0".into());

@@ -1,0 +1,7 @@
+//! Tools around the pipeline: they use its stages, and nothing in the pipeline uses them.
+//! `plan` (memory and step time before a run), `bench` (kernels, model, collectives, attention),
+//! `selftest` (every kernel against its reference), `demo` (the paper's question at CPU scale).
+pub mod bench;
+pub mod demo;
+pub mod plan;
+pub mod selftest;
