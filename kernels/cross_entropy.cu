@@ -1,6 +1,6 @@
 // cross_entropy.cu — fused log-sum-exp, nll and dlogits on one chunk of lm-head logits.
 //
-// Algorithm (`loss::chunked_cross_entropy`; Liger-Kernel fused linear cross-entropy): the chunk's logits
+// Algorithm (`model::loss::chunked_cross_entropy`; Liger-Kernel fused linear cross-entropy): the chunk's logits
 // (n, V) come from one cuBLAS matmul h_c W^T; per row i with target y_i and upstream gradient g_i:
 //   lse_i = log sum_j exp(l_ij)                  (online: running max and rescaled sum, one pass)
 //   nll_i = lse_i - l_{i,y_i}                    (0 when y_i == IGNORE_INDEX = 0xFFFFFFFF)

@@ -21,7 +21,7 @@
 // reads before its wait fails its tests. Measuring (emu_profile_enable): per launch and kernel name, global
 // traffic in 32-byte sectors beside the bytes asked for, shared-memory wavefronts and bank conflicts per warp
 // instruction, barriers, atomics, mma — for the accesses routed through copy16, cp_async16, ldmatrix and the
-// gld/gst/sld/sst accessors (`harpe::kernels_emu::profile` says how a warp instruction is recognised).
+// gld/gst/sld/sst accessors (`harpe::ops::emu::profile` says how a warp instruction is recognised).
 // What it does not do: model timing or caches, warp divergence semantics beyond "all lanes of a warp call
 // the shuffle", cooperative groups, or race detection (use compute-sanitizer racecheck on a GPU for that).
 #pragma once
@@ -92,7 +92,7 @@ class Barrier {
 };
 
 // ---- Measuring (off unless emu_profile_enable(1)): what a launch does to memory, counted per warp instruction.
-// One launch's counts (`harpe::kernels_emu::profile::Profile` on the Rust side: same fields, same order).
+// One launch's counts (`harpe::ops::emu::profile::Profile` on the Rust side: same fields, same order).
 struct Profile {
   unsigned long long launches, global_instr, global_sectors, useful_bytes, shared_instr, shared_wavefronts,
       bank_conflicts, barriers, atomics, mma, cp_async;

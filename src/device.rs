@@ -25,7 +25,8 @@ use std::str::FromStr;
 /// 2. glibc keeps freed blocks up to 32 MiB for reuse (`M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD`) instead of
 ///    returning every activation-sized buffer to the kernel and page-faulting it back in on the next op
 ///    (15% of a T = 1024 step was page faults; +50% tok/s). Freed blocks are reused, so the peak is the
-///    live tensors' plus fragmentation; free memory goes back to the kernel above 256 MiB. Both measured in benches/results/train-cpu_2vcpu_202612.md.
+///    live tensors' plus fragmentation; free memory goes back to the kernel above 256 MiB. Both measured in
+///    benches/results/train-cpu-2vcpu.md.
 pub fn init_cpu_runtime() {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         // Sound here: called at the top of `main`, while the process has one thread.

@@ -2,7 +2,7 @@
 //! training state: master weights, AdamW moments, gradients, and the gathered weights are all FlatBufs.
 //!
 //! Reference: llm.c `train_gpt2.cu` (one contiguous buffer per kind of state, parameters as offsets
-//! into it), DESIGN.md §6 ("training state is FlatBufs over one flat index space").
+//! into it).
 //! The non-obvious decisions: the interface speaks in flat ranges and 1-D candle tensors, never in host
 //! slices, so the device variant (`Device`: a 1-D contiguous f32 tensor on the training device) needs no
 //! change at the call sites: a parameter view is `param_tensor(range, shape, ..)` (narrow + reshape, a

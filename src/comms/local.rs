@@ -1,7 +1,7 @@
 //! `Local`: N ranks as threads of one process, with real collectives on host buffers.
 //!
-//! Reference: DESIGN.md §6 (`Comm::Local` proves on CPU that N ranks compute what one rank computes);
-//! the operation set and argument shapes follow NCCL (`ncclAllReduce`, `ncclReduceScatter`,
+//! It exists to prove on CPU that N ranks compute what one rank computes.
+//! Reference: the operation set and argument shapes follow NCCL (`ncclAllReduce`, `ncclReduceScatter`,
 //! `ncclAllGather`, `ncclBroadcast`, grouped send/recv for all-to-all) with MPI's `*_v` variants for
 //! uneven slices (ZeRO ownership maps give ranks different-sized slices of the flat index space).
 //!

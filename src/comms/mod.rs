@@ -1,7 +1,7 @@
 //! Collectives between training ranks: `Comm` with the operations the loop needs, the rank `Mesh`, and
 //! ZeRO ownership (`zero`, and `ZeroStage`: which state a stage shards).
 //!
-//! Reference: DESIGN.md §6 (`Comm` = Single | Local | Nccl, `Mesh {dp, sp}`), llm.c `llmc/zero.cuh`
+//! Reference: llm.c `llmc/zero.cuh`
 //! (ZeRO as a no-op at one process). The non-obvious decisions: the training loop always calls the
 //! collectives (gradient all-reduce, master-weight all-gather, metric reduction, checkpoint barrier),
 //! so one process and many processes run the same straight-line code and `train/` has no

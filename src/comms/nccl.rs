@@ -1,11 +1,11 @@
 //! `Nccl`: one rank per process and GPU, collectives on device memory through NCCL (cudarc's raw
 //! bindings), on a stream of their own, watched so that no rank ever hangs on a lost peer.
 //!
-//! Reference: DESIGN.md §6; the NCCL user guide (ncclAllReduce / ncclBroadcast / ncclReduce /
+//! Reference: the NCCL user guide (ncclAllReduce / ncclBroadcast / ncclReduce /
 //! ncclSend+ncclRecv in a group, "Fault tolerance": ncclCommGetAsyncError + ncclCommAbort from another
 //! thread); torch's ProcessGroupNCCL (a watchdog thread per communicator, a timeout per collective).
 //! Start-up (`NcclComm::join`): the TCP rendezvous checks token / binary / config hash and hands every
-//! rank rank 0's `ncclUniqueId`; its connections stay open as the failure watch (`comms::watch`); the
+//! rank rank 0's `ncclUniqueId`; its connections stay open as the failure watch (`launch::watch`); the
 //! process opens `cuda:LOCAL_RANK`, then `ncclCommInitRank`; a sequence-parallel run splits a second
 //! communicator per group of P consecutive ranks (`ncclCommSplit`, color = data-parallel rank).
 //! The non-obvious decisions:

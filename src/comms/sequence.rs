@@ -4,7 +4,7 @@
 //! brings the output back to the rank's own tokens.
 //!
 //! Reference: Jacobs et al. 2023, "DeepSpeed Ulysses" (all-to-all on q, k, v and the attention
-//! output); DESIGN.md §6. Layout: q (B, H, T/P, D) on every rank -> (B, H/P, T, D); rank p gets
+//! output). Layout: q (B, H, T/P, D) on every rank -> (B, H/P, T, D); rank p gets
 //! query heads p*H/P.. and kv heads p*Hkv/P.., so GQA's head h -> kv head h / (H/Hkv) holds locally too.
 //! The non-obvious decisions:
 //! - The exchange is one candle custom op (`AllToAll`) on a contiguous (P, ...) tensor whose chunk j

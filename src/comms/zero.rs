@@ -3,7 +3,7 @@
 //! bucket in the compute dtype, and write EVERY parameter into the model's `Var`s from it.
 //!
 //! Reference: Rajbhandari et al. 2020 (ZeRO stages 1-3), llm.c `llmc/zero.cuh` (shard = contiguous
-//! slice of the flat buffer, a no-op at one process), DESIGN.md §5-§6.
+//! slice of the flat buffer, a no-op at one process).
 //! The non-obvious decisions: ownership is an explicit map (for each rank the list of parameter slices
 //! it owns), built either by cutting the flat space into equal pieces that may split a parameter
 //! (`Split::Slices`, ZeRO-1/2 balance) or by assigning whole parameters (`Split::WholeParams`, what a

@@ -1,12 +1,12 @@
 //! The training recipe: one serde struct per TOML section, `[[stage]]` tables for multi-stage runs,
 //! `--set section.key=value` overrides, validation, and the resolved config with its hash.
 //!
-//! Reference: torchtitan's one-TOML-per-recipe layout; HARPE §4.1/§4.4 and the spec §3 for the recipes
-//! in `configs/`. The non-obvious decisions: every default lives in this file and nowhere else;
+//! Reference: torchtitan's one-TOML-per-recipe layout; the HARPE paper's §4.1/§4.4 for the recipes in
+//! `configs/`. The non-obvious decisions: every default lives in this file and nowhere else;
 //! overrides are applied to the parsed TOML value before deserializing, so a wrong type from the
 //! command line is reported exactly like one in the file (naming the key); the config hash is the
 //! sha256 of the resolved TOML text, which is what `state.json` and the run directory check against.
-//! What this file does not do: build the model or the data (train.rs does).
+//! What this file does not do: build the model or the data (`train` does).
 use crate::model::rope::RopeScheme;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -300,7 +300,7 @@ impl Default for CheckpointSection {
     }
 }
 
-/// Communication backend (DESIGN §6); `comms::Comm` refuses the ones this build lacks.
+/// Communication backend; `comms::Comm` refuses the ones this build lacks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -352,7 +352,7 @@ pub struct DistSection {
     #[serde(default = "d_one")]
     pub sp_degree: usize,
     /// NCCL: compare every rank's collective signatures (seq, op, count, dtype) through rank 0 every
-    /// 64 collectives and stop on a difference (`comms::signature`); `local` always checks
+    /// 64 collectives and stop on a difference (`launch::signature`); `local` always checks
     #[serde(default)]
     pub check_collectives: bool,
 }
@@ -942,7 +942,7 @@ impl RunConfig {
                     bail!("{what}: lr {lr} is not a non-negative number\nhint: e.g. lr = 2e-5");
                 }
             }
-            // Checked (issue 16: a huge or zero value must be an error, not an overflow or a division by 0).
+            // Checked: a huge or zero value must be an error, not an overflow or a division by 0.
             let Some(tokens_per_micro) = self.train.micro_batch_size.checked_mul(s.seq_len).filter(|&t| t > 0) else {
                 bail!(
                     "{what}: train.micro_batch_size x seq_len = {} x {} is zero or out of range\nhint: e.g. micro_batch_size = 1",

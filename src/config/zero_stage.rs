@@ -1,5 +1,5 @@
 //! `ZeroStage`: the ZeRO stage of `dist.zero_stage` as a type, owning every rule the training loop,
-//! the checkpoint and the plan ask of it (DESIGN §5; Rajbhandari et al. 2020, ZeRO).
+//! the checkpoint and the plan ask of it (Rajbhandari et al. 2020, ZeRO).
 //!
 //! Each question is a method named after the rule, not a comparison of integers: who owns optimizer
 //! state, how many gradient elements a rank holds, how parameters are obtained, whether weights are

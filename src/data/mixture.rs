@@ -1,7 +1,7 @@
 //! Length / mixture strategies (Fu et al. 2024, Table 5): which documents go into the output, and how
 //! many tokens of each.
 //!
-//! Reference: `FranxYao/Long-Context-Data-Engineering:data_engineering/slimpajama_packing.py` (spec §4.1).
+//! Reference: `FranxYao/Long-Context-Data-Engineering:data_engineering/slimpajama_packing.py`.
 //! `per-source-upsample`: each source gets `budget x target_share` tokens; inside a source, documents
 //! with at least `threshold` tokens are always taken and shorter ones with probability `short_keep`,
 //! in stream order, until the source is full; the last document is cut so the source lands exactly on
@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// SlimPajama source shares hard-coded in Fu et al.'s code (`SLIMPAJAMA_ORIGINAL_MIX`, spec §4.1).
+/// SlimPajama source shares hard-coded in Fu et al.'s code (`SLIMPAJAMA_ORIGINAL_MIX`).
 pub const SLIMPAJAMA_MIX: [(&str, f64); 7] = [
     ("RedPajamaCommonCrawl", 0.53374772),
     ("RedPajamaC4", 0.26609933),

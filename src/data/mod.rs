@@ -1,4 +1,4 @@
-//! Data: corpus -> tokens -> strategy -> packed shards -> training loader (DESIGN §1, §3).
+//! Data: corpus -> tokens -> strategy -> packed shards -> training loader.
 //!
 //! `source` (readers) -> `tokenize` -> `mixture` (Fu et al. strategies) -> `pack` -> `shard` (format)
 //! -> `loader` (what `train` calls). `prepare` and `inspect` are the two commands.

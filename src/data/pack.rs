@@ -1,6 +1,6 @@
 //! Packing documents into fixed-length sequences and writing them as shards.
 //!
-//! Reference: Fu et al.'s writer (spec §4.1) concatenates tokenized documents and emits every full
+//! Reference: Fu et al.'s writer concatenates tokenized documents and emits every full
 //! chunk, splitting documents across chunk boundaries, with no padding. Differences: a sequence is
 //! exactly `seq_len` tokens (the trainer predicts tokens 1..T from 0..T-1 inside it, instead of a separate
 //! label token), and every sequence records its document pieces (source, start, length, doc start) so

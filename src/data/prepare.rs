@@ -1,7 +1,7 @@
 //! `harpe prepare-data`: read a corpus, tokenize in parallel, apply a length/mixture strategy, pack,
-//! and write a prepared dataset (DESIGN §3) — streaming, deterministic from the seed, resumable.
+//! and write a prepared dataset — streaming, deterministic from the seed, resumable.
 //!
-//! Reference: Fu et al. 2024 (spec §4). Two passes over a work directory `OUT/.work`:
+//! Reference: Fu et al. 2024. Two passes over a work directory `OUT/.work`:
 //! 1. read + tokenize every input file (order-preserving rayon batches; a reader thread decompresses
 //!    ahead) into a per-file token spill, marked finished by its summary JSON. When every budget is known
 //!    in advance (global strategies, or given source weights) reading stops once the budgets are full.
@@ -310,7 +310,7 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
 /// `harpe prepare-data`.
 pub fn run(args: PrepareDataArgs) -> Result<()> {
     let (inputs, tokenizer, out, opts) = resolve(args)?;
-    let _lock = crate::util::lock_dir(&out, "harpe prepare-data")?; // issue 16: one writer per --out directory
+    let _lock = crate::util::lock_dir(&out, "harpe prepare-data")?; // one writer per --out directory
     let files = expand_inputs(&inputs)?;
     let m = prepare(files, &tokenizer, &opts, &out)?;
     if !opts.quiet {

@@ -1,4 +1,4 @@
-//! The prepared-dataset format: `manifest.json`, token shards and segment tables (DESIGN §3).
+//! The prepared-dataset format: `manifest.json`, token shards and segment tables.
 //!
 //! Layout of a dataset directory:
 //! - `manifest.json` — [`Manifest`]: format tag + version, tokenizer hash, sequence length, strategy,

@@ -1,7 +1,7 @@
 //! Streaming corpus readers: SlimPajama-style jsonl / jsonl.zst, directory trees and globs of them,
 //! plain text files (one document each) and in-memory texts.
 //!
-//! Reference: SlimPajama layout (spec §4.3): one JSON object per line,
+//! Reference: SlimPajama layout: one JSON object per line,
 //! `{"text": str, "meta": {"redpajama_set_name": str}}`, where some re-uploads store `meta` as a JSON
 //! string (both are accepted). The non-obvious decision: a reader only splits raw lines and reports
 //! I/O problems (invalid UTF-8, truncated `.zst`); parsing happens in [`parse_record`] on the worker

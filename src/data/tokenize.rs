@@ -1,7 +1,7 @@
 //! Tokenization with the `tokenizers` crate, document separators, and the tokenizer hash.
 //!
 //! Reference: Fu et al.'s packer calls the Llama tokenizer with its defaults, i.e. every document is
-//! prefixed with BOS and gets no EOS (spec §4.1); that is our default (`Separator::Bos`).
+//! prefixed with BOS and gets no EOS; that is our default (`Separator::Bos`).
 //! The non-obvious decision: we always encode with `add_special_tokens = false` and add the separator
 //! ourselves, so the policy is the same for every tokenizer (Llama, GPT-style, test WordLevel) and the
 //! separator is counted in the budget. What this file does not do: parallelism (the caller maps

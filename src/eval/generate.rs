@@ -1,6 +1,6 @@
 //! Greedy decoding with a per-layer KV cache; the prompt is prefilled in chunks so memory stays bounded.
 //!
-//! Reference: HF `generate(do_sample=False)` for base-model evaluation (spec `evaluation.md` §5).
+//! Reference: HF `generate(do_sample=False)` for base-model evaluation.
 //! The non-obvious decision: prefill chunks reuse the same causal attention op with Tq < Tk, so a chunked
 //! prefill computes exactly what one full forward would (tested against full recomputation). Dynamic
 //! NTK rebuilds frequencies per call from the current length, as HF does, so cached keys of a dynamic

@@ -2,8 +2,7 @@
 //! context lengths left to right, red -> amber -> green for 0 -> 0.5 -> 1.
 //!
 //! Reference: gkamradt `viz/CreateVizFromLLMTesting.ipynb` and Fu et al. `eval/needle/visualize.py`
-//! (seaborn heatmap, colormap `#F0496E -> #EBB839 -> #0CD79F`, vmin 0, vmax 1, grey grid lines);
-//! spec `evaluation.md` §2.7.
+//! (seaborn heatmap, colormap `#F0496E -> #EBB839 -> #0CD79F`, vmin 0, vmax 1, grey grid lines).
 //!
 //! The non-obvious decision: cells are drawn directly on a plotters drawing area (rectangles and
 //! text) instead of through a chart with axes, which keeps categorical ticks and the optional

@@ -2,14 +2,14 @@
 //! grid of context lengths x depth percents in Paul Graham essays, scored by word-set recall.
 //!
 //! Reference: FranxYao/Long-Context-Data-Engineering `eval/needle/needle_in_haystack.py` and
-//! `visualize.py`; gkamradt/LLMTest_NeedleInAHaystack; spec `evaluation.md` §2.
+//! `visualize.py`; gkamradt/LLMTest_NeedleInAHaystack.
 //!
 //! The non-obvious decisions: insertion works on token ids and backs up to just after a period token
 //! (any vocabulary piece that is `.` once a leading `▁`/`Ġ` is dropped), like F's hard-coded Llama ids;
 //! the essay files are read in sorted order and repeated until the longest length is covered (F and G
 //! repeat too, in unsorted glob order); special tokens are never spliced into the text (F's `<s>`
-//! artefacts, §2.8). Both F's headline score (word-set recall, at most 11/12) and a clean exact-phrase
-//! score are reported.
+//! artefacts: a literal `<s>` at the start and before the needle). Both F's headline score (word-set
+//! recall, at most 11/12) and a clean exact-phrase score are reported.
 //! Not here: ROUGE (F's stored JSON score), the LLM judge of G.
 
 use crate::eval::niah::{count_tokens, Essays};

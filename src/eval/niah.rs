@@ -1,10 +1,9 @@
 //! RULER's eight needle-in-a-haystack tasks: generators, haystacks, sizing, prompts and scoring.
 //!
-//! Reference: NVIDIA/RULER `scripts/data/synthetic/niah.py`, `constants.py`, `synthetic.yaml`,
-//! `eval/evaluate.py` (commit dd4c2ad, byte-identical to the first public NIAH code); spec
-//! `evaluation.md` §1. Sample generation consumes a CPython-compatible MT19937 in RULER's call order,
-//! so all eight tasks are bit-exact given the same token counts (and, for the essay tasks, the same
-//! essay text).
+//! Reference: `NVIDIA/RULER:scripts/data/synthetic/niah.py`, `constants.py`, `synthetic.yaml`,
+//! `eval/evaluate.py` (RULER commit dd4c2ad, byte-identical to the first public NIAH code). Sample
+//! generation consumes a CPython-compatible MT19937 in RULER's call order, so all eight tasks are
+//! bit-exact given the same token counts (and, for the essay tasks, the same essay text).
 //!
 //! The non-obvious decisions: the 6.2M-word key list `sorted(set(adj-noun))` is never materialised,
 //! an index is mapped to its word through blocks of adjectives (only the few adjectives that are
@@ -519,7 +518,7 @@ impl<'a> NiahGenerator<'a> {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Sizing (§1.8)
+// Sizing
 
 /// How the haystack size is searched for a target length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -683,7 +682,7 @@ fn fitted_sample(
 }
 
 // ------------------------------------------------------------------------------------------------
-// Scoring (§1.12)
+// Scoring
 
 /// RULER metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -725,7 +724,7 @@ pub fn count_nulls(preds: &[&str]) -> usize {
     preds.iter().filter(|p| postprocess(p).is_empty()).count()
 }
 
-/// `tokens_to_generate` and metric for any RULER synthetic task name (§1.13), for reading RULER files.
+/// `tokens_to_generate` and metric for any RULER synthetic task name, for reading RULER files.
 pub fn ruler_task_settings(task: &str) -> Option<(usize, Metric)> {
     if NiahTask::from_name(task).is_some() {
         return Some((NIAH_TOKENS_TO_GENERATE, Metric::StringMatchAll));

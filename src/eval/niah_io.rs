@@ -1,8 +1,8 @@
 //! RULER file interop: `validation.jsonl` data files (both layouts), `{task}.jsonl` predictions,
 //! `summary.csv`, written byte-compatible with RULER's Python.
 //!
-//! Reference: RULER `scripts/data/prepare.py`, `scripts/pred/call_api.py`, `scripts/eval/evaluate.py`;
-//! spec `evaluation.md` §1.11.
+//! Reference: `NVIDIA/RULER:scripts/data/prepare.py`, `NVIDIA/RULER:scripts/pred/call_api.py`,
+//! `NVIDIA/RULER:scripts/eval/evaluate.py`.
 //!
 //! The non-obvious decisions: JSON lines are written by hand the way Python's `json.dumps` does
 //! (`", "`/`": "` separators, `ensure_ascii=True`, so `jalapeño` becomes `jalape\u00f1o`), so files

@@ -1,7 +1,7 @@
 //! `harpe eval-niah`: build the RULER / passkey / needle-grid prompts, run the model on them, score,
 //! and write RULER-compatible predictions, `results.json`, `summary.csv` and heatmaps.
 //!
-//! Reference: RULER `scripts/run.sh` (directory layout), spec `evaluation.md` §1.9–1.12, §2, §4, §5.
+//! Reference: `NVIDIA/RULER:scripts/run.sh` (directory layout).
 //!
 //! The non-obvious decisions: every suite is reduced to cells (task x length) of `Record`s, so one
 //! loop runs and resumes them all; a prediction is reused on a re-run only when the prompt hash
@@ -703,7 +703,7 @@ pub struct EvalNiahArgs {
 pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
 
 /// Load the model and return the `predict` closure: BOS + prompt, greedy, stop at EOS (dropped),
-/// decode the new tokens with special tokens skipped (spec §5).
+/// decode the new tokens with special tokens skipped.
 fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
     let device = args.device.open("--device")?;
     let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?.with_inference_layout()?;
@@ -729,8 +729,8 @@ fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: 
     Ok(Box::new(move |prompt: &str, max_new_tokens: usize| predict_text(&model, &tok, prompt, max_new_tokens, chunk)))
 }
 
-/// The prediction rule (spec §5): BOS + prompt, greedy, stop at EOS (dropped), decode the new tokens with
-/// special tokens skipped. Shared by `eval-niah` and the passkey check during training.
+/// The prediction rule of base-model evaluation: BOS + prompt, greedy, stop at EOS (dropped), decode the
+/// new tokens with special tokens skipped. Shared by `eval-niah` and the passkey check during training.
 pub fn predict_text(
     model: &crate::model::Llama,
     tok: &Tokenizer,

@@ -1,10 +1,10 @@
 //! Passkey retrieval (Mohtashami & Jaggi 2023, as YaRN and LongLoRA run it): a 5-digit key hidden in
 //! repeated noise, asked back at the end. The cheap sanity check before RULER.
 //!
-//! Reference: spec `evaluation.md` §4 (landmark-attention `run_test.py`, yarn `eval/passkey.py`).
+//! Reference: landmark-attention `run_test.py`, yarn `eval/passkey.py`.
 //!
 //! The non-obvious decisions: the garbage length is calibrated per target length in characters with
-//! the model's own tokenizer so that BOS + prompt stays at or below `length - 16` tokens (§4.3), and
+//! the model's own tokenizer so that BOS + prompt stays at or below `length - 16` tokens, and
 //! depths come from a fixed grid (`n_prefix = round(depth * n_garbage)`) rather than YaRN's uniform
 //! draw, so accuracy can be reported per depth. Prefix and suffix are both `garbage_inf[..n]`, as in
 //! the reference code (both start at the beginning and may cut a word).
@@ -19,7 +19,7 @@ use tokenizers::Tokenizer;
 /// Tokens the model may generate for a passkey answer.
 pub const PASSKEY_MAX_NEW_TOKENS: usize = 10;
 
-/// Tokens kept free below the target length (spec §4.3).
+/// Tokens kept free below the target length, so BOS + prompt never exceeds it.
 const MARGIN: usize = 16;
 
 const INTRO: &str = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you about the important information there.";

@@ -1,11 +1,11 @@
 //! `harpe eval-ppl`: sliding-window perplexity of text files under a model directory.
 //!
-//! Reference: Press et al. sliding windows; YaRN `eval/perplexity.py` (spec `evaluation.md` §3).
+//! Reference: Press et al. sliding windows; YaRN `eval/perplexity.py`.
 //! The rule, pinned: with N tokens, window k spans [kS, min(kS + W, N)) and scores the targets t with
 //! max(end of window k-1, kS + 1) <= t < end of window k, each from the context inside its window; stop
 //! after the window that reaches N. With S < W, x_1..x_{N-1} are each scored exactly once; S == W gives
 //! disjoint windows whose first tokens are unscored (transformers' recipe); S > W is refused (see `windows`).
-//! The NLL is `loss::chunked_nll` (the training loss's rule): f32 logits on chunks of `--loss-chunk`
+//! The NLL is `model::loss::chunked_nll` (the training loss's rule): f32 logits on chunks of `--loss-chunk`
 //! positions (never (T x V) logits at once), log-sum-exp and sums in f64, only the NLLs leave the
 //! device. `ScoringModel` (shared with eval-loss) opens `--device` and picks its attention. Not done here:
 //! YaRN's BOS-per-window / truncate variant (pre-cut files with --max-tokens).
@@ -191,7 +191,7 @@ pub fn windows(n: usize, window: usize, stride: usize) -> Result<Vec<(usize, usi
 }
 
 /// Per-position NLLs: for window positions p in [p0, p1), -ln p(ids[p + 1] | ids[..=p]) from the
-/// final hidden states (1, L, C), by `loss::chunked_nll` (f32 logits, f64 sums; only the NLLs leave the device).
+/// final hidden states (1, L, C), by `model::loss::chunked_nll` (f32 logits, f64 sums; only the NLLs leave the device).
 pub fn position_nlls(
     model: &Llama,
     hidden: &Tensor,

@@ -2,7 +2,7 @@
 //!
 //! Reference: CPython 3.11 `Modules/_randommodule.c` (`init_by_array`, `genrand_uint32`,
 //! `random_random`, `getrandbits`) and `Lib/random.py` (`_randbelow_with_getrandbits`, `randint`,
-//! `choice`, `shuffle`, `sample`); spec `evaluation.md` §1.6 for the test vectors.
+//! `choice`, `shuffle`, `sample`); tests/stage_eval/niah_pyrandom.rs checks it against CPython's outputs.
 //!
 //! The non-obvious decision: every method consumes the generator exactly as CPython does (one
 //! 32-bit draw for `getrandbits(1)`, rejection sampling in `_randbelow`, `sample`'s switch between

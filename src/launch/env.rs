@@ -1,7 +1,7 @@
 //! Who this process is in a multi-process run, read from the launcher's environment: torchrun's
 //! variables, Slurm's task variables, or `harpe ... --nproc-per-node N`'s (which copies torchrun's).
 //!
-//! Reference: DESIGN.md §6; torchrun's environment contract (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! Reference: torchrun's environment contract (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RUN_ID`,
 //! `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`) and Slurm's task variables
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_NODELIST` in Slurm's hostlist syntax,

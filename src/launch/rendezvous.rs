@@ -1,7 +1,7 @@
 //! The TCP rendezvous: rank 0 admits the other ranks, checks they belong to this run, and hands them
 //! an opaque payload (NCCL's 128-byte unique id); the open connections then serve as a small barrier.
 //!
-//! Reference: DESIGN.md §6; the role of torch's `TCPStore` / `MASTER_ADDR:MASTER_PORT`, without its
+//! Reference: the role of torch's `TCPStore` / `MASTER_ADDR:MASTER_PORT`, without its
 //! key-value store. Wire format (all integers little-endian): a frame is `kind: u8, len: u32, body`.
 //! A rank opens with `H` = magic `HARPERDV` + protocol u32 + rank u32 + world u32 + config hash
 //! [32] + token (u32 len + bytes) + version (u32 len + bytes); rank 0 answers `W` + payload, or `R`
@@ -600,7 +600,7 @@ impl Rendezvous {
     }
 
     /// The open connections (rank 0: rank r's at index r - 1; others: the one to rank 0), handed to the
-    /// failure watch (`comms::watch`), which owns them from then on.
+    /// failure watch (`launch::watch`), which owns them from then on.
     pub(crate) fn into_links(self) -> Vec<TcpStream> {
         self.links
     }

@@ -395,7 +395,7 @@ pub struct DistCheckArgs {
     pub kill_rank: Option<usize>,
 }
 
-/// `--work-s`: keep the group under the failure watch (`comms::watch`) for that long, as a training run
+/// `--work-s`: keep the group under the failure watch (`launch::watch`) for that long, as a training run
 /// does; the test hooks make one rank fail or vanish half a second in.
 fn watched_work(rv: crate::launch::rendezvous::Rendezvous, a: &DistCheckArgs, rank: usize) -> Result<()> {
     use crate::launch::watch::Watch;

@@ -3,7 +3,7 @@
 //!
 //! Reference: torch's `TCPStore.cpp` (client), `store/TCPStoreBackend.hpp` (`QueryType`,
 //! `validationMagicNumber`) and `TCPStoreLibUvBackend.cpp` (the server torchrun runs), torch 2.15;
-//! tested against the real server under torchrun (tests/comms_torchrun.rs). Wire format, in the
+//! tested against the real server under torchrun (tests/stage_comms/comms_torchrun.rs). Wire format, in the
 //! machine's byte order (little-endian on every platform torch ships for): a request is a `QueryType`
 //! byte and its arguments; a key or value is a u64 length and its bytes. A new connection first sends
 //! `VALIDATE` + u32 magic `0x3C85F7CE` (no reply; the server drops a connection that sends anything

@@ -3,7 +3,7 @@
 //! `model/` knowing about devices or ranks.
 //!
 //! Reference: torchtitan's `parallelize_llama` (parallelism applied to a single-device model from
-//! outside); DESIGN.md §6. The non-obvious decision: a closed enum for what `model/`+`ops/` provide,
+//! outside). The non-obvious decision: a closed enum for what `model/`+`ops/` provide,
 //! plus one `Custom` arm holding a trait object, because comms/ (which `model/` must not import)
 //! provides the Ulysses all-to-all wrapper and it is chosen at run time. Every arm computes the same
 //! function: causal (or full) GQA softmax(q k^T * scale) v with q (B, H, Tq, D), k, v (B, Hkv, Tk, D);

@@ -164,13 +164,12 @@ impl CustomOp3 for ChunkedCe {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // TODO(why): the backward keeps candle's matmuls because a CPU backward on `linear_bwd_cpu` made a
+        // 25.6M-parameter run's resident memory grow 785 -> 985-1054 MB over its first 7-11 steps (each growing
+        // step at half speed, on first touch of its pages), where this one stays at 790 MB; the cause is unknown.
         let (h, w, t) = (hidden.detach(), weight.detach(), self.targets.clone());
         let (n, c, v) = check_shapes(&h, &w, &t)?; // the ids were checked in the forward
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
-                                                                      // The backward keeps candle's matmuls: a CPU backward on `linear_bwd_cpu` (tried 2026-12-04) made a
-                                                                      // 25.6M-parameter run's resident memory grow 785 -> 985-1054 MB over its first 7-11 steps (each
-                                                                      // growing step at half speed on this VM's first touch of pages), where this one stays at 790 MB;
-                                                                      // not understood.
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
         let w_t = w.t()?; // (C, V)
         let mut dh = Vec::new();
@@ -308,7 +307,7 @@ mod tests {
         assert_eq!(dh1.to_scalar::<f32>().unwrap(), 0.0);
     }
 
-    /// The fused path (on the CPU the CE chunk ops' vectorised row loops, the default since issue 29; the
+    /// The fused path (on the CPU the CE chunk ops' vectorised row loops, the default; the
     /// CUDA kernels' twin; on CPU f32 its forward GEMM is `ops::linear`'s) gives the plain-op path's nll and
     /// gradients: small chunks with a ragged last one, and chunks of 40 rows over a vocabulary of 70 (the
     /// GEMMs split into one band per thread).

@@ -1,12 +1,13 @@
 //! RoPE schemes: every classic extension and HARPE's per-head bases, as inverse frequencies and
 //! cos/sin tables.
 //!
-//! Reference: `../shared/specs/harpe-and-rope.md` §1-2, §5; HF `modeling_rope_utils.py`.
+//! Reference: HARPE (Lian et al., arXiv 2412.07171) §3; HF `modeling_rope_utils.py` for the baselines.
 //! The non-obvious decision: angles `pos * inv_freq` are computed in f64 and only the final cos/sin are
-//! stored in f32 (DESIGN §4). `RopeParity::Hf` reproduces transformers' f32 arithmetic instead, for
-//! checkpoint-equivalence tests. Tables have shape (Htab, T, D/2) with Htab = 1 for schemes that share
-//! one frequency set across heads and Htab = Hkv for HARPE (query heads of a GQA group share their kv
-//! head's base). What this file does not do: apply the rotation (that is `ops::rotary`).
+//! stored in f32 (in f32 the angle at position 131072 is off by ~0.008 rad). `RopeParity::Hf` reproduces
+//! transformers' f32 arithmetic instead, for checkpoint-equivalence tests. Tables have shape
+//! (Htab, T, D/2) with Htab = 1 for schemes that share one frequency set across heads and Htab = Hkv for
+//! HARPE (query heads of a GQA group share their kv head's base). What this file does not do: apply the
+//! rotation (that is `ops::rotary`).
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -19,7 +20,7 @@ pub const TABLE2_BASES: [u64; 32] = [
     4_510_000, 4_540_000,
 ];
 
-/// Head order for uniform base sets (spec §1.4).
+/// Head order for uniform base sets (the HARPE paper's same-stride ascending/descending variants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum BaseOrder {
@@ -478,7 +479,7 @@ mod tests {
 
     #[test]
     fn yarn_llama2_to_128k_matches_spec() {
-        // spec §2: beta_fast 32, beta_slow 1 -> low 20, high 46 (raw 20.94 / 45.03); factor 1.3466
+        // YaRN: beta_fast 32, beta_slow 1 -> low 20, high 46 (raw 20.94 / 45.03); factor 1.3466
         let raw = yarn_correction_range(10000.0, 128, 4096, 32.0, 1.0, false);
         assert!((raw.0 - 20.94).abs() < 0.01 && (raw.1 - 45.03).abs() < 0.01, "{raw:?}");
         assert_eq!(yarn_correction_range(10000.0, 128, 4096, 32.0, 1.0, true), (20.0, 46.0));
@@ -534,7 +535,7 @@ mod tests {
 
     #[test]
     fn f64_tables_are_accurate_at_128k() {
-        // spec §5: |cos_f64 - cos_hf| < 0.01 at m = 131071, and f64 is the accurate one
+        // |cos_f64 - cos_hf| < 0.01 at m = 131071, and f64 is the accurate one
         for b in [1e4, 5e5, 1e6, 5e6] {
             let s = RopeScheme::Default { theta: b };
             let at = Positions { start: 131071, len: 1, seq_len: 131072 };

@@ -2,7 +2,7 @@
 //! convert; FMA or tensor-core tiles) on candle's CUDA storages, and the `ops::attention` custom ops'
 //! `cuda_fwd` bodies (`fwd_packed`, `bwd_packed`: the same packed layouts as the CPU path).
 //!
-//! Reference: kernels/attention.cu (algorithm, tiles, what a block owns); `kernels_emu::attention`, the
+//! Reference: kernels/attention.cu (algorithm, tiles, what a block owns); `ops::emu::attention`, the
 //! host twin with the same launch shapes, which tests/stage_model/attention_emu.rs checks against the CPU reference.
 //! The non-obvious decision: the shape rules (head dim, H % Hkv, causal Tk >= Tq, u32 sizes) are
 //! `ops::attention_shape::check_dims` and the tile heights and kernel choice `AttnKernel`'s, one owner for

@@ -33,7 +33,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// Query rows per block. 128 x 256 against the earlier 64 x 128 (`benches/attention_cpu.rs`, 2 threads,
-/// AVX-512, 2026-12-03, interleaved runs): (B,H,Hkv,T,D) = (1,6,2,4096,64) forward 71-95 ms against 91-110,
+/// AVX-512, interleaved runs): (B,H,Hkv,T,D) = (1,6,2,4096,64) forward 71-95 ms against 91-110,
 /// forward + backward 254-325 against 284-377; (1,4,4,1024,32) fwd+bwd 13.6-13.9 against 14.5-15.7; at T = 256
 /// and 512 within the run-to-run spread (128 x 128, 128 x 512, 256 x 256 and 256 x 512 no better than 128 x 256).
 /// Fewer, larger block GEMMs: the gemm crate packs both operands on every call.
@@ -48,7 +48,8 @@ const BK: usize = 256;
 /// the row sum stays far from f32's 3.4e38 (4096 keys at e^16: 3.6e10), and the result is the same
 /// softmax up to rounding (floating point does not care which reference scales it). Attention forward
 /// (`benches/attention_cpu.rs --fwd-only`, (1, 8, 8, 4096, 4096, D 64), 2 AVX-512 threads, 4 interleaved
-/// runs): 113-140 ms with the max pass, 110-120 without (benches/results/train-cpu-grid-avx512-onepass-mkl_20261203.md).
+/// runs): 113-140 ms with the max pass, 110-120 without; the training grid measured with it:
+/// benches/results/train-cpu-grid.md.
 const REBASE_ABOVE: f32 = 16.0;
 
 /// Row-major view of `rows` at `ptr` with row stride `rs` (unit column stride).

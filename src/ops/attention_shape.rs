@@ -5,7 +5,7 @@
 //! Reference: kernels/attention.cu (`ATTN_NT`, `ATTN_TC_NT`, `AttnTile<D>`, `AttnTc<D>`).
 //! The non-obvious decision: this file imports nothing of the crate. The op (`ops::attention`), its GEMM
 //! blocks (`ops::attention_gemm`), its CUDA launcher (`ops::attention_cuda`) and the host emulator
-//! (`kernels_emu::attention`) all read these types, so they live below all of them: the emulator depends on
+//! (`ops::emu::attention`) all read these types, so they live below all of them: the emulator depends on
 //! the op's types, never the op on the emulator, and no two of those files import each other back.
 //! Does not: run anything (the implementations live in the files named above).
 use candle_core::{bail, Result};
@@ -219,7 +219,7 @@ impl PackedRows {
 /// Device memory one attention forward + backward allocates beyond its inputs, its outputs and what
 /// autograd saves (the forward's packed O|lse output, `PackedRows::fwd_width` per row, is saved and counted
 /// with the activations). One owner: the CUDA launcher allocates `bwd_scratch` exactly, the emulated launcher
-/// too (tests/attention_emu.rs checks it), and `harpe plan` reports `total` as `attention_workspace`.
+/// too (tests/stage_model/attention_emu.rs checks it), and `harpe plan` reports `total` as `attention_workspace`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnWorkspace {
     /// The backward's input rows [q | O | lse | dO | .] in the input type: the op's one packing copy

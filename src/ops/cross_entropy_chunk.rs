@@ -2,7 +2,7 @@
 //! and `ce_chunk_dlogits` (logits, targets, g) -> dlogits, with a CPU reference (readable row loops) and
 //! a CUDA launch of kernels/cross_entropy.cu, so `loss.rs` can run the same chunk loop on either device.
 //!
-//! Reference: `loss::chunked_cross_entropy` (its chunk math: lse = logsumexp(l), nll = lse - l[y],
+//! Reference: `model::loss::chunked_cross_entropy` (its chunk math: lse = logsumexp(l), nll = lse - l[y],
 //! dl = g (softmax(l) - onehot(y)), IGNORE_INDEX rows give 0 and no gradient); Liger-Kernel.
 //! The non-obvious decision: the ops take the chunk's logits as produced by the matmul (f32 or bf16,
 //! (n, V)), so the lm-head matmuls stay on cuBLAS through candle and only the softmax part is fused:
@@ -14,7 +14,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
 
-/// Target value that is skipped (no loss, no gradient); `loss` re-exports it as `loss::IGNORE_INDEX`.
+/// Target value that is skipped (no loss, no gradient); `model::loss` skips the same value.
 pub const IGNORE_INDEX: u32 = u32::MAX;
 
 /// Per-row nll, lse and (with `g`) dlogits of logits (n, V) — the reference loops (f32 arithmetic).

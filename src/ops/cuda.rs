@@ -2,14 +2,15 @@
 //! shapes, the precondition checks every launcher shares, and the launchers that work on flat device
 //! buffers rather than tensors (AdamW, the gradient norm) for the optimizer to call.
 //!
-//! Reference: ../shared/cuda-build.md §3 (`get_or_load_custom_func`, `builder().arg(..).launch(..)`).
+//! Reference: candle's and cudarc's kernel loading and launch API (`get_or_load_custom_func`,
+//! `builder().arg(..).launch(..)`).
 //! The non-obvious decision: AdamW and the norm work on raw device memory, not through candle ops: the
-//! training state is flat buffers (DESIGN §6, `FlatBuf::Device`) that the optimizer updates in place,
+//! training state is flat buffers (`FlatBuf::Device`) that the optimizer updates in place,
 //! which candle's immutable tensors cannot express; `adamw_step_tensors` takes the device pointers of
 //! those buffers' tensors (never shared, see flatbuf.rs), `adamw_step` those of cudarc slices (selftest,
 //! bench). Only the norm's one f64 crosses to the host.
 //! Does not: choose the device or own the training state (the optimizer does), run anything on CPU
-//! (`kernels_emu` is the host twin of the same kernels).
+//! (`ops::emu` is the host twin of the same kernels).
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,

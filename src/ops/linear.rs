@@ -89,9 +89,9 @@ const MIN_BAND: usize = 16;
 /// Threads: the output is cut into one band per rayon thread, each band a single-threaded GEMM. The
 /// `gemm` crate's own `Parallelism::Rayon` splits inside every k-block and meets its threads again after
 /// each one; for the weight gradients (dW = dy^T x: a few hundred rows, k = all tokens) that ran at
-/// 70-135 GFLOP/s on 2 AVX2 threads where bands ran 140-165; on 2 AVX-512 threads (2026-12-03, medians of
-/// 15, (m, k, n) of the hidden-384 and hidden-768 linears and their gradients) bands 215-292 GFLOP/s
-/// against 159-237, equal at 2048 x 768 x 2048 (benches/results/train-cpu-grid-avx512_20261203.md).
+/// 70-135 GFLOP/s on 2 AVX2 threads where bands ran 140-165; on 2 AVX-512 threads (medians of 15, (m, k, n)
+/// of the hidden-384 and hidden-768 linears and their gradients, `cargo bench --bench linear_cpu`) bands
+/// 215-292 GFLOP/s against 159-237, equal at 2048 x 768 x 2048; the grid they feed: benches/results/train-cpu-grid.md.
 /// A band packs its own part of one operand and all of the other, so the split runs along the larger of
 /// m and n: bands of rows (each packs all of rhs, k x n) when m >= n, bands of columns (each packs all of
 /// lhs, m x k) when m < n. A forward over a 256-token window (m = 256, n = 768-2048 outputs) cut into rows
@@ -184,7 +184,7 @@ unsafe fn gemm_into(
 ///
 /// One row (a decode step) skips the gemm crate, which packs all of W for a 1-row product on AVX-512 and
 /// runs it on one thread whatever `Parallelism` says (`perf` of `harpe generate`, hidden 512, 8 layers: the
-/// packing at 55%; benches/results/infer-cpu-grid-avx512_20261203.md): row-major W gives y_j = x · w_j with
+/// packing at 55%; decode speed now: benches/results/infer-cpu-grid.md): row-major W gives y_j = x · w_j with
 /// `cpu_vec::dot` over W's rows, column-major W gives y = sum_i x_i W^T_i with `cpu_vec::axpy_rows` over W^T's
 /// rows, either split over rayon threads by output columns when W is large enough to pay for the split.
 pub fn linear_fwd_cpu(x: &[f32], w: View, (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {

@@ -2,7 +2,7 @@
 //! their own recipe), grid axes over any `--set` key, and seeds — trained and evaluated one after
 //! another or as N parallel processes, resumable, indexed in `sweep.json`.
 //!
-//! Reference: the reviewers' request for several multi-stage schedules and seeds (issue 14); the layout
+//! Reference: the reviewers' request for several multi-stage schedules and seeds; the layout
 //! follows torchtitan's one-TOML-per-recipe plus a sweep file on top.
 //! The non-obvious decisions:
 //! - Every run is a separate `harpe train` process (the same binary, `current_exe` or `$HARPE_BIN`), driven

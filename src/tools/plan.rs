@@ -57,7 +57,7 @@ pub struct PlanArgs {
 }
 
 /// The `[dist]` keys plan reads itself (taken out of the TOML before the config is parsed, so that
-/// they work whether or not `config.rs` knows them yet).
+/// they work whether or not `config` knows them yet).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DistKeys {
     pub world_size: Option<usize>,

@@ -1,7 +1,7 @@
 //! Evaluation during training (`[eval]`): perplexity, passkey and loss by position bucket of the
 //! training weights, every `every` optimizer steps, at each stage's end and at the end of the run.
 //!
-//! Reference: issue 16 item 2, issue 25 item 4; the scoring rules are the eval commands' own
+//! Reference: the scoring rules are the eval commands' own
 //! (`ppl::score_documents`, `passkey::make_samples` + `niah_run::predict_text` + `niah::task_score`,
 //! `eval_loss::sequence_nlls` + `LossTally`, `tasks::run::respond_group`): this file only prepares their
 //! inputs once, splits them over the ranks and packs their results into one `metrics.jsonl` line.

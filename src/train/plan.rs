@@ -1,7 +1,7 @@
 //! `harpe plan`: per-GPU memory by term and the step time of a run before it starts, whether it fits,
 //! and when it does not, the cheapest change that does.
 //!
-//! Reference: DESIGN §5 (the budget this reproduces: Llama-2-7B at 128K on 8 x 80 GB), Rajbhandari et
+//! Reference: the budget this reproduces (Llama-2-7B at 128K on 8 x 80 GB; docs/VALIDATION.md), Rajbhandari et
 //! al. 2020 (ZeRO: 2 B bf16 weight + 2 B bf16 grad + 12 B fp32 master/m/v per parameter, stage s shards
 //! the last s of them), Jacobs et al. 2023 (DeepSpeed-Ulysses: activations / P, four all-to-alls per
 //! layer), Korthikanti et al. 2022 (activations counted tensor by tensor per layer), Chen et al. 2016
@@ -40,12 +40,12 @@ const GPU_FIXED_BYTES: u64 = 2 << 30;
 const BUCKET_BYTES: u64 = 64 << 20;
 /// Resident bytes of a `harpe train` process besides its model, state and activations (binary, libc and
 /// rayon runtime, tokenizer, dataset index, allocator arenas): 23.5 MiB, calibrated (see below; 17.5 MiB
-/// before 2026-12-03).
+/// in the calibration before).
 pub const CPU_BASELINE_BYTES: u64 = 47 << 19;
 /// candle's backward temporaries per token of one recomputed layer (the sums of gradients, the fused
 /// SwiGLU's packed gradient, matmul gradients and the gemm crate's packing buffers) together with what
 /// glibc's allocator keeps resident between steps, in f32 elements per unit of the MLP width I and of the
-/// hidden size C. Calibrated on 2026-12-03 (second time that day) after `ops::linear` began cutting a GEMM
+/// hidden size C. Calibrated again after `ops::linear` began cutting a GEMM
 /// along the larger of its output's sizes (a band packs its own part of one operand and all of the other;
 /// the down projection's weight gradient, C x I over k = tokens, now packs dy per thread instead of the
 /// tokens x I activations). The GQA check below then measured 91-92 MiB at T 512 and, over repeated runs
@@ -511,7 +511,7 @@ impl Sizes {
             kvd: (arch.kv_heads * arch.head_dim) as f64,
             wb: if shape.bf16 { 2.0 } else { 4.0 },
             // gradients: fp32 on every device (FlatBuf), accumulated over micro-batches and reduce-scattered
-            // in fp32 (Megatron's main_grad: 2 + 4 + 12 = 18 B/param; DESIGN §5 budgets bf16 gradients, 16 B)
+            // in fp32 (Megatron's main_grad: 2 + 4 + 12 = 18 B/param; the 7B-at-128K budget has bf16 gradients, 16 B)
             gb: 4.0,
             tl: (shape.micro_batch * shape.seq_len.div_ceil(p)) as f64,
             seg,

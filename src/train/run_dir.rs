@@ -12,9 +12,9 @@
 //!   sweep-run.json train.log eval.log eval/{loss.json,niah/,summary.json}   written by harpe sweep
 //!   eval-tasks/results.json                                                 harpe eval-tasks --out
 //!   data/builtin_T<n>/  the built-in dataset of stages of n tokens
-//!   checkpoints/step_<n>/  model directories + optimizer shards + state.json + DONE (checkpoint.rs)
+//!   checkpoints/step_<n>/  model directories + optimizer shards + state.json + DONE (train::checkpoint)
 //! ```
-//! What this file does not do: the checkpoint directories' inside (checkpoint.rs owns it).
+//! What this file does not do: the checkpoint directories' inside (`train::checkpoint` owns it).
 use crate::train::checkpoint;
 use anyhow::Result;
 use std::path::{Path, PathBuf};

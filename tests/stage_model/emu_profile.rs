@@ -1,4 +1,4 @@
-//! The host emulation's measuring (`kernels_emu::profile`, kernels/emu.h) on toy kernels whose counts are
+//! The host emulation's measuring (`ops::emu::profile`, kernels/emu.h) on toy kernels whose counts are
 //! computed here by hand (kernels/emu_toys.cu), cp.async's commit/wait semantics with its poison, and the
 //! attention kernels' counts that follow from their tiling.
 //! Measuring is process-wide, so every test takes `LOCK` and resets the table first.

@@ -1,7 +1,7 @@
 //! The kernels' own source (kernels/*.cu), compiled for the host against kernels/emu.h, against the CPU
 //! references: every kernel forward and backward, f32 and bf16, ragged shapes, several launch shapes
 //! (the `selftest` cases, which `harpe selftest` runs on a GPU); plus the cross-entropy kernel against
-//! `loss::chunked_cross_entropy` end to end (nll and both gradients through the matmuls), in-place
+//! `model::loss::chunked_cross_entropy` end to end (nll and both gradients through the matmuls), in-place
 //! dlogits, the RMSNorm kernels against the op's autograd, and the emulator's collectives.
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::model::loss::chunked_cross_entropy;

@@ -1,4 +1,4 @@
-//! `plan::largest_fitting_tokens` for Llama-2-7B on one GPU (the `harpe bench model` step row's T):
+//! `train::plan::largest_fitting_tokens` for Llama-2-7B on one GPU (the `harpe bench model` step row's T):
 //! the returned T fits and the next multiple does not, the fitting T are a prefix of the multiples,
 //! the multiple is respected, and nothing fits an 80 GB A100 (18 B/param = 121 GB of state alone).
 use harpe::config::Checkpointing;

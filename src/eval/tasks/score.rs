@@ -15,7 +15,7 @@
 //!   after a row never reaches it), so the log-probabilities are those of the full sequence; questions
 //!   whose continuations are single tokens (MMLU's " A".." D") need no continuation pass at all and run
 //!   `--batch` questions per right-padded forward;
-//! - log-probabilities by `loss::nll_rows` (the one NLL rule: f32 logits, f64 log-sum-exp), `--loss-chunk`
+//! - log-probabilities by `model::loss::nll_rows` (the one NLL rule: f32 logits, f64 log-sum-exp), `--loss-chunk`
 //!   positions at a time; a request longer than max_length + 1 tokens is left-truncated and scored alone.
 //!
 //! Not done here: rolling log-likelihoods, sampling, batched generation (one prompt at a time).

@@ -495,7 +495,7 @@ pub struct CeOut<T> {
     pub dlogits: Option<Vec<T>>,
 }
 
-/// Cross-entropy on logits (n, V) with targets (n) (`loss::IGNORE_INDEX` skipped); with `gout` (n) also
+/// Cross-entropy on logits (n, V) with targets (n) (`cross_entropy_chunk::IGNORE_INDEX` skipped); with `gout` (n) also
 /// dlogits. `in_place` writes dlogits over a copy of the logits buffer (the aliasing the GPU path uses).
 pub fn cross_entropy<T: EmuFloat>(
     logits: &[T],

@@ -1,6 +1,6 @@
 //! A test-only switch that breaks one emulated kernel on purpose, so that the selftest's bounds and
 //! scripts/gpu-check.sh's report can be shown to catch a wrong kernel (tests/stage_model/selftest_perturbed.rs,
-//! tests/gpu_check_rehearse.rs).
+//! tests/tools/gpu_check.rs).
 //!
 //! `HARPE_EMU_PERTURB=<kernel>` scales that kernel's output by 1.01 after the launch; `attention_fwd:mask`
 //! instead runs the first query tile of (batch 0, head 0) with its diagonal key tile unmasked (as if the

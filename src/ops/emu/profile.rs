@@ -2,7 +2,7 @@
 //! traffic in 32-byte sectors beside the bytes the lanes asked for, shared-memory wavefronts and bank
 //! conflicts per warp instruction (ld/st.shared, ldmatrix, the shared side of copy16 and cp.async; 32 banks of
 //! 4 bytes), barriers, atomics, mma instructions and cp.async copies — and the toy kernels of
-//! kernels/emu_toys.cu whose counts are known by hand (tests/emu_profile.rs).
+//! kernels/emu_toys.cu whose counts are known by hand (tests/stage_model/emu_profile.rs).
 //!
 //! Reference: CUDA C++ Best Practices Guide (coalescing into 32-byte sectors, shared-memory banks), the PTX
 //! ISA (cp.async commit/wait groups); Nsight Compute's metric names for the same counts.

@@ -2,7 +2,7 @@
 //! peak–valley search (`bases::search`) — printed as JSON or a `[rope]` TOML snippet, with the
 //! waveform plot (`bases::plot`).
 //!
-//! Reference: `../shared/specs/harpe-and-rope.md` §1.3–1.8. The non-obvious decision: with `--model`
+//! Reference: Lian et al. (arXiv 2412.07171) §4.2 and Table 2. The non-obvious decision: with `--model`
 //! the head count comes from its config.json and one base per kv head is produced (query heads of a GQA
 //! group share their kv head's base). Not done here: the search maths (`bases::search`), drawing
 //! (`bases::plot`), applying bases to a model (`model::rope`).

@@ -1,7 +1,7 @@
 //! `harpe search-bases --plot FILE.png`: the waveforms of a base set with their peaks and valleys, and
 //! how those extrema cover the distance range, one row per head.
 //!
-//! Reference: Attention Buckets' `plot_base_selection` figures (Chen et al. 2024b), spec §1.6–1.7.
+//! Reference: Attention Buckets' `plot_base_selection` figures (Chen et al. 2024b).
 //! The non-obvious decision: a waveform has ~10^5 grid points and oscillates every few positions (its
 //! j = 0 term is cos(m)), so each curve is drawn as its per-pixel-column min/max envelope: the image shows
 //! exactly the range the raw values span in each column, in 2 points per column instead of 10^5.

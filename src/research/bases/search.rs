@@ -1,18 +1,19 @@
 //! The maths of HARPE base sets: the RoPE waveform, its peaks and valleys, and the deterministic
 //! peak–valley search "HARPE-PV v1" (`harpe search-bases` itself is `bases::cli`).
 //!
-//! Reference: `../shared/specs/harpe-and-rope.md` §1.3–1.8; Lian et al. (arXiv 2412.07171) Algorithm 1;
+//! Reference: Lian et al. (arXiv 2412.07171) Algorithm 1 and Table 2;
 //! the peak/valley finders are a port of Chen et al.'s Attention Buckets
 //! (`AlibabaResearch/DAMO-ConvAI:attention-buckets/basic.py`, `find_peak_points`, `find_trough_points`).
 //!
 //! The non-obvious decision: the paper leaves its peak and valley functions undefined, so the search is
-//! our reconstruction (spec §1.7): the f64 waveform `w_b(m) = (2/√d) Σ_j cos(m·b^(−2j/d))` on the integer
+//! our reconstruction: the f64 waveform `w_b(m) = (2/√d) Σ_j cos(m·b^(−2j/d))` on the integer
 //! grid `[round(1000ρ), round(4090ρ)]` with `ρ = target_len / orig_len`, the Attention-Buckets chains of
 //! running maxima/minima with their windows scaled by ρ, and Algorithm 1's objective with
 //! nearest-neighbour pairing, integer scores, ties to the smaller base. Each candidate's peaks and valleys
 //! do not depend on what has been chosen, so they are computed once (in parallel with rayon) and the
-//! greedy loop only does integer arithmetic. It does NOT reproduce Table 2 (spec §1.8): Table 2 stays the
-//! default. What this file does not do: apply bases to a model (`model::rope`), draw (`bases::plot`), parse
+//! greedy loop only does integer arithmetic. It does NOT reproduce Table 2 (its picks overlap Table 2's
+//! in about 8 of 32, chance level; no public HARPE code was found), so Table 2 stays the default.
+//! What this file does not do: apply bases to a model (`model::rope`), draw (`bases::plot`), parse
 //! flags or print (`bases::cli`).
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -24,7 +25,7 @@ const AB_SEP: f64 = 50.0;
 const AB_WIN: f64 = 500.0;
 const AB_SEP_VALLEY: f64 = 60.0;
 
-/// Parameters of the peak/valley finders (spec §1.7). Positions and windows are in distance units;
+/// Parameters of the peak/valley finders. Positions and windows are in distance units;
 /// the grid has step 1, so index offsets and distance offsets coincide.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PvParams {
@@ -247,7 +248,7 @@ pub struct PvSearch {
     pub skipped: Vec<f64>,
 }
 
-/// HARPE-PV v1 (spec §1.7 steps 4–7): fp/fv of `b_min` and every candidate (computed once, in
+/// HARPE-PV v1: fp/fv of `b_min` and every candidate (computed once, in
 /// parallel), then [`greedy_select`] up to `n` bases. Duplicate candidates and `b_min` itself are dropped.
 pub fn peak_valley_search(b_min: f64, cands: &[f64], n: usize, p: &PvParams) -> Result<PvSearch> {
     let mut pool_bases: Vec<f64> = cands.iter().copied().filter(|&b| b != b_min).collect();

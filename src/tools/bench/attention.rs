@@ -13,7 +13,7 @@
 //! With `--features flash-attn` the forward rows also time candle-flash-attn's FA2 forward on the same
 //! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
 //! `--target emulated --profile` (`run_emulated`) runs no GPU: it measures the tensor-core kernels on the host
-//! emulation (`kernels_emu::profile`: sectors, bank conflicts, barriers, atomics, mma) with a roofline bound.
+//! emulation (`ops::emu::profile`: sectors, bank conflicts, barriers, atomics, mma) with a roofline bound.
 //! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the benchmark is bf16, D = 128).
 use super::BenchArgs;
 use anyhow::Result;

@@ -1,4 +1,4 @@
-//! `harpe bench model`: the model-level rows of issue 10 on `--device` — one Llama decoder layer
+//! `harpe bench model`: the model-level benchmark rows on `--device` — one Llama decoder layer
 //! forward+backward (`Llama::layer_forward_with` on `Var` weights, then `sum().backward()`), and one
 //! full training step (`train::forward_backward` with every-layer checkpointing, global norm,
 //! clipping, AdamW on the fp32 master, write-back into the compute weights: the `harpe train` loop's
@@ -12,7 +12,7 @@
 //! - Sizes default by device — tiny on the CPU (C = 64, H = 4, T = 128, a 2-layer step, so the rows
 //!   run in seconds in a debug build and in tests), Llama-2-7B on CUDA: the layer (C = 4096, H = 32,
 //!   I = 11008) at T = 4096 and 16384, and the full 32-layer, V = 32000, bf16 step at the largest T (a
-//!   multiple of 1024) whose memory plan (`plan::largest_fitting_tokens`) fits the device's free memory,
+//!   multiple of 1024) whose memory plan (`train::plan::largest_fitting_tokens`) fits the device's free memory,
 //!   timed over 1 warm-up + 2 steps. When not even T = 1024 fits (an 80 GB A100: ~18 B/param = 121 GB)
 //!   the row says so instead of running out of memory. `--hidden/--heads/--model-tokens/--step-layers`
 //!   override the defaults; `--model-rows` picks the rows (scripts/gpu-check.sh times them apart).
@@ -127,7 +127,7 @@ pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> 
     let mut rows = vec![];
     if want("layer") {
         let mut shapes = vec![sh.clone()];
-        // on CUDA without --model-tokens the layer also at T = 16K (issue 10: 4K and 16K)
+        // on CUDA without --model-tokens the layer also at T = 16K, the long-context shape beside the 4K default
         if !dev.is_cpu() && args.model_tokens.is_none() {
             shapes.push(Shape { tokens: 16384, ..sh.clone() });
         }

@@ -14,7 +14,7 @@
 //! The non-obvious decision: on CUDA the tensor-core rows go through `ops::attention` with autograd (what
 //! the model calls: the op's cuda_fwd, its packed O|lse layout and the backward op; lse from one more
 //! launch of the same tiles), the FMA rows through the launchers with the FMA tiles asked for by name; on
-//! the emulated target both through `kernels_emu::attention`. The probe's rows check the emulated
+//! the emulated target both through `ops::emu::attention`. The probe's rows check the emulated
 //! mma/ldmatrix layouts against the hardware's when run on a GPU.
 //! `HARPE_SELFTEST_SMALL` (set by scripts/gpu-check.sh around compute-sanitizer) drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).

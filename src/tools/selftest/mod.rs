@@ -44,7 +44,7 @@
 //! RMSNorm, the dlogits, single-key rows of causal attention: at |y| = 1.9 x 2^e in bf16, B = 2^(e-7) =
 //! 0.41% of |y| while the error is 1% of |y| less half an ulp);
 //! tests/stage_model/selftest_perturbed.rs checks that with kernels perturbed through `HARPE_EMU_PERTURB`
-//! (kernels_emu::perturb) and that every unperturbed row passes with margin.
+//! (ops::emu::perturb) and that every unperturbed row passes with margin.
 //! Not done here: the CPU-vs-GPU training run (scripts/gpu-check.sh), timing (`harpe bench`).
 pub mod attention;
 pub mod candle_flash;

@@ -2,7 +2,8 @@
 //! range from the shards of whatever world size wrote them (`OptimShard`, `stitch_optim`,
 //! `read_optim_range`), with positional reads rather than a memory map (`OptimShard` says why).
 //!
-//! Reference: DESIGN.md §6 (resume re-shards). Split from checkpoint.rs, which writes what this reads.
+//! A resume may use another world size than the run that wrote the checkpoint, so the shards are re-cut.
+//! Split from checkpoint/mod.rs, which writes what this reads.
 
 use crate::comms::Mesh;
 use crate::flatbuf::FlatBuf;
