@@ -5,7 +5,8 @@ use harpe::device::as_pool_worker;
 /// jemalloc, not glibc malloc: activations and gradients are fresh buffers of up to hundreds of MB every
 /// step (candle's backward alone allocates a zeroed gradient per node). glibc returned each one over its
 /// 32 MiB mmap threshold to the kernel on free, and the next step faulted in zeroed pages again: 2.6M page
-/// faults in 5 steps of a hidden-768 model, `clear_page_erms` ~8% of the samples (README "Benchmarks").
+/// faults in 5 steps of a hidden-768 model, `clear_page_erms` ~8% of the samples (CPU measurements:
+/// benches/results/README.md).
 #[cfg(all(unix, not(target_env = "musl")))]
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

@@ -2,7 +2,7 @@
 //! (a document, a passkey sample, a loss sequence, a group of task requests) is scored by rank
 //! i mod world, and every item's result reaches every rank (`Share::rows`).
 //!
-//! Reference: issue 25 item 4 (rank-0 work must not race `dist.timeout_s`).
+//! Why: work done on rank 0 alone while the others wait could outlast `dist.timeout_s`.
 //! The non-obvious decision: results travel as per-item rows of f64 through `all_reduce_sum_f64` (the one
 //! host collective every backend has), each item's row filled by its one owner and zero on every other
 //! rank. Adding zeros is exact, so each rank gets the owner's values bit for bit, and the caller sums them

@@ -93,7 +93,7 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
         },
     };
     let resolved = RunConfig::load(&args.config, &args.set)?.toml;
-    // the collective signature check (`comms::signature`): a window every SIG_EVERY collectives
+    // the collective signature check (`launch::signature`): a window every SIG_EVERY collectives
     let check_every = if dist.check_collectives { crate::launch::signature::SIG_EVERY } else { 0 };
     let comm = Arc::new(
         NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1), check_every)

@@ -14,10 +14,10 @@
 //! - `stage.rs` — `Stage`: one stage's model, data and step arithmetic.
 //! - `launch.rs` — `run`: the backend (one rank, `Local` rank threads, an NCCL process), the plan check
 //!   and the `--nproc-per-node` spawner.
-//! - `run_dir.rs` — `RunDir`, the run directory's layout; `checkpoint.rs`, `metrics.rs`,
-//!   `tensorboard.rs`, `loss.rs` — what the loop writes and computes.
+//! - `run_dir.rs` — `RunDir`, the run directory's layout; `checkpoint/`, `metrics.rs`,
+//!   `tensorboard.rs` — what the loop writes (the loss it computes is `model::loss`).
 //!
-//! The non-obvious decisions (HARPE §4, spec §3: multi-stage ABF, constant lr 2e-5, AdamW 0.9/0.95):
+//! The non-obvious decisions (the HARPE paper's §4 recipe: multi-stage ABF, constant lr 2e-5, AdamW 0.9/0.95):
 //! - Activation checkpointing is done by hand on top of candle's autograd (Chen et al. 2016): the
 //!   forward keeps only the input of every segment of k layers (detached), then the backward walks the
 //!   segments from the last to the first, recomputing each one from a fresh `Var` of its input and

@@ -325,7 +325,7 @@ pub(super) fn resume(
     Ok((optim, state))
 }
 
-/// The checkpoint every rank resumes from, chosen by rank 0 alone and told to all (issue 25): rank 0
+/// The checkpoint every rank resumes from, chosen by rank 0 alone and told to all: rank 0
 /// takes the newest complete checkpoint (refusing to start over one without `--resume`) and sends its
 /// step and the first 48 bits of its config hash; every rank checks that its own view of the run
 /// directory has the same newest complete checkpoint and that its config hashes the same. A rank that
@@ -421,7 +421,7 @@ fn checkpoint_view(run_dir: &RunDir, rank: usize) -> PathBuf {
     run_dir.checkpoints()
 }
 
-/// One writer per run directory, held until the run ends (issue 16): rank 0 locks and prepares it (the
+/// One writer per run directory, held until the run ends: rank 0 locks and prepares it (the
 /// resolved config, the tokenizer of a byte-level run), then every rank learns whether it could.
 fn prepare_as_lead(
     comm: &Comm,

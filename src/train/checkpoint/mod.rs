@@ -1,7 +1,7 @@
 //! Checkpoints: `RUN/checkpoints/step_000500/` with HF-layout weights, one optimizer shard per rank
 //! (fp32 master, m, v), `state.json`, and a `DONE` marker; written atomically, newest complete one wins.
 //!
-//! Reference: DESIGN.md §3 (run directory) and §6 (commit for N ranks), llm.c `train_gpt2.cu` (DONE
+//! Reference: llm.c `train_gpt2.cu` (DONE
 //! marker, bit-exact resume).
 //! The non-obvious decisions: the commit protocol is the N-rank one, and one rank is its special case:
 //! rank 0 clears and creates ONE temp dir per step, `checkpoints/.tmp-step_N/` (a name every rank
