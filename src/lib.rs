@@ -19,6 +19,7 @@
 //! stage; nothing in the pipeline uses them. docs/ARCHITECTURE.md has the reading order and every file.
 
 // Foundations: small shared helpers, devices, the ops every stage computes with.
+pub mod testing;
 pub mod util;
 pub mod plot_font;
 pub mod device;

@@ -77,7 +77,7 @@ enum Cmd {
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
     /// A plain HF model plus one optimizer state file from a sharded (multi-rank) checkpoint
-    Consolidate(harpe::train::checkpoint::ConsolidateArgs),
+    Consolidate(harpe::train::checkpoint::consolidate::ConsolidateArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
     Plan(harpe::tools::plan::PlanArgs),
     /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
@@ -109,7 +109,7 @@ fn main() {
         Cmd::EvalTasks(a) => as_pool_worker(|| harpe::eval::tasks::run::run(*a)),
         Cmd::SearchBases(a) => harpe::research::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
-        Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate(a),
+        Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate::run(a),
         Cmd::Plan(a) => harpe::tools::plan::run(a),
         Cmd::Sweep(a) => harpe::research::sweep::run(a),
         Cmd::Report(a) => harpe::research::report::run(a),

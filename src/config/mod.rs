@@ -536,7 +536,7 @@ impl Default for LogSection {
 
 /// `[eval]`: evaluate the training weights in place every `every` optimizer steps, at each stage's end
 /// and at the end of the run. Each part runs only when its key is given.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EvalSection {
     /// evaluate every N optimizer steps (0 or absent: only at stage ends and at the end)
@@ -581,6 +581,28 @@ pub struct EvalSection {
     /// the first N documents of each task (as `eval-tasks --limit`)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_limit: Option<f64>,
+}
+
+impl Default for EvalSection {
+    /// What an empty `[eval]` table gives.
+    fn default() -> Self {
+        EvalSection {
+            every: 0,
+            ppl_inputs: vec![],
+            ppl_window: None,
+            ppl_stride: None,
+            ppl_max_tokens: None,
+            passkey_lengths: vec![],
+            passkey_samples: d_passkey_samples(),
+            loss_data: None,
+            loss_buckets: d_loss_buckets(),
+            loss_max_sequences: None,
+            tasks: None,
+            tasks_data: None,
+            tasks_shots: TasksShots::default(),
+            tasks_limit: None,
+        }
+    }
 }
 
 /// `[eval] tasks_shots`: `5` or `"mmlu=5,hellaswag=10"` (the syntax of `eval-tasks --shots`).
@@ -813,8 +835,9 @@ enum Seg {
 
 /// `cfg` as a TOML table of only the keys that matter: a key is left out when the value its absence
 /// gives (serde's default) is the value it has. Found by trial, deepest keys first, so a section left
-/// with no keys is left out too where the section has a default; what serde cannot default stays. The
-/// basis of the config hash: a defaulted key added to a section later does not change it.
+/// with no keys is left out too where the section has a default (each section's `Default` is its empty
+/// table, a test holds it); what serde cannot default stays. The basis of the config hash: a defaulted
+/// key added to a section later does not change it.
 pub fn without_defaults<T: Serialize + serde::de::DeserializeOwned + PartialEq>(cfg: &T) -> Result<toml::Table> {
     let full = toml::Table::try_from(cfg).context("cannot serialize the config")?;
     let same = |t: &toml::Table| toml::Value::Table(t.clone()).try_into::<T>().is_ok_and(|c| &c == cfg);
@@ -1078,6 +1101,26 @@ impl ArchSection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `without_defaults` leaves out a section whose keys are all at their defaults, so a section's
+    /// `Default` (what its absence gives) must be what an empty `[section]` gives, or a recipe with
+    /// the empty section and one without it would hash alike while differing.
+    #[test]
+    fn an_absent_section_is_the_empty_section() {
+        fn same<T: serde::de::DeserializeOwned + Default + PartialEq + std::fmt::Debug>(name: &str) {
+            let empty: T = toml::from_str("").unwrap_or_else(|e| panic!("[{name}] = {{}}: {e}"));
+            assert_eq!(empty, T::default(), "[{name}]: Default differs from the serde defaults of its keys");
+        }
+        same::<ModelSection>("model");
+        same::<DataSection>("data");
+        same::<TrainSection>("train");
+        same::<OptimSection>("optim");
+        same::<ScheduleSection>("schedule");
+        same::<CheckpointSection>("checkpoint");
+        same::<DistSection>("dist");
+        same::<LogSection>("log");
+        same::<EvalSection>("eval");
+    }
 
     const BASE: &str = r#"
 [model.init]

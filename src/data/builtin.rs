@@ -5,13 +5,16 @@
 //! (ChaCha8), so a run on built-in data resumes and reproduces exactly like one on a prepared dataset.
 //! What this file does not do: prepare or pack the text (`prepare_from_texts` does).
 
+/// The names the synthetic stories use (the demo's corpus uses them too).
+pub const NAMES: [&str; 8] = ["Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana"];
+
 /// Built-in training text for runs with `[data] source = "builtin"`: two deterministic synthetic
 /// sources ("stories": templated English sentences; "arithmetic": sums with their results), enough
 /// structure for a tiny model's loss to fall within a minute.
 pub fn builtin_texts(seed: u64) -> Vec<(String, String)> {
     use rand::{Rng, SeedableRng};
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let names = ["Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana"];
+    let names = NAMES;
     let verbs = ["found", "painted", "carried", "lost", "sold", "built", "opened", "cleaned"];
     let things = ["a red box", "the old boat", "a small lamp", "the green door", "a long rope", "the blue cup"];
     let places = ["by the river", "in the garden", "at the market", "near the hill", "in the kitchen"];

@@ -96,12 +96,11 @@ pub fn row_response(row: &[f64]) -> Result<Response> {
     Ok(Response::Generation(String::from_utf8(bytes).map_err(|e| anyhow!("internal: a generation row: {e}"))?))
 }
 
-/// Test hook of the long-evaluation test: `HARPE_TEST_SLOW_EVAL=SECONDS` makes each scored item take
-/// SECONDS longer (a sleep), so an evaluation outlasts `dist.timeout_s` deterministically.
+/// Test hook of the long-evaluation test (`testing::SLOW_EVAL`): each scored item sleeps, so an
+/// evaluation outlasts `dist.timeout_s` deterministically.
 pub fn test_delay(items: usize) {
-    let Ok(s) = std::env::var("HARPE_TEST_SLOW_EVAL") else { return };
-    if let Ok(secs) = s.parse::<f64>() {
-        std::thread::sleep(std::time::Duration::from_secs_f64(secs.max(0.0) * items as f64));
+    if let Some(d) = crate::testing::hooks().slow_eval {
+        std::thread::sleep(d * items as u32);
     }
 }
 

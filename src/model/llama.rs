@@ -535,17 +535,19 @@ impl Llama {
         docs: Option<&DocStarts>,
     ) -> Result<Tensor> {
         let t = ids.dim(1)?;
-        let tables = self.rope_tables_all(start, t)?;
-        let layers = [0..self.cfg.num_hidden_layers];
+        let tables = self.rope_tables_all(Positions::new(start, t))?;
+        let all = 0..self.cfg.num_hidden_layers;
+        let layers = std::slice::from_ref(&all); // one segment: nothing is cut
         let run = Forward { tables: &tables, docs, cache };
-        Ok(self.forward_segments(&mut OwnWeights, ids, &layers, run, &mut |_, x| Ok(x))?.hidden)
+        Ok(self.forward_segments(&mut OwnWeights, ids, layers, run, &mut |_, x| Ok(x))?.hidden)
     }
 
-    /// RoPE tables of every layer for positions start..start+len: one shared table, or one per layer
-    /// when the scheme makes layers differ (`tables[l.min(len - 1)]` is layer l's).
-    pub fn rope_tables_all(&self, start: usize, len: usize) -> Result<Vec<RopeTables>> {
-        let n = if self.cfg.rope.per_layer() { self.cfg.num_hidden_layers } else { 1 };
-        (0..n).map(|l| self.rope_tables(l, start, len)).collect()
+    /// RoPE tables of every layer at positions `at`: one shared table, or one per layer when the scheme
+    /// makes layers differ (`tables[l.min(len - 1)]` is layer l's).
+    pub fn rope_tables_all(&self, at: Positions) -> Result<Vec<RopeTables>> {
+        let c = &self.cfg;
+        let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
+        (0..n).map(|l| c.rope.tables(c.head_dim, l, at, self.parity, self.device())).collect()
     }
 
     /// The model's forward, written once: embed -> decoder layers, cut into `segments` (consecutive

@@ -18,6 +18,7 @@ use std::sync::Arc;
 /// Run `harpe train`: one rank in this thread (`single`), or `dist.world_size` rank threads sharing a
 /// `Local` group (`local`), each running the same loop on its slice of every global batch.
 pub fn run(args: TrainArgs) -> Result<()> {
+    crate::testing::hooks().check()?;
     crate::model::attention::refuse_for_training(args.attention)?;
     let origin = args.config.display().to_string();
     let cfg = RunConfig::load(&args.config, &args.set)?.cfg;

@@ -7,8 +7,10 @@
 //!   Reference: llm.c `train_gpt2.cu` "TRAINING SECTION" (one straight loop).
 //! - `step.rs` — one micro-batch's forward and backward with activation checkpointing (`Params`: where
 //!   the weights come from and where the gradients go, per ZeRO stage).
-//! - `batch.rs` — a batch's tensors (ids, targets, document starts, RoPE tables), the trainable model,
-//!   the step's loss sums.
+//! - `params.rs` — which weights each ZeRO stage gathers, prefetches and frees around the step, and where
+//!   the gradients go (applied from outside: the step reads the same for every stage).
+//! - `batch.rs` — a batch's tensors (ids, targets, document starts, RoPE tables); `trainable.rs` — the
+//!   model as `Var`s; `loss_sums.rs` — the step's loss sums on the device.
 //! - `session.rs` — `Run`: everything a session holds (config, run directory, device, communicator,
 //!   optimizer, state), opened once, resumed from a checkpoint.
 //! - `stage.rs` — `Stage`: one stage's model, data and step arithmetic.
@@ -49,8 +51,9 @@
 mod args;
 mod batch;
 pub mod checkpoint;
-mod launch;
 mod eval;
+mod launch;
+mod loss_sums;
 pub mod metrics;
 pub mod plan;
 mod run_dir;
@@ -58,16 +61,16 @@ mod session;
 mod stage;
 mod params;
 mod step;
+mod trainable;
 pub mod tensorboard;
 mod training_loop;
 
 pub use args::TrainArgs;
-pub use batch::{
-    batch_tensors, check_document_mask, doc_starts, rope_tables, rope_tables_at, trainable_model, trainable_model_from,
-    LossSums,
-};
+pub use batch::{batch_tensors, check_document_mask, doc_starts, rope_tables, rope_tables_at};
 pub use launch::run;
+pub use loss_sums::LossSums;
 pub use params::Params;
 pub use run_dir::RunDir;
 pub use session::results_hash;
 pub use step::{forward_backward, forward_backward_with, Backward, MicroBatch, MicroOut};
+pub use trainable::{trainable_model, trainable_model_from};

@@ -408,17 +408,13 @@ fn agreed_resume_point(comm: &Comm, run_dir: &RunDir, resume: bool, hash: &str) 
 }
 
 /// The checkpoints directory rank `rank` looks at: the run directory's, except under the test hook
-/// `HARPE_TEST_CHECKPOINT_VIEW=RANK:DIR`, which shows rank RANK another directory (a stale or
-/// node-local file system, in one process of thread ranks).
+/// `testing::CHECKPOINT_VIEW`, which shows one rank another directory (a stale or node-local file
+/// system, in one process of thread ranks).
 fn checkpoint_view(run_dir: &RunDir, rank: usize) -> PathBuf {
-    if let Ok(spec) = std::env::var("HARPE_TEST_CHECKPOINT_VIEW") {
-        if let Some((r, dir)) = spec.split_once(':') {
-            if r.parse::<usize>().ok() == Some(rank) {
-                return PathBuf::from(dir);
-            }
-        }
+    match &crate::testing::hooks().checkpoint_view {
+        Some((r, dir)) if *r == rank => dir.clone(),
+        _ => run_dir.checkpoints(),
     }
-    run_dir.checkpoints()
 }
 
 /// One writer per run directory, held until the run ends: rank 0 locks and prepares it (the

@@ -5,8 +5,9 @@
 //! The non-obvious decision: a stage boundary resets the optimizer's moments only when the recipe says
 //! so (`RunConfig::stage_resets_optimizer`), and only when the stage starts fresh, never on a resume
 //! inside it.
-use super::batch::{check_document_mask, rope_tables_at, trainable_model_from};
+use super::batch::{check_document_mask, rope_tables_at};
 use super::session::{stage_dataset, Run};
+use super::trainable::trainable_model_from;
 use crate::comms::sequence::Ulysses;
 use crate::comms::zero;
 use crate::config::rank_batching;

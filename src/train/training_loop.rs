@@ -7,8 +7,9 @@
 //! rank after the agreement is seen by every rank at the next step's agreement, never by one rank
 //! alone (which would leave its peers waiting in the next step's collectives).
 use super::args::TrainArgs;
-use super::batch::{batch_tensors, doc_starts, LossSums};
+use super::batch::{batch_tensors, doc_starts};
 use super::eval::{eval_line, EvalPoint, TrainEval};
+use super::loss_sums::LossSums;
 use super::params::Params;
 use super::session::Run;
 use super::stage::Stage;
@@ -25,6 +26,7 @@ use crate::model::attention::AttentionImpl;
 use crate::model::weights::save_model_dir;
 use crate::model::Llama;
 use crate::optim::schedule::Progress;
+use crate::testing::hooks;
 use crate::train::checkpoint;
 use crate::train::metrics::{self, mem, StepRecord};
 use crate::train::tensorboard;
@@ -79,14 +81,11 @@ fn agree_stop(r: &Run) -> Result<bool> {
     Ok(stop)
 }
 
-/// Test hook of the stop decision: `HARPE_TEST_LATE_SIGNAL=RANK:STEP` raises the stop flag on rank RANK
-/// right after step STEP's agreement (1-based step), as a signal landing between the agreement and
-/// the loop's check would; every rank must still stop together, one step later.
+/// Test hook of the stop decision (`testing::LATE_SIGNAL`): raise the stop flag on the chosen rank
+/// right after the chosen step's agreement; every rank must still stop together, one step later.
 fn injected_late_signal(r: &Run) {
-    let Ok(spec) = std::env::var("HARPE_TEST_LATE_SIGNAL") else { return };
-    let mut it = spec.split(':').map(|x| x.parse::<u64>().ok());
-    if let (Some(Some(rank)), Some(Some(step))) = (it.next(), it.next()) {
-        if rank == r.mesh.rank() as u64 && step == r.state.step {
+    if let Some((rank, step)) = hooks().late_signal {
+        if rank == r.mesh.rank() && step == r.state.step {
             r.stop.store(true, Ordering::SeqCst);
         }
     }
@@ -192,22 +191,18 @@ fn micro_step(r: &mut Run, s: &mut Stage, sums: &mut LossSums) -> Result<f64> {
     Ok((s.bsz * targets_in(s.tok_start, s.tok_len, s.seq_len)) as f64)
 }
 
-/// The test hook of the multi-rank failure paths: `HARPE_FAULT=RANK:STEP:error|panic` makes rank RANK
-/// fail after a micro-batch of step STEP (0-based, before that step's gradient collectives), so tests
-/// can check that the other ranks stop, naming it, and that the last checkpoint stays intact.
+/// The test hook of the multi-rank failure paths (`testing::FAULT`): the chosen rank fails after a
+/// micro-batch of the chosen step (0-based, before that step's gradient collectives), so tests can check
+/// that the other ranks stop, naming it, and that the last checkpoint stays intact.
 fn injected_fault(rank: usize, step: u64) -> Result<()> {
-    let Ok(spec) = std::env::var("HARPE_FAULT") else { return Ok(()) };
-    let parts: Vec<&str> = spec.split(':').collect();
-    let (Some(r), Some(st), Some(kind)) = (parts.first(), parts.get(1), parts.get(2)) else {
-        bail!("HARPE_FAULT={spec}: expected RANK:STEP:error|panic\nhint: unset HARPE_FAULT (it is a test hook)");
-    };
-    if r.parse::<usize>().ok() != Some(rank) || st.parse::<u64>().ok() != Some(step) {
-        return Ok(());
-    }
-    match *kind {
-        "panic" => panic!("HARPE_FAULT: injected panic on rank {rank} at step {step}"),
-        "error" => bail!("HARPE_FAULT: injected error on rank {rank} at step {step}"),
-        k => bail!("HARPE_FAULT={spec}: unknown kind {k:?}\nhint: error or panic"),
+    match hooks().fault {
+        Some(f) if f.rank == rank && f.step == step && f.panic => {
+            panic!("HARPE_FAULT: injected panic on rank {rank} at step {step}")
+        }
+        Some(f) if f.rank == rank && f.step == step => {
+            bail!("HARPE_FAULT: injected error on rank {rank} at step {step}")
+        }
+        _ => Ok(()),
     }
 }
 
