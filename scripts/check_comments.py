@@ -4,8 +4,9 @@ who has only this repository, so they say the why themselves and name files that
 
 Two checks, each failure printed as FILE:LINE so an editor can jump to it:
 
-  refs   an issue-tracker number (`issue 12`) or a section pointer into a spec or design note that is
-         not in the repository (`spec §1.6`, `spec A7`, `DESIGN §5`). The reader can follow neither.
+  refs   an issue-tracker number (the word issue, then a number) or a section pointer into a spec or
+         design note that is not in the repository (spec or DESIGN, then a section sign and a number;
+         spec A, then a number). The reader can follow neither.
   paths  a repository path named in a comment or a doc that does not exist (a file moved or renamed
          and its mentions not updated). Only tokens that start with a top-level directory of this
          repository and end in a file extension or `/` are checked; globs and placeholders
@@ -198,7 +199,7 @@ def main(argv):
         if path in SELF or not selected(path) or is_data(path):
             continue
         k = kind(path)
-        # prose and code only: a data file (a word list, a table) may hold "issue 36" as data
+        # prose and code only: a data file (a word list, a table) may hold the word and a number as data
         in_refs = ((path.startswith(REFS_TREES) or path in REFS_FILES) and not path.startswith(REFS_SKIP_TREES)
                    and (k is not None or path.endswith(PROSE_EXT)))
         if k is None and not in_refs:
