@@ -27,6 +27,30 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_MKL").is_some() {
         link_mkl();
     }
+    if std::env::var_os("CARGO_FEATURE_GLOO").is_some() {
+        build_gloo_shim(&root.join("native"));
+    }
+}
+
+/// Feature `gloo`: native/gloo_shim.cc (a C interface to Gloo's collectives, `comms::gloo`) against
+/// Debian's libgloo-dev (headers in /usr/include/gloo, libgloo.so in /usr/lib), linked dynamically.
+fn build_gloo_shim(dir: &Path) {
+    let src = dir.join("gloo_shim.cc");
+    println!("cargo:rerun-if-changed={}", src.display());
+    let hint = "hint: apt-get install libgloo-dev (Debian/Ubuntu), or build without --features gloo";
+    if !Path::new("/usr/include/gloo/allreduce.h").is_file() {
+        panic!("feature `gloo`: Gloo's headers are not installed (/usr/include/gloo/allreduce.h)\n{hint}");
+    }
+    cc::Build::new()
+        .cpp(true)
+        .file(&src)
+        .flag("-std=c++17")
+        .flag_if_supported("-Wno-unused-parameter")
+        .warnings(false)
+        .compile("harpe_gloo_shim");
+    println!("cargo:rustc-link-search=native=/usr/lib");
+    println!("cargo:rustc-link-lib=dylib=gloo");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
 }
 
 /// Feature `mkl`: link MKL's sequential LP64 static libraries from `HARPE_MKL_LIB` (scripts/install-mkl.sh

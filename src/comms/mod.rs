@@ -27,6 +27,8 @@
 //! `signature` is the collective signature check both use (`dist.check_collectives` under NCCL).
 //! What this file does not do: start the NCCL group (`NcclComm::join`, called by `harpe train`);
 //! `Comm::from_config` builds only `Single`. A new backend is one more variant.
+#[cfg(feature = "gloo")]
+pub mod gloo;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -124,6 +126,18 @@ impl Started {
         }
     }
 
+    /// A collective under way on a communication thread (`Gloo`): `join` waits for it and makes its
+    /// result a tensor.
+    #[cfg(feature = "gloo")]
+    fn deferred(join: LocalStarted) -> Started {
+        Started {
+            out: None,
+            local: Some(join),
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        }
+    }
+
     /// An NCCL collective under way on `c`'s stream (`NcclComm::*_start`); `input` is kept alive until
     /// the join.
     #[cfg(feature = "nccl")]
@@ -199,6 +213,62 @@ fn local_start(c: &LocalComm, op: CollOp, input: &Tensor, counts: &[usize], labe
     }
 }
 
+/// `Gloo`'s all-gather or reduce-scatter (sum) of a 1-D tensor, issued to the rank's communication
+/// thread: an all-gather moves the tensor's own dtype (f32, bf16, f16: weights as NCCL gathers them);
+/// a reduce-scatter sums in f32 (a 16-bit input is widened, summed and rounded once).
+#[cfg(feature = "gloo")]
+fn gloo_start(c: &Arc<gloo::GlooComm>, op: CollOp, input: &Tensor, counts: &[usize], label: &str) -> Result<Started> {
+    let (device, dtype) = (input.device().clone(), input.dtype());
+    match op {
+        CollOp::AllGather => {
+            let size = dtype.size_in_bytes();
+            if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+                bail!("internal: all_gather \"{label}\" of a {dtype:?} tensor (Gloo moves f32, bf16 or f16)");
+            }
+            let bytes = tensor_bytes(input)?;
+            let issued = c.all_gather_v_bytes_start(bytes, counts, (size, dtype), label)?;
+            Ok(Started::deferred(Box::new(move || {
+                let out = issued.wait()?;
+                let n = out.len() / size;
+                Ok(bytes_tensor(&out, n, dtype, &device)?)
+            })))
+        }
+        CollOp::ReduceScatter => {
+            let v = input.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let issued = c.reduce_scatter_v_sum_start(v, counts, label)?;
+            Ok(Started::deferred(Box::new(move || {
+                let out = issued.wait()?;
+                let n = out.len();
+                Ok(Tensor::from_vec(out, n, &Device::Cpu)?.to_dtype(dtype)?.to_device(&device)?)
+            })))
+        }
+        _ => bail!("internal: {} \"{label}\" has no started form under Gloo", op.name()),
+    }
+}
+
+/// A 1-D tensor's values as bytes in its own dtype (host order).
+#[cfg(feature = "gloo")]
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(match t.dtype() {
+        DType::F32 => t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 => t.flatten_all()?.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        d => bail!("internal: a {d:?} tensor on the wire"),
+    })
+}
+
+/// `n` values of `dtype` from bytes, as a 1-D tensor on `device`.
+#[cfg(feature = "gloo")]
+fn bytes_tensor(b: &[u8], n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t = match dtype {
+        DType::F32 => Tensor::from_vec(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
+        DType::BF16 => Tensor::from_vec(b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
+        DType::F16 => Tensor::from_vec(b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
+        d => bail!("internal: a {d:?} tensor on the wire"),
+    };
+    Ok(t.to_device(device)?)
+}
+
 /// Run an in-place NCCL collective `f` on `buf`'s device tensor; a host buffer travels through the
 /// device and back.
 #[cfg(feature = "nccl")]
@@ -226,6 +296,10 @@ pub enum Comm {
     /// communicator's.
     #[cfg(feature = "nccl")]
     Nccl(Arc<nccl::NcclComm>),
+    /// One rank of a multi-process Gloo group on the CPU (the process topology of an NCCL run); the
+    /// sequence-parallel degree is the communicator's.
+    #[cfg(feature = "gloo")]
+    Gloo(Arc<gloo::GlooComm>),
 }
 
 impl Comm {
@@ -236,8 +310,10 @@ impl Comm {
             Backend::Local => bail!(
                 "{origin}: dist.backend = \"local\" starts its ranks as threads inside `harpe train`; a lone communicator cannot be built for it\nhint: run `harpe train --set dist.backend=local --set dist.world_size=N`, or use comms::local::spawn_local in tests"
             ),
-            b @ Backend::Nccl => bail!(
-                "{origin}: dist.backend = \"{}\" joins a group of processes inside `harpe train` (rendezvous, one GPU per rank); a lone communicator cannot be built for it\nhint: run `harpe train --nproc-per-node N --set dist.backend=nccl` (a build with --features nccl), or torchrun / srun",
+            b @ (Backend::Nccl | Backend::Gloo) => bail!(
+                "{origin}: dist.backend = \"{}\" joins a group of processes inside `harpe train` (rendezvous, one process per rank); a lone communicator cannot be built for it\nhint: run `harpe train --nproc-per-node N --set dist.backend={}` (a build with --features {}), or torchrun / srun",
+                b.name(),
+                b.name(),
                 b.name()
             ),
         }
@@ -250,6 +326,8 @@ impl Comm {
             Comm::Local(c, sp) => Mesh::of(c.rank(), c.world_size(), *sp),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => Mesh::of(c.rank(), c.world_size(), c.sp_degree()),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => Mesh::of(c.rank(), c.world_size(), c.sp_degree()),
         }
     }
 
@@ -273,6 +351,8 @@ impl Comm {
         match self {
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.progress(doing),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => c.progress(doing),
             _ => {
                 let _ = doing;
             }
@@ -291,6 +371,8 @@ impl Comm {
             Comm::Local(c, _) => buf.with_host_mut(|v| c.all_reduce(v, ReduceOp::Sum, "grads")),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => in_place_on_device(c, buf, |t| c.all_reduce_sum_inplace(t, "grads")),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => buf.with_host_mut(|v| c.all_reduce_sum(v, "grads")),
         }
     }
 
@@ -314,6 +396,13 @@ impl Comm {
             }),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => in_place_on_device(c, buf, |t| c.reduce_scatter_v_inplace(t, &counts, "grads")),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => buf.with_host_mut(|v| {
+                let own = map.flat_range(c.rank());
+                let mine = c.reduce_scatter_v_sum_start(v.to_vec(), &counts, "grads")?.wait()?;
+                v[own].copy_from_slice(&mine);
+                Ok(())
+            }),
         }
     }
 
@@ -327,6 +416,8 @@ impl Comm {
             Comm::Local(c, _) => c.all_reduce(vals, ReduceOp::Sum, "scalars"),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_reduce_sum_f64(vals),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => c.all_reduce_sum_f64(vals, "scalars"),
         }
     }
 
@@ -353,6 +444,17 @@ impl Comm {
                 let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
                 in_place_on_device(c, buf, |t| c.all_gather_v_inplace(t, &counts, "weights"))
             }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(_) => {
+                let counts: Vec<usize> = (0..map.world()).map(|r| map.flat_range(r).len()).collect();
+                let own = map.flat_range(self.mesh().rank());
+                buf.with_host_mut(|v| {
+                    let mut out = vec![0f32; v.len()];
+                    self.all_gather_v(&v[own.clone()], &mut out, &counts, "weights")?;
+                    v.copy_from_slice(&out);
+                    Ok(())
+                })
+            }
         }
     }
 
@@ -363,6 +465,8 @@ impl Comm {
             Comm::Local(c, _) => c.barrier("barrier"),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.barrier("barrier"),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => c.barrier("barrier"),
         }
     }
 
@@ -384,6 +488,18 @@ impl Comm {
                 output.copy_from_slice(&t.to_vec1::<f32>()?);
                 Ok(())
             }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => {
+                let bytes: Vec<u8> = input.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let out = c.all_gather_v_bytes_start(bytes, counts, (4, DType::F32), label)?.wait()?;
+                if out.len() != output.len() * 4 {
+                    bail!("internal: all_gather \"{label}\" of {} bytes into {} values", out.len(), output.len());
+                }
+                for (o, c) in output.iter_mut().zip(out.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+                Ok(())
+            }
         }
     }
 
@@ -401,6 +517,8 @@ impl Comm {
             Comm::Local(..) => self.all_gather_v_tensor_start(input, counts, label)?.wait(),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_gather_v(&input.contiguous()?, counts, label),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(_) => self.all_gather_v_tensor_start(input, counts, label)?.wait(),
         }
     }
 
@@ -416,6 +534,8 @@ impl Comm {
                 let input = input.contiguous()?;
                 Ok(Started::nccl(c, c.all_gather_v_start(&input, counts, label)?, input))
             }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => gloo_start(c, CollOp::AllGather, input, counts, label),
             _ => Ok(Started::ready(self.all_gather_v_tensor(input, counts, label)?)),
         }
     }
@@ -429,6 +549,8 @@ impl Comm {
             Comm::Local(..) => true,
             #[cfg(feature = "nccl")]
             Comm::Nccl(_) => true,
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(_) => true,
         }
     }
 
@@ -443,6 +565,8 @@ impl Comm {
                 let input = input.contiguous()?;
                 Ok(Started::nccl(c, c.reduce_scatter_v_sum_start(&input, counts, label)?, input))
             }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => gloo_start(c, CollOp::ReduceScatter, input, counts, label),
             _ => Ok(Started::ready(self.reduce_scatter_v_sum_tensor(input, counts, label)?)),
         }
     }
@@ -454,6 +578,15 @@ impl Comm {
         match self {
             Comm::Local(c, _) => {
                 Ok(Started::local(c.reduce_scatter_v_start(input, counts, ReduceOp::Sum, label)?, &Device::Cpu))
+            }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => {
+                let issued = c.reduce_scatter_v_sum_start(input, counts, label)?;
+                Ok(Started::deferred(Box::new(move || {
+                    let out = issued.wait()?;
+                    let n = out.len();
+                    Ok(Tensor::from_vec(out, n, &Device::Cpu)?)
+                })))
             }
             _ => {
                 let n = input.len();
@@ -478,6 +611,8 @@ impl Comm {
             Comm::Local(..) => self.reduce_scatter_v_sum_tensor_start(input, counts, label)?.wait(),
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.reduce_scatter_v_sum(&input.contiguous()?, counts, label),
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(_) => self.reduce_scatter_v_sum_tensor_start(input, counts, label)?.wait(),
         }
     }
 
@@ -497,6 +632,15 @@ impl Comm {
             Comm::Nccl(c) => {
                 let t = c.reduce_scatter_v_sum(&Tensor::from_slice(input, input.len(), c.device())?, counts, label)?;
                 output.copy_from_slice(&t.to_vec1::<f32>()?);
+                Ok(())
+            }
+            #[cfg(feature = "gloo")]
+            Comm::Gloo(c) => {
+                let out = c.reduce_scatter_v_sum_start(input.to_vec(), counts, label)?.wait()?;
+                if out.len() != output.len() {
+                    bail!("internal: reduce_scatter \"{label}\" of {} values into {}", out.len(), output.len());
+                }
+                output.copy_from_slice(&out);
                 Ok(())
             }
         }

@@ -33,6 +33,9 @@ pub enum SpGroup {
     /// processes of an NCCL group (the communicator's sequence-parallel split)
     #[cfg(feature = "nccl")]
     Nccl(Arc<crate::comms::nccl::NcclComm>),
+    /// processes of a Gloo group (its sequence-parallel context)
+    #[cfg(feature = "gloo")]
+    Gloo(Arc<crate::comms::gloo::GlooComm>),
 }
 
 impl SpGroup {
@@ -42,6 +45,8 @@ impl SpGroup {
             SpGroup::Local(c) => c.world_size(),
             #[cfg(feature = "nccl")]
             SpGroup::Nccl(c) => c.sp_degree(),
+            #[cfg(feature = "gloo")]
+            SpGroup::Gloo(c) => c.sp_degree(),
         }
     }
 
@@ -51,6 +56,8 @@ impl SpGroup {
             SpGroup::Local(c) => c.rank(),
             #[cfg(feature = "nccl")]
             SpGroup::Nccl(c) => c.rank() % c.sp_degree(),
+            #[cfg(feature = "gloo")]
+            SpGroup::Gloo(c) => c.rank() % c.sp_degree(),
         }
     }
 
@@ -60,8 +67,34 @@ impl SpGroup {
             SpGroup::Local(c) => c.abort(reason),
             #[cfg(feature = "nccl")]
             SpGroup::Nccl(c) => c.report_failure("outside a collective", reason),
+            #[cfg(feature = "gloo")]
+            SpGroup::Gloo(c) => c.report_failure("outside a collective", reason),
         }
     }
+}
+
+/// `AllToAll` over a Gloo group: the storage's f32 or bf16 values `range` as bytes.
+#[cfg(feature = "gloo")]
+fn gloo_all_to_all(
+    c: &crate::comms::gloo::GlooComm,
+    s: &CpuStorage,
+    range: std::ops::Range<usize>,
+    label: &str,
+) -> anyhow::Result<CpuStorage> {
+    let n = range.len();
+    Ok(match s {
+        CpuStorage::F32(v) => {
+            let b: Vec<u8> = v[range].iter().flat_map(|x| x.to_le_bytes()).collect();
+            let o = c.sp_all_to_all_bytes(b, (n, DType::F32), label)?;
+            CpuStorage::F32(o.chunks_exact(4).map(|q| f32::from_le_bytes([q[0], q[1], q[2], q[3]])).collect())
+        }
+        CpuStorage::BF16(v) => {
+            let b: Vec<u8> = v[range].iter().flat_map(|x| x.to_le_bytes()).collect();
+            let o = c.sp_all_to_all_bytes(b, (n, DType::BF16), label)?;
+            CpuStorage::BF16(o.chunks_exact(2).map(|q| half::bf16::from_le_bytes([q[0], q[1]])).collect())
+        }
+        _ => anyhow::bail!("all_to_all \"{label}\": only f32 and bf16 are supported"),
+    })
 }
 
 /// Equal-chunk all-to-all of a contiguous tensor whose first dimension is P: chunk j goes to rank j,
@@ -81,6 +114,11 @@ impl CustomOp1 for AllToAll {
         let (lo, hi) = l
             .contiguous_offsets()
             .ok_or_else(|| Error::Msg(format!("all_to_all \"{}\": the input is not contiguous", self.label)))?;
+        let err = |e: anyhow::Error| Error::Msg(format!("{e:#}"));
+        #[cfg(feature = "gloo")]
+        if let SpGroup::Gloo(c) = &self.group {
+            return gloo_all_to_all(c, s, lo..hi, self.label).map(|out| (out, l.shape().clone())).map_err(err);
+        }
         #[allow(irrefutable_let_patterns)]
         let SpGroup::Local(c) = &self.group
         else {
@@ -89,7 +127,6 @@ impl CustomOp1 for AllToAll {
                 self.label
             )));
         };
-        let err = |e: anyhow::Error| Error::Msg(format!("{e:#}"));
         let out = match s {
             CpuStorage::F32(v) => {
                 let mut o = vec![0f32; hi - lo];

@@ -311,6 +311,9 @@ pub enum Backend {
     Local,
     /// `nccl`: one process per GPU, started by `--nproc-per-node`, torchrun or srun
     Nccl,
+    /// `gloo`: one process per rank on the CPU over Gloo's TCP transport, started as `nccl` is (the
+    /// process topology of a GPU run, without GPUs; a build with `--features gloo`)
+    Gloo,
 }
 
 impl Backend {
@@ -320,7 +323,13 @@ impl Backend {
             Backend::Single => "single",
             Backend::Local => "local",
             Backend::Nccl => "nccl",
+            Backend::Gloo => "gloo",
         }
+    }
+
+    /// Whether each rank is a process of its own, started by a launcher (`nccl`, `gloo`).
+    pub fn is_multi_process(self) -> bool {
+        matches!(self, Backend::Nccl | Backend::Gloo)
     }
 }
 

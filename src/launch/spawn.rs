@@ -65,11 +65,17 @@ pub fn place(dist: &DistSection, origin: &str, launch: Option<LaunchEnv>) -> Res
             }
             (dist.world_size, 0)
         }
-        Backend::Nccl => {
-            if !cfg!(feature = "nccl") {
+        b @ (Backend::Nccl | Backend::Gloo) => {
+            if b == Backend::Nccl && !cfg!(feature = "nccl") {
                 bail!(
                     "{origin}: dist.backend = \"nccl\", but this harpe was built without NCCL\nhint: build with \
                      --features nccl (README \"Build for GPUs\"), or use dist.backend = \"local\" on CPU"
+                );
+            }
+            if b == Backend::Gloo && !cfg!(feature = "gloo") {
+                bail!(
+                    "{origin}: dist.backend = \"gloo\", but this harpe was built without Gloo\nhint: apt-get install \
+                     libgloo-dev, then build with --features gloo; or use dist.backend = \"local\" (ranks as threads)"
                 );
             }
             match &launch {
@@ -80,9 +86,10 @@ pub fn place(dist: &DistSection, origin: &str, launch: Option<LaunchEnv>) -> Res
                     (l.world_size, l.rank)
                 }
                 None if dist.world_size > 1 => bail!(
-                    "{origin}: dist.world_size = {} with dist.backend = \"nccl\", but no launcher started this \
+                    "{origin}: dist.world_size = {} with dist.backend = \"{}\", but no launcher started this \
                      process\nhint: harpe train --nproc-per-node {} ..., or torchrun / srun",
                     dist.world_size,
+                    b.name(),
                     dist.world_size
                 ),
                 None => (1, 0),

@@ -17,10 +17,16 @@
 //! `PING` right after connecting proves that the port really is a TCPStore, so a wrong
 //! `MASTER_ADDR:MASTER_PORT` fails with a clear message instead of a confusing read later.
 //!
-//! What it does not do: serve a store, or any request beyond these (compare-set, add, delete, queues).
+//! `StoreServer` serves the same requests (and only those), so a launch without torchrun (harpe's own
+//! `--nproc-per-node`, Slurm) gives Gloo's rendezvous the store it would have under torchrun: rank 0
+//! serves it, every rank is a `StoreClient` of it.
+//!
+//! What it does not do: any request beyond these (compare-set, add, delete, queues, WAIT).
 use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const VALIDATE: u8 = 0;
@@ -167,6 +173,84 @@ impl StoreClient {
     }
 }
 
+/// A TCPStore server of the requests `StoreClient` sends (VALIDATE, SET, GET, CHECK, PING), one thread
+/// per connection, keys and values in memory until the process ends. A connection that breaks the
+/// protocol (wrong magic, an unknown request, a key or value over `MAX_VALUE`, a GET of a missing key)
+/// is dropped; the server goes on.
+pub struct StoreServer {
+    port: u16,
+}
+
+impl StoreServer {
+    /// Serve on `addr` at a port the kernel picks.
+    pub fn bind(addr: &str) -> Result<StoreServer> {
+        let l = TcpListener::bind((addr, 0)).with_context(|| {
+            format!("cannot serve the rendezvous store on {addr}\nhint: MASTER_ADDR must be an address of rank 0's host")
+        })?;
+        let port = l.local_addr()?.port();
+        let kv: Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>> = Arc::default();
+        std::thread::Builder::new().name("harpe-store".into()).spawn(move || {
+            for s in l.incoming().flatten() {
+                let kv = Arc::clone(&kv);
+                let _ = std::thread::Builder::new().name("harpe-store-conn".into()).spawn(move || serve(s, &kv));
+            }
+        })?;
+        Ok(StoreServer { port })
+    }
+
+    /// The port it serves on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+/// One connection's requests until it closes or breaks the protocol.
+fn serve(mut s: TcpStream, kv: &Mutex<HashMap<Vec<u8>, Vec<u8>>>) -> Option<()> {
+    let _ = s.set_nodelay(true);
+    fn byte(s: &mut TcpStream) -> Option<u8> {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).ok().map(|_| b[0])
+    }
+    fn u64_of(s: &mut TcpStream) -> Option<u64> {
+        let mut n = [0u8; 8];
+        s.read_exact(&mut n).ok().map(|_| u64::from_le_bytes(n))
+    }
+    fn bytes(s: &mut TcpStream) -> Option<Vec<u8>> {
+        let n = u64_of(s).filter(|&n| n <= MAX_VALUE)?;
+        let mut v = vec![0u8; n as usize];
+        s.read_exact(&mut v).ok().map(|_| v)
+    }
+    let mut m = [0u8; 4];
+    if byte(&mut s)? != VALIDATE || s.read_exact(&mut m).is_err() || u32::from_le_bytes(m) != MAGIC {
+        return None;
+    }
+    let lock = || kv.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        match byte(&mut s)? {
+            PING => {
+                s.read_exact(&mut m).ok()?;
+                s.write_all(&m).ok()?;
+            }
+            SET => {
+                let (k, v) = (bytes(&mut s)?, bytes(&mut s)?);
+                lock().insert(k, v);
+            }
+            CHECK => {
+                let n = u64_of(&mut s).filter(|&n| n <= 1024)?;
+                let keys: Vec<Vec<u8>> = (0..n).map(|_| bytes(&mut s)).collect::<Option<_>>()?;
+                let all = keys.iter().all(|k| lock().contains_key(k));
+                s.write_all(&[if all { 0 } else { 1 }]).ok()?;
+            }
+            GET => {
+                let v = lock().get(&bytes(&mut s)?).cloned()?;
+                s.write_all(&(v.len() as u64).to_le_bytes()).ok()?;
+                s.write_all(&v).ok()?;
+            }
+            _ => return None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +322,22 @@ mod tests {
         assert!(c.check("harpe/k").unwrap());
         assert_eq!(c.get("harpe/k").unwrap(), b"127.0.0.1:5\nabc");
         assert_eq!(c.local_ip().unwrap().to_string(), "127.0.0.1");
+    }
+
+    #[test]
+    fn the_server_answers_the_client_and_survives_a_bad_connection() {
+        let server = StoreServer::bind("127.0.0.1").unwrap();
+        // a connection that does not speak the protocol is dropped; the server goes on
+        let mut junk = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let mut a = StoreClient::connect("127.0.0.1", server.port(), soon()).unwrap();
+        let mut b = StoreClient::connect("127.0.0.1", server.port(), soon()).unwrap();
+        assert!(!b.check("k").unwrap());
+        a.set("k", &[7u8; 300]).unwrap();
+        assert_eq!(b.wait_get("k", soon()).unwrap(), Some(vec![7u8; 300]));
+        a.set("k", b"v2").unwrap();
+        assert_eq!(b.get("k").unwrap(), b"v2");
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! `harpe train`'s start: the backend `[dist]` names — one rank in this thread (`single`),
-//! `dist.world_size` rank threads sharing a `Local` group (`local`), or this process as one rank of an
-//! NCCL group (`nccl`, started by `--nproc-per-node`, torchrun or srun) — each running the same loop
-//! (`training_loop::run_rank`), after `harpe plan`'s arithmetic says the run fits.
+//! `dist.world_size` rank threads sharing a `Local` group (`local`), or this process as one rank of a
+//! process group (`nccl` on GPUs, `gloo` on CPUs; started by `--nproc-per-node`, torchrun or srun) —
+//! each running the same loop (`training_loop::run_rank`), after `harpe plan`'s arithmetic says the run
+//! fits the world the launcher started.
 //!
-//! The non-obvious decision: an NCCL rank reports how it ended to the group (a normal end, or its own
+//! The non-obvious decision: a process rank reports how it ended to the group (a normal end, or its own
 //! error or panic), so the other ranks stop naming it instead of waiting for the collective timeout.
 use super::args::TrainArgs;
 use super::training_loop::run_rank;
@@ -11,6 +12,7 @@ use crate::comms::local::{spawn_local, LocalComm, LocalGroup};
 use crate::comms::sequence::SpGroup;
 use crate::comms::Comm;
 use crate::config::{Backend, RunConfig};
+use crate::device::DeviceSpec;
 use crate::launch::spawn::launch_if_asked;
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::Arc;
@@ -24,12 +26,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
     let dist = &cfg.dist;
     if let Some(n) = args.nproc_per_node {
-        return spawn_nccl_workers(&origin, n, dist.backend);
+        return spawn_workers(&origin, n, dist.backend);
     }
-    plan_check(&cfg, &origin, args.force)?;
     match dist.backend {
         Backend::Local => {
             let world = dist.world_size.max(1);
+            // the rank threads share this process's device
+            plan_check(&cfg, &origin, args.force, Ranks { world, sharing: world, device: cfg.train.device })?;
             let sp = cfg.dist.sp_degree.max(1);
             // one more Local group per sequence-parallel group (ranks d*P..(d+1)*P) for the all-to-alls
             let mut sp_handles: Vec<Option<LocalComm>> = vec![];
@@ -60,19 +63,27 @@ pub fn run(args: TrainArgs) -> Result<()> {
             Ok(())
         }
         Backend::Single => {
+            plan_check(&cfg, &origin, args.force, Ranks { world: 1, sharing: 1, device: cfg.train.device })?;
             let comm = Comm::from_config(&cfg.dist, &origin)?;
             crate::device::as_pool_worker(|| run_rank(&args, comm, None))
         }
-        Backend::Nccl => run_nccl_rank(&args, &cfg, &origin),
+        Backend::Nccl | Backend::Gloo => run_process_rank(&args, &cfg, &origin),
     }
 }
 
-/// One process of an NCCL group (started by `--nproc-per-node`, torchrun or srun; alone it is a group
-/// of one): join the group, run the loop, and tell the group how it ended — a normal end, or this
-/// rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
-#[cfg(feature = "nccl")]
-fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
-    use crate::comms::nccl::NcclComm;
+/// The ranks a plan check is for: how many in all, how many share one device's memory, and which device
+/// this process measures.
+struct Ranks {
+    world: usize,
+    sharing: usize,
+    device: DeviceSpec,
+}
+
+/// One process of a multi-process group (`nccl` or `gloo`; started by `--nproc-per-node`, torchrun or
+/// srun; alone it is a group of one): the world comes from the launcher, the plan is checked for it
+/// (on a GPU, the free memory of this process's own `cuda:LOCAL_RANK`), then the process joins the
+/// group and runs the loop.
+fn run_process_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
     use crate::launch::env::{free_port, LaunchEnv, LaunchSource};
     use crate::launch::spawn::place;
     let dist = &cfg.dist;
@@ -84,8 +95,8 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
             rank: 0,
             world_size: 1,
             local_rank: match cfg.train.device {
-                crate::device::DeviceSpec::Cuda(n) => n,
-                crate::device::DeviceSpec::Cpu => 0,
+                DeviceSpec::Cuda(n) => n,
+                DeviceSpec::Cpu => 0,
             },
             local_world_size: Some(1),
             master_addr: "127.0.0.1".into(),
@@ -93,29 +104,101 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
             run_token: "single".into(),
         },
     };
+    // a GPU rank has its device to itself; CPU ranks share the host with the other processes of the node
+    let (device, sharing) = match cfg.train.device {
+        DeviceSpec::Cuda(_) => (DeviceSpec::Cuda(env.local_rank), 1),
+        DeviceSpec::Cpu => (DeviceSpec::Cpu, env.local_world_size.unwrap_or(env.world_size).max(1)),
+    };
+    plan_check(cfg, origin, args.force, Ranks { world: env.world_size, sharing, device })?;
     let resolved = RunConfig::load(&args.config, &args.set)?.toml;
     // the collective signature check (`launch::signature`): a window every SIG_EVERY collectives
     let check_every = if dist.check_collectives { crate::launch::signature::SIG_EVERY } else { 0 };
-    let comm = Arc::new(
-        NcclComm::join(&env, &resolved, dist.timeout(), cfg.dist.sp_degree.max(1), check_every)
-            .with_context(|| format!("{origin}: joining the NCCL group as rank {} of {}", env.rank, env.world_size))?,
-    );
-    let sp = (cfg.dist.sp_degree > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));
-    let res =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(args, Comm::Nccl(Arc::clone(&comm)), sp)));
+    let joining =
+        || format!("{origin}: joining the {} group as rank {} of {}", dist.backend.name(), env.rank, env.world_size);
+    let sp = dist.sp_degree.max(1);
+    match dist.backend {
+        #[cfg(feature = "nccl")]
+        Backend::Nccl => {
+            use crate::comms::nccl::NcclComm;
+            let comm =
+                Arc::new(NcclComm::join(&env, &resolved, dist.timeout(), sp, check_every).with_context(joining)?);
+            let group = (sp > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));
+            run_member(args, &*comm, Comm::Nccl(Arc::clone(&comm)), group)
+        }
+        #[cfg(feature = "gloo")]
+        Backend::Gloo => {
+            use crate::comms::gloo::GlooComm;
+            let comm =
+                Arc::new(GlooComm::join(&env, &resolved, dist.timeout(), sp, check_every).with_context(joining)?);
+            let group = (sp > 1).then(|| SpGroup::Gloo(Arc::clone(&comm)));
+            run_member(args, &*comm, Comm::Gloo(Arc::clone(&comm)), group)
+        }
+        b => {
+            let _ = (resolved, check_every, joining, sp);
+            bail!("{origin}: dist.backend = \"{}\" needs a build with --features {}", b.name(), b.name())
+        }
+    }
+}
+
+/// What `run_member` asks of a process group's communicator.
+#[allow(dead_code)] // a build without nccl and gloo has no member
+trait Member {
+    fn rank(&self) -> usize;
+    fn failure(&self) -> Option<crate::launch::signature::GroupFailure>;
+    fn report_failure(&self, doing: &str, reason: &str);
+    fn finish(&self);
+}
+
+#[cfg(feature = "nccl")]
+impl Member for crate::comms::nccl::NcclComm {
+    fn rank(&self) -> usize {
+        self.rank()
+    }
+    fn failure(&self) -> Option<crate::launch::signature::GroupFailure> {
+        self.failure()
+    }
+    fn report_failure(&self, doing: &str, reason: &str) {
+        self.report_failure(doing, reason)
+    }
+    fn finish(&self) {
+        self.finish()
+    }
+}
+
+#[cfg(feature = "gloo")]
+impl Member for crate::comms::gloo::GlooComm {
+    fn rank(&self) -> usize {
+        self.rank()
+    }
+    fn failure(&self) -> Option<crate::launch::signature::GroupFailure> {
+        self.failure()
+    }
+    fn report_failure(&self, doing: &str, reason: &str) {
+        self.report_failure(doing, reason)
+    }
+    fn finish(&self) {
+        self.finish()
+    }
+}
+
+/// Run the loop as one member of a process group and tell the group how it ended — a normal end, or
+/// this rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
+#[allow(dead_code)] // a build without nccl and gloo has no member
+fn run_member(args: &TrainArgs, member: &dyn Member, comm: Comm, group: Option<SpGroup>) -> Result<()> {
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(args, comm, group)));
     match res {
         Ok(Ok(())) => {
-            comm.finish();
+            member.finish();
             Ok(())
         }
-        Ok(Err(e)) => match comm.failure() {
+        Ok(Err(e)) => match member.failure() {
             // another rank failed first: its failure is the cause of this error
-            Some(f) if f.rank != comm.rank() => Err(e.context(format!(
+            Some(f) if f.rank != member.rank() => Err(e.context(format!(
                 "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
                 f.rank
             ))),
             _ => {
-                comm.report_failure("in the training loop", &format!("{e:#}"));
+                member.report_failure("in the training loop", &format!("{e:#}"));
                 Err(e)
             }
         },
@@ -125,32 +208,23 @@ fn run_nccl_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> 
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "a panic".into());
-            comm.report_failure("in the training loop", &format!("panicked: {msg}"));
+            member.report_failure("in the training loop", &format!("panicked: {msg}"));
             std::panic::resume_unwind(panic)
         }
     }
 }
 
-#[cfg(not(feature = "nccl"))]
-fn run_nccl_rank(_args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<()> {
-    crate::launch::spawn::place(&cfg.dist, origin, None)?; // refuses: this build has no NCCL
-    bail!("{origin}: dist.backend = \"nccl\" needs a build with --features nccl")
-}
-
-/// `harpe plan` before any work: refuse (unless `--force`) a CPU run whose peak memory per rank, as the
-/// plan computes it for this config, ZeRO stage and SP degree, does not fit this machine's memory
-/// shared by the `Local` ranks, or of the CUDA device's free memory (queried).
-fn plan_check(cfg: &RunConfig, origin: &str, force: bool) -> Result<()> {
-    use crate::device::DeviceSpec;
+/// `harpe plan` before any work: refuse (unless `--force`) a run whose peak memory per rank, as the plan
+/// computes it for this config, ZeRO stage, SP degree and world, does not fit the memory of the device
+/// this process measures (the host, or its GPU's free memory) shared by the ranks that share it.
+fn plan_check(cfg: &RunConfig, origin: &str, force: bool, ranks: Ranks) -> Result<()> {
     use crate::train::plan::{plan_for, Gpu, GpuKind, World};
     let dist = &cfg.dist;
-    let ranks = dist.world_size.max(1);
-    // ranks that share one device's memory: threads of one process (the host, or one GPU under `local`)
-    let sharing = if dist.backend == Backend::Nccl { 1 } else { ranks };
-    let (mut gpu, what) = match cfg.train.device {
+    let Ranks { world: ranks, sharing, device } = ranks;
+    let (mut gpu, what) = match device {
         DeviceSpec::Cpu => (Gpu::new(GpuKind::Cpu), "this machine".to_string()),
         DeviceSpec::Cuda(_) => {
-            let Some(m) = crate::device::device_memory(&cfg.train.device, &format!("{origin}: train.device"))? else {
+            let Some(m) = crate::device::device_memory(&device, &format!("{origin}: train.device"))? else {
                 return Ok(());
             };
             let (gpu, _) = Gpu::measured(&m);
@@ -171,31 +245,32 @@ fn plan_check(cfg: &RunConfig, origin: &str, force: bool) -> Result<()> {
     }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     bail!(
-        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}), more than the {:.2} GiB each of {sharing} rank(s) can use on {what}\nhint: see `harpe plan --config {origin}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
+        "{origin}: the run needs {:.2} GiB per rank at its peak (stage {}, {ranks} rank(s)), more than the {:.2} GiB each of {sharing} rank(s) can use on {what}\nhint: see `harpe plan --config {origin} --gpus {ranks}` for the terms (ZeRO-3, activation checkpointing and shorter stages shrink them); pass --force to start anyway",
         gib(plan.total_bytes),
         plan.stage,
         gib(plan.usable_bytes)
     )
 }
 
-/// `--nproc-per-node N`: N worker processes of this command line (without the flag), one per GPU, each
-/// joining an NCCL group. Checked before anything starts: N >= 1, `dist.backend = "nccl"`, and a build
-/// with NCCL (a CPU build refuses the flag and names the thread backend instead of spawning workers
-/// that would all fail the same way).
-fn spawn_nccl_workers(origin: &str, n: usize, backend: Backend) -> Result<()> {
+/// `--nproc-per-node N`: N worker processes of this command line (without the flag), each joining the
+/// process group of `dist.backend` (`nccl`: one per GPU; `gloo`: CPU processes). Checked before anything
+/// starts: N >= 1, a multi-process backend, and a build that has it (a build without it refuses the flag
+/// and names the thread backend instead of spawning workers that would all fail the same way).
+fn spawn_workers(origin: &str, n: usize, backend: Backend) -> Result<()> {
     if n == 0 {
         bail!(
             "--nproc-per-node 0: at least one worker is needed\nhint: --nproc-per-node = number of GPUs on this node"
         );
     }
-    if !cfg!(feature = "nccl") {
+    if !cfg!(feature = "nccl") && !cfg!(feature = "gloo") {
         bail!(
-            "--nproc-per-node {n} starts one process per GPU over NCCL, but this harpe was built without NCCL\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; for GPUs build with --features nccl (README \"Build for GPUs\")"
+            "--nproc-per-node {n} starts one process per rank over NCCL (GPUs) or Gloo (CPU), but this harpe was built with neither\nhint: on CPU run the ranks as threads: --set dist.backend=local --set dist.world_size={n}; or build with --features gloo (CPU processes) or --features nccl (GPUs, README \"Build for GPUs\")"
         );
     }
-    if backend != Backend::Nccl {
+    if !backend.is_multi_process() {
+        let have = if cfg!(feature = "nccl") { "nccl" } else { "gloo" };
         bail!(
-            "{origin}: --nproc-per-node {n} needs dist.backend = \"nccl\" (the workers are separate processes)\nhint: add --set dist.backend=nccl"
+            "{origin}: --nproc-per-node {n} needs dist.backend = \"nccl\" or \"gloo\" (the workers are separate processes)\nhint: add --set dist.backend={have}"
         );
     }
     let outcome = launch_if_asked(Some(n))?.ok_or_else(|| anyhow!("internal: no workers were started"))?;

@@ -11,6 +11,8 @@ mod train_dist;
 mod train_dist_eval;
 mod train_document_mask;
 mod train_eval;
+#[cfg(feature = "gloo")]
+mod train_gloo;
 mod train_memory;
 mod train_run;
 mod train_step;

@@ -68,7 +68,7 @@ fn train_ranks(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[&str]) {
     train(cfg, out, &a);
 }
 
-fn losses(run: &Path) -> Vec<(u64, f64)> {
+pub(super) fn losses(run: &Path) -> Vec<(u64, f64)> {
     series(run, "loss")
 }
 
@@ -119,7 +119,7 @@ fn max_rel_l2(a: &Path, b: &Path, what: &str) -> f64 {
     ta.iter().map(|(k, va)| rel_l2(va, &tb[k])).fold(0.0, f64::max)
 }
 
-fn assert_same_tensors(a: &Path, b: &Path, what: &str, tol: f64) {
+pub(super) fn assert_same_tensors(a: &Path, b: &Path, what: &str, tol: f64) {
     let r = max_rel_l2(a, b, what);
     assert!(r <= tol, "{what}: a tensor differs by {r:e} (relative L2), allowed {tol:e}");
 }
@@ -154,7 +154,7 @@ fn grad_norms(run: &Path) -> Vec<(u64, f64)> {
 /// The same steps with the same losses and the same gradient norms (1e-6 relative): the norm sees the
 /// gradient's scale, which clipping and AdamW's normalization would hide from the weights (a rank that
 /// divided by its own target count instead of the step's would be N times off here).
-fn assert_same_losses(a: &Path, b: &Path, what: &str) {
+pub(super) fn assert_same_losses(a: &Path, b: &Path, what: &str) {
     let (la, lb) = (losses(a), losses(b));
     assert_eq!(la.iter().map(|x| x.0).collect::<Vec<_>>(), lb.iter().map(|x| x.0).collect::<Vec<_>>(), "{what}");
     for ((s, x), (_, y)) in la.iter().zip(&lb) {
@@ -170,13 +170,13 @@ pub(super) fn ckpt(run: &Path, step: u64) -> PathBuf {
 }
 
 /// The final model file of a run of `TINY`.
-fn model(run: &Path) -> PathBuf {
+pub(super) fn model(run: &Path) -> PathBuf {
     ckpt(run, 5).join("model.safetensors")
 }
 
 /// The one-rank run of `TINY` in `dir` and the tolerance N ranks are held to: N ranks may differ from
 /// one rank by summation order only, so a few times the measured noise floor, never more than 1e-5.
-fn baseline(dir: &Path) -> (PathBuf, PathBuf, f64) {
+pub(super) fn baseline(dir: &Path) -> (PathBuf, PathBuf, f64) {
     let cfg = write_cfg(dir);
     let one = dir.join("one");
     train(&cfg, &one, &[]);

@@ -1,0 +1,660 @@
+//! `Gloo`: one rank per process on the CPU, collectives through Gloo's TCP transport (the library
+//! PyTorch uses for CPU tensors), through the C interface in native/gloo_shim.cc.
+//!
+//! What it is for: the process topology of a multi-GPU NCCL run — one process per rank, started by
+//! `--nproc-per-node`, torchrun or srun; the same rendezvous (token, binary version and config hash
+//! checked), the same failure watch over the rendezvous connections, the same collective-signature
+//! check — with every piece running, on machines without GPUs.
+//!
+//! Reference: Gloo's `rendezvous::Context::connectFullMesh` (every pair of ranks connected, addresses
+//! exchanged through a key-value `Store`) and its options-style collectives (`gloo/allreduce.h`,
+//! `reduce.h`, `allgatherv.h`, `alltoall.h`, `broadcast.h`, `barrier.h`); torch's ProcessGroupGloo.
+//! The non-obvious decisions:
+//! - The store Gloo's rendezvous needs is the one the launch already has: torchrun's agent TCPStore
+//!   under torchrun, and under harpe's own launcher or Slurm a TCPStore that rank 0 serves
+//!   (`launch::store::StoreServer`), its port handed to the others as the rendezvous payload (where
+//!   NCCL hands its unique id). Each rank's Gloo listener binds the address it reaches the store from,
+//!   the interface the other hosts can reach it on.
+//! - Every collective runs on one communication thread per rank, in the order the rank issues them
+//!   (Gloo's contexts are not thread-safe), so the `_start` forms run beside the compute exactly as
+//!   `Local`'s do and ZeRO 2-3 take the same overlapped paths as under NCCL. Each collective has its
+//!   own tag (its sequence number).
+//! - Gloo has no reduce-scatter over uneven slices: it is one `reduce` per root, each root receiving its
+//!   own slice summed (NCCL's reduce-scatter-v here is one ncclReduce per root too). Sums are in f32
+//!   (bf16 inputs are widened, summed and rounded once) and f64 for the per-step scalars.
+//! - A failure: Gloo returns an error when a peer's connection breaks and times out after
+//!   `dist.timeout_s`; the rank then waits briefly for the watch to name the rank that failed first
+//!   (its own error otherwise, told to the group), so every rank stops naming the cause.
+//!
+//! What it does not do: device memory (a CUDA buffer travels through the host), or abort a collective
+//! under way (Gloo has no abort: the peer's closed connection or the timeout ends it).
+use crate::launch::env::LaunchEnv;
+use crate::launch::rendezvous::{rendezvous, Meeting, RendezvousSpec};
+use crate::launch::signature::{CollOp, GroupFailure, SigLog};
+use crate::launch::store::{StoreClient, StoreServer};
+use crate::launch::watch::Watch;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::DType;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+mod ffi {
+    use std::ffi::{c_char, c_int, c_void};
+
+    /// `hg_ctx`: one connected Gloo context.
+    #[repr(C)]
+    pub struct HgCtx {
+        _opaque: [u8; 0],
+    }
+
+    /// `hg_store`: the rendezvous store, implemented here.
+    #[repr(C)]
+    pub struct HgStore {
+        pub ud: *mut c_void,
+        pub set: extern "C" fn(*mut c_void, *const c_char, *const c_char, usize) -> c_int,
+        pub get: extern "C" fn(*mut c_void, *const c_char, *mut *const c_char, *mut usize) -> c_int,
+        pub err: extern "C" fn(*mut c_void) -> *const c_char,
+    }
+
+    #[link(name = "harpe_gloo_shim", kind = "static")]
+    unsafe extern "C" {
+        pub fn hg_connect(
+            rank: c_int,
+            size: c_int,
+            hostname: *const c_char,
+            prefix: *const c_char,
+            store: *const HgStore,
+            timeout_ms: i64,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> *mut HgCtx;
+        pub fn hg_free(c: *mut HgCtx);
+        pub fn hg_allreduce(
+            c: *mut HgCtx,
+            dtype: c_int,
+            buf: *mut c_void,
+            n: usize,
+            tag: u32,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        pub fn hg_reduce(
+            c: *mut HgCtx,
+            dtype: c_int,
+            input: *const c_void,
+            out: *mut c_void,
+            n: usize,
+            root: c_int,
+            tag: u32,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        pub fn hg_allgatherv(
+            c: *mut HgCtx,
+            input: *const c_void,
+            out: *mut c_void,
+            bytes: *const usize,
+            tag: u32,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        pub fn hg_alltoall(
+            c: *mut HgCtx,
+            input: *const c_void,
+            out: *mut c_void,
+            bytes: usize,
+            tag: u32,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        pub fn hg_broadcast(
+            c: *mut HgCtx,
+            buf: *mut c_void,
+            bytes: usize,
+            root: c_int,
+            tag: u32,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
+        pub fn hg_barrier(c: *mut HgCtx, tag: u32, err: *mut c_char, errlen: usize) -> c_int;
+    }
+}
+
+/// Gloo's element type codes (`hg_allreduce`, `hg_reduce`).
+const F32: c_int = 0;
+const F64: c_int = 1;
+
+/// Run one shim call; a non-zero return becomes an error with the shim's message.
+fn shim(what: &str, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<()> {
+    let mut err = vec![0 as c_char; 2048];
+    if f(err.as_mut_ptr(), err.len()) != 0 {
+        // SAFETY: the shim writes a NUL-terminated message into `err` (at most its length).
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+        bail!("{what}: {msg}");
+    }
+    Ok(())
+}
+
+/// The rendezvous store as the shim sees it: a TCPStore client, the deadline of the whole join, and
+/// the last value read (the shim copies it before the next call).
+struct StoreAdapter {
+    client: StoreClient,
+    deadline: Instant,
+    last: Vec<u8>,
+    err: CString,
+}
+
+impl StoreAdapter {
+    fn fail(&mut self, e: String) -> c_int {
+        self.err = CString::new(e.replace('\0', " ")).unwrap_or_default();
+        -1
+    }
+}
+
+extern "C" fn store_set(ud: *mut c_void, key: *const c_char, data: *const c_char, len: usize) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `ud` is the `StoreAdapter` `GlooComm::connect` passed with this table; key is
+        // NUL-terminated and data holds `len` bytes (the shim's std::string and std::vector).
+        let a = unsafe { &mut *(ud as *mut StoreAdapter) };
+        let key = unsafe { CStr::from_ptr(key) }.to_string_lossy().into_owned();
+        let data = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data as *const u8, len) } };
+        match a.client.set(&key, data) {
+            Ok(()) => 0,
+            Err(e) => a.fail(format!("{e:#}")),
+        }
+    }))
+    .unwrap_or(-1)
+}
+
+extern "C" fn store_get(ud: *mut c_void, key: *const c_char, out: *mut *const c_char, len: *mut usize) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: as in `store_set`; `out` and `len` are the shim's locals.
+        let a = unsafe { &mut *(ud as *mut StoreAdapter) };
+        let key = unsafe { CStr::from_ptr(key) }.to_string_lossy().into_owned();
+        match a.client.wait_get(&key, a.deadline) {
+            Ok(Some(v)) => {
+                a.last = v;
+                unsafe {
+                    *out = a.last.as_ptr() as *const c_char;
+                    *len = a.last.len();
+                }
+                0
+            }
+            Ok(None) => a.fail(format!(
+                "no value for {key} within the join's timeout (a rank never connected)\nhint: every rank of the \
+                 group must start; raise dist.timeout_s for slow starts"
+            )),
+            Err(e) => a.fail(format!("{e:#}")),
+        }
+    }))
+    .unwrap_or(-1)
+}
+
+extern "C" fn store_err(ud: *mut c_void) -> *const c_char {
+    // SAFETY: as in `store_set`.
+    let a = unsafe { &*(ud as *const StoreAdapter) };
+    a.err.as_ptr()
+}
+
+/// One connected Gloo context, freed on drop.
+struct Ctx(*mut ffi::HgCtx);
+
+// SAFETY: a context is used by one thread at a time (the communication thread owns it after `join`).
+unsafe impl Send for Ctx {}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // SAFETY: a live context from hg_connect, freed once.
+        unsafe { ffi::hg_free(self.0) }
+    }
+}
+
+impl Ctx {
+    /// Join the group of `size` ranks as `rank` through `store`, under the key prefix `prefix`; this
+    /// rank's pairs listen on `host`.
+    fn connect(rank: usize, size: usize, host: &str, prefix: &str, store: &mut StoreAdapter, timeout: Duration) -> Result<Ctx> {
+        let table = ffi::HgStore {
+            ud: store as *mut StoreAdapter as *mut c_void,
+            set: store_set,
+            get: store_get,
+            err: store_err,
+        };
+        let (host_c, prefix_c) = (CString::new(host)?, CString::new(prefix)?);
+        let mut p = std::ptr::null_mut();
+        shim(&format!("rank {rank}: connecting to the {size} ranks of the Gloo group"), |e, n| {
+            // SAFETY: every pointer lives across the call; the store table's `ud` is `store`.
+            p = unsafe {
+                ffi::hg_connect(
+                    rank as c_int,
+                    size as c_int,
+                    host_c.as_ptr(),
+                    prefix_c.as_ptr(),
+                    &table,
+                    timeout.as_millis() as i64,
+                    e,
+                    n,
+                )
+            };
+            if p.is_null() {
+                -1
+            } else {
+                0
+            }
+        })?;
+        Ok(Ctx(p))
+    }
+
+    /// Sum `v` over the group in place.
+    fn all_reduce<T: GlooSum>(&self, v: &mut [T], tag: u32, what: &str) -> Result<()> {
+        if v.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `v` holds `len` elements of the type the code names.
+        shim(what, |e, n| unsafe { ffi::hg_allreduce(self.0, T::CODE, v.as_mut_ptr() as *mut c_void, v.len(), tag, e, n) })
+    }
+
+    /// The sum over the group of `input` at `root` into `out` (ignored elsewhere).
+    fn reduce(&self, input: &[f32], out: &mut [f32], root: usize, tag: u32, what: &str) -> Result<()> {
+        // SAFETY: input and out hold `input.len()` f32 each (out only at the root, checked by the caller).
+        shim(what, |e, n| unsafe {
+            ffi::hg_reduce(
+                self.0,
+                F32,
+                input.as_ptr() as *const c_void,
+                out.as_mut_ptr() as *mut c_void,
+                input.len(),
+                root as c_int,
+                tag,
+                e,
+                n,
+            )
+        })
+    }
+
+    /// Every rank's `input` bytes (`bytes[r]` from rank r) concatenated into `out`.
+    fn all_gather_v(&self, input: &[u8], out: &mut [u8], bytes: &[usize], tag: u32, what: &str) -> Result<()> {
+        // SAFETY: `out` holds sum(bytes), `input` bytes[rank] (checked by the caller), `bytes` one per rank.
+        shim(what, |e, n| unsafe {
+            ffi::hg_allgatherv(
+                self.0,
+                input.as_ptr() as *const c_void,
+                out.as_mut_ptr() as *mut c_void,
+                bytes.as_ptr(),
+                tag,
+                e,
+                n,
+            )
+        })
+    }
+
+    /// Equal-chunk all-to-all of bytes.
+    fn all_to_all(&self, input: &[u8], out: &mut [u8], tag: u32, what: &str) -> Result<()> {
+        // SAFETY: both hold `input.len()` bytes (checked by the caller).
+        shim(what, |e, n| unsafe {
+            ffi::hg_alltoall(self.0, input.as_ptr() as *const c_void, out.as_mut_ptr() as *mut c_void, input.len(), tag, e, n)
+        })
+    }
+
+    /// `buf` at `root` copied into `buf` everywhere.
+    fn broadcast(&self, buf: &mut [u8], root: usize, tag: u32, what: &str) -> Result<()> {
+        // SAFETY: `buf` holds its length in bytes on every rank (the same length: the caller's contract).
+        shim(what, |e, n| unsafe {
+            ffi::hg_broadcast(self.0, buf.as_mut_ptr() as *mut c_void, buf.len(), root as c_int, tag, e, n)
+        })
+    }
+
+    fn barrier(&self, tag: u32, what: &str) -> Result<()> {
+        // SAFETY: a live context.
+        shim(what, |e, n| unsafe { ffi::hg_barrier(self.0, tag, e, n) })
+    }
+}
+
+/// Element types Gloo sums.
+trait GlooSum: Copy + Send + 'static {
+    const CODE: c_int;
+}
+impl GlooSum for f32 {
+    const CODE: c_int = F32;
+}
+impl GlooSum for f64 {
+    const CODE: c_int = F64;
+}
+
+/// The contexts the communication thread owns: the world's and (sequence parallelism) this rank's group's.
+struct Lanes {
+    world: Ctx,
+    sp: Option<Ctx>,
+}
+
+type Job = Box<dyn FnOnce(&Lanes) + Send>;
+
+/// A collective issued to the communication thread; `wait` gives its result.
+pub struct Issued<R> {
+    rx: mpsc::Receiver<Result<R>>,
+    comm: Arc<GlooShared>,
+}
+
+impl<R> Issued<R> {
+    /// Block until the collective completed (or failed: at most `dist.timeout_s`), naming the rank
+    /// that failed first when another one did.
+    pub fn wait(self) -> Result<R> {
+        let r = self.rx.recv().unwrap_or_else(|_| Err(anyhow!("internal: the communication thread ended early")));
+        r.map_err(|e| self.comm.blame(e))
+    }
+}
+
+/// What the handle and its issued collectives share: the failure watch.
+struct GlooShared {
+    rank: usize,
+    watch: Watch,
+}
+
+impl GlooShared {
+    /// A collective failed with `e`: when another rank failed first (the watch names it within a short
+    /// wait) that is the cause; else this rank tells the group and returns its own error.
+    fn blame(&self, e: anyhow::Error) -> anyhow::Error {
+        match self.watch.wait_failure(Duration::from_secs(3)) {
+            Some(f) if f.rank != self.rank => e.context(format!(
+                "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
+                f.rank
+            )),
+            Some(_) => e,
+            None => {
+                self.watch.report("in a collective", &format!("{e:#}"));
+                e
+            }
+        }
+    }
+}
+
+/// One rank of a Gloo group (see the file header).
+pub struct GlooComm {
+    rank: usize,
+    world: usize,
+    sp: usize,
+    shared: Arc<GlooShared>,
+    lane: Mutex<Option<(mpsc::Sender<Job>, JoinHandle<()>)>>,
+    seq: AtomicU64,
+    sigs: Mutex<SigLog>,
+}
+
+impl std::fmt::Debug for GlooComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GlooComm(rank {} of {}, sp {})", self.rank, self.world, self.sp)
+    }
+}
+
+impl GlooComm {
+    /// Join the group this process's launcher describes (`env`): the rendezvous (token, binary and
+    /// config hash checked), the failure watch, then Gloo's full mesh (and one per sequence-parallel
+    /// group of `sp` consecutive ranks) through the launch's store.
+    pub fn join(env: &LaunchEnv, resolved_config: &str, timeout: Duration, sp: usize, check_every: u64) -> Result<GlooComm> {
+        let (rank, world) = (env.rank, env.world_size);
+        let sp = sp.max(1);
+        if !world.is_multiple_of(sp) {
+            bail!("dist.sp_degree = {sp} does not divide the world size {world}\nhint: choose a divisor of {world}");
+        }
+        let deadline = Instant::now() + timeout;
+        let spec = RendezvousSpec::from_launch(env, resolved_config, timeout);
+        // rank 0 serves the store (unless torchrun's agent already does) and hands its port out as the payload
+        let mut server = None;
+        let mut serve_err = None;
+        let rv = rendezvous(&spec, || match spec.meet {
+            Meeting::AgentStore { .. } => vec![],
+            Meeting::Listen => match StoreServer::bind(&spec.addr) {
+                Ok(s) => {
+                    let port = s.port().to_le_bytes().to_vec();
+                    server = Some(s);
+                    port
+                }
+                Err(e) => {
+                    serve_err = Some(e);
+                    vec![]
+                }
+            },
+        })?;
+        if let Some(e) = serve_err {
+            return Err(e.context("rank 0 could not serve the rendezvous store"));
+        }
+        let (store_host, store_port, prefix) = match spec.meet {
+            Meeting::AgentStore { restart } => (spec.addr.clone(), spec.port, format!("harpe/gloo/{restart}/")),
+            Meeting::Listen => {
+                let p = rv.payload();
+                if p.len() != 2 {
+                    bail!("rank {rank}: the rendezvous delivered no store address (rank 0 could not serve one; its log says why)");
+                }
+                // rank 0's address as the rendezvous reached it ("host:port"; "[v6]:port")
+                let at = rv.rank0_addr();
+                let host = at.rsplit_once(':').map_or(at, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+                (host.to_string(), u16::from_le_bytes([p[0], p[1]]), "harpe/gloo/".to_string())
+            }
+        };
+        let client = StoreClient::connect(&store_host, store_port, deadline)
+            .with_context(|| format!("rank {rank}: reaching the rendezvous store at {store_host}:{store_port}"))?;
+        let host = client.local_ip()?.to_string();
+        let watch = Watch::start(rv, Box::new(|_f: &GroupFailure| {}))?;
+        let shared = Arc::new(GlooShared { rank, watch });
+        let fail = |doing: &str, e: anyhow::Error| -> anyhow::Error {
+            shared.watch.report(doing, &format!("{e:#}"));
+            e
+        };
+        let mut store = StoreAdapter { client, deadline, last: vec![], err: CString::default() };
+        let world_ctx = Ctx::connect(rank, world, &host, &prefix, &mut store, timeout)
+            .map_err(|e| fail("connecting the Gloo group", e))?;
+        let sp_ctx = if sp > 1 {
+            let group = rank / sp;
+            let p = format!("{prefix}sp{group}/");
+            Some(Ctx::connect(rank % sp, sp, &host, &p, &mut store, timeout).map_err(|e| fail("connecting its sequence-parallel group", e))?)
+        } else {
+            None
+        };
+        drop(server); // served from its own thread for the life of the process
+        let (tx, rx) = mpsc::channel::<Job>();
+        let lanes = Lanes { world: world_ctx, sp: sp_ctx };
+        let thread = std::thread::Builder::new().name(format!("harpe-gloo-{rank}")).spawn(move || {
+            for job in rx {
+                job(&lanes);
+            }
+        })?;
+        Ok(GlooComm {
+            rank,
+            world,
+            sp,
+            shared,
+            lane: Mutex::new(Some((tx, thread))),
+            seq: AtomicU64::new(0),
+            sigs: Mutex::new(SigLog::new(check_every)),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The sequence-parallel degree the contexts were built for.
+    pub fn sp_degree(&self) -> usize {
+        self.sp
+    }
+
+    /// Tell rank 0 what this rank is doing now (named if this process dies).
+    pub fn progress(&self, doing: &str) {
+        self.shared.watch.progress(doing);
+    }
+
+    /// The first failure in the group, if any.
+    pub fn failure(&self) -> Option<GroupFailure> {
+        self.shared.watch.failure()
+    }
+
+    /// This rank failed `doing` something: tell the group.
+    pub fn report_failure(&self, doing: &str, reason: &str) {
+        self.shared.watch.report(doing, reason);
+    }
+
+    /// Leave the group normally (the watch's peers are told).
+    pub fn finish(&self) {
+        self.shared.watch.finish();
+    }
+
+    /// Issue `f` to the communication thread as collective `(op, count, dtype)`: recorded in the
+    /// signature log, given the next tag; refused at once after a failure in the group.
+    fn issue<R: Send + 'static>(
+        &self,
+        (op, count, dtype): (CollOp, usize, DType),
+        label: &str,
+        f: impl FnOnce(&Lanes, u32, &str) -> Result<R> + Send + 'static,
+    ) -> Result<Issued<R>> {
+        if let Some(f) = self.shared.watch.failure() {
+            bail!("{f}\nhint: rank {} failed first; this rank stopped because of it", f.rank);
+        }
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let window = self.sigs.lock().unwrap_or_else(|p| p.into_inner()).record(op, count, dtype);
+        if let Some(w) = window {
+            self.shared.watch.check_signatures(w);
+        }
+        let what = format!("rank {}: collective #{seq} {} \"{label}\"", self.rank, op.name());
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |lanes| {
+            let _ = tx.send(f(lanes, seq as u32, &what));
+        });
+        let lane = self.lane.lock().unwrap_or_else(|p| p.into_inner());
+        let (sender, _) = lane.as_ref().ok_or_else(|| anyhow!("internal: the Gloo group was closed"))?;
+        sender.send(job).map_err(|_| anyhow!("internal: the communication thread of rank {} ended", self.rank))?;
+        Ok(Issued { rx, comm: Arc::clone(&self.shared) })
+    }
+
+    /// Sum f32 values over all ranks in place.
+    pub fn all_reduce_sum(&self, v: &mut [f32], label: &str) -> Result<()> {
+        let data = v.to_vec();
+        let out = self
+            .issue((CollOp::AllReduce, v.len(), DType::F32), label, move |l, tag, what| {
+                let mut data = data;
+                l.world.all_reduce(&mut data, tag, what)?;
+                Ok(data)
+            })?
+            .wait()?;
+        v.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Sum f64 scalars over all ranks in place.
+    pub fn all_reduce_sum_f64(&self, v: &mut [f64], label: &str) -> Result<()> {
+        let data = v.to_vec();
+        let out = self
+            .issue((CollOp::AllReduce, v.len(), DType::F64), label, move |l, tag, what| {
+                let mut data = data;
+                l.world.all_reduce(&mut data, tag, what)?;
+                Ok(data)
+            })?
+            .wait()?;
+        v.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Check that `counts` has one entry per rank summing to `n`.
+    fn check_counts(&self, counts: &[usize], n: usize, what: &str) -> Result<()> {
+        if counts.len() != self.world || counts.iter().sum::<usize>() != n {
+            bail!("internal: {what}: counts {counts:?} for {n} values over {} ranks", self.world);
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter-v (sum) of f32: `input` the concatenation of slices of `counts`; this rank gets
+    /// slice `rank` summed over ranks. One `reduce` per root that owns values.
+    pub fn reduce_scatter_v_sum_start(&self, input: Vec<f32>, counts: &[usize], label: &str) -> Result<Issued<Vec<f32>>> {
+        self.check_counts(counts, input.len(), &format!("reduce_scatter \"{label}\""))?;
+        let (counts, me) = (counts.to_vec(), self.rank);
+        self.issue((CollOp::ReduceScatter, input.len(), DType::F32), label, move |l, tag, what| {
+            let mut out = vec![0f32; counts[me]];
+            let mut off = 0;
+            for (root, &c) in counts.iter().enumerate() {
+                if c > 0 {
+                    let sub = tag.wrapping_mul(256).wrapping_add(root as u32 % 256);
+                    let mut scratch = [0f32; 0];
+                    let dst: &mut [f32] = if root == me { &mut out } else { &mut scratch };
+                    l.world.reduce(&input[off..off + c], dst, root, sub, what)?;
+                }
+                off += c;
+            }
+            Ok(out)
+        })
+    }
+
+    /// All-gather-v of raw elements (`counts[r]` elements of `size` bytes from rank r), in rank order.
+    pub fn all_gather_v_bytes_start(
+        &self,
+        input: Vec<u8>,
+        counts: &[usize],
+        (size, dtype): (usize, DType),
+        label: &str,
+    ) -> Result<Issued<Vec<u8>>> {
+        let n: usize = counts.iter().sum();
+        self.check_counts(counts, n, &format!("all_gather \"{label}\""))?;
+        if counts.get(self.rank).map(|c| c * size) != Some(input.len()) {
+            bail!("internal: all_gather \"{label}\": {} bytes in, {} elements of {size} bytes expected", input.len(), counts[self.rank]);
+        }
+        let bytes: Vec<usize> = counts.iter().map(|c| c * size).collect();
+        self.issue((CollOp::AllGather, n, dtype), label, move |l, tag, what| {
+            let mut out = vec![0u8; n * size];
+            if n > 0 {
+                l.world.all_gather_v(&input, &mut out, &bytes, tag, what)?;
+            }
+            Ok(out)
+        })
+    }
+
+    /// Equal-chunk all-to-all within this rank's sequence-parallel group (Ulysses), of raw elements.
+    pub fn sp_all_to_all_bytes(&self, input: Vec<u8>, (count, dtype): (usize, DType), label: &str) -> Result<Vec<u8>> {
+        if self.sp < 2 {
+            bail!("internal: all_to_all \"{label}\" without a sequence-parallel group");
+        }
+        if !input.len().is_multiple_of(self.sp) {
+            bail!("rank {}: all_to_all \"{label}\": {} bytes do not split into {} chunks\nhint: split the sequence/heads into equal chunks", self.rank, input.len(), self.sp);
+        }
+        self.issue((CollOp::AllToAll, count, dtype), label, move |l, tag, what| {
+            let ctx = l.sp.as_ref().ok_or_else(|| anyhow!("internal: no sequence-parallel context"))?;
+            let mut out = vec![0u8; input.len()];
+            ctx.all_to_all(&input, &mut out, tag, what)?;
+            Ok(out)
+        })?
+        .wait()
+    }
+
+    /// `buf` of rank `root` copied into `buf` on every rank.
+    pub fn broadcast(&self, buf: &mut [u8], root: usize, label: &str) -> Result<()> {
+        let data = buf.to_vec();
+        let out = self
+            .issue((CollOp::Broadcast, buf.len(), DType::U8), label, move |l, tag, what| {
+                let mut data = data;
+                l.world.broadcast(&mut data, root, tag, what)?;
+                Ok(data)
+            })?
+            .wait()?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Wait until every rank arrived (and every collective issued before is done).
+    pub fn barrier(&self, label: &str) -> Result<()> {
+        self.issue((CollOp::Barrier, 0, DType::U8), label, |l, tag, what| l.world.barrier(tag, what))?.wait()
+    }
+}
+
+impl Drop for GlooComm {
+    fn drop(&mut self) {
+        // the queue closes: the thread finishes what was issued, then frees the contexts
+        if let Some((tx, thread)) = self.lane.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+}
