@@ -11,7 +11,7 @@ use candle_core::Var;
 use harpe::ops::attention::{attention_with, CpuKernel};
 mod timing;
 use timing::time;
-#[path = "../tests/ops_common/mod.rs"]
+#[path = "../tests/common/ops.rs"]
 mod ops_common;
 use ops_common::randn;
 

@@ -1,7 +1,7 @@
 //! harpe: continual pretraining of Llama-family models to long context with head-adaptive RoPE.
 //!
 //! Modules in pipeline order, each using only those declared before it (checked by
-//! tests/stage_model/import_cycles.rs):
+//! tests/tools/import_cycles.rs):
 //!
 //! ```text
 //!  jsonl(.zst) ──prepare-data──▶ shards+manifest ──▶ data::loader ──▶ model (llama + rope) ──▶ loss

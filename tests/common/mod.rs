@@ -1,4 +1,14 @@
-//! Shared text of the integration tests (`#[macro_use] mod common;`).
+//! The shared helpers of the integration tests, one of each. Every test binary includes this directory
+//! (`#[macro_use] #[path = "../common/mod.rs"] mod common;` in its main.rs):
+//! - this file: the tiny recipe (`tiny_model!`) and the CLI wrapper (`harpe`, `harpe_cmd`, `output`);
+//! - `ops`: the op harness: deterministic inputs (`randv`, `randn`), the max-difference helpers
+//!   (`max_abs_diff`, `max_abs`, `rel_err`) and the one finite-difference checker (`fd_check`, `Fd`);
+//! - `data`: the data tests' WordLevel tokenizer and synthetic corpora.
+#![allow(dead_code, unused_macros)]
+pub mod data;
+pub mod ops;
+
+use std::process::Command;
 
 /// The tiny model every `harpe train` test recipe starts with: a 2-layer, 32-wide byte-level Llama
 /// on the built-in data, plain RoPE, f32, ending inside `[train]` so a recipe goes on with its own
@@ -25,4 +35,24 @@ theta = 10000.0
 dtype = "f32"
 "#
     };
+}
+
+/// The `harpe` binary of this build, as a command to add arguments, environment or stdio to.
+pub fn harpe_cmd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_harpe"))
+}
+
+/// Runs `cmd` to the end: (success, stdout, stderr), the streams as (lossy) UTF-8 text.
+pub fn output(cmd: &mut Command) -> (bool, String, String) {
+    let o = cmd.output().expect("run harpe");
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// `harpe ARGS`: (success, stdout, stderr).
+pub fn harpe(args: &[&str]) -> (bool, String, String) {
+    output(harpe_cmd().args(args))
 }

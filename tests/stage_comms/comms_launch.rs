@@ -1,5 +1,6 @@
 //! The launcher environment (torchrun, Slurm, hostlists), the worker spawner, and the TCP rendezvous
 //! (threads and real processes on localhost).
+use crate::common::harpe_cmd;
 use harpe::config::{rank_batching, Backend, DistSection};
 use harpe::launch::env::{expand_nodelist, free_port, LaunchEnv, LaunchSource, RunToken, TokenOrigin};
 use harpe::launch::rendezvous::{
@@ -11,7 +12,6 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -441,14 +441,9 @@ fn a_rank_gone_before_a_barrier_fails_it_on_the_others() {
     assert!(e1.contains("rank 2 is gone"), "{e1}");
 }
 
-/// The real binary: `harpe dist-check` spawns workers that rendezvous across processes.
-fn harpe() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_harpe"))
-}
-
 #[test]
 fn processes_started_by_the_launcher_rendezvous_and_share_one_payload() {
-    let out = harpe().args(["dist-check", "--nproc-per-node", "3", "--timeout-s", "30"]).output().unwrap();
+    let out = harpe_cmd().args(["dist-check", "--nproc-per-node", "3", "--timeout-s", "30"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let digests: Vec<&str> = stdout.lines().filter_map(|l| l.split("sha256 ").nth(1)).collect();
@@ -458,7 +453,7 @@ fn processes_started_by_the_launcher_rendezvous_and_share_one_payload() {
         assert!(stdout.contains(&format!("rank {r}/3 (local rank {r}, Torchrun) joined 127.0.0.1:")), "{stdout}");
     }
 
-    let out = harpe().args(["dist-check", "--nproc-per-node", "3", "--fail-rank", "1"]).output().unwrap();
+    let out = harpe_cmd().args(["dist-check", "--nproc-per-node", "3", "--fail-rank", "1"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("rank 1: failing on purpose") && stderr.contains("rank 1 failed first"), "{stderr}");
@@ -468,7 +463,7 @@ fn processes_started_by_the_launcher_rendezvous_and_share_one_payload() {
 fn processes_with_different_configs_are_refused_before_any_work() {
     let port = free_port("127.0.0.1").unwrap().to_string();
     let run = |rank: &str, cfg: &str| {
-        harpe()
+        harpe_cmd()
             .args(["dist-check", "--config-text", cfg, "--timeout-s", "30"])
             .envs([("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank), ("MASTER_ADDR", "127.0.0.1")])
             .envs([("MASTER_PORT", port.as_str()), ("HARPE_RUN_TOKEN", "t")])
@@ -491,7 +486,7 @@ fn processes_with_different_configs_are_refused_before_any_work() {
 fn two_by_hand(vars: fn(usize) -> Vec<(&'static str, String)>, common: &[(&str, &str)]) -> Vec<(bool, String, String)> {
     let procs: Vec<_> = (0..2)
         .map(|r| {
-            harpe()
+            harpe_cmd()
                 .args(["dist-check", "--timeout-s", "30"])
                 .env_remove("HARPE_RUN_TOKEN")
                 .envs(vars(r))
@@ -597,7 +592,7 @@ fn dist_config_is_reconciled_with_the_launcher_before_any_work() {
 
 #[test]
 fn nproc_per_node_inside_an_already_launched_rank_is_refused() {
-    let out = harpe()
+    let out = harpe_cmd()
         .args(["dist-check", "--nproc-per-node", "2"])
         .envs([("RANK", "0"), ("WORLD_SIZE", "1")])
         .output()
@@ -617,7 +612,7 @@ fn watched_group(world: usize, work_s: &str, extra: &[&str]) -> (Vec<(bool, Stri
     let procs: Vec<_> = (0..world)
         .map(|r| {
             let r = r.to_string();
-            harpe()
+            harpe_cmd()
                 .args(["dist-check", "--timeout-s", "30", "--work-s", work_s])
                 .args(extra)
                 .envs([("RANK", r.as_str()), ("WORLD_SIZE", w.as_str()), ("LOCAL_RANK", r.as_str())])

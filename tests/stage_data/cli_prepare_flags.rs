@@ -1,8 +1,8 @@
 //! `harpe prepare-data` flags no other test touches, through the binary: budget suffixes, the
 //! SlimPajama mixture, separators none/eos, --text-field/--source-field, .txt inputs and globs.
 //! Expected token streams are built here from the tokenizer's own vocabulary.
+use crate::common::harpe_cmd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn tokenizer() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tokenizer.json")
@@ -16,7 +16,7 @@ fn ids(text: &str) -> Vec<u32> {
 }
 
 fn prepare(dir: &Path, out: &str, args: &[&str]) -> serde_json::Value {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .current_dir(dir)
         .args(["prepare-data", "--quiet", "--tokenizer"])
         .arg(tokenizer())

@@ -1,6 +1,5 @@
 //! Loader: rank slices, shuffling, exact resume, world-size changes, validation; plus the CLI round trip.
-use crate::data_common;
-use data_common::*;
+use crate::common::data::*;
 use harpe::data::{prepare_from_texts, Loader, LoaderConfig, PrepareOptions};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

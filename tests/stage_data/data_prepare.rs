@@ -1,6 +1,5 @@
 //! prepare-data: round trip, strategies, determinism, resume, bad input (synthetic corpora, test tokenizer).
-use crate::data_common;
-use data_common::*;
+use crate::common::data::*;
 use harpe::data::mixture::{StrategyKind, Weights};
 use harpe::data::{prepare_from_texts, Loader, LoaderConfig, Manifest, PrepareOptions};
 use std::io::Write;

@@ -1,6 +1,7 @@
 //! One writer per directory, with real processes: while one process holds `DIR/.lock`, `harpe train`,
 //! `prepare-data` and `eval-niah` on DIR exit 1 naming the holder's pid and host; once the holder is
 //! killed (SIGKILL, no cleanup) the directory is free again.
+use crate::common::harpe_cmd;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -43,8 +44,9 @@ fn spawn_holder(dir: &Path) -> (Child, u32) {
     }
 }
 
-fn harpe(args: &[&str]) -> (Option<i32>, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
+/// `harpe ARGS`: the exit code and stderr.
+fn harpe_code(args: &[&str]) -> (Option<i32>, String) {
+    let o = harpe_cmd().args(args).output().unwrap();
     (o.status.code(), String::from_utf8_lossy(&o.stderr).to_string())
 }
 
@@ -64,7 +66,7 @@ fn holds_the_lock_of_another_process() {
         vec!["prepare-data", "--input", m, "--tokenizer", m, "--out", d],
         vec!["eval-niah", "--prepare-only", "--tokenizer", m, "--out", d],
     ] {
-        let (code, err) = harpe(&args);
+        let (code, err) = harpe_code(&args);
         assert_eq!(code, Some(1), "{args:?}: {err}");
         assert!(err.contains("is in use") && err.contains(&format!("pid {pid}")), "{args:?}: {err}");
         assert!(err.contains(&format!("host {host}")) && err.contains("lock test holder"), "{err}");
@@ -78,7 +80,7 @@ fn holds_the_lock_of_another_process() {
     holder.kill().unwrap();
     holder.wait().unwrap();
     assert!(dir.join(".lock").exists());
-    let (code, err) = harpe(&["eval-niah", "--prepare-only", "--tokenizer", m, "--out", d]);
+    let (code, err) = harpe_code(&["eval-niah", "--prepare-only", "--tokenizer", m, "--out", d]);
     assert_eq!(code, Some(1));
     assert!(!err.contains("is in use") && err.contains("missing.jsonl"), "got past the lock: {err}");
     let lock = harpe::util::lock_dir(&dir, "test").unwrap();

@@ -1,10 +1,11 @@
 //! The data stage: sources, tokenization, mixture and packing, the loader and its resume cursor, prepare-data flags, run-directory locks, shipped configs, parsers on hostile input.
 //!
 //! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
-//! the suite builds a handful of binaries. Shared helpers live in
-//! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
-#[path = "../data_common/mod.rs"]
-mod data_common;
+//! the suite builds a handful of binaries. The shared helpers are in tests/common (what each holds: its
+//! mod.rs; where a new test goes: docs/ARCHITECTURE.md).
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
 
 mod data_loader;
 mod data_prepare;

@@ -2,6 +2,7 @@
 //! dataset-manifest (and shard), run-TOML, jsonl-record and RULER-file parsers give `Ok` or an error
 //! with a message. Property tests (proptest), bounded so the whole file runs in seconds on 2 cores;
 //! mutations start from the real fixtures (tests/golden, configs/tiny-cpu.toml, a prepared dataset).
+use crate::common::harpe_cmd;
 use harpe::config::RunConfig;
 use harpe::data::loader::{Loader, LoaderConfig};
 use harpe::data::shard::Manifest;
@@ -206,7 +207,7 @@ fn dataset() -> &'static Path {
         let input = tmp.path().join("in.txt");
         std::fs::write(&input, "the time of the state was one of the first and the most new state . ".repeat(8))
             .unwrap();
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+        let o = harpe_cmd()
             .args(["prepare-data", "--quiet", "--seq-len", "8", "--strategy", "original", "--tokenizer"])
             .arg(root().join("tests/golden/tokenizer.json"))
             .arg("--input")

@@ -4,14 +4,9 @@
 //! default falls back to harpe's attention; `--attention harpe` is what the CPU default computes; `harpe
 //! train` refuses candle-flash before reading anything (the crate has no backward).
 //! The GPU side (the crate's forward against harpe's) is `harpe selftest` on CUDA.
+use crate::common::harpe;
 use harpe::model::attention::{refuse_for_training, AttentionChoice, AttentionImpl};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string())
-}
 
 fn golden() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")

@@ -1,8 +1,8 @@
 //! `harpe eval-loss` through the binary: on a dataset prepared from tests/golden/text.txt (BOS, 12-token
 //! sequences = transformers' first three disjoint 12-token windows), the total loss and the --buckets
 //! losses equal transformers' per-position NLLs (`default/ppl_disjoint.json`, from make_golden.py).
+use crate::common::harpe_cmd;
 use std::path::PathBuf;
-use std::process::Command;
 
 fn golden() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
@@ -12,7 +12,7 @@ fn golden() -> PathBuf {
 fn total_and_bucket_losses_match_transformers() {
     let d = tempfile::tempdir().unwrap();
     let data = d.path().join("ds");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["prepare-data", "--quiet", "--strategy", "original", "--seq-len", "12", "--input"])
         .arg(golden().join("text.txt"))
         .arg("--tokenizer")
@@ -22,7 +22,7 @@ fn total_and_bucket_losses_match_transformers() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["eval-loss", "--json", "--buckets", "4,8", "--model"])
         .arg(golden().join("default/model"))
         .arg("--data")
@@ -60,7 +60,7 @@ fn total_and_bucket_losses_match_transformers() {
     assert_eq!(v["by_source"]["text"]["tokens"].as_u64().unwrap(), n);
 
     // Bad --buckets are refused with a hint.
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["eval-loss", "--buckets", "8,4", "--model"])
         .arg(golden().join("default/model"))
         .arg("--data")

@@ -1,12 +1,7 @@
 //! `harpe eval-ppl` and `harpe inspect` as a user runs them: JSON contract, several documents,
 //! directories, --max-tokens, --aggregate, and errors that name the problem.
+use crate::common::harpe;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string())
-}
 
 fn golden() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")

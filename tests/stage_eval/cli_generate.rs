@@ -1,17 +1,12 @@
 //! `harpe generate` as a user runs it: the JSON line's tokens equal `greedy_generate` in process, on the
 //! GEMM attention (the CPU default) and on the reference loops alike; a bad `--prompt-ids` (unparsable, or
 //! past the vocabulary) is an error with a hint.
+use crate::common::harpe;
 use harpe::eval::generate::{greedy_generate, GenerateOptions};
 use harpe::eval::ppl::ScoringModel;
 use harpe::model::attention::AttentionImpl;
 use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_model_dir;
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string())
-}
 
 #[test]
 fn generate_prints_the_greedy_tokens_of_the_library() {

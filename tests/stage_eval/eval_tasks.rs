@@ -3,6 +3,7 @@
 //! (accuracies exactly, stderrs to 1e-12) of MMLU (with its groups), HellaSwag, ARC-Challenge, PIQA and
 //! TriviaQA, zero-shot, 3-shot and HARPE Table 3's shots, on the fixtures of `scripts/make_tasks_golden.py`
 //! (a tiny random transformers Llama with a Llama-layout tokenizer). Then resume, outputs and bad input.
+use crate::common::harpe_cmd;
 use harpe::eval::ppl::ScoringModel;
 use harpe::eval::tasks::results::Response;
 use harpe::eval::tasks::run::{evaluate, EvalTasksArgs};
@@ -308,7 +309,7 @@ fn resumes_from_scored_documents_and_writes_the_harness_outputs() {
 
 #[test]
 fn cli_prints_the_harness_results_as_json() {
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["eval-tasks", "--model"])
         .arg(fixtures().join("model"))
         .args(["--tasks", "arc_challenge", "--data"])
@@ -324,7 +325,7 @@ fn cli_prints_the_harness_results_as_json() {
     for k in ["acc,none", "acc_norm,none", "acc_stderr,none", "acc_norm_stderr,none"] {
         assert_eq!(v["results"]["arc_challenge"][k], g["results"]["arc_challenge"][k], "{k}");
     }
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["eval-tasks", "--model"])
         .arg(fixtures().join("model"))
         .args(["--tasks", "hellaswag", "--data", "/nonexistent"])

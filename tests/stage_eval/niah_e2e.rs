@@ -1,14 +1,9 @@
 //! End to end on a tiny random model: `harpe eval-niah` writes every output, a re-run skips the
 //! finished cells, --prepare-only needs only a tokenizer, RULER data round-trips, and bad input
 //! (no tokenizer, a length beyond the model's context) fails with a hint.
+use crate::common::harpe;
 use harpe::model::rope::RopeScheme;
 use std::path::Path;
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
-}
 
 fn essays(dir: &Path) -> String {
     let p = dir.join("essays");

@@ -4,6 +4,7 @@
 //! equals plain causal attention bit for bit; `DocStarts` refuses malformed starts; the model seam refuses an
 //! attention that cannot mask; and a packed sequence of two documents gives the second document's tokens
 //! the logits of that document alone at the same (packed) positions.
+use crate::common::ops::max_abs_diff;
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::model::attention::{AttentionFn, AttentionImpl};
 use harpe::model::rope::RopeScheme;
@@ -17,13 +18,6 @@ fn make(shape: (usize, usize, usize, usize), seed: f32) -> Tensor {
     let n = shape.0 * shape.1 * shape.2 * shape.3;
     let v: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.731 + seed).sin() * 1.3).tanh()).collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 type Attn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
@@ -72,17 +66,17 @@ fn reference_loops_match_the_dense_mask_slow_op_forward_and_backward() {
             fwd_bwd(&|q, k, v| attention_with(q, k, v, scale, true, Some(&docs), CpuKernel::Reference), &q, &k, &v, &w);
         let blk = fwd_bwd(&|q, k, v| attention_blocked(q, k, v, scale, true, Some(&docs), 7), &q, &k, &v, &w);
         for (i, name) in ["O", "dQ", "dK", "dV"].iter().enumerate() {
-            let e = max_diff(&got[i], &refs[i]);
+            let e = max_abs_diff(&got[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the GEMM blocks differs from slow by {e}");
-            let e = max_diff(&loops[i], &refs[i]);
+            let e = max_abs_diff(&loops[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the reference loops differs from slow by {e}");
-            let e = max_diff(&blk[i], &refs[i]);
+            let e = max_abs_diff(&blk[i], &refs[i]);
             assert!(e < 2e-5, "case {n}: {name} of the blocked reference differs from slow by {e}");
         }
         // the mask is real: without it the output differs (every case but the one-token one)
         if t > 1 {
             let causal = attention_with(&q, &k, &v, scale, true, None, CpuKernel::Reference).unwrap();
-            assert!(max_diff(&causal, &refs[0]) > 1e-3, "case {n}: the document mask changed nothing");
+            assert!(max_abs_diff(&causal, &refs[0]) > 1e-3, "case {n}: the document mask changed nothing");
         }
     }
 }
@@ -99,8 +93,8 @@ fn one_document_equals_causal_attention_bit_for_bit() {
     let plain_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true, None), &q, &k, &v, &w);
     let masked_gemm = fwd_bwd(&|q, k, v| attention(q, k, v, 0.25, true, Some(&docs)), &q, &k, &v, &w);
     for i in 0..4 {
-        assert_eq!(max_diff(&plain[i], &masked[i]), 0.0, "reference loops: output {i}");
-        assert_eq!(max_diff(&plain_gemm[i], &masked_gemm[i]), 0.0, "GEMM blocks: output {i}");
+        assert_eq!(max_abs_diff(&plain[i], &masked[i]), 0.0, "reference loops: output {i}");
+        assert_eq!(max_abs_diff(&plain_gemm[i], &masked_gemm[i]), 0.0, "GEMM blocks: output {i}");
     }
 }
 
@@ -184,12 +178,15 @@ fn second_document_of_a_packed_sequence_sees_only_itself() {
         let masked = m.logits(&m.forward_hidden_doc(&packed, 0, &docs).unwrap()).unwrap(); // (1, T, V)
         let b_alone = m.logits(&m.forward_hidden(&alone, la).unwrap()).unwrap(); // (1, lb, V)
         let b_masked = masked.narrow(1, la, lb).unwrap();
-        let e = max_diff(&b_masked, &b_alone);
+        let e = max_abs_diff(&b_masked, &b_alone);
         assert!(e < 1e-4, "{imp:?}: document B's logits differ from B alone by {e}");
         // document A is a prefix: its logits equal A alone at positions 0..
         let a_alone = m.logits(&m.forward_hidden(&packed.narrow(1, 0, la).unwrap(), 0).unwrap()).unwrap();
-        assert!(max_diff(&masked.narrow(1, 0, la).unwrap(), &a_alone) < 1e-4, "{imp:?}: document A");
+        assert!(max_abs_diff(&masked.narrow(1, 0, la).unwrap(), &a_alone) < 1e-4, "{imp:?}: document A");
         let unmasked = m.logits(&m.forward_hidden(&packed, 0).unwrap()).unwrap();
-        assert!(max_diff(&unmasked.narrow(1, la, lb).unwrap(), &b_alone) > 1e-3, "{imp:?}: the mask changed nothing");
+        assert!(
+            max_abs_diff(&unmasked.narrow(1, la, lb).unwrap(), &b_alone) > 1e-3,
+            "{imp:?}: the mask changed nothing"
+        );
     }
 }

@@ -12,6 +12,7 @@
 //! Bounds: f32 — 1e-5 x max(1, max |reference|); bf16/f16 — the project's rule: the exact result is the f32
 //! reference on the same rounded inputs, and the kernel's error is at most 2x that of a naive
 //! implementation in that type (every intermediate rounded, `naive16` below).
+use crate::common::ops::{max_abs, max_abs_diff};
 use half::{bf16, f16};
 use harpe::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
 use harpe::ops::attention_shape::{attention_workspace, AttnDims, AttnKernel, AttnMask, PackedRows};
@@ -21,21 +22,6 @@ use rand_chacha::ChaCha8Rng;
 
 fn uniform(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| r.random::<f32>() * 2.0 - 1.0).collect()
-}
-
-fn max_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, |m, d| {
-        if d.is_nan() {
-            f64::INFINITY
-        } else {
-            m.max(d)
-        }
-    })
-}
-
-fn max_abs(a: &[f32]) -> f64 {
-    a.iter().map(|x| x.abs() as f64).fold(0.0, f64::max)
 }
 
 fn to_t<T: AttnFloat>(v: &[f32]) -> Vec<T> {
@@ -140,7 +126,7 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
     let (dq, dk, dv) = (of_t(&dq), of_t(&dk), of_t(&dv));
 
     // lse is f32 in both dtypes: the f32 tolerance applies
-    let e = max_err(&lse, &lse_ref);
+    let e = max_abs_diff(&lse, &lse_ref);
     assert!(e <= 1e-5 * max_abs(&lse_ref).max(1.0), "{case}: lse err {e:e}");
     let naive = if bf { Some(naive16::<T>(&q, &k, &v, &dout, dims, scale, causal, docs)) } else { None };
     type Out<'a> = (&'a str, &'a [f32], &'a [f32], Option<&'a [f32]>);
@@ -151,9 +137,9 @@ fn check_kernel_docs<T: AttnFloat>(kernel: AttnKernel, dims: AttnDims, causal: b
         ("dV", &dv, &dv_ref, naive.as_ref().map(|n| &n.4[..])),
     ];
     for (name, got, exact, nv) in outs {
-        let e = max_err(got, exact);
+        let e = max_abs_diff(got, exact);
         let bound = match nv {
-            Some(nv) => 2.0 * max_err(nv, exact).max(1e-30),
+            Some(nv) => 2.0 * max_abs_diff(nv, exact).max(1e-30),
             None => 1e-5 * max_abs(exact).max(1.0),
         };
         assert!(e <= bound, "{case}: {name} err {e:e} > bound {bound:e}");
@@ -355,12 +341,12 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     let (o_ref, lse_ref) = attention_fwd_cpu(&qf, &kf, &vf, dims, 0.125, true, None);
     let (o, lse) =
         ka::attention_fwd(AttnKernel::TensorCore, (&q, &k, &v), dims, AttnMask::new(0.125, true, None)).unwrap();
-    assert!(max_err(&of_t(&o), &o_ref) < 0.02, "the correct forward");
+    assert!(max_abs_diff(&of_t(&o), &o_ref) < 0.02, "the correct forward");
     let (ob, lseb) = ka::early_read::fwd(&q, &k, &v, dims, 0.125, true).unwrap();
     // poisoned scores make every row's sum NaN, which the epilogue writes as a row that saw no key: O = 0,
     // lse = -inf — far outside any bound
-    assert!(max_err(&of_t(&ob), &o_ref) > 0.5, "a forward reading K/V before its wait must fail");
-    assert_eq!(max_err(&lseb, &lse_ref), f64::INFINITY, "a forward reading K/V before its wait must fail (lse)");
+    assert!(max_abs_diff(&of_t(&ob), &o_ref) > 0.5, "a forward reading K/V before its wait must fail");
+    assert_eq!(max_abs_diff(&lseb, &lse_ref), f64::INFINITY, "a forward reading K/V before its wait must fail (lse)");
     let refs = attention_bwd_cpu((&qf, &kf, &vf), (&o_ref, &lse_ref), &df, dims, AttnMask::new(0.125, true, None));
     let good = ka::attention_bwd(
         AttnKernel::TensorCore,
@@ -375,9 +361,9 @@ fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     for (name, g, x, want) in
         [("dQ", &good.0, &bad.0, &refs.0), ("dK", &good.1, &bad.1, &refs.1), ("dV", &good.2, &bad.2, &refs.2)]
     {
-        assert!(max_err(&of_t(g), want) < 0.05, "the correct backward's {name}");
+        assert!(max_abs_diff(&of_t(g), want) < 0.05, "the correct backward's {name}");
         assert_eq!(
-            max_err(&of_t(x), want),
+            max_abs_diff(&of_t(x), want),
             f64::INFINITY,
             "a backward reading Q/dO before its wait must fail ({name})"
         );

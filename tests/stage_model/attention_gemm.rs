@@ -3,20 +3,11 @@
 //! its query (64) and key (128) block edges: ragged, GQA / MQA / MHA, training (Tq = Tk), chunked
 //! prefill and single-token decode (Tq < Tk), full attention, large logits, and the backward's split
 //! over key ranges when threads outnumber B * Hkv.
-use crate::ops_common;
+//! Errors are `rel_err(.., 1.0)`: scaled by the reference's largest entry, at least 1.
+use crate::common::ops::{max_abs, randn, rel_err};
 use candle_core::{Device, Tensor, Var};
 use harpe::model::attention::AttentionImpl;
 use harpe::ops::attention::{attention, attention_slow, attention_with, CpuKernel};
-use ops_common::randn;
-
-fn max_abs(a: &Tensor) -> f32 {
-    a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
-
-/// Relative max error of `a` against the reference `b` (scaled by b's largest entry, at least 1).
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    max_abs(&(a - b).unwrap()) / max_abs(b).max(1.0)
-}
 
 #[allow(clippy::too_many_arguments)]
 fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, amp: f32) {
@@ -34,13 +25,13 @@ fn compare(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, tag: &str) {
     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
     let fast = attention(qt, kt, vt, scale, causal, None).unwrap();
     let reference = attention_with(qt, kt, vt, scale, causal, None, CpuKernel::Reference).unwrap();
-    let e = rel_err(&fast, &reference);
+    let e = rel_err(&fast, &reference, 1.0);
     assert!(e < 1e-5, "{tag}: forward differs by {e}");
     let gf = (fast * &w).unwrap().sum_all().unwrap().backward().unwrap();
     let gr = (reference * &w).unwrap().sum_all().unwrap().backward().unwrap();
     for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
         let (a, r) = (gf.get(var.as_tensor()).unwrap(), gr.get(var.as_tensor()).unwrap());
-        let e = rel_err(a, r);
+        let e = rel_err(a, r, 1.0);
         assert!(e < 2e-5, "{tag}: {n} differs by {e}");
         assert!(max_abs(r) > 0.0, "{tag}: reference {n} is zero");
     }
@@ -83,7 +74,7 @@ fn gemm_attention_matches_reference_when_scores_climb_across_key_blocks() {
     let climbing = k.broadcast_mul(&ramp).unwrap();
     let falling = k.broadcast_mul(&(ramp.max_keepdim(2).unwrap().broadcast_sub(&ramp).unwrap())).unwrap();
     for (name, k) in [("climbing", climbing), ("falling", falling)] {
-        let top = max_abs(&k) * max_abs(&q) * d as f32 / (d as f32).sqrt();
+        let top = max_abs(&k) * max_abs(&q) * d as f64 / (d as f64).sqrt();
         assert!(top > 80.0, "{name}: scores reach {top}: no block rises 16 above the one before");
         compare(&q, &k, &v, true, name);
         compare(&q, &k, &v, false, name);
@@ -109,6 +100,7 @@ fn gemm_attention_matches_full_matrix_version() {
     let e = rel_err(
         &attention(&q, &k, &v, 0.5, true, None).unwrap(),
         &attention_slow(&q, &k, &v, 0.5, true, None).unwrap(),
+        1.0,
     );
     assert!(e < 1e-5, "forward vs slow differs by {e}");
 }
@@ -119,7 +111,7 @@ fn cpu_default_is_the_gemm_op() {
     assert!(matches!(imp, AttentionImpl::Cpu), "CPU default is {imp:?}");
     let (q, k, v) = (randn(&[1, 2, 9, 8], 4, 1.0), randn(&[1, 1, 9, 8], 5, 1.0), randn(&[1, 1, 9, 8], 6, 1.0));
     let via_seam = imp.attend(&q, &k, &v, 0.3, true).unwrap();
-    let e = rel_err(&via_seam, &attention_with(&q, &k, &v, 0.3, true, None, CpuKernel::Reference).unwrap());
+    let e = rel_err(&via_seam, &attention_with(&q, &k, &v, 0.3, true, None, CpuKernel::Reference).unwrap(), 1.0);
     assert!(e < 1e-5, "seam vs reference differs by {e}");
 }
 

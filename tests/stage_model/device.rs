@@ -1,15 +1,10 @@
 //! One device chooser: `--device` on eval-ppl / eval-loss / eval-niah and `train.device` parse `cpu`,
 //! `cuda`, `cuda:N`; asking for CUDA from a CPU build fails with the rebuild hint, naming the flag or
 //! the config field; the one dtype enum refuses f16 for training.
+use crate::common::harpe;
 use harpe::config::RunConfig;
 use harpe::device::DeviceSpec;
 use std::path::PathBuf;
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string())
-}
 
 fn golden() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")

@@ -1,21 +1,12 @@
 //! Numerics against HF transformers: logits, loss, every parameter's gradient and sliding-window NLL,
 //! from fixtures written by `scripts/make_golden.py` (tiny random Llama, GQA 4q/2kv heads).
+use crate::common::ops::rel_err;
 use candle_core::{DType, Device, Tensor};
 use harpe::model::load_model_dir;
 use std::path::PathBuf;
 
 fn golden(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case)
-}
-
-/// max |a - b| / max |b|
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(a.len(), b.len());
-    let num = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    let den = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
-    num / den
 }
 
 struct Case {
@@ -34,10 +25,10 @@ fn load(case: &str) -> Case {
 fn check_logits(case: &str) -> harpe::model::Llama {
     let c = load(case);
     let logits = c.model.logits(&c.model.forward_hidden(&c.ids, 0).unwrap()).unwrap();
-    let e = rel_err(&logits, &c.fix["logits"]);
+    let e = rel_err(&logits, &c.fix["logits"], 0.0);
     assert!(e < 1e-4, "{case}: logits rel err {e}");
     let loss = c.model.loss_full(&c.ids).unwrap();
-    let e = rel_err(&loss.reshape(1).unwrap(), &c.fix["loss"]);
+    let e = rel_err(&loss.reshape(1).unwrap(), &c.fix["loss"], 0.0);
     assert!(e < 1e-5, "{case}: loss rel err {e}");
     c.model
 }
@@ -51,7 +42,7 @@ fn check_grads(case: &str) {
     for (name, var) in &vars {
         let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{case}: no gradient for {name}"));
         let want = &c.fix[&format!("grad.{name}")];
-        let e = rel_err(g, want);
+        let e = rel_err(g, want, 0.0);
         assert!(e < 1e-4, "{case}: grad {name} rel err {e}");
         n += 1;
     }
@@ -74,7 +65,7 @@ fn per_head_bases_match_patched_transformers() {
     let mut plain = c.model.clone();
     plain.cfg.rope = harpe::model::rope::RopeScheme::Default { theta: 10000.0 };
     let logits = plain.logits(&plain.forward_hidden(&c.ids, 0).unwrap()).unwrap();
-    assert!(rel_err(&logits, &c.fix["logits"]) > 1e-3);
+    assert!(rel_err(&logits, &c.fix["logits"], 0.0) > 1e-3);
 }
 
 #[test]
@@ -117,8 +108,9 @@ fn rope_parity_hf_reproduces_transformers_float32_angles() {
     let ids = fix["input_ids"].to_dtype(DType::U32).unwrap();
     let start = fix["start"].to_vec1::<i64>().unwrap()[0] as usize;
     let mut model = load_model_dir(&golden("default").join("model"), DType::F32, &Device::Cpu).unwrap();
-    let err =
-        |m: &harpe::model::Llama| rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"]);
+    let err = |m: &harpe::model::Llama| {
+        rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"], 0.0)
+    };
     model.parity = harpe::model::rope::RopeParity::Hf;
     let hf = err(&model);
     model.parity = harpe::model::rope::RopeParity::F64;

@@ -3,6 +3,7 @@
 //! (the `selftest` cases, which `harpe selftest` runs on a GPU); plus the cross-entropy kernel against
 //! `model::loss::chunked_cross_entropy` end to end (nll and both gradients through the matmuls), in-place
 //! dlogits, the RMSNorm kernels against the op's autograd, and the emulator's collectives.
+use crate::common::ops::{max_abs_diff, randv};
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::model::loss::chunked_cross_entropy;
 use harpe::ops::cross_entropy_chunk::IGNORE_INDEX;
@@ -51,21 +52,6 @@ fn adamw_and_grad_norm_match_the_optimizer() {
     for_seeds(selftest::adamw_checks);
 }
 
-fn randv(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
 #[test]
 fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
     // hidden (N, C), lm head (V, C): logits by matmul, then the kernel, then dh = dl W, dW = dl^T h,
@@ -105,11 +91,11 @@ fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
         dh[start * c..(start + len) * c].copy_from_slice(&dhc);
         dw = (dw + dl.t().unwrap().matmul(&hc).unwrap()).unwrap();
     }
-    assert!(max_diff(&nll, &nll_ref.to_vec1::<f32>().unwrap()) < 1e-5);
+    assert!(max_abs_diff(&nll, &nll_ref.to_vec1::<f32>().unwrap()) < 1e-5);
     assert_eq!(nll[4], 0.0, "the ignored token has no loss");
-    assert!(max_diff(&dh, &dh_ref) < 1e-5);
+    assert!(max_abs_diff(&dh, &dh_ref) < 1e-5);
     assert!(dh[4 * c..5 * c].iter().all(|&x| x == 0.0), "the ignored token gets no gradient");
-    assert!(max_diff(&dw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &dw_ref) < 1e-5);
+    assert!(max_abs_diff(&dw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &dw_ref) < 1e-5);
 }
 
 #[test]
@@ -156,11 +142,11 @@ fn rms_norm_kernels_match_the_ops_autograd() {
     let d = Dims { grid: 4, block: 64 };
     let (yk, rstd) = emu::rms_norm_fwd::<f32>(&xs, &ws, (n, c), 1e-6, d).unwrap();
     let (dx, dw) = emu::rms_norm_bwd::<f32>(&dy, &xs, &ws, Some(&rstd), (n, c), 1e-6, d).unwrap();
-    assert!(max_diff(&yk, &y.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-5);
+    assert!(max_abs_diff(&yk, &y.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-5);
     let dx_ref = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let dw_ref = g.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
-    assert!(max_diff(&dx, &dx_ref) < 1e-5, "{}", max_diff(&dx, &dx_ref));
-    assert!(max_diff(&dw, &dw_ref) < 1e-4, "{}", max_diff(&dw, &dw_ref));
+    assert!(max_abs_diff(&dx, &dx_ref) < 1e-5, "{}", max_abs_diff(&dx, &dx_ref));
+    assert!(max_abs_diff(&dw, &dw_ref) < 1e-4, "{}", max_abs_diff(&dw, &dw_ref));
 }
 
 #[test]

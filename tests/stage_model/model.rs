@@ -1,5 +1,6 @@
 //! Model-level behaviour: gradients reach every parameter, KV-cached decoding equals recomputation,
 //! save/load round trips (sharded, bf16, transformers-4/5 configs), and clear errors on bad inputs.
+use crate::common::ops::{max_abs_diff, rel_err};
 use candle_core::{DType, Device, Tensor};
 use harpe::eval::generate::{greedy_generate, GenerateOptions};
 use harpe::model::config::LlamaConfig;
@@ -67,8 +68,7 @@ fn kv_cached_decoding_equals_full_recomputation() {
             parts.push(m.logits(&h).unwrap());
         }
         let cached = Tensor::cat(&parts, 1).unwrap();
-        let e =
-            (full - cached).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let e = max_abs_diff(&full, &cached);
         assert!(e < 1e-4, "cached vs full logits differ by {e}");
     }
 }
@@ -90,7 +90,7 @@ fn inference_layout_keeps_shapes_logits_and_generations() {
             m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap(),
             c.logits(&c.forward_hidden(&x, 0).unwrap()).unwrap(),
         );
-        let e = (la - lb).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let e = max_abs_diff(&la, &lb);
         assert!(e < 1e-4, "tied={tied}: logits differ by {e}");
         let prompt: Vec<u32> = (0..9).map(|i| (i * 29 % 250) as u32 + 3).collect();
         let opts = GenerateOptions { max_new_tokens: 12, stop_tokens: vec![], prefill_chunk: 4 };
@@ -148,7 +148,7 @@ fn save_load_round_trip_sharded_bf16_and_harpe_config() {
     let back = load_model_dir(dir.path(), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(back.cfg.rope, rope);
     for ((n, a), (_, b)) in m.tensors().iter().zip(back.tensors()) {
-        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let d = max_abs_diff(a, &b);
         assert_eq!(d, 0.0, "{n}");
     }
     // bf16 on disk, loaded as bf16 and as f32
@@ -162,9 +162,8 @@ fn save_load_round_trip_sharded_bf16_and_harpe_config() {
     let x = ids(1, 9);
     let l16 = b16.logits(&b16.forward_hidden(&x, 0).unwrap()).unwrap().to_dtype(DType::F32).unwrap();
     let l32 = m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap();
-    let scale = l32.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-    let e = (l16 - &l32).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-    assert!(e / scale < 0.05, "bf16 logits relative error {}", e / scale);
+    let e = rel_err(&l16, &l32, 0.0);
+    assert!(e < 0.05, "bf16 logits relative error {e}");
 }
 
 #[test]
@@ -279,8 +278,7 @@ fn attention_seam_blocked_reference_gives_the_same_loss_and_gradients() {
     assert!((a - b).abs() < 1e-5, "loss {a} vs {b}");
     let (ga, gb) = (la.backward().unwrap(), lb.backward().unwrap());
     for (name, v) in &vars {
-        let d = (ga.get(v.as_tensor()).unwrap() - gb.get(v.as_tensor()).unwrap()).unwrap();
-        let e = d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let e = max_abs_diff(ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
         assert!(e < 1e-4, "{name}: gradients differ by {e}");
     }
 }

@@ -1,26 +1,10 @@
 //! Rotary and attention ops: fused CPU op vs the slow plain-candle version, forward and backward,
-//! and finite-difference gradient checks on tiny shapes.
+//! and finite-difference gradient checks of the fused ops in f32 on tiny shapes (`common::ops::fd_check`, `Fd::F32`).
+use crate::common::ops::{fd_check, max_abs_diff, randn, Fd};
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::model::rope::{Positions, RopeParity, RopeScheme};
 use harpe::ops::attention::{attention, attention_slow};
 use harpe::ops::rotary::{rope, rope_slow};
-
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    // deterministic pseudo-random values in [-1, 1)
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
 
 fn tables(htab_bases: &[f64], d: usize, t: usize, start: usize) -> (Tensor, Tensor) {
     let scheme = if htab_bases.len() == 1 {
@@ -36,9 +20,9 @@ fn tables(htab_bases: &[f64], d: usize, t: usize, start: usize) -> (Tensor, Tens
 fn rotary_matches_slow_forward_and_backward() {
     for (h, bases) in [(4usize, vec![10000.0]), (4, vec![1e4, 5e5]), (2, vec![1e4, 5e5]), (3, vec![1e4, 2e4, 3e4])] {
         let (b, t, d) = (2, 7, 8);
-        let x = Var::from_tensor(&randn(&[b, h, t, d], 1)).unwrap();
+        let x = Var::from_tensor(&randn(&[b, h, t, d], 1, 1.0)).unwrap();
         let (cos, sin) = tables(&bases, d, t, 100);
-        let w = randn(&[b, h, t, d], 2);
+        let w = randn(&[b, h, t, d], 2, 1.0);
         let y = rope(x.as_tensor(), &cos, &sin).unwrap();
         let y_slow = rope_slow(x.as_tensor(), &cos, &sin).unwrap();
         assert!(max_abs_diff(&y, &y_slow) < 1e-6);
@@ -55,10 +39,10 @@ fn rotary_reads_strided_rows_like_the_reference_forward_and_backward() {
     use harpe::ops::rotary::{rotary_cpu, rotary_par};
     let (b, t, h, d) = (2, 9, 4, 8);
     let (cos, sin) = tables(&[1e4, 5e5], d, t, 3);
-    let x = Var::from_tensor(&randn(&[b, t, h, d], 7)).unwrap();
+    let x = Var::from_tensor(&randn(&[b, t, h, d], 7, 1.0)).unwrap();
     let xt = x.as_tensor().transpose(1, 2).unwrap(); // (B, H, T, D), strided
     assert!(!xt.is_contiguous());
-    let w = randn(&[b, h, t, d], 8);
+    let w = randn(&[b, h, t, d], 8, 1.0);
     let y = rope(&xt, &cos, &sin).unwrap();
     let y_slow = rope_slow(&xt.contiguous().unwrap(), &cos, &sin).unwrap();
     assert!(max_abs_diff(&y, &y_slow) < 1e-6);
@@ -78,8 +62,8 @@ fn rotary_reads_strided_rows_like_the_reference_forward_and_backward() {
 fn rotary_preserves_norm_and_relative_position() {
     // A rotation: norms are kept; q.k after RoPE depends only on the position difference.
     let d = 16;
-    let q = randn(&[1, 1, 1, d], 3);
-    let k = randn(&[1, 1, 1, d], 4);
+    let q = randn(&[1, 1, 1, d], 3, 1.0);
+    let k = randn(&[1, 1, 1, d], 4, 1.0);
     let dot_at = |m: usize, n: usize| -> f32 {
         let (cq, sq) = tables(&[5e5], d, 1, m);
         let (ck, sk) = tables(&[5e5], d, 1, n);
@@ -95,39 +79,27 @@ fn rotary_preserves_norm_and_relative_position() {
     assert!((n0 - n1).abs() < 1e-5);
 }
 
-/// Central finite differences of f(x) = sum(op(x) * w) against autograd, on a few coordinates.
-fn fd_check(name: &str, x0: &Tensor, f: &dyn Fn(&Tensor) -> Tensor, analytic: &Tensor) {
-    let eps = 1e-2f32;
-    let xs = x0.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let an = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let scale = an.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-3);
-    for i in (0..xs.len()).step_by((xs.len() / 13).max(1)) {
-        let at = |delta: f32| {
-            let mut v = xs.clone();
-            v[i] += delta;
-            let x = Tensor::from_vec(v, x0.shape(), &Device::Cpu).unwrap();
-            f(&x).to_scalar::<f32>().unwrap()
-        };
-        let num = (at(eps) - at(-eps)) / (2.0 * eps);
-        assert!((num - an[i]).abs() / scale < 2e-2, "{name}[{i}]: finite diff {num} vs autograd {}", an[i]);
-    }
-}
-
 #[test]
 fn rotary_finite_differences() {
     let (cos, sin) = tables(&[1e4, 1e6], 8, 5, 3);
-    let x = Var::from_tensor(&randn(&[1, 4, 5, 8], 5)).unwrap();
-    let w = randn(&[1, 4, 5, 8], 6);
+    let x = Var::from_tensor(&randn(&[1, 4, 5, 8], 5, 1.0)).unwrap();
+    let w = randn(&[1, 4, 5, 8], 6, 1.0);
     let f = |x: &Tensor| (rope(x, &cos, &sin).unwrap() * &w).unwrap().sum_all().unwrap();
     let g = f(x.as_tensor()).backward().unwrap();
-    fd_check("rotary", x.as_tensor(), &f, g.get(x.as_tensor()).unwrap());
+    fd_check(
+        "rotary",
+        x.as_tensor(),
+        |x| f(x).to_scalar::<f32>().unwrap() as f64,
+        g.get(x.as_tensor()).unwrap(),
+        Fd::F32,
+    );
 }
 
 fn attn_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool) {
-    let q = Var::from_tensor(&randn(&[b, h, tq, d], 11)).unwrap();
-    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 12)).unwrap();
-    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 13)).unwrap();
-    let w = randn(&[b, h, tq, d], 14);
+    let q = Var::from_tensor(&randn(&[b, h, tq, d], 11, 1.0)).unwrap();
+    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 12, 1.0)).unwrap();
+    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 13, 1.0)).unwrap();
+    let w = randn(&[b, h, tq, d], 14, 1.0);
     let scale = 1.0 / (d as f32).sqrt() * 2.0;
     let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
     let ys = attention_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
@@ -152,25 +124,25 @@ fn attention_matches_slow_forward_and_backward() {
 
 #[test]
 fn attention_finite_differences() {
-    let (q0, k0, v0) = (randn(&[1, 2, 6, 4], 21), randn(&[1, 1, 6, 4], 22), randn(&[1, 1, 6, 4], 23));
-    let w = randn(&[1, 2, 6, 4], 24);
+    let (q0, k0, v0) = (randn(&[1, 2, 6, 4], 21, 1.0), randn(&[1, 1, 6, 4], 22, 1.0), randn(&[1, 1, 6, 4], 23, 1.0));
+    let w = randn(&[1, 2, 6, 4], 24, 1.0);
     let (q, k, v) = (Var::from_tensor(&q0).unwrap(), Var::from_tensor(&k0).unwrap(), Var::from_tensor(&v0).unwrap());
     let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.7, true, None).unwrap();
     let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
     let fq = |x: &Tensor| (attention(x, &k0, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
     let fk = |x: &Tensor| (attention(&q0, x, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
     let fv = |x: &Tensor| (attention(&q0, &k0, x, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
-    fd_check("dq", &q0, &fq, g.get(q.as_tensor()).unwrap());
-    fd_check("dk", &k0, &fk, g.get(k.as_tensor()).unwrap());
-    fd_check("dv", &v0, &fv, g.get(v.as_tensor()).unwrap());
+    fd_check("dq", &q0, |x| fq(x).to_scalar::<f32>().unwrap() as f64, g.get(q.as_tensor()).unwrap(), Fd::F32);
+    fd_check("dk", &k0, |x| fk(x).to_scalar::<f32>().unwrap() as f64, g.get(k.as_tensor()).unwrap(), Fd::F32);
+    fd_check("dv", &v0, |x| fv(x).to_scalar::<f32>().unwrap() as f64, g.get(v.as_tensor()).unwrap(), Fd::F32);
 }
 
 #[test]
 fn attention_is_stable_with_large_logits() {
     // Logits of 1e4 would overflow a naive exp; the online softmax keeps the output finite and exact.
-    let q = (randn(&[1, 1, 4, 4], 31) * 100.0).unwrap();
-    let k = (randn(&[1, 1, 4, 4], 32) * 100.0).unwrap();
-    let v = randn(&[1, 1, 4, 4], 33);
+    let q = (randn(&[1, 1, 4, 4], 31, 1.0) * 100.0).unwrap();
+    let k = (randn(&[1, 1, 4, 4], 32, 1.0) * 100.0).unwrap();
+    let v = randn(&[1, 1, 4, 4], 33, 1.0);
     let y = attention(&q, &k, &v, 1.0, true, None).unwrap();
     let ys = attention_slow(&q, &k, &v, 1.0, true, None).unwrap();
     assert!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|x| x.is_finite()));
@@ -179,8 +151,8 @@ fn attention_is_stable_with_large_logits() {
 
 #[test]
 fn bf16_inputs_are_computed_in_f32_and_cast_back() {
-    let q = randn(&[1, 2, 5, 8], 41).to_dtype(DType::BF16).unwrap();
-    let k = randn(&[1, 2, 5, 8], 42).to_dtype(DType::BF16).unwrap();
+    let q = randn(&[1, 2, 5, 8], 41, 1.0).to_dtype(DType::BF16).unwrap();
+    let k = randn(&[1, 2, 5, 8], 42, 1.0).to_dtype(DType::BF16).unwrap();
     let y = attention(&q, &k, &k, 0.3, true, None).unwrap();
     assert_eq!(y.dtype(), DType::BF16);
     let (cos, sin) = tables(&[1e4], 8, 5, 0);
@@ -206,10 +178,10 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
 #[allow(clippy::too_many_arguments)]
 fn three_way_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, block: usize) {
     use harpe::ops::attention::attention_blocked;
-    let q = Var::from_tensor(&randn(&[b, h, tq, d], 51)).unwrap();
-    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 52)).unwrap();
-    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 53)).unwrap();
-    let w = randn(&[b, h, tq, d], 54);
+    let q = Var::from_tensor(&randn(&[b, h, tq, d], 51, 1.0)).unwrap();
+    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 52, 1.0)).unwrap();
+    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 53, 1.0)).unwrap();
+    let w = randn(&[b, h, tq, d], 54, 1.0);
     let scale = 0.9;
     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
     let outs = [

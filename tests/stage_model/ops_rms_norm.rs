@@ -1,16 +1,9 @@
 //! The fused RMSNorm op (`ops::rms_norm`): CPU reference loops vs the plain-op `rms_norm_slow` (the
 //! model's formula), forward and backward, f32 and bf16, finite differences of the backward, and the
 //! op's parallel row loops against the sequential reference loops.
-use crate::ops_common;
-use candle_core::{DType, Device, Tensor, Var};
+use crate::common::ops::{fd_check, max_abs, max_abs_diff, randn, Fd};
+use candle_core::{DType, Tensor, Var};
 use harpe::ops::rms_norm::{rms_norm, rms_norm_slow};
-use ops_common::randn;
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
 
 #[test]
 fn forward_and_backward_match_the_slow_version() {
@@ -42,7 +35,7 @@ fn bf16_matches_the_slow_version_within_bf16_rounding() {
     let ys = rms_norm_slow(&x, &w, 1e-5).unwrap();
     // both round xhat and y to bf16; they may differ by one bf16 ulp where the f32 sums differ
     let ulp = ys.to_dtype(DType::F32).unwrap().abs().unwrap().max_keepdim(1).unwrap().max(0).unwrap();
-    let bound = ulp.to_vec1::<f32>().unwrap()[0] / 128.0;
+    let bound = (ulp.to_vec1::<f32>().unwrap()[0] / 128.0) as f64;
     assert!(max_abs_diff(&y, &ys) <= bound, "{} > {bound}", max_abs_diff(&y, &ys));
     // the backward runs in bf16 too and gives gradients of the right dtype
     let xv = Var::from_tensor(&x).unwrap();
@@ -67,24 +60,8 @@ fn finite_differences_agree_with_backward() {
         let y = rms_norm_slow(&xt.to_dtype(DType::F64).unwrap(), &wt.to_dtype(DType::F64).unwrap(), 1e-6).unwrap();
         (y * up.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
-    let eps = 1e-3f32;
-    for (which, base, an) in [("x", &x0, g.get(x.as_tensor()).unwrap()), ("w", &w0, g.get(w.as_tensor()).unwrap())] {
-        let flat = base.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let an = an.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for k in (0..flat.len()).step_by(5) {
-            let bump = |d: f32| {
-                let mut v = flat.clone();
-                v[k] += d;
-                Tensor::from_vec(v, base.shape(), &Device::Cpu).unwrap()
-            };
-            let fd = if which == "x" {
-                (f(&bump(eps), &w0) - f(&bump(-eps), &w0)) / (2.0 * eps as f64)
-            } else {
-                (f(&x0, &bump(eps)) - f(&x0, &bump(-eps))) / (2.0 * eps as f64)
-            };
-            assert!((fd - an[k] as f64).abs() < 2e-3, "d{which}[{k}]: fd {fd} vs {}", an[k]);
-        }
-    }
+    fd_check("dx", &x0, |xt| f(xt, &w0), g.get(x.as_tensor()).unwrap(), Fd::F64);
+    fd_check("dw", &w0, |wt| f(&x0, wt), g.get(w.as_tensor()).unwrap(), Fd::F64);
 }
 
 #[test]
@@ -103,8 +80,7 @@ fn parallel_loops_match_the_reference_loops() {
     assert_eq!(rms_norm_par(&x, &w, c, 1e-5), rms_norm_cpu(&x, &w, c, 1e-5).0, "forward is the same row code");
     let ((dxp, dwp), (dxr, dwr)) = (rms_norm_bwd_par(&dy, &x, &w, c, 1e-5), rms_norm_bwd_cpu(&dy, &x, &w, c, 1e-5));
     assert_eq!(dxp, dxr, "dx is the same row code");
-    let err = dwp.iter().zip(&dwr).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    let mag = dwr.iter().map(|v| v.abs()).fold(0f32, f32::max);
+    let (err, mag) = (max_abs_diff(&dwp, &dwr), max_abs(&dwr));
     assert!(err <= 1e-5 * mag.max(1.0) && mag > 0.0, "dw differs by {err} (max {mag})");
 }
 

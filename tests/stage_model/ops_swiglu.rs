@@ -2,16 +2,9 @@
 //! `swiglu_slow` (the model's former formula) in f32 and in f64, every input receiving a gradient, and the
 //! op's vectorised parallel loops against the scalar reference loops (`f32::exp`), tails and large
 //! magnitudes included.
-use crate::ops_common;
+use crate::common::ops::{fd_check, max_abs_diff, randn, Fd};
 use candle_core::{DType, Tensor, Var};
 use harpe::ops::swiglu::{swiglu, swiglu_bwd_cpu, swiglu_bwd_par, swiglu_cpu, swiglu_par, swiglu_slow};
-use ops_common::randn;
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
-}
 
 #[test]
 fn forward_and_backward_match_the_slow_version() {
@@ -51,23 +44,8 @@ fn backward_agrees_with_finite_differences() {
         let y = swiglu_slow(&gt.to_dtype(DType::F64).unwrap(), &ut.to_dtype(DType::F64).unwrap()).unwrap();
         (y * up.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
-    let h = 1e-3f32;
-    for (which, v0) in [(0, &g0), (1, &u0)] {
-        let analytic = grads.get(if which == 0 { g.as_tensor() } else { u.as_tensor() }).unwrap();
-        let analytic = analytic.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let base = v0.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for i in [0usize, 5, 11, 20] {
-            let bump = |d: f32| {
-                let mut b = base.clone();
-                b[i] += d;
-                (Tensor::from_vec(b.clone(), v0.dims(), v0.device()).unwrap(), b[i] as f64)
-            };
-            let ((p, xp), (m, xm)) = (bump(h), bump(-h));
-            let (fp, fm) = if which == 0 { (f(&p, &u0), f(&m, &u0)) } else { (f(&g0, &p), f(&g0, &m)) };
-            let num = (fp - fm) / (xp - xm); // the f32 inputs' actual step
-            assert!((num - analytic[i] as f64).abs() < 1e-3, "input {which} elem {i}: {num} vs {}", analytic[i]);
-        }
-    }
+    fd_check("dgate", &g0, |gt| f(gt, &u0), grads.get(g.as_tensor()).unwrap(), Fd::F64);
+    fd_check("dup", &u0, |ut| f(&g0, ut), grads.get(u.as_tensor()).unwrap(), Fd::F64);
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! `harpe train` paths no other test touches, through the binary: `--force` over a run directory of
 //! another config, SIGINT (finish the step, checkpoint, exit 0), a bf16 run, and `reset_optimizer`.
+use crate::common::{harpe_cmd, output};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -29,17 +30,11 @@ steps = 3
 "#
 );
 
-fn harpe(args: &[&str], cfg: &Path, out: &Path) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["train", "--config"])
-        .arg(cfg)
-        .arg("--out")
-        .arg(out)
-        .args(args)
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stderr).to_string())
+/// `harpe train --config CFG --out OUT ARGS` with stdout discarded: success and stderr.
+fn harpe_train(args: &[&str], cfg: &Path, out: &Path) -> (bool, String) {
+    let (ok, _, err) =
+        output(harpe_cmd().args(["train", "--config"]).arg(cfg).arg("--out").arg(out).args(args).stdout(Stdio::null()));
+    (ok, err)
 }
 
 fn losses(out: &Path) -> Vec<f64> {
@@ -61,11 +56,11 @@ fn setup(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
 fn force_reuses_a_directory_of_another_config() {
     let (d, cfg) = setup(TINY);
     let out = d.path().join("r");
-    let (ok, err) = harpe(&["--steps", "1"], &cfg, &out);
+    let (ok, err) = harpe_train(&["--steps", "1"], &cfg, &out);
     assert!(ok, "{err}");
-    let (ok, err) = harpe(&["--resume", "--set", "optim.lr=1e-4"], &cfg, &out);
+    let (ok, err) = harpe_train(&["--resume", "--set", "optim.lr=1e-4"], &cfg, &out);
     assert!(!ok && err.contains("different config") && err.contains("--force"), "{err}");
-    let (ok, err) = harpe(&["--resume", "--force", "--set", "optim.lr=1e-4", "--steps", "2"], &cfg, &out);
+    let (ok, err) = harpe_train(&["--resume", "--force", "--set", "optim.lr=1e-4", "--steps", "2"], &cfg, &out);
     assert!(ok, "{err}");
     let saved = std::fs::read_to_string(out.join("config.toml")).unwrap();
     let t: toml::Table = toml::from_str(&saved).unwrap();
@@ -77,7 +72,7 @@ fn force_reuses_a_directory_of_another_config() {
 fn sigint_finishes_the_step_checkpoints_and_exits_0() {
     let (d, cfg) = setup(&TINY.replace("steps = 3\n\n[[stage]]", "steps = 100000\n\n[[stage]]"));
     let out = d.path().join("r");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let mut child = harpe_cmd()
         .args(["train", "--config"])
         .arg(&cfg)
         .arg("--out")
@@ -105,9 +100,9 @@ fn sigint_finishes_the_step_checkpoints_and_exits_0() {
 fn a_bf16_run_trains_close_to_f32_but_not_identically() {
     let (d, cfg) = setup(TINY);
     let (f32_out, bf_out) = (d.path().join("f32"), d.path().join("bf16"));
-    let (ok, err) = harpe(&[], &cfg, &f32_out);
+    let (ok, err) = harpe_train(&[], &cfg, &f32_out);
     assert!(ok, "{err}");
-    let (ok, err) = harpe(&["--set", "train.dtype=\"bf16\""], &cfg, &bf_out);
+    let (ok, err) = harpe_train(&["--set", "train.dtype=\"bf16\""], &cfg, &bf_out);
     assert!(ok, "{err}");
     let (a, b) = (losses(&f32_out), losses(&bf_out));
     assert_eq!(a.len(), 6);
@@ -124,9 +119,9 @@ fn a_bf16_run_trains_close_to_f32_but_not_identically() {
 fn reset_optimizer_changes_the_run_only_after_the_stage_boundary() {
     let (d, cfg) = setup(TINY);
     let (keep, reset) = (d.path().join("keep"), d.path().join("reset"));
-    let (ok, err) = harpe(&[], &cfg, &keep);
+    let (ok, err) = harpe_train(&[], &cfg, &keep);
     assert!(ok, "{err}");
-    let (ok, err) = harpe(&["--set", "stage.1.reset_optimizer=true"], &cfg, &reset);
+    let (ok, err) = harpe_train(&["--set", "stage.1.reset_optimizer=true"], &cfg, &reset);
     assert!(ok, "{err}");
     let (a, b) = (losses(&keep), losses(&reset));
     // Steps 1..=4 (stage 0 and the first step of stage 1, whose loss is taken before its update) match

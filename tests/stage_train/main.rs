@@ -1,8 +1,8 @@
-//! The training stage: one step against torch, runs and resume, N ranks equal one, ZeRO-3 prefetch, document masks, in-training evaluation, memory against the plan, the plan itself, the train CLI.
+//! The training stage: one step against torch, runs and resume, N ranks equal one, ZeRO-3 prefetch, document masks, in-training evaluation, memory against the plan, the memory model of the plan, the train CLI.
 //!
 //! One test binary per stage: as one binary per file, every file would link the whole crate; grouped,
-//! the suite builds a handful of binaries. Shared helpers live in
-//! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
+//! the suite builds a handful of binaries. The shared helpers are in tests/common (what each holds: its
+//! mod.rs; where a new test goes: docs/ARCHITECTURE.md).
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
@@ -18,6 +18,5 @@ mod train_run;
 mod train_step;
 mod zero3_prefetch;
 mod cli_train;
-mod plan;
 mod plan_largest_t;
 mod plan_memory;

@@ -5,6 +5,7 @@
 //! The difference between the two lengths isolates the activation terms from the fixed overhead.
 //! Under `Local` ranks (threads of one process) the process holds every rank's memory once and the
 //! fixed overhead once, so the prediction is `ranks x (total - fixed_overhead) + fixed_overhead`.
+use crate::common::harpe_cmd;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
 use harpe::train::metrics::read_records;
@@ -57,7 +58,7 @@ fn measured_and_planned_once(dir: &std::path::Path, t: usize, attempt: usize) ->
     let cfg = dir.join(format!("p{t}.toml"));
     std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
     let out = dir.join(format!("r{t}-{attempt}"));
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let st = harpe_cmd()
         .args(["train", "--config"])
         .arg(&cfg)
         .arg("--out")
@@ -119,7 +120,7 @@ fn local_measured_and_predicted(dir: &std::path::Path, t: usize, world: usize, z
         // SP 4 needs kv heads divisible by 4
         sets.extend(["model.init.num_attention_heads=8".into(), "model.init.num_key_value_heads=4".into()]);
     }
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let st = harpe_cmd()
         .args(["train", "--config"])
         .arg(&cfg)
         .arg("--out")

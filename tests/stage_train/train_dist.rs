@@ -6,9 +6,9 @@
 //! The non-obvious choice: weights are compared per tensor by relative L2 distance (elementwise relative
 //! error is meaningless for weights near 0); the summation order of the gradient differs with N, so
 //! bit-identity is not expected.
+use crate::common::{self, harpe_cmd};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Two stages (seq 32 then 64, HARPE bases in the second) so accumulation differs per stage:
 /// 8 micro-batches of 2 x 32 per step, then 4 of 2 x 64.
@@ -40,10 +40,10 @@ rope = { scheme = "harpe", head_bases = [10000.0, 80000.0] }
 "#
 );
 
-pub(super) fn harpe(args: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    (o.status.success(), text)
+/// `harpe ARGS`: success, and stdout followed by stderr as one text.
+pub(super) fn harpe_text(args: &[&str]) -> (bool, String) {
+    let (ok, out, err) = common::harpe(args);
+    (ok, out + &err)
 }
 
 pub(super) fn write_cfg(dir: &Path) -> PathBuf {
@@ -56,7 +56,7 @@ pub(super) fn write_cfg(dir: &Path) -> PathBuf {
 pub(super) fn train(cfg: &Path, out: &Path, extra: &[&str]) {
     let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
     a.extend_from_slice(extra);
-    let (ok, text) = harpe(&a);
+    let (ok, text) = harpe_text(&a);
     assert!(ok, "harpe {a:?} failed:\n{text}");
 }
 
@@ -264,7 +264,7 @@ fn a_four_rank_checkpoint_resumes_on_two_ranks_and_on_one_and_consolidates() {
     }
     // consolidate the 4-rank step-2 checkpoint: the 1-rank run's model and optimizer state
     let out = d.path().join("cons");
-    let (ok, text) = harpe(&["consolidate", ckpt(&four, 2).to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let (ok, text) = harpe_text(&["consolidate", ckpt(&four, 2).to_str().unwrap(), "--out", out.to_str().unwrap()]);
     assert!(ok && text.contains("4 optimizer shard(s)"), "{text}");
     assert_same_tensors(
         &ckpt(&one, 2).join("model.safetensors"),
@@ -276,9 +276,9 @@ fn a_four_rank_checkpoint_resumes_on_two_ranks_and_on_one_and_consolidates() {
     assert_same_tensors(&ckpt(&one, 2).join(opt), &out.join(opt), "consolidated optimizer", 1e-5);
     assert!(out.join("config.json").is_file() && out.join("tokenizer.json").is_file());
     // an existing --out and a directory that is not a complete checkpoint are refused
-    let (ok, text) = harpe(&["consolidate", ckpt(&four, 2).to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let (ok, text) = harpe_text(&["consolidate", ckpt(&four, 2).to_str().unwrap(), "--out", out.to_str().unwrap()]);
     assert!(!ok && text.contains("already exists") && text.contains("hint:"), "{text}");
-    let (ok, text) = harpe(&["consolidate", d.path().to_str().unwrap()]);
+    let (ok, text) = harpe_text(&["consolidate", d.path().to_str().unwrap()]);
     assert!(!ok && text.contains("DONE") && text.contains("hint:"), "{text}");
 }
 
@@ -323,7 +323,7 @@ fn bad_dist_values_and_nproc_on_cpu_are_refused_before_any_work() {
     for (extra, want) in cases {
         let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
         a.extend_from_slice(extra);
-        let (ok, text) = harpe(&a);
+        let (ok, text) = harpe_text(&a);
         assert!(!ok, "{extra:?} was accepted:\n{text}");
         for w in want {
             assert!(text.contains(w), "{extra:?}: missing {w:?} in:\n{text}");
@@ -339,7 +339,7 @@ fn a_rank_that_fails_stops_the_others_naming_it() {
     let cfg = write_cfg(d.path());
     let out = d.path().join("a-file");
     std::fs::write(&out, b"not a directory").unwrap();
-    let (ok, text) = harpe(&[
+    let (ok, text) = harpe_text(&[
         "train",
         "--config",
         cfg.to_str().unwrap(),
@@ -359,7 +359,7 @@ fn a_rank_that_errors_or_panics_mid_step_stops_every_rank_naming_it_and_keeps_th
     let cfg = write_cfg(d.path());
     for (kind, z) in [("panic", "1"), ("error", "3")] {
         let out = d.path().join(format!("fault-{kind}"));
-        let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        let o = harpe_cmd()
             .args(["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
             .args([
                 "--set",
@@ -462,7 +462,7 @@ fn a_run_that_does_not_fit_this_machine_is_refused_before_any_work() {
     ];
     let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
     a.extend(sets.iter().flat_map(|s| ["--set", s]));
-    let (ok, text) = harpe(&a);
+    let (ok, text) = harpe_text(&a);
     assert!(!ok && text.contains("GiB per rank") && text.contains("harpe plan") && text.contains("--force"), "{text}");
     assert!(!out.exists(), "refused before the run directory is made");
 }
@@ -525,7 +525,7 @@ fn a_signal_after_the_stop_agreement_on_one_rank_stops_every_rank_together_one_s
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path());
     let out = d.path().join("late");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
         .args(["--set", "dist.backend=local", "--set", "dist.world_size=2", "--set", "dist.timeout_s=30"])
         .env("HARPE_TEST_LATE_SIGNAL", "1:2")
@@ -548,7 +548,7 @@ fn sigterms_at_random_moments_into_a_four_rank_run_always_end_cleanly_with_a_com
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(25);
     let mut last_step = 0;
     for round in 0..4 {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        let mut child = harpe_cmd()
             .args(["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--resume"])
             .args(["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.zero_stage=3"])
             .args(["--set", "dist.timeout_s=60"])
@@ -645,7 +645,7 @@ fn ranks_that_see_another_newest_checkpoint_are_refused_naming_rank_and_path() {
     for (view, sees) in [(&extra, "step_000004"), (&empty, "sees none")] {
         let mut args = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--resume"];
         args.extend(two);
-        let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+        let o = harpe_cmd()
             .args(&args)
             .env("HARPE_TEST_CHECKPOINT_VIEW", format!("1:{}", view.display()))
             .output()

@@ -4,9 +4,10 @@
 //! noise of a one-rank run, also across a resume; an evaluation and a checkpoint commit that each
 //! outlast `dist.timeout_s` (test hooks `HARPE_TEST_SLOW_EVAL` / `HARPE_TEST_SLOW_COMMIT` make them slow
 //! deterministically) do not stop the run, while a rank left waiting longer than the timeout still does.
-use super::train_dist::{ckpt, harpe, train, TINY};
+use super::train_dist::{ckpt, harpe_text, train, TINY};
+use crate::common::harpe_cmd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// `n` documents of different lengths (ppl_inputs).
 fn docs(dir: &Path, n: usize) -> Vec<PathBuf> {
@@ -76,7 +77,7 @@ fn assert_same_evals(a: &[serde_json::Value], b: &[serde_json::Value], tol: f64)
 
 /// `harpe CMD ... --json` on a checkpoint, parsed.
 fn eval_json(args: &[&str]) -> serde_json::Value {
-    let (ok, text) = harpe(args);
+    let (ok, text) = harpe_text(args);
     assert!(ok, "harpe {args:?}:\n{text}");
     let line = text.lines().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON in:\n{text}"));
     serde_json::from_str(line).unwrap()
@@ -131,7 +132,7 @@ fn eval_on_every_rank_gives_one_ranks_numbers_and_resumes_without_repeating() {
 /// `harpe train` of `cfg` on 2 `Local` ranks under ZeRO-3 with `dist.timeout_s = 5`, each evaluated item
 /// taking `item_s` seconds longer and each commit 7 s longer (the test hooks).
 fn slow_run(cfg: &Path, out: &Path, item_s: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_harpe"))
+    harpe_cmd()
         .args(["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
         .args(["--set", "dist.backend=local", "--set", "dist.world_size=2", "--set", "dist.zero_stage=3"])
         .args(["--set", "dist.timeout_s=5", "--set", "checkpoint.every=0"])

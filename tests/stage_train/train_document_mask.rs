@@ -3,8 +3,9 @@
 //! differ from the unmasked run's; 2 ranks under ZeRO-3 (layers gathered for forward and recompute) and
 //! Ulysses SP 2 (each rank holds half of every sequence; the mask must be the whole sequence's) give the
 //! one-rank masked losses; the resolved config records the key; a bad value names the key.
+use crate::common::ops::max_abs_diff;
+use crate::common::{harpe_cmd, output};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const TINY: &str = concat!(
     tiny_model!(),
@@ -29,16 +30,10 @@ steps = 4
 "#
 );
 
-fn harpe(cfg: &Path, out: &Path, extra: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["train", "--config"])
-        .arg(cfg)
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap();
-    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+/// `harpe train --config CFG --out OUT EXTRA`: success, and stdout followed by stderr as one text.
+fn harpe_train(cfg: &Path, out: &Path, extra: &[&str]) -> (bool, String) {
+    let (ok, o, e) = output(harpe_cmd().args(["train", "--config"]).arg(cfg).arg("--out").arg(out).args(extra));
+    (ok, o + &e)
 }
 
 fn losses(out: &Path) -> Vec<f64> {
@@ -50,7 +45,7 @@ fn losses(out: &Path) -> Vec<f64> {
 }
 
 fn train(cfg: &Path, out: &Path, extra: &[&str]) -> Vec<f64> {
-    let (ok, log) = harpe(cfg, out, extra);
+    let (ok, log) = harpe_train(cfg, out, extra);
     assert!(ok, "harpe train {extra:?} failed:\n{log}");
     losses(out)
 }
@@ -84,7 +79,7 @@ fn document_mask_trains_and_equals_one_rank_under_zero3_and_ulysses() {
     assert!(!saved.contains("document_mask"), "the default is left out of the resolved config:\n{saved}");
     // the same batches: the mask is what differs (built-in sequences pack several documents; at the random
     // init attention barely moves the loss, so the trained steps show it)
-    let diff = plain.iter().zip(&masked).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let diff = max_abs_diff(&plain, &masked);
     assert!(diff > 1e-4, "the mask changed nothing: {plain:?} vs {masked:?}");
 
     for (name, sets) in [
@@ -104,7 +99,7 @@ fn document_mask_trains_and_equals_one_rank_under_zero3_and_ulysses() {
 #[test]
 fn a_bad_document_mask_value_names_the_key() {
     let (d, cfg) = setup();
-    let (ok, log) = harpe(&cfg, &d.path().join("r"), &["--set", "train.document_mask=3"]);
+    let (ok, log) = harpe_train(&cfg, &d.path().join("r"), &["--set", "train.document_mask=3"]);
     assert!(!ok);
     assert!(log.contains("document_mask"), "{log}");
 }

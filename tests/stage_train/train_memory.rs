@@ -1,6 +1,7 @@
 //! With activation checkpointing, a step's peak memory grows linearly in T: doubling T at most
 //! doubles it (tolerance 2.2x). Measured, not computed: each run is a fresh `harpe train` process and
 //! the step's peak resident memory comes from /proc (VmHWM after a reset at the step start).
+use crate::common::harpe_cmd;
 use harpe::train::metrics::read_records;
 
 const CFG: &str = r#"
@@ -38,7 +39,7 @@ fn step_bytes(dir: &std::path::Path, t: usize) -> u64 {
     let cfg = dir.join(format!("m{t}.toml"));
     std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
     let out = dir.join(format!("r{t}"));
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let st = harpe_cmd()
         .args(["train", "--config"])
         .arg(&cfg)
         .arg("--out")

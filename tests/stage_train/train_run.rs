@@ -1,5 +1,7 @@
 //! `harpe train` end to end on tiny models and built-in data: loss falls, 2N steps == N + resume + N
 //! (weights, optimizer state and logged losses), bad input is refused clearly, NaN guard, SIGTERM.
+use crate::common::harpe_cmd;
+use crate::common::ops::max_abs_diff;
 use harpe::train::metrics::read_records;
 use harpe::train::{run, TrainArgs};
 use std::path::{Path, PathBuf};
@@ -226,7 +228,7 @@ fn sigterm_finishes_the_step_checkpoints_and_exits_0() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path(), &TINY.replace("steps = 4", "steps = 100000").replace("every = 2", "every = 0"));
     let out = d.path().join("r");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let mut child = harpe_cmd()
         .args(["train", "--config"])
         .arg(&cfg)
         .arg("--out")
@@ -291,7 +293,7 @@ fn device_resident_state_trains_like_host_state() {
             assert!((a - b).abs() <= 1e-6 * a.abs(), "{set:?} step {k}: host loss {a} vs device-state loss {b}");
         }
         for ((n, a), (_, b)) in weights(&h).iter().zip(&weights(&dv)) {
-            let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let worst = max_abs_diff(a, b);
             assert!(worst < 1e-5, "{set:?} {n}: weights differ by {worst}");
         }
     }

@@ -1,16 +1,12 @@
 //! The binary's allocator (src/main.rs): jemalloc with the options that keep a training step's freed
 //! buffers for the next step. Read back through jemalloc's own statistics (`stats_print`, which reports
 //! the options in effect), so a lost `#[global_allocator]` or a changed `malloc_conf` fails here.
-use std::process::Command;
+use crate::common::harpe_cmd;
 
 #[cfg(all(unix, not(target_env = "musl")))]
 #[test]
 fn the_binary_runs_on_jemalloc_with_the_step_reuse_options() {
-    let out = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .arg("--version")
-        .env("_RJEM_MALLOC_CONF", "stats_print:true")
-        .output()
-        .expect("harpe runs");
+    let out = harpe_cmd().arg("--version").env("_RJEM_MALLOC_CONF", "stats_print:true").output().expect("harpe runs");
     assert!(out.status.success());
     let stats = String::from_utf8_lossy(&out.stderr);
     assert!(stats.contains("jemalloc statistics"), "no jemalloc statistics: not on jemalloc?\n{stats}");
@@ -31,7 +27,7 @@ fn the_binary_runs_on_jemalloc_with_the_step_reuse_options() {
 /// line to say which build they measured).
 #[test]
 fn version_names_the_features_and_the_cpu_gemm_backend() {
-    let out = Command::new(env!("CARGO_BIN_EXE_harpe")).arg("--version").output().expect("harpe runs");
+    let out = harpe_cmd().arg("--version").output().expect("harpe runs");
     assert!(out.status.success());
     let v = String::from_utf8_lossy(&out.stdout);
     assert!(v.starts_with(&format!("harpe {}", env!("CARGO_PKG_VERSION"))), "{v}");

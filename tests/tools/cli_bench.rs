@@ -1,10 +1,10 @@
 //! `harpe bench model` on the CPU at tiny sizes: it lists the decoder-layer and training-step rows in
 //! the table and in `--json`, each with a positive time and throughput (no thresholds: times vary), and
 //! `--model-rows` runs only the rows it names.
-use std::process::Command;
+use crate::common::harpe_cmd;
 
 fn bench(extra: &[&str]) -> String {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args(["bench", "model", "--device", "cpu", "--iters", "1", "--hidden", "32", "--heads", "2"])
         .args(["--model-tokens", "24"])
         .args(extra)
@@ -42,8 +42,7 @@ fn bench_model_lists_and_runs_the_layer_and_step_rows() {
     };
     assert_eq!(names(&["--model-rows", "step", "--step-iters", "2"]), ["train step"]);
     assert_eq!(names(&["--model-rows", "layer"]), ["decoder layer fwd+bwd"]);
-    let o =
-        Command::new(env!("CARGO_BIN_EXE_harpe")).args(["bench", "model", "--model-rows", "steps"]).output().unwrap();
+    let o = harpe_cmd().args(["bench", "model", "--model-rows", "steps"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("steps") && err.contains("layer"), "{err}");
 }
@@ -53,11 +52,7 @@ fn bench_model_lists_and_runs_the_layer_and_step_rows() {
 #[test]
 fn bench_comms_times_every_collective_over_thread_ranks() {
     let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_harpe"))
-            .args(["bench", "comms", "--ranks", "3", "--comm-seconds", "0.02"])
-            .args(extra)
-            .output()
-            .unwrap()
+        harpe_cmd().args(["bench", "comms", "--ranks", "3", "--comm-seconds", "0.02"]).args(extra).output().unwrap()
     };
     let o = run(&["--comm-mib", "0.01,0.25", "--json"]);
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
@@ -77,10 +72,7 @@ fn bench_comms_times_every_collective_over_thread_ranks() {
 
 #[test]
 fn bench_attention_profiles_the_emulated_kernels_as_json() {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["bench", "attention", "--target", "emulated", "--profile", "--json"])
-        .output()
-        .unwrap();
+    let o = harpe_cmd().args(["bench", "attention", "--target", "emulated", "--profile", "--json"]).output().unwrap();
     let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "harpe bench attention --target emulated failed: {out}\n{err}");
     let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
@@ -101,10 +93,7 @@ fn bench_attention_profiles_the_emulated_kernels_as_json() {
     assert!(b["atomics"].as_u64().unwrap() > 0, "{b}");
     assert!(f["predicted_tflops"]["h100"].as_f64().unwrap() > f["predicted_tflops"]["a100"].as_f64().unwrap(), "{f}");
     // without --profile it says what to add
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["bench", "attention", "--target", "emulated"])
-        .output()
-        .unwrap();
+    let o = harpe_cmd().args(["bench", "attention", "--target", "emulated"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("--profile") && err.contains("hint:"), "{err}");
 }

@@ -1,9 +1,9 @@
 //! `harpe demo --quick` (what CI runs): corpus -> pretraining -> the untreated model's passkey -> a
 //! 4-arm x 2-seed extension sweep with evaluations -> report; every file is produced and the report's
 //! numbers are the runs' own (recomputed here from the run directories).
+use crate::common::harpe_cmd;
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
 
 fn json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
@@ -13,10 +13,7 @@ fn json(p: &Path) -> Value {
 fn demo_quick_runs_the_comparison_end_to_end() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("demo");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["demo", "--quick", "--out", out.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let o = harpe_cmd().args(["demo", "--quick", "--out", out.to_str().unwrap()]).output().unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
     for f in [
@@ -93,7 +90,7 @@ fn demo_quick_runs_the_comparison_end_to_end() {
 fn make_base_quick_writes_a_loadable_base() {
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("base");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args([
             "demo",
             "--quick",
@@ -117,7 +114,7 @@ fn make_base_quick_writes_a_loadable_base() {
     std::fs::write(dest.join("tokenizer.json"), std::fs::read(tmp.path().join("w/tokenizer.json")).unwrap()).unwrap();
     let text = tmp.path().join("t.txt");
     std::fs::write(&text, "The grass is green. The sky is blue. ".repeat(8)).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let o = harpe_cmd()
         .args([
             "eval-ppl",
             "--model",

@@ -1,9 +1,9 @@
 //! `harpe report` on synthetic run directories: means, sample deviations, paired differences and their
 //! 95% intervals against values computed here independently (t quantiles from a printed table), the
 //! output files, and the bad-input errors (mixed eval settings, unknown baseline, duplicate runs).
+use crate::common::harpe_cmd;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// t(0.975, df) from a printed table (not from the crate under test).
 const T975: [f64; 5] = [f64::NAN, 12.706204736, 4.302652730, 3.182446305, 2.776445105];
@@ -38,7 +38,7 @@ fn write_run(root: &Path, arm: &str, seed: u64, losses: &[f64], eval: &[(&str, f
 }
 
 fn report(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_harpe")).arg("report").args(args).output().unwrap()
+    harpe_cmd().arg("report").args(args).output().unwrap()
 }
 
 fn mean(x: &[f64]) -> f64 {

@@ -1,6 +1,7 @@
 //! `harpe sweep`: a 2-arm x 2-seed sweep of tiny runs completes, survives a kill (the killed run resumes
 //! from its checkpoint, finished runs are skipped), evaluates every run and reports; bad sweep files and
 //! foreign run directories are refused with errors that name the key or the directory.
+use crate::common::harpe_cmd;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -86,8 +87,9 @@ fn setup(dir: &Path, sweep: &str) {
         .unwrap();
 }
 
-fn harpe(dir: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_harpe")).current_dir(dir).args(args).output().unwrap()
+/// `harpe ARGS` run in `dir`.
+fn harpe_in(dir: &Path, args: &[&str]) -> std::process::Output {
+    harpe_cmd().current_dir(dir).args(args).output().unwrap()
 }
 
 fn index(dir: &Path) -> Value {
@@ -132,7 +134,7 @@ fn sweep_runs_resumes_after_a_kill_and_reports() {
     let ids = ["rope__seed0", "rope__seed1", "harpe__seed0", "harpe__seed1"];
 
     // dry run: the four runs with their overrides, nothing written
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out", "--dry-run"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--out", "out", "--dry-run"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{text}{}", String::from_utf8_lossy(&o.stderr));
     for id in ids {
@@ -141,7 +143,7 @@ fn sweep_runs_resumes_after_a_kill_and_reports() {
     assert!(!d.join("out").exists());
 
     // start, and kill the sweep (SIGKILL) as soon as the second run has a checkpoint
-    let mut child = Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let mut child = harpe_cmd()
         .current_dir(d)
         .args(["sweep", "--config", "sweep.toml", "--out", "out"])
         .stdout(Stdio::null())
@@ -179,7 +181,7 @@ fn sweep_runs_resumes_after_a_kill_and_reports() {
     let first_metrics = std::fs::read(d.join("out").join(ids[0]).join("metrics.jsonl")).unwrap();
 
     // rerun: the finished run is skipped, the killed one resumes, the rest run
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{text}{}", String::from_utf8_lossy(&o.stderr));
     assert!(text.contains("1 already done, 3 to go"), "{text}");
@@ -203,11 +205,11 @@ fn sweep_runs_resumes_after_a_kill_and_reports() {
     assert!(std::fs::read_to_string(ckpt.join("config.json")).unwrap().contains("harpe"));
 
     // a third run does nothing
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("4 already done, 0 to go"));
 
     // report over the sweep
-    let o = harpe(d, &["report", "out", "--baseline", "rope", "--json"]);
+    let o = harpe_in(d, &["report", "out", "--baseline", "rope", "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     let arms: Vec<&str> = v["arms"].as_array().unwrap().iter().map(|a| a["arm"].as_str().unwrap()).collect();
@@ -225,27 +227,27 @@ fn sweep_bad_input_names_the_key_or_directory() {
     let d = tmp.path();
     // an axis key that is not a config key
     setup(d, &sweep_toml("\n[axes]\n\"optim.learning_rate\" = [1e-3, 2e-3]\n"));
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("`optim.learning_rate`") && e.contains("hint:"), "{e}");
 
     // an axis over a real key is fine and multiplies the runs
     std::fs::write(d.join("sweep.toml"), sweep_toml("\n[axes]\n\"optim.lr\" = [1e-3, 2e-3]\n")).unwrap();
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(text.contains("harpe__optim.lr=0.002__seed1") && text.contains("8 runs"), "{text}");
 
     // clashing arm names
     std::fs::write(d.join("sweep.toml"), sweep_toml("").replace("name = \"harpe\"", "name = \"rope\"")).unwrap();
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("arms `rope` and `rope` clash"), "{e}");
 
     // an arm override with an unknown key
     std::fs::write(d.join("sweep.toml"), sweep_toml("").replace("set = ['rope=", "set = ['optim.nope=1', 'rope="))
         .unwrap();
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--dry-run"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("`optim.nope`") && e.contains("arm `harpe`"), "{e}");
 
@@ -256,7 +258,7 @@ fn sweep_bad_input_names_the_key_or_directory() {
     let marker = serde_json::json!({"format": "harpe-sweep-run-v1", "sweep": "other", "id": "rope__seed0", "arm": "rope",
         "seed": 0, "config": "x.toml", "set": [], "config_hash": "ab".repeat(32), "eval": {}});
     std::fs::write(foreign.join("sweep-run.json"), marker.to_string()).unwrap();
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && e.contains("rope__seed0") && e.contains("sweep `other`") && e.contains("hint:"),
@@ -267,7 +269,7 @@ fn sweep_bad_input_names_the_key_or_directory() {
     // a plain run directory in the way
     std::fs::remove_file(foreign.join("sweep-run.json")).unwrap();
     std::fs::write(foreign.join("config.toml"), "x = 1").unwrap();
-    let o = harpe(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--out", "out"]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("rope__seed0") && e.contains("not part of sweep `tiny`"), "{e}");
 }
@@ -280,12 +282,12 @@ fn the_shipped_full_scale_sweeps_resolve() {
         ("configs/sweeps/harpe-vs-multistage.toml", 30, "abf-ms-32k-64k-128k-split114__seed2"),
         ("configs/sweeps/data-strategies.toml", 15, "upsample-book__seed1"),
     ] {
-        let o = harpe(root, &["sweep", "--config", file, "--dry-run"]);
+        let o = harpe_in(root, &["sweep", "--config", file, "--dry-run"]);
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{file}: {}", String::from_utf8_lossy(&o.stderr));
         assert!(text.contains(&format!("{runs} runs")) && text.contains(arm), "{file}: {text}");
     }
-    let o = harpe(
+    let o = harpe_in(
         root,
         &["sweep", "--config", "configs/sweeps/harpe-vs-multistage.toml", "--dry-run", "--only", "split114"],
     );

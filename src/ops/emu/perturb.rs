@@ -1,5 +1,5 @@
 //! A test-only switch that breaks one emulated kernel on purpose, so that the selftest's bounds and
-//! scripts/gpu-check.sh's report can be shown to catch a wrong kernel (tests/stage_model/selftest_perturbed.rs,
+//! scripts/gpu-check.sh's report can be shown to catch a wrong kernel (tests/tools/selftest_perturbed.rs,
 //! tests/tools/gpu_check.rs).
 //!
 //! `HARPE_EMU_PERTURB=<kernel>` scales that kernel's output by 1.01 after the launch; `attention_fwd:mask`

@@ -43,7 +43,7 @@
 //! passed. A kernel off by 1% fails wherever E is small against |y| and |y|'s significand is large (RoPE,
 //! RMSNorm, the dlogits, single-key rows of causal attention: at |y| = 1.9 x 2^e in bf16, B = 2^(e-7) =
 //! 0.41% of |y| while the error is 1% of |y| less half an ulp);
-//! tests/stage_model/selftest_perturbed.rs checks that with kernels perturbed through `HARPE_EMU_PERTURB`
+//! tests/tools/selftest_perturbed.rs checks that with kernels perturbed through `HARPE_EMU_PERTURB`
 //! (ops::emu::perturb) and that every unperturbed row passes with margin.
 //! Not done here: the CPU-vs-GPU training run (scripts/gpu-check.sh), timing (`harpe bench`).
 pub mod attention;

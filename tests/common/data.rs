@@ -1,5 +1,5 @@
-//! Shared helpers for the data tests: a WordLevel tokenizer built in code and synthetic corpora.
-#![allow(dead_code)]
+//! The data tests' helpers (`common::data`): a WordLevel tokenizer built in code, the token ids and text of
+//! synthetic documents, SlimPajama-style lines, and a prepared dataset read back as one token stream.
 use std::path::{Path, PathBuf};
 
 /// Vocabulary size of the test tokenizer (words `w0`..`w{VOCAB-1}`).

@@ -2,19 +2,21 @@
 //! head counts (GQA) and every bad-input error. The peak-valley runs use the Attention-Buckets scale
 //! (`--orig-len 4096 --target-len 4096`, a 3091-point grid) so each takes well under a second; the
 //! full 128K search is a unit test in `bases::search`.
+use crate::common::harpe_cmd;
 use harpe::model::rope::{RopeScheme, TABLE2_BASES};
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn harpe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_harpe")).arg("search-bases").args(args).output().expect("run harpe")
+/// `harpe search-bases ARGS`.
+fn search_bases(args: &[&str]) -> Output {
+    harpe_cmd().arg("search-bases").args(args).output().expect("run harpe")
 }
 
 fn json(args: &[&str]) -> Value {
     let mut a = args.to_vec();
     a.push("--json");
-    let out = harpe(&a);
+    let out = search_bases(&a);
     assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
 }
@@ -25,7 +27,7 @@ fn bases(v: &Value) -> Vec<f64> {
 
 /// Runs `args`, expects exit code 1 and an `error:` message containing `needle` and a `hint:` line.
 fn fails(args: &[&str], needle: &str) {
-    let out = harpe(args);
+    let out = search_bases(args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{args:?} should fail, stderr: {err}");
     assert!(err.starts_with("error: "), "{args:?}: {err}");
@@ -62,7 +64,7 @@ fn table2_json_and_toml_snippet() {
 
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("rope.toml");
-    let o = harpe(&["--method", "table2", "--order", "desc", "--out", out.to_str().expect("utf8")]);
+    let o = search_bases(&["--method", "table2", "--order", "desc", "--out", out.to_str().expect("utf8")]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("4540000.0"), "text output lists the bases: {text}");
@@ -145,7 +147,7 @@ fn table2_and_uniform_plots() {
     let dir = tempfile::tempdir().expect("tempdir");
     let png = dir.path().join("u.png");
     let p = png.to_str().expect("utf8");
-    let o = harpe(&["--method", "uniform", "--heads", "3", "--target-len", "4096", "--plot", p]);
+    let o = search_bases(&["--method", "uniform", "--heads", "3", "--target-len", "4096", "--plot", p]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(std::fs::read(&png).expect("plot").starts_with(b"\x89PNG"));
     fails(
@@ -207,7 +209,7 @@ fn bad_input_errors() {
 
 #[test]
 fn help_documents_every_flag() {
-    let out = Command::new(env!("CARGO_BIN_EXE_harpe")).args(["search-bases", "--help"]).output().expect("run");
+    let out = harpe_cmd().args(["search-bases", "--help"]).output().expect("run");
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
     for flag in [

@@ -12,7 +12,7 @@
 //! is reported as a whole component (a set of files), because a component is what one fix must break; and
 //! `KNOWN_CIRCLES` may hold circles still waiting for their owner, but each entry must exist exactly (the
 //! test fails once one is gone, so the list can only shrink) and any circle not listed fails.
-//! Run it alone: `cargo test --test stage_model import_cycles -- --nocapture` (scripts/check-import-cycles.sh).
+//! Run it alone: `cargo test --test tools import_cycles -- --nocapture` (scripts/check-import-cycles.sh).
 //! Unit-test code (items under `#[cfg(test)]`) is skipped: a test may use the layers above the code it
 //! tests without that being a circle of the code itself.
 //! Relative paths (`super::`, `self::`) are resolved against the file's module and the inline modules
@@ -562,7 +562,7 @@ fn check(found: &[Vec<String>], known: &[(&[&str], &str)], g: &Graph) -> Result<
         Ok(())
     } else {
         Err(errs
-            + "hint: tests/stage_model/import_cycles.rs explains the check; `cargo test --test stage_model import_cycles -- --nocapture`\n")
+            + "hint: tests/tools/import_cycles.rs explains the check; `cargo test --test tools import_cycles -- --nocapture`\n")
     }
 }
 

@@ -3,6 +3,7 @@
 //! without offload; below, "the design budget"), refuses bad worlds with the
 //! nearest valid choice, and prints the same plan as JSON. Expected values are derived here from the
 //! architecture, not read back from the plan.
+use crate::common::harpe_cmd;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
 use harpe::train::plan::{parse_bytes, plan_for, Gpu, GpuKind, Plan, World};
@@ -202,7 +203,7 @@ fn memory_sizes_and_dist_keys_from_the_config() {
 
 #[test]
 fn cli_json_has_the_contract_fields() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let out = harpe_cmd()
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--set", "dist.zero_stage=3", "--json"])
         .output()
         .unwrap();
@@ -217,25 +218,19 @@ fn cli_json_has_the_contract_fields() {
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
     // the recipe's log.peak_tflops (312, A100) is used for its own device, not for another --gpu
     assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(312.0));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
+    let out = harpe_cmd()
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "h100", "--json"])
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(989.0));
     // the table names every term and the verdict; an unknown GPU is an error with a hint
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"])
-        .output()
-        .unwrap();
+    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("DOES NOT FIT") && text.contains("dist.zero_stage = 3"), "{text}");
     // the ZeRO traffic's time as a share of the step's compute: how much of it the overlap must hide
     assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"])
-        .output()
-        .unwrap();
+    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("b200") && err.contains("hint:"), "{err}");
 }
