@@ -215,7 +215,14 @@ impl Drop for Ctx {
 impl Ctx {
     /// Join the group of `size` ranks as `rank` through `store`, under the key prefix `prefix`; this
     /// rank's pairs listen on `host`.
-    fn connect(rank: usize, size: usize, host: &str, prefix: &str, store: &mut StoreAdapter, timeout: Duration) -> Result<Ctx> {
+    fn connect(
+        rank: usize,
+        size: usize,
+        host: &str,
+        prefix: &str,
+        store: &mut StoreAdapter,
+        timeout: Duration,
+    ) -> Result<Ctx> {
         let table = ffi::HgStore {
             ud: store as *mut StoreAdapter as *mut c_void,
             set: store_set,
@@ -253,7 +260,9 @@ impl Ctx {
             return Ok(());
         }
         // SAFETY: `v` holds `len` elements of the type the code names.
-        shim(what, |e, n| unsafe { ffi::hg_allreduce(self.0, T::CODE, v.as_mut_ptr() as *mut c_void, v.len(), tag, e, n) })
+        shim(what, |e, n| unsafe {
+            ffi::hg_allreduce(self.0, T::CODE, v.as_mut_ptr() as *mut c_void, v.len(), tag, e, n)
+        })
     }
 
     /// The sum over the group of `input` at `root` into `out` (ignored elsewhere).
@@ -294,7 +303,15 @@ impl Ctx {
     fn all_to_all(&self, input: &[u8], out: &mut [u8], tag: u32, what: &str) -> Result<()> {
         // SAFETY: both hold `input.len()` bytes (checked by the caller).
         shim(what, |e, n| unsafe {
-            ffi::hg_alltoall(self.0, input.as_ptr() as *const c_void, out.as_mut_ptr() as *mut c_void, input.len(), tag, e, n)
+            ffi::hg_alltoall(
+                self.0,
+                input.as_ptr() as *const c_void,
+                out.as_mut_ptr() as *mut c_void,
+                input.len(),
+                tag,
+                e,
+                n,
+            )
         })
     }
 
@@ -391,7 +408,13 @@ impl GlooComm {
     /// Join the group this process's launcher describes (`env`): the rendezvous (token, binary and
     /// config hash checked), the failure watch, then Gloo's full mesh (and one per sequence-parallel
     /// group of `sp` consecutive ranks) through the launch's store.
-    pub fn join(env: &LaunchEnv, resolved_config: &str, timeout: Duration, sp: usize, check_every: u64) -> Result<GlooComm> {
+    pub fn join(
+        env: &LaunchEnv,
+        resolved_config: &str,
+        timeout: Duration,
+        sp: usize,
+        check_every: u64,
+    ) -> Result<GlooComm> {
         let (rank, world) = (env.rank, env.world_size);
         let sp = sp.max(1);
         if !world.is_multiple_of(sp) {
@@ -447,11 +470,14 @@ impl GlooComm {
         let sp_ctx = if sp > 1 {
             let group = rank / sp;
             let p = format!("{prefix}sp{group}/");
-            Some(Ctx::connect(rank % sp, sp, &host, &p, &mut store, timeout).map_err(|e| fail("connecting its sequence-parallel group", e))?)
+            Some(
+                Ctx::connect(rank % sp, sp, &host, &p, &mut store, timeout)
+                    .map_err(|e| fail("connecting its sequence-parallel group", e))?,
+            )
         } else {
             None
         };
-        drop(server); // served from its own thread for the life of the process
+        let _ = server; // rank 0's store is served from its own thread for the life of the process
         let (tx, rx) = mpsc::channel::<Job>();
         let lanes = Lanes { world: world_ctx, sp: sp_ctx };
         let thread = std::thread::Builder::new().name(format!("harpe-gloo-{rank}")).spawn(move || {
@@ -570,7 +596,12 @@ impl GlooComm {
 
     /// Reduce-scatter-v (sum) of f32: `input` the concatenation of slices of `counts`; this rank gets
     /// slice `rank` summed over ranks. One `reduce` per root that owns values.
-    pub fn reduce_scatter_v_sum_start(&self, input: Vec<f32>, counts: &[usize], label: &str) -> Result<Issued<Vec<f32>>> {
+    pub fn reduce_scatter_v_sum_start(
+        &self,
+        input: Vec<f32>,
+        counts: &[usize],
+        label: &str,
+    ) -> Result<Issued<Vec<f32>>> {
         self.check_counts(counts, input.len(), &format!("reduce_scatter \"{label}\""))?;
         let (counts, me) = (counts.to_vec(), self.rank);
         self.issue((CollOp::ReduceScatter, input.len(), DType::F32), label, move |l, tag, what| {
@@ -600,7 +631,11 @@ impl GlooComm {
         let n: usize = counts.iter().sum();
         self.check_counts(counts, n, &format!("all_gather \"{label}\""))?;
         if counts.get(self.rank).map(|c| c * size) != Some(input.len()) {
-            bail!("internal: all_gather \"{label}\": {} bytes in, {} elements of {size} bytes expected", input.len(), counts[self.rank]);
+            bail!(
+                "internal: all_gather \"{label}\": {} bytes in, {} elements of {size} bytes expected",
+                input.len(),
+                counts[self.rank]
+            );
         }
         let bytes: Vec<usize> = counts.iter().map(|c| c * size).collect();
         self.issue((CollOp::AllGather, n, dtype), label, move |l, tag, what| {
@@ -656,5 +691,104 @@ impl Drop for GlooComm {
             drop(tx);
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::env::{free_port, LaunchSource, RunToken};
+
+    /// `world` ranks of one Gloo group as threads of this test (each its own contexts, as processes
+    /// would be), each running `f`; the results in rank order.
+    fn group<R: Send + 'static>(
+        world: usize,
+        sp: usize,
+        f: impl Fn(&GlooComm) -> Result<R> + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let port = free_port("127.0.0.1").unwrap();
+        let f = Arc::new(f);
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = Arc::clone(&f);
+                std::thread::spawn(move || {
+                    let env = LaunchEnv {
+                        source: LaunchSource::Torchrun,
+                        rank,
+                        world_size: world,
+                        local_rank: rank,
+                        local_world_size: Some(world),
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        run_token: RunToken::from(format!("unit-{port}").as_str()),
+                    };
+                    let c = GlooComm::join(&env, "config", Duration::from_secs(30), sp, 1).unwrap();
+                    let r = f(&c).unwrap();
+                    c.finish();
+                    r
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_collective_gives_the_values_of_its_definition() {
+        let world = 3;
+        let out = group(world, 1, move |c| {
+            let r = c.rank();
+            // all-reduce f32 and f64
+            let mut a: Vec<f32> = (0..5).map(|i| (i * 10 + r) as f32).collect();
+            c.all_reduce_sum(&mut a, "a")?;
+            let mut s = [r as f64 + 0.5, 1e-300];
+            c.all_reduce_sum_f64(&mut s, "s")?;
+            // reduce-scatter over uneven counts, one of them empty
+            let counts = [2usize, 0, 3];
+            let input: Vec<f32> = (0..5).map(|i| (100 * r + i) as f32).collect();
+            let mine = c.reduce_scatter_v_sum_start(input, &counts, "rs")?.wait()?;
+            // all-gather of bf16 values over uneven counts
+            let vals: Vec<half::bf16> = (0..counts[r]).map(|i| half::bf16::from_f32((r * 10 + i) as f32)).collect();
+            let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let g = c.all_gather_v_bytes_start(bytes, &counts, (2, DType::BF16), "ag")?.wait()?;
+            let g: Vec<f32> = g.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+            // broadcast from rank 2, then a barrier
+            let mut b = vec![r as u8; 4];
+            c.broadcast(&mut b, 2, "b")?;
+            c.barrier("end")?;
+            Ok((a, s, mine, g, b))
+        });
+        for (r, (a, s, mine, g, b)) in out.into_iter().enumerate() {
+            assert_eq!(a, (0..5).map(|i| (30 * i + 3) as f32).collect::<Vec<_>>(), "rank {r}: all-reduce");
+            assert_eq!(s, [0.5 + 1.5 + 2.5, 3e-300], "rank {r}: f64 all-reduce");
+            let offs = [0usize, 2, 2];
+            let want: Vec<f32> = (0..[2, 0, 3][r]).map(|i| (300 + 3 * (offs[r] + i)) as f32).collect();
+            assert_eq!(mine, want, "rank {r}: reduce-scatter-v");
+            assert_eq!(g, [0.0, 1.0, 20.0, 21.0, 22.0], "rank {r}: all-gather-v");
+            assert_eq!(b, [2u8; 4], "rank {r}: broadcast");
+        }
+    }
+
+    #[test]
+    fn sequence_parallel_groups_exchange_within_themselves() {
+        // 4 ranks, SP 2: groups {0, 1} and {2, 3}; chunk j of rank i's input goes to rank j of its group
+        let out = group(4, 2, |c| {
+            let r = c.rank() as u8;
+            c.sp_all_to_all_bytes(vec![r * 10, r * 10 + 1], (2, DType::U8), "a2a")
+        });
+        assert_eq!(out, [vec![0, 10], vec![1, 11], vec![20, 30], vec![21, 31]]);
+    }
+
+    #[test]
+    fn a_rank_that_leaves_mid_collective_is_an_error_that_names_it() {
+        let out = group(2, 1, |c| {
+            if c.rank() == 1 {
+                c.report_failure("in a test", "leaving on purpose");
+                return Ok(String::new());
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let e = c.barrier("after").err().map(|e| format!("{e:#}")).unwrap_or_default();
+            Ok(e)
+        });
+        assert!(out[0].contains("rank 1") && out[0].contains("leaving on purpose"), "{}", out[0]);
     }
 }

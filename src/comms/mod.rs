@@ -230,7 +230,7 @@ fn gloo_start(c: &Arc<gloo::GlooComm>, op: CollOp, input: &Tensor, counts: &[usi
             Ok(Started::deferred(Box::new(move || {
                 let out = issued.wait()?;
                 let n = out.len() / size;
-                Ok(bytes_tensor(&out, n, dtype, &device)?)
+                bytes_tensor(&out, n, dtype, &device)
             })))
         }
         CollOp::ReduceScatter => {
@@ -261,9 +261,21 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 #[cfg(feature = "gloo")]
 fn bytes_tensor(b: &[u8], n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let t = match dtype {
-        DType::F32 => Tensor::from_vec(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
-        DType::BF16 => Tensor::from_vec(b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
-        DType::F16 => Tensor::from_vec(b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(), n, &Device::Cpu)?,
+        DType::F32 => Tensor::from_vec(
+            b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )?,
+        DType::BF16 => Tensor::from_vec(
+            b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )?,
+        DType::F16 => Tensor::from_vec(
+            b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )?,
         d => bail!("internal: a {d:?} tensor on the wire"),
     };
     Ok(t.to_device(device)?)

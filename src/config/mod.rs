@@ -432,7 +432,7 @@ impl DistSection {
         let p = self.sp_degree;
         // (what is wrong, hint) of each SP rule that fails: all are named at once
         let mut bad: Vec<(String, String)> = vec![];
-        if p > 1 && (world == 0 || !world.is_multiple_of(p)) {
+        if p > 1 && world != 0 && !world.is_multiple_of(p) {
             let lo = world / p * p;
             let near = if lo > 0 { format!("{lo} or {}", lo + p) } else { format!("{p}") };
             bad.push((

@@ -185,7 +185,9 @@ impl StoreServer {
     /// Serve on `addr` at a port the kernel picks.
     pub fn bind(addr: &str) -> Result<StoreServer> {
         let l = TcpListener::bind((addr, 0)).with_context(|| {
-            format!("cannot serve the rendezvous store on {addr}\nhint: MASTER_ADDR must be an address of rank 0's host")
+            format!(
+                "cannot serve the rendezvous store on {addr}\nhint: MASTER_ADDR must be an address of rank 0's host"
+            )
         })?;
         let port = l.local_addr()?.port();
         let kv: Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>> = Arc::default();
@@ -337,6 +339,8 @@ mod tests {
         a.set("k", &[7u8; 300]).unwrap();
         assert_eq!(b.wait_get("k", soon()).unwrap(), Some(vec![7u8; 300]));
         a.set("k", b"v2").unwrap();
+        // a SET has no reply: a's next request (served in order on its connection) proves it landed
+        assert!(a.check("k").unwrap());
         assert_eq!(b.get("k").unwrap(), b"v2");
     }
 

@@ -61,7 +61,7 @@ pub(super) fn train(cfg: &Path, out: &Path, extra: &[&str]) {
 }
 
 /// `train` with `n` `Local` ranks at ZeRO stage `z`, then `extra`.
-fn train_ranks(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[&str]) {
+pub(super) fn train_ranks(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[&str]) {
     let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
     let mut a = vec!["--set", "dist.backend=local", "--set", &ws, "--set", &zs];
     a.extend_from_slice(extra);
@@ -113,7 +113,7 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// The largest per-tensor relative L2 distance between two safetensors files (same tensor names).
-fn max_rel_l2(a: &Path, b: &Path, what: &str) -> f64 {
+pub(super) fn max_rel_l2(a: &Path, b: &Path, what: &str) -> f64 {
     let (ta, tb) = (tensors(a), tensors(b));
     assert_eq!(ta.keys().collect::<Vec<_>>(), tb.keys().collect::<Vec<_>>(), "{what}");
     ta.iter().map(|(k, va)| rel_l2(va, &tb[k])).fold(0.0, f64::max)
@@ -510,7 +510,7 @@ fn tied_embeddings_under_zero_2_3_and_sp_equal_one_rank() {
 }
 
 /// The number of optimizer shards a checkpoint holds (one per rank) and whether it is complete.
-fn shards_and_done(dir: &Path) -> (usize, bool) {
+pub(super) fn shards_and_done(dir: &Path) -> (usize, bool) {
     let n = std::fs::read_dir(dir)
         .unwrap()
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("optim-"))
@@ -580,7 +580,7 @@ fn sigterms_at_random_moments_into_a_four_rank_run_always_end_cleanly_with_a_com
 }
 
 /// The logged (step, loss) lines so far of a run that may be writing (a torn last line is skipped).
-fn losses_or_empty(run: &Path) -> Vec<(u64, f64)> {
+pub(super) fn losses_or_empty(run: &Path) -> Vec<(u64, f64)> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -617,7 +617,7 @@ fn n_ranks_equal_one_rank_in_bf16_within_the_bf16_noise_floor() {
 }
 
 /// The largest relative difference of two runs' logged losses, step by step (same steps).
-fn max_rel_diff(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
+pub(super) fn max_rel_diff(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
     assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>());
     a.iter().zip(b).map(|((_, x), (_, y))| ((x - y) / x).abs()).fold(0.0, f64::max)
 }

@@ -6,7 +6,10 @@
 //! checkpoint resumes on 2 processes and on 1 `Local` rank.
 //! The tolerance is the one train_dist.rs holds thread ranks to (a few times the measured noise floor
 //! of f32 summation order): processes sum the same partial gradients, in Gloo's order.
-use super::train_dist::{assert_same_losses, assert_same_tensors, baseline, ckpt, harpe, losses, model, train};
+use super::train_dist::{
+    assert_same_losses, assert_same_tensors, baseline, ckpt, harpe_text as harpe, losses, losses_or_empty,
+    max_rel_diff, max_rel_l2, model, shards_and_done, train, train_ranks, write_cfg, TINY,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +17,8 @@ use std::time::{Duration, Instant};
 /// `train` as `n` processes under harpe's own launcher, Gloo, ZeRO stage `z`, then `extra`.
 fn train_procs(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[&str]) {
     let (np, zs) = (n.to_string(), format!("dist.zero_stage={z}"));
-    let mut a = vec!["--nproc-per-node", &np, "--set", "dist.backend=gloo", "--set", &zs, "--set", "dist.bucket_mb=0.01"];
+    let mut a =
+        vec!["--nproc-per-node", &np, "--set", "dist.backend=gloo", "--set", &zs, "--set", "dist.bucket_mb=0.01"];
     a.extend_from_slice(extra);
     train(cfg, out, &a);
 }
@@ -34,6 +38,12 @@ fn gloo_processes_at_every_zero_stage_equal_one_rank() {
         assert!(shards.iter().all(|p| p.is_file()), "{what}: every process wrote its shard: {shards:?}");
         assert_eq!(losses(&out).len(), 5, "{what}: one metrics line per step (rank 0 only)");
     }
+    // the same-size thread run: processes and threads differ only in the order Gloo sums
+    let local = d.path().join("w4z3-local");
+    train_ranks(&cfg, &local, (4, 3), &[]);
+    assert_same_losses(&local, &d.path().join("p4z3"), "4 Gloo processes vs 4 Local ranks, ZeRO-3");
+    assert_same_tensors(&model(&local), &model(&d.path().join("p4z3")), "4 processes vs 4 Local ranks", tol);
+
     // sequence parallelism across processes: SP 2 x DP 2 x ZeRO-3 on 4 processes (Ulysses all-to-alls
     // on each group's own Gloo context)
     let out = d.path().join("p4sp2z3");
@@ -129,8 +139,21 @@ fn a_process_killed_mid_run_stops_every_other_naming_it() {
     let ts = format!("dist.timeout_s={timeout_s}");
     // many steps, so the run is surely under way when rank 2 is killed
     let args = [
-        "train", "--config", &cfg_s, "--out", &out_s, "--set", "dist.backend=gloo", "--set", "dist.zero_stage=3",
-        "--set", &ts, "--set", "stage.0.steps=400", "--set", "checkpoint.every=0",
+        "train",
+        "--config",
+        &cfg_s,
+        "--out",
+        &out_s,
+        "--set",
+        "dist.backend=gloo",
+        "--set",
+        "dist.zero_stage=3",
+        "--set",
+        &ts,
+        "--set",
+        "stage.0.steps=400",
+        "--set",
+        "checkpoint.every=0",
     ];
     let mut ranks = start_ranks(4, &logs, &args, |_| vec![]);
     // kill rank 2 once rank 0 has logged a few steps
@@ -146,7 +169,8 @@ fn a_process_killed_mid_run_stops_every_other_naming_it() {
     for r in [0, 1, 3] {
         let status = wait_for(&mut ranks[r], Duration::from_secs(timeout_s + 30));
         let log = log_of(&logs, r);
-        let status = status.unwrap_or_else(|| panic!("rank {r} still ran {} s after rank 2 was killed:\n{log}", timeout_s + 30));
+        let status =
+            status.unwrap_or_else(|| panic!("rank {r} still ran {} s after rank 2 was killed:\n{log}", timeout_s + 30));
         assert!(!status.success(), "rank {r} exited 0 after rank 2 was killed:\n{log}");
         assert!(log.contains("rank 2"), "rank {r}'s error does not name rank 2:\n{log}");
     }
@@ -166,7 +190,8 @@ fn processes_with_different_configs_are_refused_before_any_work() {
     let (cfg_s, out_s) = (cfg.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
     let args = ["train", "--config", &cfg_s, "--out", &out_s, "--set", "dist.backend=gloo"];
     // rank 1 trains with another learning rate
-    let mut ranks = start_ranks(2, &logs, &args, |r| if r == 1 { vec!["--set".into(), "optim.lr=1e-2".into()] } else { vec![] });
+    let mut ranks =
+        start_ranks(2, &logs, &args, |r| if r == 1 { vec!["--set".into(), "optim.lr=1e-2".into()] } else { vec![] });
     for (r, p) in ranks.iter_mut().enumerate() {
         let status = wait_for(p, Duration::from_secs(60)).unwrap_or_else(|| panic!("rank {r} did not stop"));
         assert!(!status.success(), "rank {r} ran with a mixed group:\n{}", log_of(&logs, r));
@@ -210,6 +235,88 @@ fn gloo_processes_under_torchrun_equal_one_rank() {
     assert_same_losses(&one, &out, "2 Gloo processes under torchrun");
     assert_same_tensors(&model(&one), &model(&out), "2 Gloo processes under torchrun", tol);
     // the same command line without a launcher is one process: it trains alone
-    let (ok, text) = harpe(&["train", "--config", cfg.to_str().unwrap(), "--out", d.path().join("alone").to_str().unwrap(), "--set", "dist.backend=gloo"]);
+    let (ok, text) = harpe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        d.path().join("alone").to_str().unwrap(),
+        "--set",
+        "dist.backend=gloo",
+    ]);
     assert!(ok, "a lone Gloo process failed:\n{text}");
+}
+
+#[test]
+fn gloo_processes_in_bf16_stay_within_the_bf16_noise_floor() {
+    // as train_dist's bf16 test: the floor is what summation order alone makes at one rank
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let bf16 = ["--set", "train.dtype=\"bf16\""];
+    let one = d.path().join("one");
+    train(&cfg, &one, &bf16);
+    let alt = d.path().join("one-mb1");
+    train(&cfg, &alt, &[bf16[0], bf16[1], "--set", "train.micro_batch_size=1"]);
+    let floor_loss = max_rel_diff(&losses(&one), &losses(&alt));
+    let floor_w = max_rel_l2(&model(&one), &model(&alt), "bf16 noise floor");
+    for (n, z) in [(2, 1), (4, 3)] {
+        let out = d.path().join(format!("p{n}z{z}"));
+        train_procs(&cfg, &out, (n, z), &bf16);
+        let what = format!("bf16, {n} Gloo processes, ZeRO-{z}");
+        let dl = max_rel_diff(&losses(&one), &losses(&out));
+        assert!(dl <= 4.0 * floor_loss.max(1e-4), "{what}: losses differ by {dl:e}, floor {floor_loss:e}");
+        let dw = max_rel_l2(&model(&one), &model(&out), &what);
+        assert!(dw <= 4.0 * floor_w.max(1e-3), "{what}: weights differ by {dw:e}, floor {floor_w:e}");
+    }
+}
+
+#[test]
+fn sigterm_to_every_process_at_random_moments_ends_in_an_agreed_stop_with_a_complete_checkpoint() {
+    use rand::{Rng, SeedableRng};
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    std::fs::write(&cfg, TINY.replace("seq_len = 32\nsteps = 3", "seq_len = 32\nsteps = 100000")).unwrap();
+    let out = d.path().join("r");
+    let (cfg_s, out_s) = (cfg.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
+    let args = [
+        "train",
+        "--config",
+        &cfg_s,
+        "--out",
+        &out_s,
+        "--resume",
+        "--set",
+        "dist.backend=gloo",
+        "--set",
+        "dist.zero_stage=3",
+        "--set",
+        "dist.timeout_s=60",
+        "--set",
+        "log.progress=false",
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(44);
+    let mut last_step = 0;
+    for round in 0..8 {
+        let logs = d.path().join(format!("logs{round}"));
+        let mut ranks = start_ranks(4, &logs, &args, |_| vec![]);
+        let t0 = Instant::now();
+        while losses_or_empty(&out).last().map(|l| l.0).unwrap_or(0) <= last_step {
+            assert!(t0.elapsed().as_secs() < 120, "round {round}: training did not start:\n{}", log_of(&logs, 0));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // each process gets its signal at its own moment, as a cluster's stop reaches nodes
+        for p in &ranks {
+            std::thread::sleep(Duration::from_millis(rng.random_range(0..150)));
+            // SAFETY: signalling a child of this test by its pid
+            unsafe { libc::kill(p.id() as i32, libc::SIGTERM) };
+        }
+        for (r, p) in ranks.iter_mut().enumerate() {
+            let status = wait_for(p, Duration::from_secs(90)).unwrap_or_else(|| panic!("round {round}: rank {r} hung"));
+            assert!(status.success(), "round {round}: rank {r} exited {status:?}:\n{}", log_of(&logs, r));
+        }
+        let steps = losses_or_empty(&out).last().map(|l| l.0).unwrap();
+        assert_eq!(shards_and_done(&ckpt(&out, steps)), (4, true), "round {round}: the checkpoint of step {steps}");
+        assert!(steps > last_step, "round {round} trained");
+        last_step = steps;
+    }
 }

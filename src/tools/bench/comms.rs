@@ -1,6 +1,6 @@
 //! `harpe bench comms`: the time and bus bandwidth of the collectives the training loop uses, on the
-//! backend a run would use: NCCL ranks on GPUs (`--nproc-per-node N`, torchrun, srun; one process per
-//! GPU), or rank threads (`Local`, host memory) otherwise.
+//! backend a run would use: NCCL ranks on GPUs or Gloo ranks on CPUs (`--nproc-per-node N`, torchrun,
+//! srun; one process per rank, `--backend`), or rank threads (`Local`, host memory) otherwise.
 //!
 //! Reference: nccl-tests' PERFORMANCE.md — algorithm bandwidth = bytes per rank / time; bus bandwidth =
 //! algbw x 2(n-1)/n for all-reduce and x (n-1)/n for all-gather and reduce-scatter, the number that is
@@ -119,7 +119,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let sizes: Vec<usize> = args.comm_mib.iter().map(|m| (m * 1048576.0) as usize).collect();
     let timeout = std::time::Duration::from_secs(120);
     let (rows, backend) = match LaunchEnv::from_env()? {
-        Some(env) => (nccl_rows(&env, &sizes, args.comm_seconds, timeout)?, "NCCL"),
+        Some(env) => {
+            let gloo = match args.backend.as_deref() {
+                Some(b) => b == "gloo",
+                None => !cfg!(feature = "nccl"),
+            };
+            if gloo {
+                (gloo_rows(&env, &sizes, args.comm_seconds, timeout)?, "Gloo processes (TCP, host memory)")
+            } else {
+                (nccl_rows(&env, &sizes, args.comm_seconds, timeout)?, "NCCL")
+            }
+        }
         None => {
             if args.ranks == 0 {
                 bail!("--ranks 0: at least one rank\nhint: e.g. --ranks 4");
@@ -161,6 +171,29 @@ fn nccl_rows(env: &LaunchEnv, sizes: &[usize], secs: f64, timeout: std::time::Du
 fn nccl_rows(env: &LaunchEnv, _: &[usize], _: f64, _: std::time::Duration) -> Result<Vec<CommRow>> {
     bail!(
         "bench comms: this process is rank {} of {} (launcher environment), but this harpe was built without NCCL\nhint: build with --features nccl, or run without a launcher for thread ranks (--ranks N)",
+        env.rank,
+        env.world_size
+    )
+}
+
+/// The rows of one Gloo rank (empty except on rank 0, which prints them).
+#[cfg(feature = "gloo")]
+fn gloo_rows(env: &LaunchEnv, sizes: &[usize], secs: f64, timeout: std::time::Duration) -> Result<Vec<CommRow>> {
+    use crate::comms::gloo::GlooComm;
+    let c = std::sync::Arc::new(GlooComm::join(env, "harpe bench comms", timeout, 1, 0)?);
+    let comm = Comm::Gloo(std::sync::Arc::clone(&c));
+    let rows = time_collectives(&comm, &Device::Cpu, sizes, secs);
+    match &rows {
+        Ok(_) => c.finish(),
+        Err(e) => c.report_failure("in bench comms", &format!("{e:#}")),
+    }
+    Ok(if env.rank == 0 { rows? } else { rows.map(|_| vec![])? })
+}
+
+#[cfg(not(feature = "gloo"))]
+fn gloo_rows(env: &LaunchEnv, _: &[usize], _: f64, _: std::time::Duration) -> Result<Vec<CommRow>> {
+    bail!(
+        "bench comms: this process is rank {} of {} (launcher environment), but this harpe was built without Gloo\nhint: apt-get install libgloo-dev and build with --features gloo, or run without a launcher for thread ranks (--ranks N)",
         env.rank,
         env.world_size
     )

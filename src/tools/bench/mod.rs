@@ -98,13 +98,17 @@ pub struct BenchArgs {
     /// what to time: `kernels` (the row kernels, the default), `attention` (flash attention fwd/bwd at
     /// T = 8K, 32K, 128K against PyTorch SDPA; `bench::attention`) or `model` (a decoder layer
     /// fwd+bwd and a full training step on --device, CPU too; `bench::model`) or `comms` (all-reduce,
-    /// all-gather, reduce-scatter time and bus bandwidth: NCCL ranks with --nproc-per-node, else
-    /// --ranks thread ranks on host memory; `bench::comms`)
+    /// all-gather, reduce-scatter time and bus bandwidth: NCCL or Gloo processes with --nproc-per-node,
+    /// else --ranks thread ranks on host memory; `bench::comms`)
     #[arg(value_parser = ["kernels", "attention", "model", "comms"])]
     pub what: Option<String>,
-    /// `comms`: start N processes, one per GPU, over NCCL (a build with --features nccl)
+    /// `comms`: start N processes, one per rank, over --backend
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
+    /// `comms` under a launcher: `nccl` (one process per GPU, --features nccl) or `gloo` (CPU processes,
+    /// --features gloo) [default: nccl in an NCCL build, else gloo]
+    #[arg(long, value_parser = ["nccl", "gloo"])]
+    pub backend: Option<String>,
     /// `comms` without a launcher: rank threads (`Local`, host memory)
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
