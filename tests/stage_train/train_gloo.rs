@@ -234,6 +234,33 @@ fn gloo_processes_under_torchrun_equal_one_rank() {
     assert!(o.status.success(), "torchrun ... harpe train failed:\n{text}");
     assert_same_losses(&one, &out, "2 Gloo processes under torchrun");
     assert_same_tensors(&model(&one), &model(&out), "2 Gloo processes under torchrun", tol);
+    // two torchrun agents as two nodes (c10d rendezvous, one process each): the agent store under
+    // TORCHELASTIC_USE_AGENT_STORE carries the rendezvous and Gloo's addresses
+    let out2 = d.path().join("two-agents");
+    let port = harpe::launch::env::free_port("127.0.0.1").unwrap();
+    let ep = format!("127.0.0.1:{port}");
+    let agents: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(&torchrun)
+                .args(["--no-python", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
+                .args(["--rdzv-id", "harpe-gloo-2n", "--rdzv-endpoint", &ep, "--local-addr", "127.0.0.1"])
+                .arg(env!("CARGO_BIN_EXE_harpe"))
+                .args(["train", "--config", cfg.to_str().unwrap(), "--out", out2.to_str().unwrap()])
+                .args(["--set", "dist.backend=gloo", "--set", "dist.zero_stage=3"])
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for a in agents {
+        let o = a.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "a torchrun agent of two failed:\n{text}");
+    }
+    assert_same_losses(&one, &out2, "2 Gloo processes under two c10d torchrun agents");
+    assert_same_tensors(&model(&one), &model(&out2), "2 Gloo processes under two torchrun agents", tol);
     // the same command line without a launcher is one process: it trains alone
     let (ok, text) = harpe(&[
         "train",
