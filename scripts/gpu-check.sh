@@ -112,6 +112,12 @@ build() {
   needed "$BUNDLE/harpe"
   cp scripts/bench_kernels_torch.py scripts/bench_attention_torch.py scripts/bench_model_torch.py "$BUNDLE/"
   git rev-parse HEAD >"$BUNDLE/COMMIT" 2>/dev/null || echo unknown >"$BUNDLE/COMMIT"
+  # which GPUs the binary's SASS is for (candle-flash-attn's kernels are SASS only: sm_80 and sm_90 in a
+  # flash-attn build); cuobjdump is not in the PyPI toolchain by default (nvidia-cuda-cuobjdump adds it)
+  if command -v cuobjdump >/dev/null; then
+    cuobjdump --list-elf "$bin" 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort | uniq -c >"$BUNDLE/SASS" || true
+    echo "gpu-check: SASS in the binary (count per arch): $(tr -s ' \n' ' ' <"$BUNDLE/SASS")" >&2
+  fi
   local raw
   raw=$(stat -c %s "$BUNDLE/harpe")
   # xz (or gzip): both unpack with Python's standard library (lzma, gzip) on a machine without the tools
@@ -263,15 +269,16 @@ _torch_bench() { # SCRIPT ARGS...
 # The 128K attention step's limit from the 32K rows in FILE (from line FROM on): a row is one warm-up and
 # one timed call from T = 32K on, attention is quadratic in T (x16 at 128K), and per shape the bench runs one
 # untimed forward (for O) plus warm-up and timed calls of fwd, bwd and fwd+bwd: 16 x (3 fwd + 2 bwd +
-# 2 fwd+bwd) ms, summed over the shapes, plus 20 s of setup, and 30 % slack. Prints the seconds, or nothing
-# when FILE has no 32K rows.
+# 2 fwd+bwd) ms, and in a flash-attn build 16 x 2 candle-flash forwards (the last column of a full fwd
+# row), summed over the shapes, plus 20 s of setup, and 30 % slack. Prints the seconds, or nothing when
+# FILE has no 32K rows.
 _size_128k() { # FILE FROM
   tail -n +"$2" "$1" | awk '
-    $2 == 32768 && $1 == "fwd" { f[$3] = $4 }
+    $2 == 32768 && $1 == "fwd" { f[$3] = $4; if (NF >= 9 && $NF ~ /^[0-9.]+$/) cf[$3] = $NF }
     $2 == 32768 && $1 == "bwd" { b[$3] = $4 }
     $2 == 32768 && $1 == "fwd+bwd" { fb[$3] = $4 }
     END {
-      for (h in fb) { ms += 16 * (3 * f[h] + 2 * b[h] + 2 * fb[h]); n++ }
+      for (h in fb) { ms += 16 * (3 * f[h] + 2 * b[h] + 2 * fb[h] + 2 * cf[h]); n++ }
       if (n) printf "%d\n", 1.3 * (ms / 1000 + 20) + 0.5
     }'
 }

@@ -185,3 +185,28 @@ fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("the options are --second and --flash"), "{}", text(&o));
 }
+
+/// The 128K attention step's limit from 32K rows as `harpe bench attention` prints them: per shape one
+/// untimed forward plus a warm-up and a timed call of each pass (and of candle-flash-attn's forward where
+/// built), x16 (quadratic in T), +20 s setup, +30 %.
+#[test]
+fn the_128k_limit_comes_from_the_32k_rows_before_it() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("report.md");
+    let rows = "fwd 8192 8 1.0\nfwd 32768 8 20.000\nbwd 32768 8 50.000\nfwd+bwd 32768 8 70.000\n\
+                fwd 32768 32 20.000\nbwd 32768 32 50.000\nfwd+bwd 32768 32 70.000\n";
+    std::fs::write(&f, format!("an earlier step's rows:\nfwd 32768 8 999.0\n{rows}")).unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "3"], &[]);
+    // 2 shapes x 16 x (3 x 20 + 2 x 50 + 2 x 70) ms = 9.6 s; (9.6 + 20) x 1.3 = 38.48
+    assert_eq!(text(&o).trim(), "38", "{}", text(&o));
+    // a flash-attn build's fwd rows end with candle-flash-attn's forward (ms), two more calls per shape
+    let full = "fwd 32768 8 20.000 150.0 48% - - 10.000\nbwd 32768 8 50.000\nfwd+bwd 32768 8 70.000\n";
+    std::fs::write(&f, full).unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
+    // 16 x (60 + 100 + 140 + 20) ms = 5.12 s; (5.12 + 20) x 1.3 = 32.66
+    assert_eq!(text(&o).trim(), "33", "{}", text(&o));
+    // no 32K rows: nothing (the step is skipped with a note)
+    std::fs::write(&f, "fwd 8192 8 1.0\n").unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
+    assert!(o.status.success() && text(&o).trim().is_empty(), "{}", text(&o));
+}
