@@ -3,6 +3,9 @@
 `harpe bench attention`: batch 1, 32 query heads, 8 and 32 kv heads, head dim 128, causal, bf16, for each
 T in --tokens; forward, backward (from a saved forward) and forward+backward. Prints one JSON object
 {"<pass> T<t> hkv<hkv>": {backend: ms or null (the backend refused the shape or ran out of memory)}}.
+Each measured row is also printed to stderr as it is measured (flushed), so a run stopped by a time limit
+(scripts/gpu-check.sh runs this as a step of its own) keeps what it measured. From T = 32K a row is one
+warm-up and one timed call, as in `harpe bench attention`.
 `harpe bench attention` runs this itself when torch is importable. By hand:
 
     python3 scripts/bench_attention_torch.py --tokens 8192,32768,131072 --seconds 2
@@ -12,6 +15,7 @@ heads outside the timed region (its time then covers the larger K/V, as a user o
 """
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -22,13 +26,18 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def timed(fn, seconds):
+LONG_T = 32768
+
+
+def timed(fn, seconds, t):
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     once = time.perf_counter() - t0
+    if t >= LONG_T:
+        return once * 1e3
     n = max(1, min(50, int(seconds / max(once, 1e-6))))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -56,11 +65,16 @@ def bench(backend, t, hkv, seconds):
             attn = lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
             attn()
         with torch.no_grad():
-            out["fwd"] = timed(attn, seconds)
+            out["fwd"] = row(backend, "fwd", t, hkv, timed(attn, seconds, t))
         o = attn()
-        out["bwd"] = timed(lambda: o.backward(do, retain_graph=True), seconds)
-        out["fwd+bwd"] = timed(lambda: attn().backward(do), seconds)
+        out["bwd"] = row(backend, "bwd", t, hkv, timed(lambda: o.backward(do, retain_graph=True), seconds, t))
+        out["fwd+bwd"] = row(backend, "fwd+bwd", t, hkv, timed(lambda: attn().backward(do), seconds, t))
     return out
+
+
+def row(backend, p, t, hkv, ms):
+    print("torch SDPA %-9s %-8s %7d %4d %10.3f ms" % (backend, p, t, hkv, ms), file=sys.stderr, flush=True)
+    return ms
 
 
 def main():
@@ -74,7 +88,9 @@ def main():
             for backend in BACKENDS:
                 try:
                     r = bench(backend, t, hkv, a.seconds)
-                except (RuntimeError, torch.cuda.OutOfMemoryError):
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                    print("torch SDPA %-9s T %d hkv %d: refused (%s)" % (backend, t, hkv, str(e).splitlines()[0][:120]),
+                          file=sys.stderr, flush=True)
                     r = {}
                 torch.cuda.empty_cache()
                 for p in ("fwd", "bwd", "fwd+bwd"):

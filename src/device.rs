@@ -93,9 +93,13 @@ impl DeviceSpec {
             DeviceSpec::Cuda(n) if !self.compiled_in() => {
                 bail!("{what} = \"{self}\" asks for CUDA device {n}\n{NO_CUDA_HINT}")
             }
-            DeviceSpec::Cuda(n) => Device::new_cuda(*n).map_err(|e| {
-                anyhow!("{what} = \"{self}\": cannot open CUDA device {n}: {e}\nhint: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and LD_LIBRARY_PATH (README 'Build for GPUs')")
-            }),
+            DeviceSpec::Cuda(n) => {
+                let dev = Device::new_cuda(*n).map_err(|e| {
+                    anyhow!("{what} = \"{self}\": cannot open CUDA device {n}: {e}\nhint: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and LD_LIBRARY_PATH (README 'Build for GPUs')")
+                })?;
+                keep_freed_device_memory(&dev)?;
+                Ok(dev)
+            }
         }
     }
 }
@@ -219,6 +223,46 @@ pub fn device_peak_bytes(dev: &Device) -> Result<Option<u64>> {
     Ok(None)
 }
 
+/// Keep the memory a CUDA device's pool gets back (a freed tensor) mapped for the next allocation: set the
+/// pool's release threshold to "never" once, right after the device opens. Why: candle and cudarc allocate
+/// with `cuMemAllocAsync` from the device's default pool, whose release threshold is 0 — every
+/// synchronisation then unmaps all the freed memory, and the next step maps it again (a map/unmap of
+/// gigabytes per step, and the step's peak-sized blocks fragment anew each time). With the threshold at
+/// u64::MAX the pool holds what a step freed, as PyTorch's caching allocator does; `release_device_memory`
+/// still hands it back on purpose (`cuMemPoolTrimTo` ignores the threshold). A no-op on the CPU and without
+/// a pool. Reference: CUDA driver API, `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+pub fn keep_freed_device_memory(dev: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        if let Some(pool) = cuda_pool(d)? {
+            let mut never: u64 = u64::MAX;
+            // SAFETY: `pool` is the device's current pool; RELEASE_THRESHOLD takes a cuuint64_t.
+            unsafe {
+                cudarc::driver::result::mem_pool::set_attribute(
+                    pool,
+                    cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut never as *mut u64).cast(),
+                )
+            }
+            .map_err(|e| anyhow!("cannot set the device memory pool's release threshold: {e}\nhint: a driver without stream-ordered allocation (CUDA < 11.2) is not supported"))?;
+        }
+    }
+    let _ = dev;
+    Ok(())
+}
+
+/// A 1-D tensor of `n` zeros on `dev`; for n = 0 an empty view of a 1-element buffer. Why: on CUDA a
+/// zero-length tensor is a `cuMemAllocAsync` of 0 bytes, which the driver may refuse (`cuMemAlloc` documents
+/// CUDA_ERROR_INVALID_VALUE for 0 bytes); ZeRO's ragged collectives make such tensors on every rank that
+/// owns none of a layer.
+pub fn zeros_1d(n: usize, dtype: DType, dev: &Device) -> Result<candle_core::Tensor> {
+    use candle_core::Tensor;
+    if n == 0 {
+        return Ok(Tensor::zeros(1, dtype, dev)?.narrow(0, 0, 0)?);
+    }
+    Ok(Tensor::zeros(n, dtype, dev)?)
+}
+
 /// Hand the device memory freed so far back to the driver: synchronise, then trim the memory pool to
 /// what is in use (`cuMemPoolTrimTo`), so that `device_memory` and another process (the PyTorch
 /// comparison of `harpe bench model`) see it free. A no-op on the CPU and without a pool.
@@ -294,6 +338,14 @@ mod tests {
             let e = bad.parse::<DeviceSpec>().unwrap_err();
             assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn zeros_1d_of_zero_length_is_an_empty_view() {
+        let z = zeros_1d(0, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(z.dims(), &[0]);
+        assert_eq!(z.to_vec1::<f32>().unwrap(), Vec::<f32>::new());
+        assert_eq!(zeros_1d(3, DType::BF16, &Device::Cpu).unwrap().dims(), &[3]);
     }
 
     #[test]

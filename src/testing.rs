@@ -25,6 +25,9 @@ pub const SLOW_COMMIT: &str = "HARPE_TEST_SLOW_COMMIT";
 pub const CHECKPOINT_VIEW: &str = "HARPE_TEST_CHECKPOINT_VIEW";
 /// `HARPE_TEST_SLOW_EVAL=SECONDS`: each scored evaluation item sleeps SECONDS.
 pub const SLOW_EVAL: &str = "HARPE_TEST_SLOW_EVAL";
+/// `HARPE_TEST_SLOW_BENCH_ROW=SECONDS`: `harpe bench model` sleeps SECONDS after each row it prints (a
+/// benchmark that scripts/gpu-check.sh's step limit stops half-way).
+pub const SLOW_BENCH_ROW: &str = "HARPE_TEST_SLOW_BENCH_ROW";
 
 /// An injected failure (`HARPE_FAULT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +46,7 @@ pub struct Hooks {
     pub slow_commit: Option<Duration>,
     pub checkpoint_view: Option<(usize, PathBuf)>,
     pub slow_eval: Option<Duration>,
+    pub slow_bench_row: Option<Duration>,
     /// the first malformed hook variable: `check` reports it
     pub error: Option<String>,
 }
@@ -81,6 +85,7 @@ impl Hooks {
         };
         h.slow_commit = seconds(SLOW_COMMIT, &mut bad);
         h.slow_eval = seconds(SLOW_EVAL, &mut bad);
+        h.slow_bench_row = seconds(SLOW_BENCH_ROW, &mut bad);
         if let Some(v) = get(CHECKPOINT_VIEW) {
             match v.split_once(':').map(|(r, d)| (r.parse(), d)) {
                 Some((Ok(r), d)) if !d.is_empty() => h.checkpoint_view = Some((r, PathBuf::from(d))),
@@ -90,7 +95,7 @@ impl Hooks {
         h
     }
 
-    /// Fail on a malformed hook variable (called where `harpe train` starts).
+    /// Fail on a malformed hook variable (called where `harpe train` and `harpe bench model` start).
     pub fn check(&self) -> Result<()> {
         match &self.error {
             Some(e) => bail!("{e}"),
@@ -121,6 +126,7 @@ mod tests {
     fn hooks_parse_and_a_malformed_one_is_an_error() {
         assert_eq!(of(&[]), Hooks::default());
         let h = of(&[(FAULT, "2:3:panic"), (LATE_SIGNAL, "1:2"), (SLOW_EVAL, "0.5"), (CHECKPOINT_VIEW, "1:/x/y")]);
+        assert_eq!(of(&[(SLOW_BENCH_ROW, "2")]).slow_bench_row, Some(Duration::from_secs(2)));
         assert_eq!(h.fault, Some(Fault { rank: 2, step: 3, panic: true }));
         assert_eq!(h.late_signal, Some((1, 2)));
         assert_eq!(h.slow_eval, Some(Duration::from_millis(500)));

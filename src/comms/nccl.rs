@@ -18,9 +18,10 @@
 //!   all-to-all one send + one recv per peer — no padding to the largest slice.
 //! - Flat-buffer collectives work in place on the `FlatBuf::Device` tensor (never shared, see
 //!   flatbuf.rs), like the fused AdamW kernel: no second copy of 7B gradients.
-//! - Failure: every enqueued collective is a pending (event, label, start) on the watchdog's list; the
-//!   watchdog thread (every 20 ms) drops the completed ones, and when the oldest is older than
-//!   `dist.timeout_s` or NCCL reports an asynchronous error it records the failure, tells the group
+//! - Failure: every enqueued collective is a pending (events, label, start) on the watchdog's list; the
+//!   watchdog thread (every 20 ms) drops the completed ones, and when the oldest has run on the GPU for
+//!   longer than `dist.timeout_s` (its clock starts when the collective stream reaches it, not when the
+//!   host queued it) or NCCL reports an asynchronous error it records the failure, tells the group
 //!   through the watch, and aborts the communicators, which makes waiting kernels return. A failure of
 //!   another rank (from the watch) aborts them too. Every later collective returns the first failure as
 //!   its error; and if the training loop has not stopped `dist.timeout_s` after an abort, the process
@@ -37,9 +38,13 @@
 //!   group's gradients are handed on (or the micro-batch ends), so the exchange of layer l runs while
 //!   the backward of the layers before it does.
 //!
-//! What it does not do: prefetch ZeRO-3's next layer weights (gathers are joined at once), reduce in bf16, or
-//! run anywhere but on CUDA devices (one GPU per rank: NCCL refuses two ranks on one GPU; the thread
-//! backend `Local` shares one). Compiled with `--features nccl` only; not run in CI (no GPU there).
+//! - ZeRO-3's next layer weights are gathered while the current layer computes
+//!   (`zero::ZeroShards::gather` with `next`, through `all_gather_v_start`: `Comm::overlaps` is true here).
+//! - Empty slices (a rank that owns none of a layer): no zero-length device allocation (`device::zeros_1d`).
+//!
+//! What it does not do: reduce in bf16, or run anywhere but on CUDA devices (one GPU per rank: NCCL
+//! refuses two ranks on one GPU; the thread backend `Local` shares one). Compiled with `--features nccl`
+//! only; not run in CI (no GPU there).
 use crate::launch::env::LaunchEnv;
 use crate::launch::rendezvous::{rendezvous, RendezvousSpec};
 use crate::launch::signature::GroupFailure;
@@ -116,8 +121,13 @@ impl Drop for Raw {
 /// An enqueued collective not yet seen complete.
 struct Pending {
     done: Arc<CudaEvent>,
+    /// recorded on the collective stream just before the collective: complete once the GPU reached it
+    started: Arc<CudaEvent>,
     what: String,
-    since: Instant,
+    /// when the watchdog first saw `started` complete: the timeout clock. Not the enqueue time, since the
+    /// host runs ahead of the GPU (up to a step's kernels at long T) and a collective queued behind that
+    /// compute would otherwise spend part of `dist.timeout_s` waiting for its own rank's work.
+    since: Option<Instant>,
 }
 
 /// The group's failure state, shared by the training thread, the watchdog and the watch's readers.
@@ -255,7 +265,13 @@ fn start_watchdog(
             while q.front().is_some_and(|p| p.done.try_is_complete().unwrap_or(false)) {
                 q.pop_front();
             }
-            let oldest = q.front().map(|p| (format!("in {}", p.what), p.since));
+            if let Some(p) = q.front_mut().filter(|p| p.since.is_none()) {
+                if p.started.try_is_complete().unwrap_or(false) {
+                    p.since = Some(Instant::now());
+                }
+            }
+            // the oldest collective the GPU has reached (one still behind its rank's compute is not late)
+            let oldest = q.front().and_then(|p| p.since.map(|t| (format!("in {}", p.what), t)));
             drop(q);
             let busy = guard.busy.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let (doing, since) = match (busy, oldest) {
@@ -426,6 +442,7 @@ impl NcclComm {
                 )
             })
             .map_err(|e| failed("opening its GPU", e))?;
+        crate::device::keep_freed_device_memory(&device).map_err(|e| failed("opening its GPU", e))?;
         let dev = device.as_cuda_device().map_err(|e| failed("opening its GPU", e.into()))?.clone();
         let stream = dev
             .cuda_stream()
@@ -561,6 +578,7 @@ impl NcclComm {
         let what = format!("collective #{seq} {what}");
         let compute = self.dev.cuda_stream();
         self.stream.wait(&compute.record_event(None)?)?;
+        let started = Arc::new(self.stream.record_event(None)?);
         check_nccl(nr::group_start(), &what)?;
         // the group's calls and ncclGroupEnd may block on the host (connection set-up): timed too
         let (r, end) = self.guard.timed(&what, || (f(self.stream.cu_stream() as ns::cudaStream_t), nr::group_end()));
@@ -578,7 +596,7 @@ impl NcclComm {
         if join {
             compute.wait(&done)?;
         }
-        let p = Pending { done: Arc::clone(&done), what, since: Instant::now() };
+        let p = Pending { done: Arc::clone(&done), started, what, since: None };
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(p);
         Ok(done)
     }
@@ -731,7 +749,7 @@ impl NcclComm {
         if counts.len() != self.world || input.elem_count() != counts[self.rank] {
             bail!("internal: {what} of {} values with counts {counts:?} at rank {}", input.elem_count(), self.rank);
         }
-        let out = Tensor::zeros(total, input.dtype(), &self.device)?;
+        let out = crate::device::zeros_1d(total, input.dtype(), &self.device)?;
         if total == 0 {
             return Ok((out, None));
         }
@@ -790,7 +808,7 @@ impl NcclComm {
     ) -> Result<(Tensor, Option<Arc<CudaEvent>>)> {
         let what = format!("reduce_scatter \"{label}\"");
         self.check_counts(counts, input.elem_count(), &what)?;
-        let out = Tensor::zeros(counts[self.rank], input.dtype(), &self.device)?;
+        let out = crate::device::zeros_1d(counts[self.rank], input.dtype(), &self.device)?;
         if input.elem_count() == 0 {
             return Ok((out, None));
         }

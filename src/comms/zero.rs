@@ -367,7 +367,7 @@ fn start_gather(src: &Shards, dtype: DType, params: &Range<usize>, label: &str) 
         return Ok(Gathering::Host(FlatBuf::from_vec(full)));
     }
     let mine = match mine.is_empty() {
-        true => Tensor::zeros(0, dtype, &master.device())?,
+        true => crate::device::zeros_1d(0, dtype, &master.device())?,
         false => master.range_tensor(mine)?.to_dtype(dtype)?,
     };
     Ok(Gathering::Started(comm.all_gather_v_tensor_start(&mine, &counts, label)?))

@@ -62,6 +62,12 @@ pub enum Meeting {
 }
 
 /// The agent-store key under which rank 0 publishes its rendezvous address for attempt `restart`.
+/// Keyed by attempt because the agent's store outlives a restart of the workers: an unkeyed address would
+/// hand a restarted rank the dead rank 0's port. `TORCHELASTIC_RESTART_COUNT` is each agent's own count,
+/// and agents that joined at different times could disagree on it; torch's own workers key their store
+/// the same way (`/worker/attempt_<TORCHELASTIC_RESTART_COUNT>`, torch.distributed's env:// rendezvous), so
+/// such a group would break torch's process groups too, and here a rank under a key nobody writes fails
+/// after `dist.timeout_s` naming the key and this cause (`find_rank0`), never hangs.
 pub fn store_key(restart: u32) -> String {
     format!("harpe/rendezvous/{restart}")
 }
@@ -342,7 +348,9 @@ fn find_rank0(spec: &RendezvousSpec, deadline: Instant) -> Result<RendezvousSpec
     let Some(v) = store.wait_get(&key, deadline)? else {
         bail!(
             "rank {r}: rank 0 did not publish its rendezvous address under {key:?} in torchrun's store at {}:{} \
-             within {:.0}s\nhint: rank 0's log says why it did not start; raise dist.timeout_s for slow starts",
+             within {:.0}s\nhint: rank 0's log says why it did not start; raise dist.timeout_s for slow starts; if rank 0 \
+             published under another attempt's key, the torchrun agents disagree on TORCHELASTIC_RESTART_COUNT \
+             (restart the whole job)",
             spec.addr,
             spec.port,
             spec.timeout.as_secs_f64()

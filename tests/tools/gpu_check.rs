@@ -1,6 +1,7 @@
 //! scripts/gpu-check.sh, exercised here on CPU: its step plan fits the budget, `sizes` holds
 //! bundles to 64 MiB, and its `rehearse` mode (the `run` code with the CPU device and the emulated
-//! kernels) writes the report section by section and turns a broken kernel into a FAIL row and exit 1.
+//! kernels) writes the report section by section, turns a broken kernel into a FAIL row and exit 1, and
+//! keeps every row made before a slow torch or a benchmark stopped half-way by its limit.
 //! The whole rehearsal runs in .ci/run; these tests run the preflight and selftest steps of it, with the
 //! debug `harpe` this test build made.
 use std::path::{Path, PathBuf};
@@ -98,9 +99,49 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
         assert!(r.contains(section), "no {section:?} in:\n{r}");
     }
     assert!(r.contains("Run exit code: 0"), "{r}");
-    // RMSNorm's forward 1% off: its selftest rows FAIL, the run exits 1
-    let (o, r) = rehearse(&["rehearse"], "preflight,selftest", &[("HARPE_EMU_PERTURB", "rms_norm_fwd")]);
-    assert_eq!(o.status.code(), Some(1), "{}\n{r}", text(&o));
+}
+
+/// A first GPU machine at its worst, rehearsed: torch takes 20 s to (fail to) import, a kernel is wrong, and
+/// a benchmark hangs after its first row. Every preflight row, every selftest row and the benchmark row
+/// measured before the hang are in the report, and the run exits 1 naming both failures.
+#[test]
+fn a_slow_torch_a_wrong_kernel_and_a_benchmark_cut_half_way_still_leave_every_row() {
+    // a torch package whose import sleeps 20 s and then fails, found first on PYTHONPATH
+    let fake = tempfile::tempdir().unwrap();
+    std::fs::create_dir(fake.path().join("torch")).unwrap();
+    std::fs::write(
+        fake.path().join("torch/__init__.py"),
+        "import time\ntime.sleep(20)\nraise ImportError('a slow, broken torch (the test stand-in)')\n",
+    )
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    let (o, r) = rehearse(
+        &["rehearse"],
+        "preflight,selftest,attention",
+        &[
+            ("PYTHONPATH", fake.path().to_str().unwrap()),
+            ("HARPE_EMU_PERTURB", "rms_norm_fwd"),
+            // the benchmark stand-in prints its first row, then hangs past its (shortened) limit
+            ("HARPE_TEST_SLOW_BENCH_ROW", "120"),
+            ("HARPE_GPU_CHECK_LIMIT_attention", "10"),
+        ],
+    );
+    let all = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{all}\n{r}");
+    assert!(t0.elapsed().as_secs() >= 20, "the torch row did not wait for torch");
+    // every preflight row, the slow torch one an information row that passed with its note
+    for section in [
+        "## preflight: host (rehearsal)",
+        "## preflight: shared libraries (ldd)",
+        "## preflight: harpe --version",
+        "## preflight: devices harpe sees",
+        "## preflight: torch and its SDPA backends",
+    ] {
+        assert!(r.contains(section), "no {section:?} in:\n{r}");
+    }
+    assert!(r.contains("torch does not import (ImportError: a slow, broken torch"), "{r}");
+    assert!(r.contains("| preflight | preflight: torch and its SDPA backends (information) | PASS | 0 |"), "{r}");
+    // every selftest row: RMSNorm's forward rows FAIL, the others PASS
     let rows: Vec<&str> = r.lines().filter(|l| l.starts_with("rms_norm fwd")).collect();
     assert!(
         !rows.is_empty() && rows.iter().all(|l| l.trim_end().ends_with("FAIL")),
@@ -108,6 +149,17 @@ fn rehearsal_reports_each_step_and_a_broken_kernel_fails_its_row_and_the_run() {
     );
     assert!(r.lines().any(|l| l.starts_with("rope fwd") && l.trim_end().ends_with("PASS")), "{r}");
     assert!(r.contains("| selftest | selftest (emulated kernels, 1 round) | FAIL | 1 |"), "{r}");
+    // the benchmark: its first row is in, the second (measured after the hang) is not; it timed out
+    assert!(r.lines().any(|l| l.starts_with("decoder layer fwd+bwd")), "{r}");
+    assert!(!r.lines().any(|l| l.starts_with("train step")), "{r}");
+    assert!(r.contains("(limit 10 s): **TIMEOUT**"), "{r}");
+    // the failures named, in the report and on stderr
+    assert!(
+        r.contains("Failed: selftest (emulated kernels, 1 round) (FAIL); bench attention at T = 8192,32768"),
+        "{r}"
+    );
+    assert!(all.contains("gpu-check: failed: selftest (emulated kernels, 1 round) (FAIL)"), "{all}");
+    assert!(all.contains("(rehearsal: CPU decoder layer and step) (TIMEOUT)"), "{all}");
     assert!(r.contains("Run exit code: 1"), "{r}");
 }
 
@@ -132,4 +184,29 @@ fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     let o = gpu_check(&["rehearse", "--third"], &[("HARPE_BIN", env!("CARGO_BIN_EXE_harpe"))]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("the options are --second and --flash"), "{}", text(&o));
+}
+
+/// The 128K attention step's limit from 32K rows as `harpe bench attention` prints them: per shape one
+/// untimed forward plus a warm-up and a timed call of each pass (and of candle-flash-attn's forward where
+/// built), x16 (quadratic in T), +20 s setup, +30 %.
+#[test]
+fn the_128k_limit_comes_from_the_32k_rows_before_it() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("report.md");
+    let rows = "fwd 8192 8 1.0\nfwd 32768 8 20.000\nbwd 32768 8 50.000\nfwd+bwd 32768 8 70.000\n\
+                fwd 32768 32 20.000\nbwd 32768 32 50.000\nfwd+bwd 32768 32 70.000\n";
+    std::fs::write(&f, format!("an earlier step's rows:\nfwd 32768 8 999.0\n{rows}")).unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "3"], &[]);
+    // 2 shapes x 16 x (3 x 20 + 2 x 50 + 2 x 70) ms = 9.6 s; (9.6 + 20) x 1.3 = 38.48
+    assert_eq!(text(&o).trim(), "38", "{}", text(&o));
+    // a flash-attn build's fwd rows end with candle-flash-attn's forward (ms), two more calls per shape
+    let full = "fwd 32768 8 20.000 150.0 48% - - 10.000\nbwd 32768 8 50.000\nfwd+bwd 32768 8 70.000\n";
+    std::fs::write(&f, full).unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
+    // 16 x (60 + 100 + 140 + 20) ms = 5.12 s; (5.12 + 20) x 1.3 = 32.66
+    assert_eq!(text(&o).trim(), "33", "{}", text(&o));
+    // no 32K rows: nothing (the step is skipped with a note)
+    std::fs::write(&f, "fwd 8192 8 1.0\n").unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
+    assert!(o.status.success() && text(&o).trim().is_empty(), "{}", text(&o));
 }

@@ -101,6 +101,18 @@ fn main() -> Result<()> {
         .arg(&header_hash_arg)
         .thread_percentage(0.5); // Use up to 50% of available threads
 
+    // harpe: SASS for Hopper beside the CUDA_COMPUTE_CAP one (cudaforge adds that one, 80 for the A100 by
+    // default). These FA2 kernels are compiled to SASS only (no PTX for the driver to JIT), so a build for 80
+    // alone has no code an H100/H200 can run: every launch there failed with "no kernel image". sm_80 code does
+    // not run on sm_90; compiling both doubles this build's time, which a GPU run cannot make up for.
+    let cap: usize = std::env::var("CUDA_COMPUTE_CAP")
+        .ok()
+        .and_then(|c| c.trim().chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().ok())
+        .unwrap_or(80);
+    if cap < 90 {
+        builder = builder.arg("-gencode=arch=compute_90,code=sm_90");
+    }
+
     let mut is_target_msvc = false;
     if let Ok(target) = std::env::var("TARGET") {
         if target.contains("msvc") {

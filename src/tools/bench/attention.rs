@@ -9,7 +9,10 @@
 //! The non-obvious decision: the rows time the launchers directly (`ops::attention_cuda::{fwd, bwd}`, the
 //! tensor-core tiles for bf16), not the autograd op, so the numbers are the kernels' and compare to SDPA's
 //! kernels; the op adds its one packing copy of q, O and dO (`Tensor::cat` in its backward). Repetitions adapt to the problem (at least one
-//! timed call after one warm-up, about `--attn-seconds` per row).
+//! timed call after one warm-up, about `--attn-seconds` per row; from T = 32K exactly one: a 128K backward
+//! takes seconds, and a second call would only double a step's time for little precision).
+//! Each row is printed (and flushed) as it is measured, so a run stopped by a time limit keeps its rows;
+//! with torch the table is printed again at the end with the SDPA columns filled in.
 //! With `--features flash-attn` the forward rows also time candle-flash-attn's FA2 forward on the same
 //! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
 //! `--target emulated --profile` (`run_emulated`) runs no GPU: it measures the tensor-core kernels on the host
@@ -56,6 +59,14 @@ pub fn peak_tflops(cc: (i32, i32)) -> Option<f64> {
 
 /// Print the rows as a table.
 pub fn print_rows(device: &str, rows: &[AttnRow]) {
+    print_header(device);
+    for r in rows {
+        print_row(r);
+    }
+}
+
+/// The table's title and column line.
+pub fn print_header(device: &str) {
     println!("harpe bench attention — {device}; B 1, H 32, D 128, causal, bf16 (tensor-core tiles)");
     println!(
         "{:<8} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7} {:>10}",
@@ -69,29 +80,31 @@ pub fn print_rows(device: &str, rows: &[AttnRow]) {
         "x best",
         "cflash ms"
     );
-    for r in rows {
-        let pct = r.pct_peak.map(|p| format!("{p:.0}%")).unwrap_or_else(|| "-".into());
-        let torch: Vec<String> = r
-            .torch_ms
-            .iter()
-            .map(|(b, v)| format!("{b} {}", v.map(|x| format!("{x:.2}")).unwrap_or("-".into())))
-            .collect();
-        let best = r.torch_ms.iter().filter_map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
-        let x = if best.is_finite() { format!("{:.2}", best / r.ms) } else { "-".into() };
-        let cf = r.candle_flash_ms.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
-        println!(
-            "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7} {:>10}",
-            r.pass,
-            r.t,
-            r.hkv,
-            r.ms,
-            r.tflops,
-            pct,
-            if torch.is_empty() { "-".into() } else { torch.join(" / ") },
-            x,
-            cf
-        );
-    }
+    super::flush_stdout();
+}
+
+/// One line of the table, flushed (scripts/gpu-check.sh sizes its 128K step from the 32K lines: pass, T,
+/// Hkv and ms are the first four fields).
+pub fn print_row(r: &AttnRow) {
+    let pct = r.pct_peak.map(|p| format!("{p:.0}%")).unwrap_or_else(|| "-".into());
+    let torch: Vec<String> =
+        r.torch_ms.iter().map(|(b, v)| format!("{b} {}", v.map(|x| format!("{x:.2}")).unwrap_or("-".into()))).collect();
+    let best = r.torch_ms.iter().filter_map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
+    let x = if best.is_finite() { format!("{:.2}", best / r.ms) } else { "-".into() };
+    let cf = r.candle_flash_ms.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
+    println!(
+        "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7} {:>10}",
+        r.pass,
+        r.t,
+        r.hkv,
+        r.ms,
+        r.tflops,
+        pct,
+        if torch.is_empty() { "-".into() } else { torch.join(" / ") },
+        x,
+        cf
+    );
+    super::flush_stdout();
 }
 
 /// PyTorch SDPA times from scripts/bench_attention_torch.py: {"<pass> T<t> hkv<hkv>": {backend: ms|null}}.
@@ -245,21 +258,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use super::{flops, peak_tflops, print_rows, torch_sdpa, AttnRow, BenchArgs};
+    use super::{flops, peak_tflops, print_header, print_row, print_rows, torch_sdpa, AttnRow, BenchArgs};
     use crate::ops::attention_cuda::{bwd, fwd};
     use crate::ops::attention_shape::AttnMask;
     use anyhow::{bail, Result};
     use candle_core::{DType, Device, Storage, Tensor};
     use std::time::Instant;
 
-    /// Mean ms of `f`: one warm-up, then as many calls as fit in about `seconds` (at least one).
-    fn time(dev: &Device, seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    /// From this T on, a row is one warm-up and one timed call.
+    const LONG_T: usize = 32768;
+
+    /// Mean ms of `f`: one warm-up, then as many calls as fit in about `seconds` (at least one; exactly
+    /// one at T >= `LONG_T`).
+    fn time(dev: &Device, t: usize, seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         f()?;
         dev.synchronize()?;
         let t0 = Instant::now();
         f()?;
         dev.synchronize()?;
         let once = t0.elapsed().as_secs_f64();
+        if t >= LONG_T {
+            return Ok(once * 1e3);
+        }
         let n = ((seconds / once.max(1e-6)) as usize).clamp(1, 50);
         let t0 = Instant::now();
         for _ in 0..n {
@@ -277,18 +297,29 @@ mod gpu {
         let peak = ctx.compute_capability().ok().and_then(peak_tflops);
         let tokens = args.attn_tokens.clone();
         let mut rows = Vec::new();
+        if !args.json {
+            print_header(&name);
+        }
+        let mut done = |r: &AttnRow| {
+            if !args.json {
+                print_row(r);
+            }
+        };
         for &t in &tokens {
             for hkv in [8usize, 32] {
-                rows.extend(measure_shape(&dev, Shape { t, hkv, h: 32, d: 128 }, args.attn_seconds, peak)?);
+                let sh = Shape { t, hkv, h: 32, d: 128 };
+                rows.extend(measure_shape(&dev, sh, args.attn_seconds, peak, &mut done)?);
             }
         }
         if !args.no_torch {
             add_torch_columns(&mut rows, &tokens, args.attn_seconds);
+            if !args.json && rows.iter().any(|r| !r.torch_ms.is_empty()) {
+                println!();
+                print_rows(&name, &rows);
+            }
         }
         if args.json {
             println!("{}", serde_json::json!({"device": name, "peak_bf16_tflops": peak, "rows": rows}));
-        } else {
-            print_rows(&name, &rows);
         }
         Ok(())
     }
@@ -302,8 +333,15 @@ mod gpu {
         d: usize,
     }
 
-    /// harpe's fwd, bwd and fwd+bwd (and candle-flash-attn's forward where built) on one causal bf16 shape.
-    fn measure_shape(dev: &Device, sh: Shape, seconds: f64, peak: Option<f64>) -> Result<Vec<AttnRow>> {
+    /// harpe's fwd, bwd and fwd+bwd (and candle-flash-attn's forward where built) on one causal bf16 shape;
+    /// `done` sees each row as soon as it is timed.
+    fn measure_shape(
+        dev: &Device,
+        sh: Shape,
+        seconds: f64,
+        peak: Option<f64>,
+        done: &mut dyn FnMut(&AttnRow),
+    ) -> Result<Vec<AttnRow>> {
         let Shape { t, hkv, h, d } = sh;
         let scale = 1.0 / (d as f32).sqrt();
         let mk = |heads: usize| -> Result<Tensor> {
@@ -313,7 +351,7 @@ mod gpu {
         // candle-flash-attn's forward on the same q, k, v (before the storage guards below)
         let cf_ms = cfg!(feature = "flash-attn")
             .then(|| {
-                time(dev, seconds, || Ok(crate::ops::candle_flash::attention(&q, &k, &v, scale, true).map(|_| ())?))
+                time(dev, t, seconds, || Ok(crate::ops::candle_flash::attention(&q, &k, &v, scale, true).map(|_| ())?))
             })
             .transpose()?;
         let (sq, lq) = q.storage_and_layout();
@@ -327,31 +365,33 @@ mod gpu {
         let (q, k, v, dout, mask) = ((cq, lq), (ck, lk), (cv, lv), (cdo, ld), AttnMask::new(scale, true, None));
         let (o, lse, kernel) = fwd(q, k, v, mask, None)?;
         let lo = candle_core::Layout::contiguous((1, h, t, d));
-        let f_ms = time(dev, seconds, || Ok(fwd(q, k, v, mask, None).map(|_| ())?))?;
-        let b_ms = time(dev, seconds, || Ok(bwd(q, k, v, ((&o, &lo), &lse), dout, mask, None).map(|_| ())?))?;
-        let fb_ms = time(dev, seconds, || {
-            let (o2, lse2, _) = fwd(q, k, v, mask, None)?;
-            Ok(bwd(q, k, v, ((&o2, &lo), &lse2), dout, mask, None).map(|_| ())?)
-        })?;
-        eprintln!(
-            "bench attention: T {t} Hkv {hkv} ({kernel:?} tiles): fwd {f_ms:.2} ms, bwd {b_ms:.2} ms, fwd+bwd {fb_ms:.2} ms"
+        let mut rows = Vec::new();
+        let mut emit = |pass: &str, ms: f64| {
+            let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
+            let r = AttnRow {
+                pass: pass.into(),
+                t,
+                hkv,
+                ms,
+                tflops,
+                pct_peak: peak.map(|p| 100.0 * tflops / p),
+                torch_ms: Vec::new(),
+                candle_flash_ms: if pass == "fwd" { cf_ms } else { None },
+            };
+            done(&r);
+            rows.push(r);
+        };
+        emit("fwd", time(dev, t, seconds, || Ok(fwd(q, k, v, mask, None).map(|_| ())?))?);
+        emit("bwd", time(dev, t, seconds, || Ok(bwd(q, k, v, ((&o, &lo), &lse), dout, mask, None).map(|_| ())?))?);
+        emit(
+            "fwd+bwd",
+            time(dev, t, seconds, || {
+                let (o2, lse2, _) = fwd(q, k, v, mask, None)?;
+                Ok(bwd(q, k, v, ((&o2, &lo), &lse2), dout, mask, None).map(|_| ())?)
+            })?,
         );
-        Ok([("fwd", f_ms), ("bwd", b_ms), ("fwd+bwd", fb_ms)]
-            .into_iter()
-            .map(|(pass, ms)| {
-                let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
-                AttnRow {
-                    pass: pass.into(),
-                    t,
-                    hkv,
-                    ms,
-                    tflops,
-                    pct_peak: peak.map(|p| 100.0 * tflops / p),
-                    torch_ms: Vec::new(),
-                    candle_flash_ms: if pass == "fwd" { cf_ms } else { None },
-                }
-            })
-            .collect())
+        eprintln!("bench attention: T {t} Hkv {hkv}: {kernel:?} tiles");
+        Ok(rows)
     }
 
     /// PyTorch SDPA's backends beside each row, where torch runs.

@@ -64,31 +64,58 @@ impl Row {
 
 /// Print rows as a table (torch columns when measured).
 pub fn print_table(device: &str, copy_gbps: f64, rows: &[Row]) {
-    println!("harpe bench — {device}; device copy bandwidth {copy_gbps:.0} GB/s (the 100% line)");
     let flops = rows.iter().any(|r| r.tflops.is_some());
+    print_header(device, copy_gbps, flops);
+    for r in rows {
+        print_row(r, flops);
+    }
+}
+
+/// The table's title and column line (`flops`: with the TFLOP/s column of the model rows).
+pub fn print_header(device: &str, copy_gbps: f64, flops: bool) {
+    println!("harpe bench — {device}; device copy bandwidth {copy_gbps:.0} GB/s (the 100% line)");
     let tf_head = if flops { format!(" {:>9}", "TFLOP/s") } else { String::new() };
     println!(
         "{:<22} {:<34} {:>9} {:>9} {:>7} {:>10} {:>8}{tf_head}",
         "kernel", "shape", "ms", "GB/s", "%copy", "torch ms", "x torch"
     );
-    for r in rows {
-        if let Some(note) = &r.note {
-            println!("{:<22} {:<34} not timed: {note}", r.kernel, r.shape);
-            continue;
-        }
-        let (t, x) = match r.torch_ms {
-            Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
-            None => ("-".into(), "-".into()),
-        };
-        let tf = match (flops, r.tflops) {
-            (false, _) => String::new(),
-            (true, Some(f)) => format!(" {f:>9.4}"),
-            (true, None) => format!(" {:>9}", "-"),
-        };
-        println!(
-            "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}{tf}",
-            r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x
-        );
+    flush_stdout();
+}
+
+/// One line of the table, flushed: a run stopped by a timeout keeps every row printed before it.
+pub fn print_row(r: &Row, flops: bool) {
+    if let Some(note) = &r.note {
+        println!("{:<22} {:<34} not timed: {note}", r.kernel, r.shape);
+        flush_stdout();
+        return;
+    }
+    let (t, x) = match r.torch_ms {
+        Some(t) => (format!("{t:.3}"), format!("{:.2}", t / r.ms)),
+        None => ("-".into(), "-".into()),
+    };
+    let tf = match (flops, r.tflops) {
+        (false, _) => String::new(),
+        (true, Some(f)) => format!(" {f:>9.4}"),
+        (true, None) => format!(" {:>9}", "-"),
+    };
+    println!(
+        "{:<22} {:<34} {:>9.3} {:>9.0} {:>6.0}% {:>10} {:>8}{tf}",
+        r.kernel, r.shape, r.ms, r.gb_per_s, r.pct_of_copy, t, x
+    );
+    flush_stdout();
+}
+
+/// Stdout is a pipe under scripts/gpu-check.sh (block-buffered): a row waits in the buffer until flushed,
+/// and `timeout` killing the process would drop it.
+pub(crate) fn flush_stdout() {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+}
+
+/// `HARPE_TEST_SLOW_BENCH_ROW`: after each printed row, sleep (a benchmark that a step limit stops half-way).
+pub(crate) fn after_row() {
+    if let Some(d) = crate::testing::hooks().slow_bench_row {
+        std::thread::sleep(d);
     }
 }
 
@@ -195,17 +222,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 }
 
-/// `harpe bench model`: the decoder-layer and training-step rows on `--device`.
+/// `harpe bench model`: the decoder-layer and training-step rows on `--device`, each printed as it is
+/// measured (the JSON object, which needs them all, at the end).
 fn run_model(args: &BenchArgs) -> Result<()> {
+    crate::testing::hooks().check()?;
     let spec = args.device.unwrap_or(if cfg!(feature = "cuda") { DeviceSpec::Cuda(0) } else { DeviceSpec::Cpu });
     let dev = spec.open("--device")?;
     let copy_gbps = model::copy_bandwidth(&dev, args.iters.max(1))?;
-    let rows = model::rows(args, &dev, copy_gbps)?;
     let name = format!("{spec}");
+    if !args.json {
+        print_header(&name, copy_gbps, true);
+    }
+    let rows = model::rows(args, &dev, copy_gbps, &mut |r| {
+        if !args.json {
+            print_row(r, true);
+            after_row();
+        }
+    })?;
     if args.json {
         println!("{}", serde_json::json!({"device": name, "copy_gb_per_s": copy_gbps, "rows": rows}));
-    } else {
-        print_table(&name, copy_gbps, &rows);
     }
     Ok(())
 }

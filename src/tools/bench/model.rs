@@ -118,8 +118,9 @@ pub fn copy_bandwidth(dev: &Device, iters: usize) -> Result<f64> {
     Ok((2 * 4 * n) as f64 / s / 1e9)
 }
 
-/// The rows `--model-rows` names on `dev`, each with PyTorch's time beside it on CUDA.
-pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> {
+/// The rows `--model-rows` names on `dev`, each with PyTorch's time beside it on CUDA; `done` sees each
+/// row as soon as it is measured.
+pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64, done: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     let sh = Shape::of(args, dev);
     let iters = args.iters.max(1);
     let want = |r: &str| args.model_rows.iter().any(|x| x == r);
@@ -136,6 +137,7 @@ pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> 
             if torch {
                 r.torch_ms = torch_ms(dev, s, "--layer-only", iters, &r.kernel)?;
             }
+            done(&r);
             rows.push(r);
         }
     }
@@ -149,7 +151,9 @@ pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> 
         match picked {
             Err(note) => {
                 let shape = format!("L{} C{} V{} {:?}", sh.layers, sh.hidden, sh.vocab, sh.dtype);
-                rows.push(Row::skipped("train step", &shape, note));
+                let r = Row::skipped("train step", &shape, note);
+                done(&r);
+                rows.push(r);
             }
             Ok((s, why)) => {
                 if let Some(why) = why {
@@ -159,6 +163,7 @@ pub fn rows(args: &BenchArgs, dev: &Device, copy_gbps: f64) -> Result<Vec<Row>> 
                 if torch {
                     r.torch_ms = torch_ms(dev, &s, "--step-only", step_iters, &r.kernel)?;
                 }
+                done(&r);
                 rows.push(r);
             }
         }

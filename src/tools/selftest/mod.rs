@@ -914,7 +914,9 @@ pub fn open_cuda() -> Result<Device> {
     if !cfg!(feature = "cuda") {
         bail!("--target cuda: this harpe was built without CUDA\nhint: build with `cargo build --release --features cuda` (README: Build for GPUs), or use --target emulated");
     }
-    Device::new_cuda(0).map_err(|e| {
+    let dev = Device::new_cuda(0).map_err(|e| {
         anyhow::anyhow!("cannot open CUDA device 0: {e}\nhint: check `nvidia-smi`; the driver must support CUDA 13 and the GPU must be sm_80 or newer")
-    })
+    })?;
+    crate::device::keep_freed_device_memory(&dev)?;
+    Ok(dev)
 }

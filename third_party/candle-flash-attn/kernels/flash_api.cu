@@ -2,6 +2,13 @@
 #include "kernel_helpers.h"
 #include "flash_fwd_launch_template.h"
 
+thread_local cudaError_t harpe_flash_error = cudaSuccess;
+
+// harpe: the text of run_mha's return code, for the error src/lib.rs reports.
+extern "C" const char *harpe_flash_error_string(int err) {
+    return cudaGetErrorString(static_cast<cudaError_t>(err));
+}
+
 void run_mha_fwd(Flash_fwd_params &params, cudaStream_t stream) {
   FP16_SWITCH(!params.is_bf16, [&] {
       BOOL_SWITCH(params.is_causal, Is_causal, [&] {
@@ -18,7 +25,8 @@ void run_mha_fwd(Flash_fwd_params &params, cudaStream_t stream) {
   });
 }
 
-extern "C" void run_mha(
+// harpe: returns the first CUDA error of the launch (0: none), instead of nothing.
+extern "C" int run_mha(
     void *q_ptr,
     void *k_ptr,
     void *v_ptr,
@@ -155,5 +163,9 @@ extern "C" void run_mha(
     params.unpadded_lse = unpadded_lse;
 
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+    // an error left pending by someone else's runtime call is not this launch's
+    (void)cudaGetLastError();
+    harpe_flash_error = cudaSuccess;
     run_mha_fwd(params, stream);
+    return static_cast<int>(harpe_flash_error);
 }

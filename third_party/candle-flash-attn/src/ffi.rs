@@ -58,6 +58,9 @@ extern "C" {
         mm_prefix_range_batch_stride: u32,
         max_mm_prefix_ranges: c_int,
         stream_ptr: *mut c_void,
-    );
+    ) -> c_int;
+
+    // harpe: the text of a CUDA error code run_mha returned.
+    pub(crate) fn harpe_flash_error_string(err: c_int) -> *const core::ffi::c_char;
 
 }

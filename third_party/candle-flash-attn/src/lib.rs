@@ -5,6 +5,19 @@ use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
 use candle::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
+/// harpe: run_mha's return code as an error (upstream ignores every CUDA error of the launch, so a kernel
+/// that cannot run on this GPU left O unwritten and the call "succeeded").
+fn launched(err: core::ffi::c_int) -> Result<()> {
+    if err == 0 {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static NUL-terminated string for any code.
+    let what = unsafe { std::ffi::CStr::from_ptr(ffi::harpe_flash_error_string(err)) }.to_string_lossy();
+    candle::bail!(
+        "candle-flash-attn: the kernel launch failed: CUDA error {err} ({what})\nhint: \"no kernel image\" means this build has no code for this GPU: rebuild with its compute capability (scripts/gpu-check.sh build makes sm_80 and sm_90 SASS)"
+    )
+}
+
 pub struct FlashAttn {
     pub softmax_scale: f32,
     pub alibi_slopes: Option<Tensor>,
@@ -166,7 +179,7 @@ impl FlashAttn {
             let (v_ptr, _guard) = v.device_ptr(&stream);
             let (dst_ptr, _guard) = dst.device_ptr_mut(&stream);
             let (softmax_lse_ptr, _guard) = softmax_lse.device_ptr_mut(&stream);
-            ffi::run_mha(
+            launched(ffi::run_mha(
                 q_ptr as *const core::ffi::c_void,
                 k_ptr as *const core::ffi::c_void,
                 v_ptr as *const core::ffi::c_void,
@@ -212,7 +225,7 @@ impl FlashAttn {
                 /* mm_prefix_range_batch_stride */ 0,
                 /* max_mm_prefix_ranges */ 0,
                 /* stream_ptr */ stream.cu_stream() as *mut core::ffi::c_void,
-            )
+            ))?;
         }
 
         let dst = candle::CudaStorage::wrap_cuda_slice(dst, dev.clone());
@@ -770,7 +783,7 @@ impl FlashAttnVarLen {
                 } else {
                     (std::ptr::null(), 0, 0)
                 };
-            ffi::run_mha(
+            launched(ffi::run_mha(
                 q_ptr as *const core::ffi::c_void,
                 k_ptr as *const core::ffi::c_void,
                 v_ptr as *const core::ffi::c_void,
@@ -816,7 +829,7 @@ impl FlashAttnVarLen {
                 /* mm_prefix_range_batch_stride */ mm_prefix_range_batch_stride,
                 /* max_mm_prefix_ranges */ max_mm_prefix_ranges,
                 /* stream_ptr */ stream.cu_stream() as *mut core::ffi::c_void,
-            )
+            ))?;
         }
 
         let dst = candle::CudaStorage::wrap_cuda_slice(dst, dev.clone());
