@@ -330,14 +330,19 @@ impl Ctx {
 }
 
 /// Element types Gloo sums.
-trait GlooSum: Copy + Send + 'static {
+pub trait GlooSum: Copy + Send + 'static {
+    /// the shim's element type code
     const CODE: c_int;
+    /// the dtype the collective signature names
+    const DTYPE: DType;
 }
 impl GlooSum for f32 {
     const CODE: c_int = F32;
+    const DTYPE: DType = DType::F32;
 }
 impl GlooSum for f64 {
     const CODE: c_int = F64;
+    const DTYPE: DType = DType::F64;
 }
 
 /// The contexts the communication thread owns: the world's and (sequence parallelism) this rank's group's.
@@ -558,25 +563,11 @@ impl GlooComm {
         Ok(Issued { rx, comm: Arc::clone(&self.shared) })
     }
 
-    /// Sum f32 values over all ranks in place.
-    pub fn all_reduce_sum(&self, v: &mut [f32], label: &str) -> Result<()> {
+    /// Sum f32 values (gradients) or f64 values (the per-step scalars) over all ranks in place.
+    pub fn all_reduce_sum<T: GlooSum>(&self, v: &mut [T], label: &str) -> Result<()> {
         let data = v.to_vec();
         let out = self
-            .issue((CollOp::AllReduce, v.len(), DType::F32), label, move |l, tag, what| {
-                let mut data = data;
-                l.world.all_reduce(&mut data, tag, what)?;
-                Ok(data)
-            })?
-            .wait()?;
-        v.copy_from_slice(&out);
-        Ok(())
-    }
-
-    /// Sum f64 scalars over all ranks in place.
-    pub fn all_reduce_sum_f64(&self, v: &mut [f64], label: &str) -> Result<()> {
-        let data = v.to_vec();
-        let out = self
-            .issue((CollOp::AllReduce, v.len(), DType::F64), label, move |l, tag, what| {
+            .issue((CollOp::AllReduce, v.len(), T::DTYPE), label, move |l, tag, what| {
                 let mut data = data;
                 l.world.all_reduce(&mut data, tag, what)?;
                 Ok(data)
@@ -741,7 +732,7 @@ mod tests {
             let mut a: Vec<f32> = (0..5).map(|i| (i * 10 + r) as f32).collect();
             c.all_reduce_sum(&mut a, "a")?;
             let mut s = [r as f64 + 0.5, 1e-300];
-            c.all_reduce_sum_f64(&mut s, "s")?;
+            c.all_reduce_sum(&mut s, "s")?;
             // reduce-scatter over uneven counts, one of them empty
             let counts = [2usize, 0, 3];
             let input: Vec<f32> = (0..5).map(|i| (100 * r + i) as f32).collect();

@@ -429,7 +429,7 @@ impl Comm {
             #[cfg(feature = "nccl")]
             Comm::Nccl(c) => c.all_reduce_sum_f64(vals),
             #[cfg(feature = "gloo")]
-            Comm::Gloo(c) => c.all_reduce_sum_f64(vals, "scalars"),
+            Comm::Gloo(c) => c.all_reduce_sum(vals, "scalars"),
         }
     }
 
