@@ -15,6 +15,7 @@ mod train_memory;
 mod train_run;
 mod train_step;
 mod zero3_prefetch;
+mod checkpoint_integrity;
 mod cli_train;
 mod plan;
 mod plan_largest_t;
