@@ -6,6 +6,7 @@
 #[path = "../data_common/mod.rs"]
 mod data_common;
 
+mod data_integrity;
 mod data_loader;
 mod data_prepare;
 mod data_tokenize_fast;
