@@ -197,8 +197,8 @@ impl Packer {
         if let Some(o) = self.open.take() {
             let OpenShard { tokens, segs, tok_hash, seg_hash, tok_sum, seg_sum, tmp_tokens, tmp_segs } = o;
             for (w, tmp) in [(tokens, &tmp_tokens), (segs, &tmp_segs)] {
-                let f = w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
-                f.sync_all().with_context(|| format!("fsync {}", tmp.display()))?;
+                let f = w.into_inner().with_context(|| format!("writing {} failed\nhint: is the disk full? free space and rerun the same command: finished shards are kept", tmp.display()))?;
+                f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full? free space and rerun the same command: finished shards are kept", tmp.display()))?;
             }
             let info = ShardInfo {
                 file: shard_file(self.shard),

@@ -5,6 +5,9 @@
 //! tests/common (the tiny recipe), tests/data_common and tests/ops_common.
 #[path = "../data_common/mod.rs"]
 mod data_common;
+#[path = "../common/tmpfs.rs"]
+mod tmpfs;
+mod full_disk;
 
 mod data_integrity;
 mod data_loader;

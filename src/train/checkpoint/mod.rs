@@ -214,9 +214,14 @@ pub fn save(
         let prev = prev
             .map(|p| format!("the previous checkpoint {} is intact", p.display()))
             .unwrap_or_else(|| "no earlier checkpoint exists".into());
+        // what the save needed against what its file system has, for a full disk
+        let need = opts.model_bytes + 12 * optim.range().len() as u64 * mesh.world() as u64;
+        let free = free_bytes(root).map(|b| format!(", {} free on its file system now", crate::util::human_bytes(b)));
         return Err(e.context(format!(
-            "saving checkpoint {} failed; {prev}\nhint: free disk space or fix permissions, then rerun with --resume",
-            fin.display()
+            "saving checkpoint {} failed; {prev}; a checkpoint of this run needs about {}{}\nhint: free disk space or fix permissions, then rerun with --resume",
+            fin.display(),
+            crate::util::human_bytes(need),
+            free.unwrap_or_default()
         )));
     }
     if lead {
@@ -224,6 +229,16 @@ pub fn save(
     }
     comm.barrier()?;
     Ok(fin)
+}
+
+/// Bytes available to this user on the file system of `p` (`statvfs`), if it can be asked.
+fn free_bytes(p: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-parameter for the call's duration.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// Barrier on a step of the save: this rank's own error wins, else "another rank failed".
