@@ -15,5 +15,6 @@ mod data_prepare;
 mod data_tokenize_fast;
 mod cli_prepare_flags;
 mod parsers_never_panic;
+mod readers_never_panic;
 mod dir_lock;
 mod configs_shipped;
