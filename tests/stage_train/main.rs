@@ -20,6 +20,7 @@ mod zero3_prefetch;
 mod checkpoint_integrity;
 mod cli_train;
 mod full_disk;
+mod kill_during_write;
 mod plan;
 mod plan_largest_t;
 mod plan_memory;
