@@ -311,6 +311,7 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
 pub fn run(args: PrepareDataArgs) -> Result<()> {
     let (inputs, tokenizer, out, opts) = resolve(args)?;
     let _lock = crate::util::lock_dir(&out, "harpe prepare-data")?; // one writer per --out directory
+    crate::util::remove_stale_temps(&out)?; // a killed run's half-written small files
     let files = expand_inputs(&inputs)?;
     let m = prepare(files, &tokenizer, &opts, &out)?;
     if !opts.quiet {

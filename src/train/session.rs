@@ -503,6 +503,7 @@ fn prepare_as_lead(
     if comm.mesh().rank() == 0 {
         first = (|| -> Result<()> {
             lock = Some(run_dir.lock("harpe train")?);
+            crate::util::remove_stale_temps(run_dir.root())?; // a killed run's half-written small files
             println!("# resolved config (sha256 {})\n{toml}", &toml_sha[..12]);
             prepare_run_dir(&run_dir, toml, hash, args.force)?;
             if tokenizer == run_dir.tokenizer() {

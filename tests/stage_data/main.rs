@@ -8,6 +8,7 @@ mod data_common;
 #[path = "../common/tmpfs.rs"]
 mod tmpfs;
 mod full_disk;
+mod kill_during_prepare;
 
 mod data_integrity;
 mod data_loader;
