@@ -21,6 +21,7 @@
 // Foundations: small shared helpers, devices, the ops every stage computes with.
 pub mod testing;
 pub mod util;
+pub mod checksum;
 pub mod plot_font;
 pub mod device;
 pub mod ops;

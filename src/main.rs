@@ -76,6 +76,8 @@ enum Cmd {
     SearchBases(harpe::research::bases::cli::SearchBasesArgs),
     /// Parameter count, shapes, dtypes, RoPE scheme and memory of a model directory
     Inspect(harpe::model::inspect::InspectArgs),
+    /// Check a checkpoint or a prepared dataset against its recorded checksums, naming every damaged block
+    Verify(harpe::tools::verify::VerifyArgs),
     /// A plain HF model plus one optimizer state file from a sharded (multi-rank) checkpoint
     Consolidate(harpe::train::checkpoint::consolidate::ConsolidateArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
@@ -109,6 +111,7 @@ fn main() {
         Cmd::EvalTasks(a) => as_pool_worker(|| harpe::eval::tasks::run::run(*a)),
         Cmd::SearchBases(a) => harpe::research::bases::cli::run(a),
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
+        Cmd::Verify(a) => harpe::tools::verify::run(a),
         Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate::run(a),
         Cmd::Plan(a) => harpe::tools::plan::run(a),
         Cmd::Sweep(a) => harpe::research::sweep::run(a),

@@ -29,6 +29,21 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> 
     Ok(())
 }
 
+/// Remove the temporary files `write_atomic` leaves in `dir` when its process is killed mid-write
+/// (`.NAME.tmp.PID`). Only for a directory this process holds the lock of (`lock_dir`): no other writer
+/// can own one of them.
+pub fn remove_stale_temps(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let p = entry?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let pid = name.rsplit_once(".tmp.").map(|(_, pid)| pid).unwrap_or("");
+        if name.starts_with('.') && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()) && p.is_file() {
+            std::fs::remove_file(&p).with_context(|| format!("cannot remove the stale {}", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Hex sha256 of a byte slice.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};

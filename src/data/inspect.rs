@@ -4,7 +4,7 @@
 //! The non-obvious decision: histograms come from counts recorded at preparation time (log2 buckets of
 //! original document lengths, input vs selected), so inspecting a 6B-token dataset is instant.
 //! What this file does not do: verify shard checksums unless `--verify` is given.
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::path::PathBuf;
 
 use super::loader::{Loader, LoaderConfig};
@@ -25,7 +25,7 @@ pub struct InspectDataArgs {
     /// Tokenizer for --decode instead of DIR/tokenizer.json
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Recompute every shard's sha256 and compare it with the manifest
+    /// Check every shard against the manifest's checksums (CRC32C blocks; sha256 for an older dataset)
     #[arg(long)]
     pub verify: bool,
     /// Machine-readable output: the manifest, plus `decoded` when --decode is given
@@ -113,15 +113,7 @@ pub fn run(a: InspectDataArgs) -> Result<()> {
     let m = Manifest::load(&a.dir)?;
     if a.verify {
         for sh in &m.shards {
-            for (file, want) in [(&sh.file, &sh.sha256), (&sh.segments_file, &sh.segments_sha256)] {
-                let got = crate::util::sha256_file(&a.dir.join(file))?;
-                if &got != want {
-                    bail!(
-                        "{}: sha256 {got} differs from the manifest's {want}\nhint: the shard is damaged; re-run prepare-data",
-                        a.dir.join(file).display()
-                    );
-                }
-            }
+            sh.verify(&a.dir)?;
         }
     }
     let decoded = match a.decode {
@@ -163,7 +155,7 @@ pub fn run(a: InspectDataArgs) -> Result<()> {
         println!("bad line {}:{}: {}", b.file, b.line, b.reason);
     }
     if a.verify {
-        println!("verified sha256 of {} shards", m.shards.len());
+        println!("verified the checksums of {} shards", m.shards.len());
     }
     if let Some(d) = decoded {
         println!("\nsequence {} (document starts at {})", d["index"], d["doc_starts"]);

@@ -13,6 +13,9 @@
 //! The non-obvious decision: the cursor is (epoch, global position) rather than RNG state, because the
 //! permutation is a pure function of (seed, epoch); that also makes a resume with another world size
 //! exact whenever the global position is divisible by the new world size (it is refused otherwise).
+//! Integrity: a shard whose manifest entry has block checksums is checked block by block the first time a
+//! sequence in that block is read (the segment table, read whole at open, at open), so a damaged byte
+//! stops the run naming the file and offset instead of training on it, and a rank reads nothing twice.
 //! What this file does not do: batching, device transfer or document masks (the trainer builds those
 //! from `Sequence::doc_starts`).
 use anyhow::{bail, Context, Result};
@@ -21,7 +24,9 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-use super::shard::{Manifest, Segment};
+use super::shard::{Manifest, Segment, DAMAGED_HINT};
+use crate::checksum::FileSum;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How a rank reads the dataset.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,6 +112,10 @@ pub struct Cursor {
 /// One memory-mapped shard with its segment table (CSR by sequence).
 struct Shard {
     tokens: memmap2::Mmap,
+    /// the token file, for errors
+    path: std::path::PathBuf,
+    /// its block checksums (none in an older dataset) and which blocks were checked already
+    sum: Option<(FileSum, Vec<AtomicBool>)>,
     segs: Vec<Segment>,
     /// `seg_off[s]..seg_off[s+1]` are the segments of sequence `s`
     seg_off: Vec<usize>,
@@ -170,8 +179,25 @@ impl Loader {
                     manifest.seq_len
                 );
             }
+            let origin = format!("{}: shard {}", dir.join("manifest.json").display(), info.file);
+            let sum = match &info.crc32c {
+                Some(sum) => {
+                    sum.validate(&origin, DAMAGED_HINT)?;
+                    sum.check_len(&path, tokens.len() as u64, DAMAGED_HINT)?;
+                    Some((sum.clone(), (0..sum.crc32c.len()).map(|_| AtomicBool::new(false)).collect()))
+                }
+                None => None,
+            };
             let seg_path = dir.join(&info.segments_file);
             let bytes = std::fs::read(&seg_path).with_context(|| format!("cannot read {}", seg_path.display()))?;
+            if let Some(ss) = &info.segments_crc32c {
+                ss.validate(&origin, DAMAGED_HINT)?;
+                ss.check_len(&seg_path, bytes.len() as u64, DAMAGED_HINT)?;
+                for b in 0..ss.crc32c.len() {
+                    let r = ss.block_range(b);
+                    ss.check_block(&seg_path, b, &bytes[r.start as usize..r.end as usize], DAMAGED_HINT)?;
+                }
+            }
             let segs = Segment::parse_all(&bytes, &seg_path)?;
             let mut seg_off = vec![0usize; info.sequences as usize + 1];
             for s in &segs {
@@ -190,7 +216,7 @@ impl Loader {
             }
             shard_start.push(n);
             n += info.sequences;
-            shards.push(Shard { tokens, segs, seg_off });
+            shards.push(Shard { tokens, path, sum, segs, seg_off });
         }
         if n < cfg.world_size as u64 {
             bail!(
@@ -237,6 +263,15 @@ impl Loader {
         let sh = &self.shards[k];
         let t = self.manifest.seq_len;
         let bytes = &sh.tokens[s * t * 4..(s + 1) * t * 4];
+        if let Some((sum, checked)) = &sh.sum {
+            for b in sum.blocks_of((s * t * 4) as u64..((s + 1) * t * 4) as u64) {
+                if !checked[b].load(Ordering::Relaxed) {
+                    let r = sum.block_range(b);
+                    sum.check_block(&sh.path, b, &sh.tokens[r.start as usize..r.end as usize], DAMAGED_HINT)?;
+                    checked[b].store(true, Ordering::Relaxed);
+                }
+            }
+        }
         let tokens: Vec<u32> = bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let mut sources: Vec<SourceSpan> = Vec::new();
         let mut doc_starts = Vec::new();

@@ -9,6 +9,7 @@
 //! with their hashes is written; a restarted run re-walks the same deterministic stream but skips writing
 //! (and hashing) shards whose marker exists, so it produces the same bytes without redoing finished shards.
 //! What this file does not do: choose documents (`mixture`).
+use crate::checksum::{Summer, BLOCK_BYTES};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -29,6 +30,8 @@ struct OpenShard {
     segs: BufWriter<std::fs::File>,
     tok_hash: Sha256,
     seg_hash: Sha256,
+    tok_sum: Summer,
+    seg_sum: Summer,
     tmp_tokens: PathBuf,
     tmp_segs: PathBuf,
 }
@@ -137,6 +140,8 @@ impl Packer {
             segs: create(&tmp_segs)?,
             tok_hash: Sha256::new(),
             seg_hash: Sha256::new(),
+            tok_sum: Summer::new(BLOCK_BYTES),
+            seg_sum: Summer::new(BLOCK_BYTES),
             tmp_tokens,
             tmp_segs,
         });
@@ -161,12 +166,14 @@ impl Packer {
         if let Some(o) = self.open.as_mut() {
             let bytes: Vec<u8> = self.cur.iter().flat_map(|t| t.to_le_bytes()).collect();
             o.tok_hash.update(&bytes);
+            o.tok_sum.update(&bytes);
             o.tokens
                 .write_all(&bytes)
                 .with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_tokens.display()))?;
             for p in &self.pending {
                 let rec = p.seg.to_le_bytes();
                 o.seg_hash.update(rec);
+                o.seg_sum.update(&rec);
                 o.segs
                     .write_all(&rec)
                     .with_context(|| format!("writing {}\nhint: is the disk full?", o.tmp_segs.display()))?;
@@ -188,10 +195,10 @@ impl Packer {
             return Ok(());
         }
         if let Some(o) = self.open.take() {
-            let OpenShard { tokens, segs, tok_hash, seg_hash, tmp_tokens, tmp_segs } = o;
+            let OpenShard { tokens, segs, tok_hash, seg_hash, tok_sum, seg_sum, tmp_tokens, tmp_segs } = o;
             for (w, tmp) in [(tokens, &tmp_tokens), (segs, &tmp_segs)] {
-                let f = w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
-                f.sync_all().with_context(|| format!("fsync {}", tmp.display()))?;
+                let f = w.into_inner().with_context(|| format!("writing {} failed\nhint: is the disk full? free space and rerun the same command: finished shards are kept", tmp.display()))?;
+                f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full? free space and rerun the same command: finished shards are kept", tmp.display()))?;
             }
             let info = ShardInfo {
                 file: shard_file(self.shard),
@@ -199,6 +206,8 @@ impl Packer {
                 sequences: self.seq_in_shard,
                 sha256: hex::encode(tok_hash.finalize()),
                 segments_sha256: hex::encode(seg_hash.finalize()),
+                crc32c: Some(tok_sum.finish()),
+                segments_crc32c: Some(seg_sum.finish()),
             };
             for (tmp, name) in [(&tmp_tokens, &info.file), (&tmp_segs, &info.segments_file)] {
                 std::fs::rename(tmp, self.dir.join(name))

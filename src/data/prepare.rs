@@ -311,6 +311,7 @@ fn resolve(a: PrepareDataArgs) -> Result<(Vec<String>, PathBuf, PathBuf, Prepare
 pub fn run(args: PrepareDataArgs) -> Result<()> {
     let (inputs, tokenizer, out, opts) = resolve(args)?;
     let _lock = crate::util::lock_dir(&out, "harpe prepare-data")?; // one writer per --out directory
+    crate::util::remove_stale_temps(&out)?; // a killed run's half-written small files
     let files = expand_inputs(&inputs)?;
     let m = prepare(files, &tokenizer, &opts, &out)?;
     if !opts.quiet {
@@ -415,15 +416,16 @@ impl SpillWriter {
         self.tok
             .write_all(&bytes)
             .with_context(|| format!("writing {}\nhint: is the disk full?", self.tok_tmp.display()))?;
-        self.idx.write_all(&(ids.len() as u32).to_le_bytes())?;
-        self.idx.write_all(&id.to_le_bytes())?;
+        let mut idx = self.idx.write_all(&(ids.len() as u32).to_le_bytes());
+        idx = idx.and_then(|_| self.idx.write_all(&id.to_le_bytes()));
+        idx.with_context(|| format!("writing the index beside {}\nhint: is the disk full?", self.tok_tmp.display()))?;
         Ok(())
     }
 
     /// Flush both files and rename them to their final names.
     fn finish(self) -> Result<()> {
         for (w, tmp, fin) in [(self.tok, &self.tok_tmp, &self.tok_path), (self.idx, &self.idx_tmp, &self.idx_path)] {
-            w.into_inner().with_context(|| format!("flushing {}", tmp.display()))?;
+            w.into_inner().with_context(|| format!("writing {} failed\nhint: is the disk full? free space and rerun the same command: finished shards are kept", tmp.display()))?;
             std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {}", tmp.display()))?;
         }
         Ok(())

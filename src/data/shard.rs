@@ -21,6 +21,7 @@ use std::path::Path;
 
 use super::mixture::StrategyParams;
 use super::tokenize::Separator;
+use crate::checksum::FileSum;
 
 /// Value of `Manifest::format`.
 pub const FORMAT: &str = "harpe-dataset";
@@ -158,6 +159,42 @@ pub struct ShardInfo {
     pub sha256: String,
     /// sha256 of the segment table
     pub segments_sha256: String,
+    /// block checksums of the token file (`checksum::FileSum`), checked by the loader block by block as
+    /// it reads; absent in a dataset prepared before harpe recorded them
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<FileSum>,
+    /// block checksums of the segment table
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segments_crc32c: Option<FileSum>,
+}
+
+/// The hint of a damaged shard.
+pub const DAMAGED_HINT: &str = "the dataset is damaged; `harpe verify DIR` lists every damaged block; re-run prepare-data into a fresh directory or restore the dataset from a copy";
+
+impl ShardInfo {
+    /// Check both files of this shard in dataset `dir` whole: block checksums when recorded, else the
+    /// sha256 (what `inspect-data --verify` and `harpe verify` run).
+    pub fn verify(&self, dir: &Path) -> Result<()> {
+        for (file, sum, sha) in [
+            (&self.file, &self.crc32c, &self.sha256),
+            (&self.segments_file, &self.segments_crc32c, &self.segments_sha256),
+        ] {
+            let p = dir.join(file);
+            match sum {
+                Some(sum) => {
+                    sum.validate(&format!("{}: shard {file}", dir.join("manifest.json").display()), DAMAGED_HINT)?;
+                    sum.verify_file(&p, DAMAGED_HINT)?
+                }
+                None => {
+                    let got = crate::util::sha256_file(&p)?;
+                    if &got != sha {
+                        bail!("{}: sha256 {got} differs from the manifest's {sha}\nhint: {DAMAGED_HINT}", p.display());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `manifest.json` of a prepared dataset.

@@ -93,12 +93,22 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
             file.display()
         ));
     }
-    Tokenizer::from_file(&file).map_err(|e| {
-        anyhow!(
-            "cannot load tokenizer {}: {e}\nhint: pass the model's tokenizer.json (HF fast-tokenizer format)",
-            file.display()
-        )
-    })
+    let hint = "hint: pass the model's tokenizer.json (HF fast-tokenizer format)";
+    let text = std::fs::read(&file).with_context(|| format!("cannot read {}\n{hint}", file.display()))?;
+    // parsed as JSON first: the tokenizers crate panics (an `expect` in its decoder deserializer) on some
+    // malformed JSON instead of returning an error, so it is only handed a well-formed document, and a
+    // panic it still raises becomes this error too
+    let json: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| anyhow!("{}: line {}: {e}\n{hint}", file.display(), e.line()))?;
+    let built = std::panic::catch_unwind(|| serde_json::from_value::<Tokenizer>(json));
+    match built {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(anyhow!("cannot load tokenizer {}: {e}\n{hint}", file.display())),
+        Err(p) => {
+            let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+            Err(anyhow!("cannot load tokenizer {}: {}\n{hint}", file.display(), msg.unwrap_or_default()))
+        }
+    }
 }
 
 /// Hex sha256 of the tokenizer.json bytes; `train` refuses a dataset whose hash differs from the model's.

@@ -13,6 +13,7 @@
 //! `Tensor::randn` on the GPU: curand's values differ from the CPU's, and the CPU-vs-GPU loss checks
 //! (gpu-check.sh `train_parity`, selftest) start both runs from one seed's weights.
 //! Not done here: optimizer state (`checkpoint`).
+use crate::checksum::{FileSum, SumWriter};
 use crate::flatbuf::{FlatBuf, Placement};
 use crate::model::config::LlamaConfig;
 use crate::model::layout::ParamLayout;
@@ -255,14 +256,18 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
+/// The files a save wrote, by name, with their block checksums (a checkpoint's `checksums.json`).
+pub type WrittenFiles = Vec<(String, FileSum)>;
+
 /// Write config.json and the tensors (HF names) as `model.safetensors`, or as shards of at most
-/// `max_shard_bytes` plus `model.safetensors.index.json` when larger. Files are written atomically.
+/// `max_shard_bytes` plus `model.safetensors.index.json` when larger. Files are written atomically;
+/// returns each file's checksums, computed as it was written.
 pub fn save_model_dir(
     dir: &Path,
     cfg: &LlamaConfig,
     tensors: &[(String, Tensor)],
     max_shard_bytes: usize,
-) -> Result<()> {
+) -> Result<WrittenFiles> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create {}\nhint: check the path and permissions", dir.display()))?;
     let mut cfg = cfg.clone();
@@ -271,6 +276,7 @@ pub fn save_model_dir(
     }
     let cfg_text = serde_json::to_string_pretty(&cfg.to_json())?;
     write_atomic(&dir.join("config.json"), cfg_text.as_bytes())?;
+    let mut written = vec![("config.json".to_string(), FileSum::of_bytes(cfg_text.as_bytes()))];
     // Group tensors into shards in order.
     let mut shards: Vec<Vec<&(String, Tensor)>> = vec![vec![]];
     let mut cur = 0usize;
@@ -297,19 +303,22 @@ pub fn save_model_dir(
         };
         let srcs: Vec<(String, StreamSrc)> = shard.iter().map(|(k, t)| (k.clone(), StreamSrc::Tensor(t))).collect();
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        write_safetensors(&dir.join(&fname), &srcs, Some(meta), STREAM_CHUNK_BYTES)?;
+        let (_, sum) = write_safetensors_summed(&dir.join(&fname), &srcs, Some(meta), STREAM_CHUNK_BYTES)?;
+        written.push((fname.clone(), sum));
         for (k, _) in shard {
             weight_map.insert(k.clone(), fname.clone());
         }
     }
     if n > 1 {
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write_atomic(&dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?.as_bytes())?;
+        let text = serde_json::to_string_pretty(&index)?;
+        write_atomic(&dir.join("model.safetensors.index.json"), text.as_bytes())?;
+        written.push(("model.safetensors.index.json".to_string(), FileSum::of_bytes(text.as_bytes())));
         let _ = std::fs::remove_file(dir.join("model.safetensors"));
     } else {
         let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
     }
-    Ok(())
+    Ok(written)
 }
 
 /// Bytes per piece of a streamed safetensors write (`write_safetensors`): a save holds about this much
@@ -368,6 +377,17 @@ pub fn write_safetensors(
     meta: Option<HashMap<String, String>>,
     chunk_bytes: usize,
 ) -> Result<usize> {
+    Ok(write_safetensors_summed(path, tensors, meta, chunk_bytes)?.0)
+}
+
+/// `write_safetensors`, also returning the file's block checksums, computed from the bytes as they are
+/// written (`checksum::SumWriter`), not by reading the file back.
+pub fn write_safetensors_summed(
+    path: &Path,
+    tensors: &[(String, StreamSrc)],
+    meta: Option<HashMap<String, String>>,
+    chunk_bytes: usize,
+) -> Result<(usize, FileSum)> {
     let mut order: Vec<(&String, &StreamSrc, safetensors::Dtype)> =
         tensors.iter().map(|(k, s)| Ok((k, s, safe_dtype(s.dtype())?))).collect::<Result<_>>()?;
     order.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(b.0)));
@@ -385,8 +405,9 @@ pub fn write_safetensors(
     let mut header = serde_json::to_string(&header)?.into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
     let mut largest = 0;
+    let mut sum = None;
     write_atomic_with(path, |f| {
-        let mut f = std::io::BufWriter::new(f);
+        let mut f = std::io::BufWriter::new(SumWriter::new(f));
         f.write_all(&(header.len() as u64).to_le_bytes())?;
         f.write_all(&header)?;
         for &(_, src, _) in &order {
@@ -398,9 +419,12 @@ pub fn write_safetensors(
                 f.write_all(&piece)?;
             }
         }
-        Ok(f.flush()?)
+        let summed = f.into_inner().map_err(|e| e.into_error())?;
+        sum = Some(summed.finish().1);
+        Ok(())
     })?;
-    Ok(largest)
+    let sum = sum.ok_or_else(|| anyhow!("internal: {} was written without its checksums", path.display()))?;
+    Ok((largest, sum))
 }
 
 fn safe_dtype(d: DType) -> Result<safetensors::Dtype> {

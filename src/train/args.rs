@@ -20,6 +20,10 @@ pub struct TrainArgs {
     /// (starts from scratch when there is none)
     #[arg(long)]
     pub resume: bool,
+    /// continue from this complete checkpoint directory (RUN/checkpoints/step_N) instead of the newest,
+    /// e.g. the one before a checkpoint that `--resume` found damaged; implies --resume
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub resume_from: Option<PathBuf>,
     /// override one config value, e.g. --set optim.lr=1e-5 or --set stage.0.steps=10 (repeatable)
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -49,6 +53,7 @@ impl TrainArgs {
             out: out.map(Path::to_path_buf),
             steps: None,
             resume: false,
+            resume_from: None,
             set: vec![],
             force: false,
             nproc_per_node: None,

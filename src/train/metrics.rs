@@ -7,6 +7,11 @@
 //! estimated: the peak resident set of each step is read from /proc/self/status (VmHWM) after resetting
 //! it through /proc/self/clear_refs at the start of the step, so `step_peak_bytes` is the real extra
 //! memory a step needed. On systems without /proc these read as 0.
+//! A failed write of `metrics.jsonl` (a full disk, a quota, an I/O error) does not stop training: the
+//! log says so once on stderr, cuts the file back to its last whole line and writes no more lines this
+//! session. The rule: only what a resume needs (checkpoints) may stop a run; the log is a record, and a
+//! later `--resume` rewrites it from the lines up to its checkpoint. TensorBoard's event file
+//! (`tensorboard.rs`) follows the same rule.
 //! What this file does not do: aggregate across ranks (the loop reduces before logging).
 use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -86,6 +91,11 @@ pub fn step_line(r: &StepRecord, total_steps: u64) -> String {
 /// Appends records to `metrics.jsonl`, one line each, flushed per step.
 pub struct MetricsLog {
     file: std::fs::File,
+    path: std::path::PathBuf,
+    /// bytes of whole lines written so far (a failed write is cut back to this)
+    len: u64,
+    /// a write failed: no more lines this session
+    failed: bool,
 }
 
 impl MetricsLog {
@@ -112,7 +122,7 @@ impl MetricsLog {
         let file = std::fs::OpenOptions::new().append(true).open(path).with_context(|| {
             format!("cannot open {} for appending\nhint: check that the run directory is writable", path.display())
         })?;
-        Ok(MetricsLog { file })
+        Ok(MetricsLog { file, path: path.to_path_buf(), len: text.len() as u64, failed: false })
     }
 
     /// Append one step record.
@@ -126,8 +136,27 @@ impl MetricsLog {
     }
 
     fn write_line(&mut self, line: &str) -> Result<()> {
-        writeln!(self.file, "{line}").context("writing metrics.jsonl failed\nhint: is the disk full?")?;
-        self.file.flush().context("flushing metrics.jsonl failed")
+        if self.failed {
+            return Ok(());
+        }
+        let text = format!("{line}\n");
+        match self.file.write_all(text.as_bytes()).and_then(|_| self.file.flush()) {
+            Ok(()) => self.len += text.len() as u64,
+            Err(e) => {
+                self.failed = true;
+                let _ = self.file.set_len(self.len);
+                eprintln!(
+                    "warning: writing {} failed ({e}); training goes on, with no more metrics lines this session\nhint: free disk space; a later --resume rewrites the file from the lines up to its checkpoint",
+                    self.path.display()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a write failed (no more lines are written this session).
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 }
 

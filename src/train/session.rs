@@ -101,7 +101,10 @@ impl Run {
         let run_dir = args.run_dir();
         let tokenizer = tokenizer_of(&cfg, &run_dir);
         let lock = prepare_as_lead(&comm, args, (&resolved.toml, &resolved.hash), &hash, &tokenizer)?;
-        let resume_from = agreed_resume_point(&comm, &run_dir, args.resume, &hash)?;
+        let resume_from = match &args.resume_from {
+            Some(dir) => Some(agreed_named_checkpoint(&comm, dir, &run_dir)?),
+            None => agreed_resume_point(&comm, &run_dir, args.resume, &hash)?,
+        };
         let stop = stop_flag()?;
 
         // the training state's home: the device (a CUDA run, or the CPU test knob), else host memory
@@ -309,6 +312,17 @@ pub(super) fn resume(
     (layout, map, rank): (&ParamLayout, &ShardMap, usize),
     (hp, p): (AdamWHyper, &Placement),
 ) -> Result<(AdamW, TrainState)> {
+    let mesh = comm.mesh();
+    // the files no rank reads whole are checked in shares; the optimizer blocks as each rank reads them
+    match checkpoint::load_checksums(dir)? {
+        Some(sums) => checkpoint::verify_share(dir, &sums, mesh.rank(), mesh.world())?,
+        None if mesh.rank() == 0 => println!(
+            "note: {} has no {} (written by an older harpe): resuming without verifying its files",
+            dir.display(),
+            checkpoint::CHECKSUMS
+        ),
+        None => {}
+    }
     let state = checkpoint::load_state(dir)?;
     if state.config_hash != hash && !force {
         bail!(
@@ -316,7 +330,6 @@ pub(super) fn resume(
             dir.display()
         );
     }
-    let mesh = comm.mesh();
     let (master, m, v, t) = checkpoint::read_optim_range(dir, &mesh, map.flat_range(rank))?;
     let optim = AdamW::from_state((layout, map, rank), hp, [master, m, v].map(FlatBuf::from_vec), t, p)?;
     if mesh.rank() == 0 {
@@ -407,6 +420,64 @@ fn agreed_resume_point(comm: &Comm, run_dir: &RunDir, resume: bool, hash: &str) 
     Ok(path)
 }
 
+/// `--resume-from DIR`: every rank checks that `dir` is a complete checkpoint (`DONE`) and reads the
+/// same step in it; any rank that cannot stops every rank. Rank 0 first moves the run's newer complete
+/// checkpoints aside (`step_N.abandoned`): they belong to the history this resume abandons (typically a
+/// damaged one), and left in place they would be what a later `--resume` picks and what pruning by
+/// `keep_last` keeps, deleting `dir`.
+fn agreed_named_checkpoint(comm: &Comm, dir: &Path, run_dir: &RunDir) -> Result<PathBuf> {
+    let mine = (|| -> Result<u64> {
+        if !dir.join(checkpoint::DONE).is_file() {
+            bail!(
+                "--resume-from {}: not a complete checkpoint (no {} file)\nhint: pass a directory RUN/checkpoints/step_N that holds {}",
+                dir.display(),
+                checkpoint::DONE,
+                checkpoint::DONE
+            );
+        }
+        let step = checkpoint::load_state(dir)?.step;
+        if comm.mesh().rank() == 0 {
+            abandon_newer(&run_dir.checkpoints(), step)?;
+        }
+        Ok(step)
+    })();
+    if !comm.all_ok(mine.is_ok())? {
+        mine?;
+        bail!(
+            "another rank cannot resume from {}\nhint: every rank must see the same checkpoint directory",
+            dir.display()
+        );
+    }
+    let step = mine? as f64;
+    let mut told = [if comm.mesh().rank() == 0 { step } else { 0.0 }];
+    comm.all_reduce_sum_f64(&mut told)?;
+    if told[0] != step {
+        bail!(
+            "rank {} reads step {step} in {}, rank 0 step {}\nhint: every rank must see the same checkpoint directory",
+            comm.mesh().rank(),
+            dir.display(),
+            told[0]
+        );
+    }
+    Ok(dir.to_path_buf())
+}
+
+/// Rename every complete checkpoint under `root` newer than `step` to `step_N.abandoned` (which no
+/// resume or pruning touches).
+fn abandon_newer(root: &Path, step: u64) -> Result<()> {
+    for (s, p) in checkpoint::list_complete(root)? {
+        if s > step {
+            let mut to = p.clone().into_os_string();
+            to.push(".abandoned");
+            std::fs::rename(&p, &to).with_context(|| {
+                format!("cannot move aside {}\nhint: check that the run directory is writable", p.display())
+            })?;
+            println!("moved {} aside to {} (newer than the checkpoint resumed)", p.display(), to.to_string_lossy());
+        }
+    }
+    Ok(())
+}
+
 /// The checkpoints directory rank `rank` looks at: the run directory's, except under the test hook
 /// `testing::CHECKPOINT_VIEW`, which shows one rank another directory (a stale or node-local file
 /// system, in one process of thread ranks).
@@ -432,6 +503,7 @@ fn prepare_as_lead(
     if comm.mesh().rank() == 0 {
         first = (|| -> Result<()> {
             lock = Some(run_dir.lock("harpe train")?);
+            crate::util::remove_stale_temps(run_dir.root())?; // a killed run's half-written small files
             println!("# resolved config (sha256 {})\n{toml}", &toml_sha[..12]);
             prepare_run_dir(&run_dir, toml, hash, args.force)?;
             if tokenizer == run_dir.tokenizer() {

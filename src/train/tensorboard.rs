@@ -89,9 +89,15 @@ fn masked_crc(bytes: &[u8]) -> u32 {
 }
 
 /// One event file, appended and flushed per event.
+/// A failed write (a full disk) does not stop training: it is reported once, the file is cut back to its
+/// last whole record, and no more events are written this session (metrics.rs states the rule).
 pub struct TbWriter {
     file: std::fs::File,
     path: PathBuf,
+    /// bytes of whole records written so far
+    len: u64,
+    /// a write failed: no more events this session
+    failed: bool,
 }
 
 fn wall_time() -> f64 {
@@ -120,7 +126,7 @@ impl TbWriter {
         let file = std::fs::OpenOptions::new().create_new(true).append(true).open(&path).with_context(|| {
             format!("cannot create {}\nhint: check that the run directory is writable", path.display())
         })?;
-        let mut w = TbWriter { file, path };
+        let mut w = TbWriter { file, path, len: 0, failed: false };
         w.write_event(&Event {
             wall_time: wall_time(),
             step: 0,
@@ -149,10 +155,21 @@ impl TbWriter {
         rec.extend_from_slice(&masked_crc(&len).to_le_bytes());
         rec.extend_from_slice(&data);
         rec.extend_from_slice(&masked_crc(&data).to_le_bytes());
-        self.file
-            .write_all(&rec)
-            .and_then(|_| self.file.flush())
-            .with_context(|| format!("writing {} failed\nhint: is the disk full?", self.path.display()))
+        if self.failed {
+            return Ok(());
+        }
+        match self.file.write_all(&rec).and_then(|_| self.file.flush()) {
+            Ok(()) => self.len += rec.len() as u64,
+            Err(e) => {
+                self.failed = true;
+                let _ = self.file.set_len(self.len);
+                eprintln!(
+                    "warning: writing {} failed ({e}); training goes on, with no more TensorBoard events this session\nhint: free disk space; metrics.jsonl holds the same numbers",
+                    self.path.display()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// One event holding every (tag, value) scalar of `step`.

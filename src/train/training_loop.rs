@@ -14,6 +14,7 @@ use super::params::Params;
 use super::session::Run;
 use super::stage::Stage;
 use super::step::{forward_backward_with, Backward, MicroBatch};
+use crate::checksum::FileSum;
 use crate::comms::sequence::SpGroup;
 use crate::comms::zero::{self, ZeroShards};
 use crate::comms::Comm;
@@ -23,7 +24,7 @@ use crate::data::loader::source_name;
 use crate::data::Sequence;
 use crate::grads;
 use crate::model::attention::AttentionImpl;
-use crate::model::weights::save_model_dir;
+use crate::model::weights::{save_model_dir, WrittenFiles};
 use crate::model::Llama;
 use crate::optim::schedule::Progress;
 use crate::testing::hooks;
@@ -336,15 +337,18 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut, stop: bool) -> Result
     // it borrows only what it writes
     let (layout, vars, mc) = (&r.layout, &s.vars, &s.mc);
     let (tokenizer, max_shard) = (&r.tokenizer, r.cfg.checkpoint.max_shard_bytes);
-    let write_model = |dir: &Path| -> Result<()> {
+    let write_model = |dir: &Path| -> Result<WrittenFiles> {
         let tensors: Vec<(String, Tensor)> = match &full {
             Some(w) => w.clone(),
             None => layout.params.iter().zip(vars).map(|(p, v)| (p.name.clone(), v.as_tensor().clone())).collect(),
         };
-        save_model_dir(dir, mc, &tensors, max_shard)?;
-        std::fs::copy(tokenizer, dir.join("tokenizer.json"))
+        let mut written = save_model_dir(dir, mc, &tensors, max_shard)?;
+        // the tokenizer's bytes are summed as they are copied (a small file, read once)
+        let text = std::fs::read(tokenizer).with_context(|| format!("cannot read {}", tokenizer.display()))?;
+        std::fs::write(dir.join("tokenizer.json"), &text)
             .with_context(|| format!("copying {} into the checkpoint", tokenizer.display()))?;
-        Ok(())
+        written.push(("tokenizer.json".into(), FileSum::of_bytes(&text)));
+        Ok(written)
     };
     let root = r.run_dir.checkpoints();
     // rank 0's commit writes the model files (compute dtype): its wait bound is sized by their bytes

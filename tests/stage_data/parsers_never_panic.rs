@@ -17,14 +17,19 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Cases per reader: at least 2,000 in every run (`PROPTEST_CASES` raises it for a longer run,
+/// benches/results/fuzz.md).
+pub const CASES: u32 = 2000;
+
 /// Deterministic by default so CI cannot flake; `PROPTEST_RNG_SEED=N` explores other inputs.
-fn cfg(cases: u32) -> ProptestConfig {
+pub fn cfg(cases: u32) -> ProptestConfig {
     let base = ProptestConfig::default();
     let rng_seed = if std::env::var_os("PROPTEST_RNG_SEED").is_some() {
         base.rng_seed
     } else {
         proptest::test_runner::RngSeed::Fixed(16)
     };
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(0).max(cases);
     ProptestConfig { cases, failure_persistence: None, rng_seed, ..base }
 }
 
@@ -36,7 +41,7 @@ fn check<T>(r: anyhow::Result<T>) {
 }
 
 /// A mutation of `base`: flip bytes, cut, splice random bytes, or duplicate a slice.
-fn mutate(base: &[u8], kind: u8, pos: usize, bytes: &[u8]) -> Vec<u8> {
+pub fn mutate(base: &[u8], kind: u8, pos: usize, bytes: &[u8]) -> Vec<u8> {
     let mut v = base.to_vec();
     if v.is_empty() {
         return bytes.to_vec();
@@ -63,7 +68,7 @@ fn mutate(base: &[u8], kind: u8, pos: usize, bytes: &[u8]) -> Vec<u8> {
 }
 
 /// Values that break assumptions: huge, negative, fractional, wrong type.
-fn nasty_json() -> impl Strategy<Value = serde_json::Value> {
+pub fn nasty_json() -> impl Strategy<Value = serde_json::Value> {
     prop_oneof![
         Just(serde_json::json!(0)),
         Just(serde_json::json!(-1)),
@@ -103,7 +108,7 @@ fn replace_nth(v: &mut serde_json::Value, k: &mut usize, new: &serde_json::Value
     }
 }
 
-fn with_replaced(text: &str, k: usize, new: &serde_json::Value) -> String {
+pub fn with_replaced(text: &str, k: usize, new: &serde_json::Value) -> String {
     let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
     let mut k = k;
     replace_nth(&mut v, &mut k, new);
@@ -119,7 +124,7 @@ fn config_text() -> &'static str {
 }
 
 proptest! {
-    #![proptest_config(cfg(384))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn config_json_values_never_panic(k in 0usize..64, new in nasty_json()) {
         let text = with_replaced(config_text(), k, &new);
@@ -171,7 +176,7 @@ fn safetensors_header_claiming_2_pow_60_bytes_is_refused() {
 }
 
 proptest! {
-    #![proptest_config(cfg(256))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn safetensors_mutations_never_panic(kind in any::<u8>(), pos in 0usize..4096, bytes in prop::collection::vec(any::<u8>(), 1..16)) {
         // Mutate mostly the 8-byte length and the JSON header (the first few hundred bytes).
@@ -247,7 +252,7 @@ fn prepared_dataset_opens() {
 }
 
 proptest! {
-    #![proptest_config(cfg(256))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn manifest_values_never_panic(k in 0usize..96, new in nasty_json()) {
         let tmp = tempfile::tempdir().unwrap();
@@ -299,7 +304,7 @@ fn nasty_toml_value() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(cfg(384))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn run_toml_values_never_panic(line in 0usize..80, value in nasty_toml_value()) {
         // Replace the value of the line-th `key = value` line of the shipped recipe.
@@ -348,7 +353,7 @@ fn record_json() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(cfg(512))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn jsonl_records_never_panic(line in record_json(), raw in prop::collection::vec(any::<u8>(), 0..24)) {
         let fields = Fields::new("text", "meta.redpajama_set_name", None, None);
@@ -380,7 +385,7 @@ fn task_record(task: &str) -> (harpe::eval::tasks::TaskSpec, String) {
 }
 
 proptest! {
-    #![proptest_config(cfg(256))]
+    #![proptest_config(cfg(CASES))]
     #[test]
     fn eval_task_records_never_panic(t in 0usize..5, k in 0usize..40, new in nasty_json()) {
         let task = ["mmlu_anatomy", "hellaswag", "arc_challenge", "piqa", "triviaqa"][t];

@@ -6,6 +6,8 @@
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/tmpfs.rs"]
+mod tmpfs;
 
 mod train_dist;
 mod train_dist_eval;
@@ -17,6 +19,9 @@ mod train_memory;
 mod train_run;
 mod train_step;
 mod zero3_prefetch;
+mod checkpoint_integrity;
 mod cli_train;
+mod full_disk;
+mod kill_during_write;
 mod plan_largest_t;
 mod plan_memory;

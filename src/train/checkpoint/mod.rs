@@ -27,10 +27,11 @@
 //! Reading the shards back is `checkpoint/read.rs`.
 //! What this file does not do: decide when to save (train/training_loop.rs) or write the weights' bytes
 //! (`model::weights::save_model_dir`, passed in as a closure).
+use crate::checksum::{Checksums, FileSum};
 use crate::comms::{Comm, Mesh};
 use crate::flatbuf::FlatBuf;
 use crate::model::rope::RopeScheme;
-use crate::model::weights::{write_safetensors, StreamSrc, STREAM_CHUNK_BYTES};
+use crate::model::weights::{write_safetensors_summed, StreamSrc, WrittenFiles, STREAM_CHUNK_BYTES};
 use crate::optim::adamw::AdamW;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -49,6 +50,11 @@ pub use read::{
 pub const FORMAT: u32 = 1;
 /// Name of the completion marker.
 pub const DONE: &str = "DONE";
+/// Name of the checksum manifest: every other file's length and block CRC32Cs, written before `DONE`.
+pub const CHECKSUMS: &str = "checksums.json";
+/// Suffix of a rank's checksum file beside its optimizer shard in the temp dir, merged into `CHECKSUMS` by
+/// rank 0's commit (the ranks may be processes, so the sums travel through the shared directory).
+const SUMS_SUFFIX: &str = ".sums.json";
 
 /// Everything besides tensors that resuming needs (`state.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -108,17 +114,18 @@ fn fsync_path(p: &Path) -> Result<()> {
         .with_context(|| format!("fsync {} failed\nhint: is the disk full or the file system read-only?", p.display()))
 }
 
-fn write_file(p: &Path, bytes: &[u8]) -> Result<()> {
+fn write_file(p: &Path, bytes: &[u8]) -> Result<FileSum> {
     let mut f = std::fs::File::create(p)
         .with_context(|| format!("cannot create {}\nhint: check that the run directory is writable", p.display()))?;
     f.write_all(bytes).with_context(|| format!("writing {} failed\nhint: is the disk full?", p.display()))?;
-    f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))
+    f.sync_all().with_context(|| format!("fsync {} failed\nhint: is the disk full?", p.display()))?;
+    Ok(FileSum::of_bytes(bytes))
 }
 
 /// Write this rank's optimizer state (master, m, v and the step count / range in the metadata) as
 /// `path`, streamed from its buffers in pieces of `chunk_bytes` (`write_safetensors`); returns the
-/// largest piece held on the host.
-pub fn write_optim_shard(path: &Path, o: &AdamW, chunk_bytes: usize) -> Result<usize> {
+/// largest piece held on the host and the file's checksums.
+pub fn write_optim_shard(path: &Path, o: &AdamW, chunk_bytes: usize) -> Result<(usize, FileSum)> {
     write_optim_file(path, o.master(), o.m(), o.v(), o.t(), o.range(), chunk_bytes)
 }
 
@@ -131,13 +138,13 @@ fn write_optim_file(
     t: u64,
     range: std::ops::Range<usize>,
     chunk_bytes: usize,
-) -> Result<usize> {
+) -> Result<(usize, FileSum)> {
     let srcs = [("master", master), ("m", m), ("v", v)].map(|(k, b)| (k.to_string(), StreamSrc::Flat(b)));
     // one metadata entry holding a JSON object: a HashMap with several keys would serialize in a
     // random order and make identical states give different bytes
     let info = serde_json::json!({"format": FORMAT, "t": t, "range_start": range.start, "range_end": range.end});
     let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
-    write_safetensors(path, &srcs, Some(meta), chunk_bytes)
+    write_safetensors_summed(path, &srcs, Some(meta), chunk_bytes)
         .with_context(|| format!("cannot write the optimizer state {}", path.display()))
 }
 
@@ -172,7 +179,7 @@ pub fn save(
     optim: &AdamW,
     comm: &Comm,
     opts: &SaveOpts,
-    write_model: &(dyn Fn(&Path) -> Result<()> + Sync),
+    write_model: &(dyn Fn(&Path) -> Result<WrittenFiles> + Sync),
 ) -> Result<PathBuf> {
     let mesh = comm.mesh();
     let lead = mesh.rank() == 0;
@@ -187,7 +194,8 @@ pub fn save(
         let path = tmp.join(optim_file(&mesh));
         let wait = Wait { bound: wait_bound(12 * optim.range().len() as u64, opts.timeout), tick: tick(opts.timeout) };
         res = agree_within(comm, "writing the optimizer shards", wait, || {
-            write_optim_shard(&path, optim, STREAM_CHUNK_BYTES).map(|_| ())
+            let (_, sum) = write_optim_shard(&path, optim, STREAM_CHUNK_BYTES)?;
+            write_file(&sums_file(&path), serde_json::to_string(&sum)?.as_bytes()).map(|_| ())
         });
     }
     // 3. rank 0 writes the model and state, DONE last, and commits by renaming
@@ -206,9 +214,14 @@ pub fn save(
         let prev = prev
             .map(|p| format!("the previous checkpoint {} is intact", p.display()))
             .unwrap_or_else(|| "no earlier checkpoint exists".into());
+        // what the save needed against what its file system has, for a full disk
+        let need = opts.model_bytes + 12 * optim.range().len() as u64 * mesh.world() as u64;
+        let free = free_bytes(root).map(|b| format!(", {} free on its file system now", crate::util::human_bytes(b)));
         return Err(e.context(format!(
-            "saving checkpoint {} failed; {prev}\nhint: free disk space or fix permissions, then rerun with --resume",
-            fin.display()
+            "saving checkpoint {} failed; {prev}; a checkpoint of this run needs about {}{}\nhint: free disk space or fix permissions, then rerun with --resume",
+            fin.display(),
+            crate::util::human_bytes(need),
+            free.unwrap_or_default()
         )));
     }
     if lead {
@@ -216,6 +229,16 @@ pub fn save(
     }
     comm.barrier()?;
     Ok(fin)
+}
+
+/// Bytes available to this user on the file system of `p` (`statvfs`), if it can be asked.
+fn free_bytes(p: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-parameter for the call's duration.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// Barrier on a step of the save: this rank's own error wins, else "another rank failed".
@@ -309,17 +332,29 @@ fn fresh_dir(root: &Path, tmp: &Path) -> Result<()> {
     std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}\nhint: check permissions", tmp.display()))
 }
 
-/// Rank 0's part: model files, `state.json`, fsync everything, `DONE`, rename `tmp` to `fin`.
+/// The checksum file written beside optimizer shard `shard`.
+fn sums_file(shard: &Path) -> PathBuf {
+    let mut name = shard.file_name().unwrap_or_default().to_os_string();
+    name.push(SUMS_SUFFIX);
+    shard.with_file_name(name)
+}
+
+/// Rank 0's part: model files, `state.json`, the checksums of every file (`CHECKSUMS`, merging the
+/// ranks' shard sums), fsync everything, `DONE`, rename `tmp` to `fin`.
 fn commit(
     root: &Path,
     tmp: &Path,
     fin: &Path,
     state: &TrainState,
-    write_model: &dyn Fn(&Path) -> Result<()>,
+    write_model: &dyn Fn(&Path) -> Result<WrittenFiles>,
 ) -> Result<()> {
     slow_commit_hook();
-    write_model(tmp)?;
-    write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
+    let mut sums = Checksums::new();
+    sums.files.extend(write_model(tmp)?);
+    let st = write_file(&tmp.join("state.json"), serde_json::to_string_pretty(state)?.as_bytes())?;
+    sums.files.insert("state.json".into(), st);
+    merge_shard_sums(tmp, &mut sums)?;
+    write_file(&tmp.join(CHECKSUMS), serde_json::to_string(&sums)?.as_bytes())?;
     for entry in std::fs::read_dir(tmp)? {
         fsync_path(&entry?.path())?;
     }
@@ -339,6 +374,75 @@ fn commit(
         std::fs::rename(tmp, fin).with_context(|| format!("cannot rename {} to {}", tmp.display(), fin.display()))?;
     }
     fsync_path(root)
+}
+
+/// Move every rank's shard checksums (`SUMS_SUFFIX` files) into `sums`, removing the files.
+fn merge_shard_sums(tmp: &Path, sums: &mut Checksums) -> Result<()> {
+    for entry in std::fs::read_dir(tmp).with_context(|| format!("cannot list {}", tmp.display()))? {
+        let p = entry?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        if let Some(shard) = name.strip_suffix(SUMS_SUFFIX) {
+            let text = std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
+            let sum: FileSum = serde_json::from_slice(&text).with_context(|| {
+                format!("{}: not a checksum file\nhint: a rank's write was damaged; save again", p.display())
+            })?;
+            sums.files.insert(shard.to_string(), sum);
+            std::fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The checksums of checkpoint `dir` (`CHECKSUMS`), or `None` for a checkpoint written before harpe
+/// recorded them (it still resumes, unverified).
+pub fn load_checksums(dir: &Path) -> Result<Option<Checksums>> {
+    let p = dir.join(CHECKSUMS);
+    if !p.exists() {
+        return Ok(None);
+    }
+    Checksums::load(&p, &damage_hint(dir)).map(Some)
+}
+
+/// The hint of an error about a damaged checkpoint `dir`: resume from the newest complete checkpoint
+/// before it, when there is one.
+pub fn damage_hint(dir: &Path) -> String {
+    let step = load_state_unverified(dir).map(|s| s.step).ok();
+    let earlier = dir.parent().and_then(|root| list_complete(root).ok()).and_then(|all| {
+        all.into_iter().filter(|(s, p)| p != dir && step.is_none_or(|st| *s < st)).map(|(_, p)| p).next_back()
+    });
+    match earlier {
+        Some(p) => format!(
+            "the checkpoint is damaged; resume from the previous one with --resume-from {} (`harpe verify {}` lists every damaged block)",
+            p.display(),
+            dir.display()
+        ),
+        None => format!(
+            "the checkpoint is damaged and no earlier complete one exists beside it; `harpe verify {}` lists every damaged block; restore it from a copy or train again into a new --out",
+            dir.display()
+        ),
+    }
+}
+
+/// Check this rank's share of the files of checkpoint `dir` that no rank reads whole at resume (the
+/// model files, config, tokenizer, state): their lengths, and every `world`-th block of them (a block
+/// counter running over the files in name order) starting at `rank`, so the ranks share the reading.
+/// Optimizer shards are checked by the blocks each rank reads (`read.rs`).
+pub fn verify_share(dir: &Path, sums: &Checksums, rank: usize, world: usize) -> Result<()> {
+    let hint = damage_hint(dir);
+    let mut counter = 0usize;
+    for (name, sum) in &sums.files {
+        if name.starts_with("optim-") {
+            continue;
+        }
+        let p = dir.join(name);
+        let f = std::fs::File::open(&p).with_context(|| format!("cannot open {}\nhint: {hint}", p.display()))?;
+        sum.check_len(&p, f.metadata()?.len(), &hint)?;
+        let n = sum.crc32c.len();
+        let mine = (0..n).filter(|b| (counter + b) % world.max(1) == rank);
+        sum.verify_blocks(&p, &f, mine, &hint)?;
+        counter += n;
+    }
+    Ok(())
 }
 
 /// Test hook of the long-commit test (`testing::SLOW_COMMIT`): rank 0's commit sleeps first, so it
@@ -396,8 +500,17 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
-/// Read `state.json` of a checkpoint.
+/// Read `state.json` of a checkpoint, checked against its checksums when the checkpoint has them.
 pub fn load_state(dir: &Path) -> Result<TrainState> {
+    if let Some(sums) = load_checksums(dir)? {
+        if let Some(sum) = sums.files.get("state.json") {
+            sum.verify_file(&dir.join("state.json"), &damage_hint(dir))?;
+        }
+    }
+    load_state_unverified(dir)
+}
+
+fn load_state_unverified(dir: &Path) -> Result<TrainState> {
     let p = dir.join("state.json");
     let text = std::fs::read_to_string(&p)
         .with_context(|| format!("cannot read {}\nhint: the checkpoint is incomplete", p.display()))?;
@@ -440,7 +553,9 @@ mod tests {
         let hp = AdamWHyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, wd_matrix: 0.0, wd_embedding: 0.0, wd_norm: 0.0 };
         let map = ShardMap::new(&l, 1, Split::Slices);
         let mut o = AdamW::new(&l, &FlatBuf::from_vec(vec![1.0, 2.0, 3.0]), &map, 0, hp).unwrap();
-        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let model = |p: &Path| -> Result<WrittenFiles> {
+            Ok(vec![("model.safetensors".into(), write_file(&p.join("model.safetensors"), b"x")?)])
+        };
         let comm = Comm::Single;
         let opts = SaveOpts { keep_last: 2, timeout: Duration::from_secs(60), model_bytes: 1 };
         for step in 1..=4 {
@@ -459,7 +574,7 @@ mod tests {
         std::fs::create_dir_all(root.join("step_000009")).unwrap();
         assert_eq!(latest_complete(&root).unwrap().unwrap(), last);
         // a save that fails half-way leaves the previous checkpoints intact and no step_5
-        let failing = |p: &Path| -> Result<()> {
+        let failing = |p: &Path| -> Result<WrittenFiles> {
             write_file(&p.join("model.safetensors"), b"partial")?;
             bail!("No space left on device (simulated)")
         };
@@ -540,7 +655,9 @@ mod tests {
             host.step(&g, 0.01).unwrap();
             dev.step(&g.try_clone().unwrap().placed(&dp).unwrap(), 0.01).unwrap();
         }
-        let model = |p: &Path| -> Result<()> { write_file(&p.join("model.safetensors"), b"x") };
+        let model = |p: &Path| -> Result<WrittenFiles> {
+            Ok(vec![("model.safetensors".into(), write_file(&p.join("model.safetensors"), b"x")?)])
+        };
         let comm = Comm::Single;
         let opts = SaveOpts { keep_last: 1, timeout: Duration::from_secs(60), model_bytes: 1 };
         let ph = save(&d.path().join("h"), &state(3), &host, &comm, &opts, &model).unwrap();

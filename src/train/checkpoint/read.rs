@@ -5,6 +5,7 @@
 //! A resume may use another world size than the run that wrote the checkpoint, so the shards are re-cut.
 //! Split from checkpoint/mod.rs, which writes what this reads.
 
+use crate::checksum::{Checksums, FileSum};
 use crate::comms::Mesh;
 use crate::flatbuf::FlatBuf;
 use crate::optim::adamw::AdamW;
@@ -29,10 +30,15 @@ pub struct OptimShard {
     file: std::fs::File,
     /// byte offsets of the little-endian f32 data of master, m and v in the file
     offsets: [usize; 3],
+    /// the file's block checksums from the checkpoint's `checksums.json` (none in an older checkpoint)
+    sum: Option<FileSum>,
+    /// the hint of a checksum mismatch (`damage_hint`)
+    hint: String,
 }
 
-/// Bytes per positional read of a shard's values.
-const READ_CHUNK_BYTES: usize = 8 << 20;
+/// Bytes per positional read of a shard's values: one checksum block, so a checked read reads each
+/// block once and whole.
+const READ_CHUNK_BYTES: u64 = crate::checksum::BLOCK_BYTES;
 
 /// Which of a shard's three tensors.
 #[derive(Clone, Copy, Debug)]
@@ -43,21 +49,38 @@ pub enum OptimPart {
 }
 
 impl OptimShard {
-    /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`.
+    /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`. With
+    /// checksums, every block holding any of those bytes is read whole and checked before its values
+    /// are used.
     pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let mut at = (self.offsets[part as usize] + 4 * local.start) as u64;
-        let mut left = 4 * local.len();
-        let mut buf = vec![0u8; left.min(READ_CHUNK_BYTES)];
+        let start = (self.offsets[part as usize] + 4 * local.start) as u64;
+        let end = start + 4 * local.len() as u64;
+        let grid = self.sum.as_ref().map_or(READ_CHUNK_BYTES, |s| s.block_bytes);
+        let mut buf = Vec::new();
+        // bytes of a value split by a block boundary (never in a file harpe wrote: its data is 4-aligned)
+        let mut carry = Vec::new();
         out.reserve(local.len());
-        while left > 0 {
-            let piece = &mut buf[..left.min(READ_CHUNK_BYTES)];
-            self.file.read_exact_at(piece, at).with_context(|| {
-                format!("cannot read {} at byte {at}\nhint: the file is damaged or truncated", self.path.display())
+        let mut at = start;
+        while at < end {
+            let b = at / grid;
+            let hi = ((b + 1) * grid).min(end);
+            let (rs, re) = match &self.sum {
+                Some(s) => (s.block_range(b as usize).start, s.block_range(b as usize).end),
+                None => (at, hi),
+            };
+            buf.resize((re - rs) as usize, 0);
+            self.file.read_exact_at(&mut buf, rs).with_context(|| {
+                format!("cannot read {} at byte {rs}\nhint: the file is damaged or truncated", self.path.display())
             })?;
-            out.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-            at += piece.len() as u64;
-            left -= piece.len();
+            if let Some(s) = &self.sum {
+                s.check_block(&self.path, b as usize, &buf, &self.hint)?;
+            }
+            carry.extend_from_slice(&buf[(at - rs) as usize..(hi - rs) as usize]);
+            let whole = carry.len() / 4 * 4;
+            out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            carry.drain(..whole);
+            at = hi;
         }
         Ok(())
     }
@@ -111,7 +134,22 @@ pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
     let offsets = [offset("master")?, offset("m")?, offset("v")?];
     let t = num("t")?;
     drop(st);
-    Ok(OptimShard { path: p.to_path_buf(), range, t, file: f, offsets })
+    Ok(OptimShard { path: p.to_path_buf(), range, t, file: f, offsets, sum: None, hint: String::new() })
+}
+
+/// The checksums of optimizer shard `p` in `sums` (of checkpoint `dir`) and the hint of a mismatch,
+/// after checking the file's length and its first block (where the header every reader parses lies;
+/// the values are checked as they are read).
+fn shard_sum(dir: &Path, p: &Path, sums: &Checksums) -> Result<(FileSum, String)> {
+    let hint = super::damage_hint(dir);
+    let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let sum = sums.files.get(&name).ok_or_else(|| {
+        anyhow!("{}: not listed in {}\nhint: {hint}", p.display(), dir.join(super::CHECKSUMS).display())
+    })?;
+    let f = std::fs::File::open(p).with_context(|| format!("cannot open {}\nhint: {hint}", p.display()))?;
+    sum.check_len(p, f.metadata().with_context(|| format!("cannot stat {}", p.display()))?.len(), &hint)?;
+    sum.verify_blocks(p, &f, sum.blocks_of(0..1), &hint)?;
+    Ok((sum.clone(), hint))
 }
 
 /// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
@@ -133,7 +171,20 @@ pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
             dir.display()
         );
     }
-    let mut shards = files.iter().map(|p| read_optim_shard(p)).collect::<Result<Vec<_>>>()?;
+    let sums = super::load_checksums(dir)?;
+    let mut shards = Vec::with_capacity(files.len());
+    for p in &files {
+        let sum = sums.as_ref().map(|s| shard_sum(dir, p, s)).transpose()?;
+        let mut shard = read_optim_shard(p)?;
+        if let Some((sum, hint)) = sum {
+            // the header's remaining blocks (block 0 was checked before parsing)
+            let header_end = shard.offsets.iter().copied().min().unwrap_or(0) as u64;
+            let more = sum.blocks_of(0..header_end).filter(|&b| b > 0);
+            sum.verify_blocks(&shard.path, &shard.file, more, &hint)?;
+            (shard.sum, shard.hint) = (Some(sum), hint);
+        }
+        shards.push(shard);
+    }
     shards.sort_by_key(|s| (s.range.start, s.range.end));
     Ok(shards)
 }
