@@ -173,12 +173,12 @@ impl Summer {
 }
 
 /// A writer that sums the bytes passed through it (`Summer` over `BLOCK_BYTES` blocks).
-pub struct SumWriter<W: Write> {
+pub struct SumWriter<W: Write + Send> {
     inner: W,
     summer: Summer,
 }
 
-impl<W: Write> SumWriter<W> {
+impl<W: Write + Send> SumWriter<W> {
     /// Sum what is written to `inner`.
     pub fn new(inner: W) -> SumWriter<W> {
         SumWriter { inner, summer: Summer::new(BLOCK_BYTES) }
@@ -190,11 +190,27 @@ impl<W: Write> SumWriter<W> {
     }
 }
 
-impl<W: Write> Write for SumWriter<W> {
+/// Writes at least this large are summed on a second thread while the write itself runs (the hash then
+/// costs nothing where a core is free); smaller ones inline, where a thread would cost more than it saves.
+const OVERLAP_BYTES: usize = 1 << 20;
+
+impl<W: Write + Send> Write for SumWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.summer.update(&buf[..n]);
-        Ok(n)
+        if buf.len() < OVERLAP_BYTES {
+            let n = self.inner.write(buf)?;
+            self.summer.update(&buf[..n]);
+            return Ok(n);
+        }
+        // the whole buffer goes out (write_all), so the sums cover exactly what was written
+        let (inner, summer) = (&mut self.inner, &mut self.summer);
+        std::thread::scope(|s| {
+            let hashing = s.spawn(move || summer.update(buf));
+            let written = inner.write_all(buf);
+            let joined = hashing.join();
+            written?;
+            joined.map_err(|_| std::io::Error::other("internal: the checksum thread panicked"))?;
+            Ok(buf.len())
+        })
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -265,6 +281,15 @@ mod tests {
         let (out, sum) = w.finish();
         assert_eq!(out, data);
         assert_eq!(sum, FileSum::of_bytes(&data));
+        // pieces of every size: inline (< 1 MiB) and summed beside the write (>= 1 MiB), across blocks
+        for piece_len in [1usize, 4096, OVERLAP_BYTES - 1, OVERLAP_BYTES, 3 * OVERLAP_BYTES + 5, 10 * OVERLAP_BYTES] {
+            let mut w = SumWriter::new(Vec::new());
+            for piece in data.chunks(piece_len) {
+                w.write_all(piece).unwrap();
+            }
+            let (out, s2) = w.finish();
+            assert_eq!((out == data, &s2), (true, &sum), "pieces of {piece_len} bytes");
+        }
         assert_eq!(sum.crc32c.len(), 3);
         assert_eq!(sum.crc32c[0], crc32c::crc32c(&data[..BLOCK_BYTES as usize]));
         sum.validate("x", "h").unwrap();
