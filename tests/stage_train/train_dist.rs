@@ -590,9 +590,14 @@ pub(super) fn losses_or_empty(run: &Path) -> Vec<(u64, f64)> {
 
 #[test]
 fn n_ranks_equal_one_rank_in_bf16_within_the_bf16_noise_floor() {
-    // bf16 compute weights (gathered and published in bf16 under ZeRO): N ranks may differ from one rank
-    // by summation order only; the floor is what the order alone makes at one rank (micro-batches of 1
-    // instead of 2), measured in this run, and N ranks are held to a few times it
+    bf16_ranks_within_the_noise_floor("ranks", train_ranks);
+}
+
+/// bf16 compute weights (gathered and published in bf16 under ZeRO): N ranks may differ from one rank by
+/// summation order only; the floor is what the order alone makes at one rank (micro-batches of 1 instead
+/// of 2), measured in this run, and N ranks — started by `run(cfg, out, (n, zero), extra)`, `kind` in
+/// messages — are held to 4x it at 2 ranks ZeRO-1 and 4 ranks ZeRO-3.
+pub(super) fn bf16_ranks_within_the_noise_floor(kind: &str, run: impl Fn(&Path, &Path, (usize, u8), &[&str])) {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path());
     let bf16 = ["--set", "train.dtype=\"bf16\""];
@@ -607,8 +612,8 @@ fn n_ranks_equal_one_rank_in_bf16_within_the_bf16_noise_floor() {
     assert!(floor_loss > 0.0 || floor_w > 0.0, "bf16 at one rank is order-independent?");
     for (n, z) in [(2, 1), (4, 3)] {
         let out = d.path().join(format!("w{n}z{z}"));
-        train_ranks(&cfg, &out, (n, z), &bf16);
-        let what = format!("bf16, {n} ranks, ZeRO-{z}");
+        run(&cfg, &out, (n, z), &bf16);
+        let what = format!("bf16, {n} {kind}, ZeRO-{z}");
         let dl = max_rel_diff(&losses(&one), &losses(&out));
         assert!(dl <= 4.0 * floor_loss.max(1e-4), "{what}: losses differ by {dl:e}, floor {floor_loss:e}");
         let dw = max_rel_l2(&model(&one), &model(&out), &what);

@@ -7,8 +7,8 @@
 //! The tolerance is the one train_dist.rs holds thread ranks to (a few times the measured noise floor
 //! of f32 summation order): processes sum the same partial gradients, in Gloo's order.
 use super::train_dist::{
-    assert_same_losses, assert_same_tensors, baseline, ckpt, harpe_text as harpe, losses, losses_or_empty,
-    max_rel_diff, max_rel_l2, model, shards_and_done, train, train_ranks, write_cfg, TINY,
+    assert_same_losses, assert_same_tensors, baseline, bf16_ranks_within_the_noise_floor, ckpt, harpe_text as harpe,
+    losses, losses_or_empty, model, shards_and_done, train, train_ranks, write_cfg, TINY,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -276,25 +276,7 @@ fn gloo_processes_under_torchrun_equal_one_rank() {
 
 #[test]
 fn gloo_processes_in_bf16_stay_within_the_bf16_noise_floor() {
-    // as train_dist's bf16 test: the floor is what summation order alone makes at one rank
-    let d = tempfile::tempdir().unwrap();
-    let cfg = write_cfg(d.path());
-    let bf16 = ["--set", "train.dtype=\"bf16\""];
-    let one = d.path().join("one");
-    train(&cfg, &one, &bf16);
-    let alt = d.path().join("one-mb1");
-    train(&cfg, &alt, &[bf16[0], bf16[1], "--set", "train.micro_batch_size=1"]);
-    let floor_loss = max_rel_diff(&losses(&one), &losses(&alt));
-    let floor_w = max_rel_l2(&model(&one), &model(&alt), "bf16 noise floor");
-    for (n, z) in [(2, 1), (4, 3)] {
-        let out = d.path().join(format!("p{n}z{z}"));
-        train_procs(&cfg, &out, (n, z), &bf16);
-        let what = format!("bf16, {n} Gloo processes, ZeRO-{z}");
-        let dl = max_rel_diff(&losses(&one), &losses(&out));
-        assert!(dl <= 4.0 * floor_loss.max(1e-4), "{what}: losses differ by {dl:e}, floor {floor_loss:e}");
-        let dw = max_rel_l2(&model(&one), &model(&out), &what);
-        assert!(dw <= 4.0 * floor_w.max(1e-3), "{what}: weights differ by {dw:e}, floor {floor_w:e}");
-    }
+    bf16_ranks_within_the_noise_floor("Gloo processes", train_procs);
 }
 
 #[test]
