@@ -431,7 +431,9 @@ impl GlooComm {
         let mut server = None;
         let mut serve_err = None;
         let rv = rendezvous(&spec, || match spec.meet {
-            Meeting::AgentStore { .. } => vec![],
+            // torchrun's store outlives an attempt of the workers, and its agents may disagree on the attempt's
+            // number: rank 0 names this attempt's Gloo keys itself
+            Meeting::AgentStore { .. } => rand::random::<u64>().to_le_bytes().to_vec(),
             Meeting::Listen => match StoreServer::bind(&spec.addr) {
                 Ok(s) => {
                     let port = s.port().to_le_bytes().to_vec();
@@ -448,7 +450,10 @@ impl GlooComm {
             return Err(e.context("rank 0 could not serve the rendezvous store"));
         }
         let (store_host, store_port, prefix) = match spec.meet {
-            Meeting::AgentStore { restart } => (spec.addr.clone(), spec.port, format!("harpe/gloo/{restart}/")),
+            Meeting::AgentStore { .. } => {
+                let attempt = hex::encode(rv.payload());
+                (spec.addr.clone(), spec.port, format!("harpe/gloo/{attempt}/"))
+            }
             Meeting::Listen => {
                 let p = rv.payload();
                 if p.len() != 2 {

@@ -278,6 +278,7 @@ fn spec(port: u16, rank: usize, world: usize, timeout_ms: u64) -> RendezvousSpec
         version: binary_version(),
         config_hash: config_hash("[train]\nlr = 1e-5\n"),
         timeout: Duration::from_millis(timeout_ms),
+        spans_hosts: false,
     }
 }
 
