@@ -310,6 +310,39 @@ fn four_ranks_exchange_the_payload_and_pass_barriers() {
     }
 }
 
+/// torchrun's agent store outlives an attempt of the workers, and its agents may number the attempt
+/// differently: ranks of one attempt meet even when the store still holds the previous attempt's rank-0
+/// address (nothing listens there any more) and their restart counts disagree.
+#[test]
+fn ranks_meet_through_an_agent_store_despite_a_stale_address_and_disagreeing_restart_counts() {
+    use harpe::launch::rendezvous::STORE_KEY;
+    use harpe::launch::store::{StoreClient, StoreServer};
+    let server = StoreServer::bind("127.0.0.1").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut c = StoreClient::connect("127.0.0.1", server.port(), deadline).unwrap();
+    let dead = free_port("127.0.0.1").unwrap();
+    c.set(STORE_KEY, format!("127.0.0.1:{dead}\n").as_bytes()).unwrap();
+    let spec_of = |r: usize| {
+        let mut s = spec(server.port(), r, 3, 20_000);
+        s.meet = Meeting::AgentStore { restart: [1, 0, 1][r] };
+        s
+    };
+    // ranks 1 and 2 first: they read the stale address, find nothing there, and read again
+    let others: Vec<_> = (1..3)
+        .map(|r| {
+            let s = spec_of(r);
+            std::thread::spawn(move || rendezvous(&s, Vec::new).map(|rv| rv.rank0_addr().to_string()))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let rv0 = rendezvous(&spec_of(0), || vec![7]).unwrap();
+    for (r, h) in others.into_iter().enumerate() {
+        let at = h.join().unwrap().unwrap_or_else(|e| panic!("rank {}: {e:#}", r + 1));
+        assert_eq!(at, rv0.rank0_addr(), "rank {} met rank 0 where it listens", r + 1);
+        assert!(!at.ends_with(&format!(":{dead}")), "rank {} took the stale address", r + 1);
+    }
+}
+
 #[test]
 fn a_rank_with_another_version_or_config_aborts_the_group_before_any_work() {
     type Tweak = fn(&mut RendezvousSpec);
