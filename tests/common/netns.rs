@@ -130,9 +130,10 @@ impl Hosts {
             return "netem delay 50ms loss 1%".into();
         }
         let netem = String::from_utf8_lossy(&o.stderr).trim().to_string();
-        let rules = "table inet harpe_loss {\n chain input { type filter hook input priority 0; numgen random mod 100 \
-                     < 1 drop; }\n chain output { type filter hook output priority 0; numgen random mod 100 < 1 drop; \
-                     }\n}\n";
+        let chain = |hook: &str| {
+            format!(" chain {hook} {{ type filter hook {hook} priority 0; numgen random mod 100 < 1 counter drop; }}\n")
+        };
+        let rules = format!("table inet harpe_loss {{\n{}{}}}\n", chain("input"), chain("output"));
         let mut nft = Command::new("ip")
             .args(["netns", "exec", ns, "nft", "-f", "-"])
             .stdin(std::process::Stdio::piped())
@@ -144,6 +145,18 @@ impl Hosts {
         let o = tc(&["qdisc", "add", "dev", v, "root", "tbf", "rate", "8mbit", "burst", "16kb", "latency", "200ms"]);
         assert!(o.status.success(), "tc tbf: {}", String::from_utf8_lossy(&o.stderr));
         format!("no netem in this kernel ({netem}): nftables 1% random drop both ways + tbf 8mbit (queueing delay)")
+    }
+
+    /// Packets `impair` has dropped on host `i` by nftables (`None`: netem does the dropping there).
+    pub fn dropped(&self, i: usize) -> Option<u64> {
+        let o = Command::new("ip")
+            .args(["netns", "exec", &self.ns[i], "nft", "list", "table", "inet", "harpe_loss"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let counts = text.split("packets ").skip(1).filter_map(|t| t.split_whitespace().next()?.parse::<u64>().ok());
+        Some(counts.sum())
     }
 }
 

@@ -147,6 +147,10 @@ fn two_hosts_under_harpes_launcher_by_name_by_address_and_over_a_lossy_link_equa
     let mut ps = launcher_run(&h, &cfg, &out, NAMES[0], &["--set", "dist.timeout_s=120"]);
     assert_all_succeed(&mut ps, &format!("2 hosts over a link with {how}"));
     assert_eq!(losses(&out), losses(&d.path().join("by-name")), "losses over the link with {how} vs a clean link");
+    if let Some(n) = h.dropped(1) {
+        eprintln!("nftables dropped {n} packets on node02");
+        assert!(n > 0, "the loss rules dropped nothing: the run did not cross an impaired link");
+    }
 }
 
 #[test]
