@@ -210,6 +210,66 @@ fn os(v: &[&str]) -> Vec<OsString> {
 fn the_nproc_flag_is_stripped_from_worker_command_lines() {
     let a = os(&["train", "--nproc-per-node", "4", "--config", "c.toml", "--nproc-per-node=2", "--steps", "3"]);
     assert_eq!(strip_nproc_flag(&a), os(&["train", "--config", "c.toml", "--steps", "3"]));
+    // and the launcher's node flags
+    let a = os(&[
+        "train",
+        "--nnodes",
+        "2",
+        "--node-rank=1",
+        "--master-addr",
+        "node01",
+        "--master-port=29500",
+        "--steps",
+        "3",
+    ]);
+    assert_eq!(strip_nproc_flag(&a), os(&["train", "--steps", "3"]));
+}
+
+/// harpe's launcher across nodes refuses what cannot form one group: no rank-0 host, no shared token, a
+/// node rank out of range, node flags without --nproc-per-node.
+#[test]
+fn the_launchers_node_flags_are_checked_before_anything_starts() {
+    let cases: [(&[&str], &[(&str, &str)], &str); 4] = [
+        (&["--nproc-per-node", "1", "--nnodes", "2"], &[("HARPE_RUN_TOKEN", "t")], "needs --master-addr"),
+        (&["--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"], &[], "export HARPE_RUN_TOKEN"),
+        (&["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"], &[], "node ranks are 0..nnodes-1"),
+        (&["--nnodes", "2", "--node-rank", "1"], &[], "add --nproc-per-node"),
+    ];
+    for (flags, env, want) in cases {
+        let mut c = harpe_cmd();
+        c.arg("dist-check").args(flags).env_remove("HARPE_RUN_TOKEN").envs(env.iter().copied());
+        let o = c.output().unwrap();
+        let text = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && text.contains(want) && text.contains("hint:"), "{flags:?}: {text}");
+    }
+}
+
+/// Two "nodes" of harpe's launcher on one machine form one group of 2 x 2 ranks.
+#[test]
+fn two_nodes_of_harpes_launcher_on_one_machine_form_one_group() {
+    let port = free_port("127.0.0.1").unwrap().to_string();
+    let nodes: Vec<_> = (0..2)
+        .map(|r| {
+            harpe_cmd()
+                .args(["dist-check", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &r.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--timeout-s", "30"])
+                .env("HARPE_RUN_TOKEN", format!("two-nodes-{port}"))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut all = String::new();
+    for n in nodes {
+        let o = n.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        all.push_str(&text);
+    }
+    for r in 0..4 {
+        assert!(all.contains(&format!("dist-check: rank {r}/4")), "rank {r} missing:\n{all}");
+    }
 }
 
 fn sh(script: &str) -> (SpawnOptions, Vec<OsString>) {
