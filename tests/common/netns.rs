@@ -84,9 +84,9 @@ impl Hosts {
             ip(&["-n", ns, "link", "set", v, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
             let mut hosts = String::from("127.0.0.1 localhost\n");
-            for j in 0..2 {
+            for (j, name) in NAMES.iter().enumerate() {
                 let addr = if i == j && names == Names::OwnNameLoopback { "127.0.1.1" } else { &self.addrs[j] };
-                hosts.push_str(&format!("{addr} {}\n", NAMES[j]));
+                hosts.push_str(&format!("{addr} {name}\n"));
             }
             let dir = self.etc(i);
             std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;

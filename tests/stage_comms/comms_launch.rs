@@ -229,7 +229,9 @@ fn the_nproc_flag_is_stripped_from_worker_command_lines() {
 /// node rank out of range, node flags without --nproc-per-node.
 #[test]
 fn the_launchers_node_flags_are_checked_before_anything_starts() {
-    let cases: [(&[&str], &[(&str, &str)], &str); 4] = [
+    /// flags, extra environment, what the error must say
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 4] = [
         (&["--nproc-per-node", "1", "--nnodes", "2"], &[("HARPE_RUN_TOKEN", "t")], "needs --master-addr"),
         (&["--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"], &[], "export HARPE_RUN_TOKEN"),
         (&["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"], &[], "node ranks are 0..nnodes-1"),
