@@ -24,7 +24,10 @@
 //!   (bf16 inputs are widened, summed and rounded once) and f64 for the per-step scalars.
 //! - A failure: Gloo returns an error when a peer's connection breaks and times out after
 //!   `dist.timeout_s`; the rank then waits briefly for the watch to name the rank that failed first
-//!   (its own error otherwise, told to the group), so every rank stops naming the cause.
+//!   (its own error otherwise, told to the group), so every rank stops naming the cause. A timeout
+//!   that no failure explains (a host or the link to it gone silent: no connection breaks) adds a roll
+//!   call through the store: the ranks that do not answer are named with their hosts, and a rank that
+//!   cannot reach the store says so.
 //!
 //! What it does not do: device memory (a CUDA buffer travels through the host), or abort a collective
 //! under way (Gloo has no abort: the peer's closed connection or the timeout ends it).
@@ -368,10 +371,72 @@ impl<R> Issued<R> {
     }
 }
 
-/// What the handle and its issued collectives share: the failure watch.
+/// What the handle and its issued collectives share: the failure watch, and where to hold a roll call.
 struct GlooShared {
     rank: usize,
+    world: usize,
     watch: Watch,
+    roll: RollCall,
+}
+
+/// How long a roll call waits for the other ranks to answer through the store.
+const ROLL_CALL: Duration = Duration::from_secs(3);
+
+/// The store the group met through, and its keys: each rank's Gloo host is published at the join, so a
+/// roll call after a collective timed out can name the ranks that are unreachable and where they are.
+struct RollCall {
+    host: String,
+    port: u16,
+    prefix: String,
+}
+
+impl RollCall {
+    fn host_key(&self, r: usize) -> String {
+        format!("{}host/{r}", self.prefix)
+    }
+
+    /// After a collective timed out with no failure named: mark this rank present in the store, wait
+    /// `ROLL_CALL` for the others, and say who did not answer (and at which host), or that the store
+    /// itself is out of reach.
+    fn call(&self, rank: usize, world: usize) -> String {
+        let deadline = Instant::now() + ROLL_CALL;
+        let at = format!("{}:{}", self.host, self.port);
+        let res = (|| -> Result<Vec<(usize, String)>> {
+            let mut c = StoreClient::connect(&self.host, self.port, deadline)?;
+            c.set(&format!("{}alive/{rank}", self.prefix), b"1")?;
+            loop {
+                let mut missing = vec![];
+                for r in (0..world).filter(|&r| r != rank) {
+                    if !c.check(&format!("{}alive/{r}", self.prefix))? {
+                        let host = if c.check(&self.host_key(r))? { c.get(&self.host_key(r))? } else { vec![] };
+                        missing.push((r, String::from_utf8_lossy(&host).into_owned()));
+                    }
+                }
+                if missing.is_empty() || Instant::now() >= deadline {
+                    return Ok(missing);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })();
+        match res {
+            Err(e) => format!(
+                "rank {rank} cannot reach the group's store at {at} either ({e:#}): that host, or the link to it, is \
+                 down or unreachable from here"
+            ),
+            Ok(m) if m.is_empty() => format!("every rank answered a roll call through the store at {at}"),
+            Ok(m) => {
+                let ranks: Vec<usize> = m.iter().map(|x| x.0).collect();
+                let mut hosts: Vec<&str> = m.iter().map(|x| x.1.as_str()).filter(|h| !h.is_empty()).collect();
+                hosts.dedup();
+                format!(
+                    "ranks {ranks:?} (at {}) did not answer a roll call through the store at {at} within {:.0}s: \
+                     unreachable from here (their host, or the link to it, is down) or stopped",
+                    hosts.join(", "),
+                    ROLL_CALL.as_secs_f64()
+                )
+            }
+        }
+    }
 }
 
 impl GlooShared {
@@ -385,8 +450,13 @@ impl GlooShared {
             )),
             Some(_) => e,
             None => {
-                self.watch.report("in a collective", &format!("{e:#}"));
-                e
+                let roll = self.roll.call(self.rank, self.world);
+                self.watch.report("in a collective", &format!("{e:#}; {roll}"));
+                e.context(format!(
+                    "{roll}\nhint: check that every host of the group is up and that the network between the hosts \
+                     passes the ports of the rendezvous, the store and Gloo; raise dist.timeout_s if a rank is \
+                     legitimately slow"
+                ))
             }
         }
     }
@@ -431,7 +501,9 @@ impl GlooComm {
         let mut server = None;
         let mut serve_err = None;
         let rv = rendezvous(&spec, || match spec.meet {
-            Meeting::AgentStore { .. } => vec![],
+            // torchrun's store outlives an attempt of the workers, and its agents may disagree on the attempt's
+            // number: rank 0 names this attempt's Gloo keys itself
+            Meeting::AgentStore { .. } => rand::random::<u64>().to_le_bytes().to_vec(),
             Meeting::Listen => match StoreServer::bind(&spec.addr) {
                 Ok(s) => {
                     let port = s.port().to_le_bytes().to_vec();
@@ -448,7 +520,10 @@ impl GlooComm {
             return Err(e.context("rank 0 could not serve the rendezvous store"));
         }
         let (store_host, store_port, prefix) = match spec.meet {
-            Meeting::AgentStore { restart } => (spec.addr.clone(), spec.port, format!("harpe/gloo/{restart}/")),
+            Meeting::AgentStore { .. } => {
+                let attempt = hex::encode(rv.payload());
+                (spec.addr.clone(), spec.port, format!("harpe/gloo/{attempt}/"))
+            }
             Meeting::Listen => {
                 let p = rv.payload();
                 if p.len() != 2 {
@@ -460,11 +535,13 @@ impl GlooComm {
                 (host.to_string(), u16::from_le_bytes([p[0], p[1]]), "harpe/gloo/".to_string())
             }
         };
-        let client = StoreClient::connect(&store_host, store_port, deadline)
+        let mut client = StoreClient::connect(&store_host, store_port, deadline)
             .with_context(|| format!("rank {rank}: reaching the rendezvous store at {store_host}:{store_port}"))?;
         let host = client.local_ip()?.to_string();
+        let roll = RollCall { host: store_host.clone(), port: store_port, prefix: prefix.clone() };
+        client.set(&roll.host_key(rank), host.as_bytes())?;
         let watch = Watch::start(rv, Box::new(|_f: &GroupFailure| {}))?;
-        let shared = Arc::new(GlooShared { rank, watch });
+        let shared = Arc::new(GlooShared { rank, world, watch, roll });
         let fail = |doing: &str, e: anyhow::Error| -> anyhow::Error {
             shared.watch.report(doing, &format!("{e:#}"));
             e

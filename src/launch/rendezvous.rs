@@ -11,10 +11,20 @@
 //! variables set by hand), or — under torchrun, whose agent already serves its TCPStore on
 //! `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE=True`) — on a port the kernel hands out (bind port 0:
 //! taken and held in one call, so it cannot collide with the agent's store or anything else) at the
-//! address this host reaches the store from, published with a random run token under
-//! `harpe/rendezvous/<restart>` in the agent's store (`store.rs`), where the other ranks read it. That
-//! is the store torch's own workers use for the same purpose; a port derived from `MASTER_PORT`
-//! (+1, ...) could be taken, and a fixed one could not serve two runs on one node.
+//! address this host reaches the store from, published with a random run token under `STORE_KEY` in
+//! the agent's store (`store.rs`), where the other ranks read it. That is the store torch's own workers
+//! use for the same purpose; a port derived from `MASTER_PORT` (+1, ...) could be taken, and a fixed one
+//! could not serve two runs on one node.
+//!
+//! A group that spans hosts needs rank 0 at an address the other hosts reach. When the address rank 0
+//! would bind is a loopback one (`MASTER_ADDR` is a host name that the host's own /etc/hosts maps to
+//! 127.0.1.1, as Debian's does, or 127.0.0.1 given by mistake) and the launcher says the world spans
+//! more than this node, rank 0 listens on the wildcard address instead, only so that a rank arriving
+//! from another host is told why the group cannot form: rank 0 aborts the whole rendezvous naming the
+//! address, instead of every rank waiting for the timeout. Ranks on rank 0's own host (several "nodes"
+//! on one machine) still meet over loopback. A rank reading a loopback address from the agent's store
+//! while it reaches the store itself from another host connects to the store's host instead, for the
+//! same answer.
 //!
 //! The non-obvious decisions: rank 0 admits connections concurrently (each handshake on its own
 //! thread, bounded by `HANDSHAKE_WAIT`), so a silent or slow client cannot hold the door for the real
@@ -25,7 +35,8 @@
 //! aborts the *whole* rendezvous: rank 0 tells it and every rank already admitted why, then returns the
 //! error itself, so no rank starts work with a mixed group and none waits for the timeout. A
 //! connection that does not speak the protocol (a port scanner) is dropped with a warning. Rank 0
-//! binds one address (`MASTER_ADDR`, or the one it reaches torchrun's store from), never 0.0.0.0.
+//! binds one address (`MASTER_ADDR`, or the one it reaches torchrun's store from), never 0.0.0.0 —
+//! except in the loopback case above, where it admits loopback peers only.
 //!
 //! What it does not do: carry training traffic (NCCL or `Local` do), authenticate (the token guards
 //! against mixing runs and stray clients, not against an attacker who can read the launcher's
@@ -35,7 +46,7 @@ use crate::launch::store::StoreClient;
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -54,23 +65,21 @@ pub enum Meeting {
     /// Rank 0 listens on the spec's `addr:port`; the others connect there.
     Listen,
     /// The spec's `addr:port` is torchrun's agent TCPStore: rank 0 listens on a port of its own and
-    /// publishes it (and the token, when drawn) under `store_key(restart)`; the others read it there.
+    /// publishes it (and the token, when drawn) under `STORE_KEY`; the others read it there.
     AgentStore {
-        /// `TORCHELASTIC_RESTART_COUNT`: each attempt of the workers meets under its own key.
+        /// `TORCHELASTIC_RESTART_COUNT`, this agent's count of restarts (named in messages only: agents
+        /// may disagree on it, see `STORE_KEY`).
         restart: u32,
     },
 }
 
-/// The agent-store key under which rank 0 publishes its rendezvous address for attempt `restart`.
-/// Keyed by attempt because the agent's store outlives a restart of the workers: an unkeyed address would
-/// hand a restarted rank the dead rank 0's port. `TORCHELASTIC_RESTART_COUNT` is each agent's own count,
-/// and agents that joined at different times could disagree on it; torch's own workers key their store
-/// the same way (`/worker/attempt_<TORCHELASTIC_RESTART_COUNT>`, torch.distributed's env:// rendezvous), so
-/// such a group would break torch's process groups too, and here a rank under a key nobody writes fails
-/// after `dist.timeout_s` naming the key and this cause (`find_rank0`), never hangs.
-pub fn store_key(restart: u32) -> String {
-    format!("harpe/rendezvous/{restart}")
-}
+/// The agent-store key under which every attempt's rank 0 publishes its rendezvous address. Not keyed
+/// by `TORCHELASTIC_RESTART_COUNT`: that is each agent's own count, and torchrun's agents disagree on it
+/// once one agent restarted its workers after a failure (the agents that restart theirs because the
+/// group changed do not count it). Instead each attempt's rank 0 overwrites the one key, and a rank that
+/// finds an address where nothing answers (the previous attempt's rank 0, gone) reads the key again
+/// until the new rank 0 has replaced it (`join_via_store`).
+pub const STORE_KEY: &str = "harpe/rendezvous/rank0";
 
 /// What this rank brings to the rendezvous.
 #[derive(Clone, Debug)]
@@ -93,6 +102,9 @@ pub struct RendezvousSpec {
     pub config_hash: [u8; 32],
     /// Give up (with an error naming who is missing) after this long.
     pub timeout: Duration,
+    /// The launcher says the ranks run on more than one host (`LOCAL_WORLD_SIZE` below the world size):
+    /// rank 0 must then be reachable from the other hosts.
+    pub spans_hosts: bool,
 }
 
 /// This binary's version and the features that change numerics or transport.
@@ -218,17 +230,50 @@ enum Verdict {
     Drop(String),
     /// A rank of this run that differs from rank 0: abort the whole rendezvous.
     Abort(String),
+    /// A rank of this run on another host, while rank 0 sits at a loopback address: abort the whole
+    /// rendezvous with this message (its own hint).
+    Unreachable(String),
+}
+
+/// Rank 0 as the others see it: the spec with the address and port it listens on, and `loopback`, the
+/// loopback address the group should have met at when rank 0 listens on the wildcard address only to
+/// turn away ranks from other hosts (see the file header).
+struct Seat {
+    spec: RendezvousSpec,
+    loopback: Option<IpAddr>,
+}
+
+/// Why a rank from another host cannot join a group whose rank 0 sits at loopback address `ip`.
+fn unreachable_message(spec: &RendezvousSpec, ip: IpAddr, r: usize, peer: SocketAddr) -> String {
+    let how = match spec.meet {
+        Meeting::Listen => format!("MASTER_ADDR {:?} resolves to {ip} on rank 0's host", spec.addr),
+        Meeting::AgentStore { .. } => format!(
+            "rank 0 reaches torchrun's store {} from {ip} (MASTER_ADDR {:?} resolves to it on rank 0's host)",
+            host_port(&spec.addr, spec.port),
+            spec.addr
+        ),
+    };
+    format!(
+        "rank {r} arrived from {peer}, another host, but {how}, a loopback address: the other hosts cannot reach \
+         rank 0's rendezvous, store and collectives there\nhint: MASTER_ADDR must resolve on every node, rank 0's \
+         own included, to an address the other nodes reach (Debian's /etc/hosts maps a host's own name to \
+         127.0.1.1: map it to the host's network address, or give MASTER_ADDR / --master-addr as that IP \
+         address; torchrun's c10d rendezvous: --local-addr <that address>)"
+    )
 }
 
 /// Judge `h`, from `peer`. The token comes first: a client that cannot present it may not abort the
 /// group with whatever else it claims, and it is never told the token it should have presented.
-fn judge(spec: &RendezvousSpec, h: &Hello, admitted: &[Option<SocketAddr>], peer: SocketAddr) -> Verdict {
-    let r = h.rank;
+fn judge(spec: &Seat, h: &Hello, admitted: &[Option<SocketAddr>], peer: SocketAddr) -> Verdict {
+    let (r, loopback, spec) = (h.rank, spec.loopback, &spec.spec);
     if h.token != spec.token.value {
         return Verdict::Drop(format!(
             "a process at {peer} claiming rank {r} presents a different run token (a worker of another run, or a \
              stray client)"
         ));
+    }
+    if let Some(ip) = loopback.filter(|_| !peer.ip().is_loopback()) {
+        return Verdict::Unreachable(unreachable_message(spec, ip, r, peer));
     }
     if h.world != spec.world {
         return Verdict::Abort(format!("rank {r} has world size {}, rank 0 has {}", h.world, spec.world));
@@ -281,15 +326,20 @@ pub fn rendezvous(spec: &RendezvousSpec, make_payload: impl FnOnce() -> Vec<u8>)
     }
     let deadline = Instant::now() + spec.timeout;
     if spec.rank == 0 {
-        let (listener, spec) = listen(spec, deadline)?;
-        rv.at = host_port(&spec.addr, spec.port);
-        let (links, payload) = serve(&spec, listener, deadline, make_payload)?;
+        let (listener, seat) = listen(spec, deadline)?;
+        rv.at = host_port(&seat.spec.addr, seat.spec.port);
+        let (links, payload) = serve(&seat, listener, deadline, make_payload)?;
         rv.links = links;
         rv.payload = payload;
     } else {
-        let spec = find_rank0(spec, deadline)?;
+        let (spec, link, payload) = match spec.meet {
+            Meeting::Listen => {
+                let (link, payload) = join(spec, deadline)?;
+                (spec.clone(), link, payload)
+            }
+            Meeting::AgentStore { .. } => join_via_store(spec, deadline)?,
+        };
         rv.at = host_port(&spec.addr, spec.port);
-        let (link, payload) = join(&spec, deadline)?;
         rv.links = vec![link];
         rv.payload = payload;
     }
@@ -305,24 +355,26 @@ fn host_port(host: &str, port: u16) -> String {
     }
 }
 
-/// Rank 0: the listener and the spec as the others will see it (under `AgentStore`: the address and
-/// port just bound, and the token drawn, published in the agent's store).
-fn listen(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpListener, RendezvousSpec)> {
-    let Meeting::AgentStore { restart } = spec.meet else {
-        return Ok((bind(spec)?, spec.clone()));
+/// Rank 0: the listener and where the others meet it (under `AgentStore`: the address and port just
+/// bound, and the token drawn, published in the agent's store).
+fn listen(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpListener, Seat)> {
+    let Meeting::AgentStore { .. } = spec.meet else {
+        let (listener, loopback) = bind(spec)?;
+        return Ok((listener, Seat { spec: spec.clone(), loopback }));
     };
     let mut store = StoreClient::connect(&spec.addr, spec.port, deadline).context("rank 0")?;
     let ip = store.local_ip()?;
     // Port 0: the kernel hands out a port no one holds, and this listener holds it from now on.
-    let listener = TcpListener::bind((ip, 0)).map_err(|e| {
+    let loopback = (ip.is_loopback() && spec.spans_hosts).then_some(ip);
+    let bind_ip = if loopback.is_some() { unspecified(ip) } else { ip };
+    let listener = TcpListener::bind((bind_ip, 0)).map_err(|e| {
         anyhow!(
-            "rank 0 cannot listen on {ip} (the address it reaches torchrun's store {}:{} from): {e}\nhint: check \
-             the host's network configuration",
-            spec.addr,
-            spec.port
+            "rank 0 cannot listen on {bind_ip} (for the address it reaches torchrun's store {} from, {ip}): \
+             {e}\nhint: check the host's network configuration",
+            host_port(&spec.addr, spec.port)
         )
     })?;
-    let at = listener.local_addr()?;
+    let at = SocketAddr::new(ip, listener.local_addr()?.port());
     let mut mine = spec.clone();
     (mine.addr, mine.port) = (ip.to_string(), at.port());
     if mine.token.origin == TokenOrigin::AgentStore {
@@ -332,38 +384,74 @@ fn listen(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpListener, Rend
         TokenOrigin::AgentStore => format!("{at}\n{}", mine.token.value),
         _ => format!("{at}\n"),
     };
-    store.set(&store_key(restart), published.as_bytes()).context("rank 0: publishing its rendezvous address")?;
-    Ok((listener, mine))
+    store.set(STORE_KEY, published.as_bytes()).context("rank 0: publishing its rendezvous address")?;
+    Ok((listener, Seat { spec: mine, loopback }))
 }
 
-/// Ranks 1..: the spec with rank 0's address (and drawn token) read from the agent's store under
-/// `AgentStore`; the spec itself under `Listen`.
-fn find_rank0(spec: &RendezvousSpec, deadline: Instant) -> Result<RendezvousSpec> {
-    let Meeting::AgentStore { restart } = spec.meet else {
-        return Ok(spec.clone());
-    };
+/// The wildcard address of `ip`'s family.
+fn unspecified(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// Ranks 1.. under `AgentStore`: read rank 0's address (and drawn token) from the agent's store, connect
+/// and introduce this rank. An address where nothing answers is re-read until the deadline: it may be
+/// the previous attempt's rank 0 (see `STORE_KEY`), which the new one replaces.
+fn join_via_store(spec: &RendezvousSpec, deadline: Instant) -> Result<(RendezvousSpec, TcpStream, Vec<u8>)> {
     let r = spec.rank;
-    let key = store_key(restart);
+    let at_store = host_port(&spec.addr, spec.port);
     let mut store = StoreClient::connect(&spec.addr, spec.port, deadline).with_context(|| format!("rank {r}"))?;
-    let Some(v) = store.wait_get(&key, deadline)? else {
-        bail!(
-            "rank {r}: rank 0 did not publish its rendezvous address under {key:?} in torchrun's store at {}:{} \
-             within {:.0}s\nhint: rank 0's log says why it did not start; raise dist.timeout_s for slow starts; if rank 0 \
-             published under another attempt's key, the torchrun agents disagree on TORCHELASTIC_RESTART_COUNT \
-             (restart the whole job)",
-            spec.addr,
-            spec.port,
-            spec.timeout.as_secs_f64()
-        );
-    };
-    let text = String::from_utf8_lossy(&v);
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(v) = store.wait_get(STORE_KEY, deadline)? else {
+            bail!(
+                "rank {r}: rank 0 did not publish its rendezvous address under {STORE_KEY:?} in torchrun's store at \
+                 {at_store} within {:.0}s\nhint: rank 0's log says why it did not start; raise dist.timeout_s for \
+                 slow starts",
+                spec.timeout.as_secs_f64()
+            );
+        };
+        let found = rank0_from_store(spec, &v, &store)?;
+        let a = SocketAddr::new(found.addr.parse()?, found.port);
+        match TcpStream::connect_timeout(&a, remaining(deadline).min(Duration::from_secs(2))) {
+            Ok(s) => {
+                let (link, payload) = introduce(&found, s, deadline)?;
+                return Ok((found, link, payload));
+            }
+            Err(e) if Instant::now() >= deadline => bail!(
+                "rank {r}: rank 0's rendezvous address {a}, read from torchrun's store at {at_store}, did not answer \
+                 within {:.0}s ({e})\nhint: rank 0's log says why it stopped; check that no firewall blocks the \
+                 ports between the nodes",
+                spec.timeout.as_secs_f64()
+            ),
+            Err(_) => {
+                std::thread::sleep(backoff.min(remaining(deadline)));
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+/// The spec with rank 0's address and token as published in the agent's store (`v`). A loopback address
+/// read by a rank that reaches the store from another host means rank 0 sits on the store's host at an
+/// address no other host reaches: this rank goes to the store's host instead, where rank 0 tells it why
+/// the group cannot form (see the file header).
+fn rank0_from_store(spec: &RendezvousSpec, v: &[u8], store: &StoreClient) -> Result<RendezvousSpec> {
+    let r = spec.rank;
+    let text = String::from_utf8_lossy(v);
     let (at, token) = text.split_once('\n').unwrap_or((&text, ""));
-    let at: SocketAddr = at.parse().map_err(|_| {
+    let mut at: SocketAddr = at.parse().map_err(|_| {
         anyhow!(
-            "rank {r}: torchrun's store holds {text:?} under {key:?}, not a rendezvous address\nhint: does every \
-             rank run the same harpe binary?"
+            "rank {r}: torchrun's store holds {text:?} under {STORE_KEY:?}, not a rendezvous address\nhint: does \
+             every rank run the same harpe binary?"
         )
     })?;
+    let store_ip = store.peer_ip()?;
+    if at.ip().is_loopback() && !store_ip.is_loopback() {
+        at.set_ip(store_ip);
+    }
     let mut found = spec.clone();
     (found.addr, found.port, found.meet) = (at.ip().to_string(), at.port(), Meeting::Listen);
     if found.token.origin == TokenOrigin::AgentStore {
@@ -372,10 +460,18 @@ fn find_rank0(spec: &RendezvousSpec, deadline: Instant) -> Result<RendezvousSpec
     Ok(found)
 }
 
-fn bind(spec: &RendezvousSpec) -> Result<TcpListener> {
-    let at = format!("{}:{}", spec.addr, spec.port);
+/// Rank 0 under `Listen`: bind `MASTER_ADDR:MASTER_PORT`, or the wildcard address at that port when
+/// `MASTER_ADDR` is a loopback address of a group that spans hosts (returned: that address).
+fn bind(spec: &RendezvousSpec) -> Result<(TcpListener, Option<IpAddr>)> {
+    let at = host_port(&spec.addr, spec.port);
     let hint = "set MASTER_PORT to a free port (or let `--nproc-per-node` choose one)";
-    TcpListener::bind((spec.addr.as_str(), spec.port)).map_err(|e| match e.kind() {
+    let resolved = (spec.addr.as_str(), spec.port).to_socket_addrs().ok().and_then(|mut a| a.next());
+    let loopback = resolved.map(|a| a.ip()).filter(|ip| ip.is_loopback() && spec.spans_hosts);
+    let bound = match loopback {
+        Some(ip) => TcpListener::bind((unspecified(ip), spec.port)),
+        None => TcpListener::bind((spec.addr.as_str(), spec.port)),
+    };
+    let listener = bound.map_err(|e| match e.kind() {
         ErrorKind::AddrInUse => {
             anyhow!("rank 0 cannot listen on {at}: the port is in use (another run?)\nhint: {hint}")
         }
@@ -385,7 +481,8 @@ fn bind(spec: &RendezvousSpec) -> Result<TcpListener> {
             spec.addr
         ),
         _ => anyhow!("rank 0 cannot listen on {at}: {e}\nhint: check MASTER_ADDR and MASTER_PORT; {hint}"),
-    })
+    })?;
+    Ok((listener, loopback))
 }
 
 /// What a handshake thread hands back: the peer, its stream, and its hello (`None`: it did not
@@ -404,11 +501,12 @@ fn handshake(mut s: TcpStream, peer: SocketAddr, deadline: Instant, tx: mpsc::Se
 
 /// Rank 0: admit world-1 ranks, then send the payload to all of them.
 fn serve(
-    spec: &RendezvousSpec,
+    seat: &Seat,
     listener: TcpListener,
     deadline: Instant,
     make_payload: impl FnOnce() -> Vec<u8>,
 ) -> Result<(Vec<TcpStream>, Vec<u8>)> {
+    let spec = &seat.spec;
     listener.set_nonblocking(true)?;
     let (tx, rx) = mpsc::channel::<Arrival>();
     let mut in_flight = 0usize;
@@ -437,7 +535,7 @@ fn serve(
             );
             continue;
         };
-        match judge(spec, &hello, &admitted, peer) {
+        match judge(seat, &hello, &admitted, peer) {
             Verdict::Admit => {
                 s.set_nodelay(true)?;
                 admitted[hello.rank] = Some(peer);
@@ -461,6 +559,12 @@ fn serve(
                      (start them with one launcher command)"
                 );
                 let _ = s.write_all(&frame(b'R', msg.as_bytes()));
+                abort_all(&mut streams, &format!("rank 0 aborted the rendezvous: {msg}"));
+                bail!(msg);
+            }
+            Verdict::Unreachable(msg) => {
+                eprintln!("harpe: rendezvous: {msg}");
+                let _ = s.write_all(&frame(b'R', format!("rank 0 aborted the rendezvous: {msg}").as_bytes()));
                 abort_all(&mut streams, &format!("rank 0 aborted the rendezvous: {msg}"));
                 bail!(msg);
             }
@@ -562,7 +666,12 @@ fn join(spec: &RendezvousSpec, deadline: Instant) -> Result<(TcpStream, Vec<u8>)
             )
         })?
         .collect();
-    let mut s = connect(spec, &addrs, deadline)?;
+    let s = connect(spec, &addrs, deadline)?;
+    introduce(spec, s, deadline)
+}
+
+/// Send this rank's hello on `s` and wait for rank 0's answer: the payload, or why it refused.
+fn introduce(spec: &RendezvousSpec, mut s: TcpStream, deadline: Instant) -> Result<(TcpStream, Vec<u8>)> {
     s.set_nodelay(true)?;
     s.write_all(&encode_hello(spec)).with_context(|| format!("rank {}: introducing itself to rank 0", spec.rank))?;
     s.set_read_timeout(Some(remaining(deadline)))?;
@@ -695,6 +804,7 @@ impl RendezvousSpec {
             version: binary_version(),
             config_hash: config_hash(resolved_config),
             timeout,
+            spans_hosts: env.local_world_size.is_some_and(|l| l < env.world_size),
         }
     }
 }

@@ -5,8 +5,11 @@
 //! terminal's Ctrl-C reaches them exactly once (forwarded by the launcher) — two SIGINTs would make
 //! `train` skip its graceful stop — and on Linux each worker gets SIGTERM if the launcher dies.
 //!
-//! What it does not do: elastic restarts or multi-node spawning (use the cluster's launcher: torchrun,
-//! srun), GPU selection (the worker maps `LOCAL_RANK` to a device), or any collective (see
+//! Several nodes: the same command on each node with torchrun's flags (`--nnodes`, `--node-rank`,
+//! `--master-addr`, `--master-port`); node R starts ranks R·N..R·N+N-1, node 0 holds rank 0, and every
+//! node must export the same `HARPE_RUN_TOKEN` (a token drawn per node would differ).
+//!
+//! What it does not do: elastic restarts (use torchrun or srun), GPU selection (the worker maps `LOCAL_RANK` to a device), or any collective (see
 //! `rendezvous.rs`).
 use crate::config::{Backend, DistSection};
 use crate::launch::env::{free_port, LaunchEnv, TOKEN_VAR};
@@ -99,7 +102,11 @@ pub fn place(dist: &DistSection, origin: &str, launch: Option<LaunchEnv>) -> Res
     Ok(Placement { backend: dist.backend, world, rank, launch })
 }
 
-/// Drop `--nproc-per-node N` / `--nproc-per-node=N` from a command line (what workers must not see).
+/// The launcher's own flags, which workers must not see.
+const LAUNCHER_FLAGS: [&str; 5] = ["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"];
+
+/// Drop the launcher's flags (`--nproc-per-node N`, `--nnodes N`, ..., or `--flag=value`) from a command
+/// line (what workers must not see).
 pub fn strip_nproc_flag(args: &[OsString]) -> Vec<OsString> {
     let mut out = Vec::with_capacity(args.len());
     let mut skip = false;
@@ -109,27 +116,91 @@ pub fn strip_nproc_flag(args: &[OsString]) -> Vec<OsString> {
             continue;
         }
         match a.to_str() {
-            Some("--nproc-per-node") => skip = true,
-            Some(s) if s.starts_with("--nproc-per-node=") => {}
+            Some(s) if LAUNCHER_FLAGS.contains(&s) => skip = true,
+            Some(s) if LAUNCHER_FLAGS.iter().any(|f| s.strip_prefix(f).is_some_and(|v| v.starts_with('='))) => {}
             _ => out.push(a.clone()),
         }
     }
     out
 }
 
-/// `--nproc-per-node N`: when `nproc` is given, start N workers running this process's command line
-/// without the flag and return how they ended (the caller exits with `exit_code()`); `None` when
-/// there is nothing to spawn and this process should do the work itself.
-pub fn launch_if_asked(nproc: Option<usize>) -> Result<Option<WorkersOutcome>> {
-    let Some(n) = nproc else { return Ok(None) };
+/// harpe's launcher across nodes, with torchrun's flags: the same command on every node, each with its
+/// own `--node-rank`.
+#[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
+pub struct NodeArgs {
+    /// with --nproc-per-node: nodes in the run; start the same command on each node with its own
+    /// --node-rank and the same HARPE_RUN_TOKEN exported
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nnodes: usize,
+    /// with --nnodes: this node's index, 0..N-1 (node 0 runs rank 0)
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub node_rank: usize,
+    /// with --nproc-per-node: rank 0's host, a name or address that every node (node 0 too) resolves to
+    /// an address the other nodes reach [default: 127.0.0.1 on one node]
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// with --nproc-per-node: rank 0's rendezvous port, free on node 0 [default: a free port on one node,
+    /// 29500 across nodes]
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
+}
+
+impl Default for NodeArgs {
+    fn default() -> Self {
+        NodeArgs { nnodes: 1, node_rank: 0, master_addr: None, master_port: None }
+    }
+}
+
+impl NodeArgs {
+    /// The spawner's options for these flags, checked (`nproc`: the workers per node).
+    fn spawn_options(&self, nproc: usize) -> Result<SpawnOptions> {
+        let NodeArgs { nnodes, node_rank, .. } = *self;
+        let mut opts = SpawnOptions { nnodes, node_rank, ..SpawnOptions::default() };
+        if nnodes == 0 || node_rank >= nnodes {
+            bail!("--nnodes {nnodes} --node-rank {node_rank}: node ranks are 0..nnodes-1\nhint: --node-rank 0 on the node that runs rank 0, 1 on the next, ...");
+        }
+        if nnodes == 1 {
+            opts.master_addr = self.master_addr.clone().unwrap_or(opts.master_addr);
+            opts.master_port = self.master_port;
+            return Ok(opts);
+        }
+        let Some(addr) = &self.master_addr else {
+            bail!("--nnodes {nnodes} needs --master-addr: node 0's host name or address, as every node reaches it\nhint: e.g. --master-addr node01 (the same on every node)");
+        };
+        let token = std::env::var(TOKEN_VAR).ok().filter(|t| !t.is_empty());
+        let Some(token) = token else {
+            bail!("--nnodes {nnodes}: the {} workers of all nodes must present one run token, and a token drawn on each node would differ\nhint: export {TOKEN_VAR}=$(openssl rand -hex 16) with the same value on every node first", nnodes * nproc);
+        };
+        (opts.master_addr, opts.master_port, opts.token) =
+            (addr.clone(), Some(self.master_port.unwrap_or(29500)), Some(token));
+        Ok(opts)
+    }
+
+    /// True when any flag differs from its default (they need --nproc-per-node).
+    fn given(&self) -> bool {
+        *self != NodeArgs::default()
+    }
+}
+
+/// `--nproc-per-node N`: when `nproc` is given, start N workers (on this node of `nodes`) running this
+/// process's command line without the launcher's flags and return how they ended (the caller exits with
+/// `exit_code()`); `None` when there is nothing to spawn and this process should do the work itself.
+pub fn launch_if_asked(nproc: Option<usize>, nodes: &NodeArgs) -> Result<Option<WorkersOutcome>> {
+    let Some(n) = nproc else {
+        if nodes.given() {
+            bail!("--nnodes, --node-rank, --master-addr and --master-port describe harpe's own launcher\nhint: add --nproc-per-node N (workers per node); under torchrun or srun give these to the launcher instead");
+        }
+        return Ok(None);
+    };
     if let Ok(r) = std::env::var("RANK") {
         bail!(
             "--nproc-per-node {n}, but this process is already rank {r} of a launched run (RANK is set)\nhint: drop \
              --nproc-per-node under torchrun/srun, or unset RANK and WORLD_SIZE to let harpe start the workers"
         );
     }
+    let opts = nodes.spawn_options(n)?;
     let args = strip_nproc_flag(&std::env::args_os().skip(1).collect::<Vec<_>>());
-    spawn_workers(n, &args, &SpawnOptions::default()).map(Some)
+    spawn_workers(n, &args, &opts).map(Some)
 }
 
 /// How the spawner starts workers.
@@ -143,6 +214,12 @@ pub struct SpawnOptions {
     pub master_port: Option<u16>,
     /// After the first failure (or a forwarded signal), how long the others get before SIGKILL.
     pub grace: Duration,
+    /// Nodes in the run (each runs its own spawner) and this node's index.
+    pub nnodes: usize,
+    /// This node's index: its workers are ranks `node_rank * n ..`.
+    pub node_rank: usize,
+    /// The run token of every node (`None`: one drawn here, for a run of one node).
+    pub token: Option<String>,
 }
 
 impl Default for SpawnOptions {
@@ -152,6 +229,9 @@ impl Default for SpawnOptions {
             master_addr: "127.0.0.1".into(),
             master_port: None,
             grace: Duration::from_secs(30),
+            nnodes: 1,
+            node_rank: 0,
+            token: None,
         }
     }
 }
@@ -250,7 +330,7 @@ pub fn spawn_workers(n: usize, args: &[OsString], opts: &SpawnOptions) -> Result
         Some(p) => p,
         None => free_port(&opts.master_addr)?,
     };
-    let token = format!("{:032x}", rand::random::<u128>());
+    let token = opts.token.clone().unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
     let pending = Arc::new(AtomicUsize::new(0));
     let mut sig_ids = Vec::new();
     #[cfg(unix)]
@@ -258,7 +338,12 @@ pub fn spawn_workers(n: usize, args: &[OsString], opts: &SpawnOptions) -> Result
         sig_ids.push(signal_hook::flag::register_usize(sig, Arc::clone(&pending), sig as usize)?);
     }
     let res = start_ranks(n, &program, args, opts, port, &token).and_then(|mut children| {
-        eprintln!("harpe: started {n} workers (ranks 0..{}), rendezvous at {}:{port}", n - 1, opts.master_addr);
+        let first = opts.node_rank * n;
+        eprintln!(
+            "harpe: started {n} workers (ranks {first}..{}), rendezvous at {}:{port}",
+            first + n - 1,
+            opts.master_addr
+        );
         supervise(&mut children, opts, &pending)
     });
     for id in sig_ids {
@@ -277,13 +362,15 @@ fn start_ranks(
     token: &str,
 ) -> Result<Vec<Child>> {
     let mut children: Vec<Child> = Vec::with_capacity(n);
-    for rank in 0..n {
+    for local in 0..n {
+        let rank = opts.node_rank * n + local;
         let mut cmd = Command::new(program);
         cmd.args(args)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", (opts.nnodes * n).to_string())
+            .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("GROUP_RANK", opts.node_rank.to_string())
             .env("MASTER_ADDR", &opts.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(TOKEN_VAR, token);
@@ -381,6 +468,9 @@ pub struct DistCheckArgs {
     /// start N local worker processes that each run this check (as `harpe train --nproc-per-node N`)
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
+    /// several nodes under harpe's own launcher (as `harpe train`)
+    #[command(flatten)]
+    pub nodes: NodeArgs,
     /// text standing in for the resolved config: its hash must agree on every rank
     #[arg(long, value_name = "TEXT", default_value = "")]
     pub config_text: String,
@@ -437,7 +527,7 @@ fn watched_work(rv: crate::launch::rendezvous::Rendezvous, a: &DistCheckArgs, ra
 pub fn run_check(a: DistCheckArgs) -> Result<()> {
     use crate::launch::rendezvous::{rendezvous, RendezvousSpec};
     use sha2::{Digest, Sha256};
-    if let Some(out) = launch_if_asked(a.nproc_per_node)? {
+    if let Some(out) = launch_if_asked(a.nproc_per_node, &a.nodes)? {
         let n = out.statuses.len();
         if let Some(r) = out.first_failure {
             bail!("rank {r} failed first ({}); see its message above\nhint: run with the same flags in one process to debug it", out.statuses[r]);

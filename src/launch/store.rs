@@ -120,6 +120,11 @@ impl StoreClient {
         Ok(self.s.local_addr()?.ip())
     }
 
+    /// The store's address as this host reaches it.
+    pub fn peer_ip(&self) -> Result<IpAddr> {
+        Ok(self.s.peer_addr()?.ip())
+    }
+
     /// Set `key` to `value`.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let mut b = vec![SET];

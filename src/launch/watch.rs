@@ -364,6 +364,7 @@ mod tests {
                         version: "v".into(),
                         config_hash: [0; 32],
                         timeout: Duration::from_secs(20),
+                        spans_hosts: false,
                     };
                     let rv = rendezvous(&spec, || vec![1, 2, 3]).unwrap();
                     let hooks = Arc::new(AtomicUsize::new(0));

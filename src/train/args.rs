@@ -31,10 +31,14 @@ pub struct TrainArgs {
     /// also start a run that `harpe plan` says will not fit
     #[arg(long)]
     pub force: bool,
-    /// start N worker processes (one per GPU, dist.backend = "nccl"); needs a build with
-    /// --features nccl. On CPU use --set dist.backend=local --set dist.world_size=N instead
+    /// start N worker processes (one per GPU, dist.backend = "nccl"; CPU processes with "gloo"); needs a
+    /// build with --features nccl or gloo. On CPU without them use --set dist.backend=local --set
+    /// dist.world_size=N instead
     #[arg(long, value_name = "N")]
     pub nproc_per_node: Option<usize>,
+    /// several nodes under harpe's own launcher: --nnodes, --node-rank, --master-addr, --master-port
+    #[command(flatten)]
+    pub nodes: crate::launch::spawn::NodeArgs,
     /// test knob: keep the training state (weights, AdamW, gradients) in the device variant of
     /// `FlatBuf` even on the CPU, so the GPU path's candle-op logic runs and can be compared with the
     /// host path there (a CUDA run always uses it)
@@ -57,6 +61,7 @@ impl TrainArgs {
             set: vec![],
             force: false,
             nproc_per_node: None,
+            nodes: Default::default(),
             device_resident_state: false,
             attention: crate::model::attention::AttentionChoice::Harpe,
         }

@@ -13,7 +13,7 @@ use crate::comms::sequence::SpGroup;
 use crate::comms::Comm;
 use crate::config::{Backend, RunConfig};
 use crate::device::DeviceSpec;
-use crate::launch::spawn::launch_if_asked;
+use crate::launch::spawn::{launch_if_asked, NodeArgs};
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::Arc;
 
@@ -26,8 +26,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
     let dist = &cfg.dist;
     if let Some(n) = args.nproc_per_node {
-        return spawn_workers(&origin, n, dist.backend);
+        return spawn_workers(&origin, n, dist.backend, &args.nodes);
     }
+    launch_if_asked(None, &args.nodes)?; // the node flags without --nproc-per-node are refused
     match dist.backend {
         Backend::Local => {
             let world = dist.world_size.max(1);
@@ -256,7 +257,7 @@ fn plan_check(cfg: &RunConfig, origin: &str, force: bool, ranks: Ranks) -> Resul
 /// process group of `dist.backend` (`nccl`: one per GPU; `gloo`: CPU processes). Checked before anything
 /// starts: N >= 1, a multi-process backend, and a build that has it (a build without it refuses the flag
 /// and names the thread backend instead of spawning workers that would all fail the same way).
-fn spawn_workers(origin: &str, n: usize, backend: Backend) -> Result<()> {
+fn spawn_workers(origin: &str, n: usize, backend: Backend, nodes: &NodeArgs) -> Result<()> {
     if n == 0 {
         bail!(
             "--nproc-per-node 0: at least one worker is needed\nhint: --nproc-per-node = number of GPUs on this node"
@@ -273,7 +274,7 @@ fn spawn_workers(origin: &str, n: usize, backend: Backend) -> Result<()> {
             "{origin}: --nproc-per-node {n} needs dist.backend = \"nccl\" or \"gloo\" (the workers are separate processes)\nhint: add --set dist.backend={have}"
         );
     }
-    let outcome = launch_if_asked(Some(n))?.ok_or_else(|| anyhow!("internal: no workers were started"))?;
+    let outcome = launch_if_asked(Some(n), nodes)?.ok_or_else(|| anyhow!("internal: no workers were started"))?;
     if !outcome.success() {
         bail!(
             "worker rank {} failed first (exit code {})\nhint: its own error is printed above; the other workers were stopped because of it",

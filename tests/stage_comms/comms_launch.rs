@@ -210,6 +210,68 @@ fn os(v: &[&str]) -> Vec<OsString> {
 fn the_nproc_flag_is_stripped_from_worker_command_lines() {
     let a = os(&["train", "--nproc-per-node", "4", "--config", "c.toml", "--nproc-per-node=2", "--steps", "3"]);
     assert_eq!(strip_nproc_flag(&a), os(&["train", "--config", "c.toml", "--steps", "3"]));
+    // and the launcher's node flags
+    let a = os(&[
+        "train",
+        "--nnodes",
+        "2",
+        "--node-rank=1",
+        "--master-addr",
+        "node01",
+        "--master-port=29500",
+        "--steps",
+        "3",
+    ]);
+    assert_eq!(strip_nproc_flag(&a), os(&["train", "--steps", "3"]));
+}
+
+/// harpe's launcher across nodes refuses what cannot form one group: no rank-0 host, no shared token, a
+/// node rank out of range, node flags without --nproc-per-node.
+#[test]
+fn the_launchers_node_flags_are_checked_before_anything_starts() {
+    /// flags, extra environment, what the error must say
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 4] = [
+        (&["--nproc-per-node", "1", "--nnodes", "2"], &[("HARPE_RUN_TOKEN", "t")], "needs --master-addr"),
+        (&["--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"], &[], "export HARPE_RUN_TOKEN"),
+        (&["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"], &[], "node ranks are 0..nnodes-1"),
+        (&["--nnodes", "2", "--node-rank", "1"], &[], "add --nproc-per-node"),
+    ];
+    for (flags, env, want) in cases {
+        let mut c = harpe_cmd();
+        c.arg("dist-check").args(flags).env_remove("HARPE_RUN_TOKEN").envs(env.iter().copied());
+        let o = c.output().unwrap();
+        let text = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && text.contains(want) && text.contains("hint:"), "{flags:?}: {text}");
+    }
+}
+
+/// Two "nodes" of harpe's launcher on one machine form one group of 2 x 2 ranks.
+#[test]
+fn two_nodes_of_harpes_launcher_on_one_machine_form_one_group() {
+    let port = free_port("127.0.0.1").unwrap().to_string();
+    let nodes: Vec<_> = (0..2)
+        .map(|r| {
+            harpe_cmd()
+                .args(["dist-check", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &r.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--timeout-s", "30"])
+                .env("HARPE_RUN_TOKEN", format!("two-nodes-{port}"))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut all = String::new();
+    for n in nodes {
+        let o = n.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{text}");
+        all.push_str(&text);
+    }
+    for r in 0..4 {
+        assert!(all.contains(&format!("dist-check: rank {r}/4")), "rank {r} missing:\n{all}");
+    }
 }
 
 fn sh(script: &str) -> (SpawnOptions, Vec<OsString>) {
@@ -278,6 +340,7 @@ fn spec(port: u16, rank: usize, world: usize, timeout_ms: u64) -> RendezvousSpec
         version: binary_version(),
         config_hash: config_hash("[train]\nlr = 1e-5\n"),
         timeout: Duration::from_millis(timeout_ms),
+        spans_hosts: false,
     }
 }
 
@@ -306,6 +369,39 @@ fn four_ranks_exchange_the_payload_and_pass_barriers() {
     let want: Vec<u8> = (0..128u8).map(|i| i.wrapping_mul(37)).collect();
     for (r, x) in res.iter().enumerate() {
         assert_eq!(x.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}")), &want);
+    }
+}
+
+/// torchrun's agent store outlives an attempt of the workers, and its agents may number the attempt
+/// differently: ranks of one attempt meet even when the store still holds the previous attempt's rank-0
+/// address (nothing listens there any more) and their restart counts disagree.
+#[test]
+fn ranks_meet_through_an_agent_store_despite_a_stale_address_and_disagreeing_restart_counts() {
+    use harpe::launch::rendezvous::STORE_KEY;
+    use harpe::launch::store::{StoreClient, StoreServer};
+    let server = StoreServer::bind("127.0.0.1").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut c = StoreClient::connect("127.0.0.1", server.port(), deadline).unwrap();
+    let dead = free_port("127.0.0.1").unwrap();
+    c.set(STORE_KEY, format!("127.0.0.1:{dead}\n").as_bytes()).unwrap();
+    let spec_of = |r: usize| {
+        let mut s = spec(server.port(), r, 3, 20_000);
+        s.meet = Meeting::AgentStore { restart: [1, 0, 1][r] };
+        s
+    };
+    // ranks 1 and 2 first: they read the stale address, find nothing there, and read again
+    let others: Vec<_> = (1..3)
+        .map(|r| {
+            let s = spec_of(r);
+            std::thread::spawn(move || rendezvous(&s, Vec::new).map(|rv| rv.rank0_addr().to_string()))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let rv0 = rendezvous(&spec_of(0), || vec![7]).unwrap();
+    for (r, h) in others.into_iter().enumerate() {
+        let at = h.join().unwrap().unwrap_or_else(|e| panic!("rank {}: {e:#}", r + 1));
+        assert_eq!(at, rv0.rank0_addr(), "rank {} met rank 0 where it listens", r + 1);
+        assert!(!at.ends_with(&format!(":{dead}")), "rank {} took the stale address", r + 1);
     }
 }
 

@@ -6,6 +6,9 @@
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
+#[cfg(feature = "gloo")]
+#[path = "../common/netns.rs"]
+mod netns;
 #[path = "../common/tmpfs.rs"]
 mod tmpfs;
 
@@ -15,6 +18,8 @@ mod train_document_mask;
 mod train_eval;
 #[cfg(feature = "gloo")]
 mod train_gloo;
+#[cfg(feature = "gloo")]
+mod train_two_hosts;
 mod train_memory;
 mod train_run;
 mod train_step;

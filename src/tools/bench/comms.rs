@@ -99,7 +99,7 @@ pub fn time_collectives(comm: &Comm, device: &Device, sizes: &[usize], seconds: 
 /// `harpe bench comms`: NCCL ranks when launched (`--nproc-per-node`, torchrun, srun), else `--ranks`
 /// rank threads on host memory; rank 0 prints the table (or JSON).
 pub fn run(args: &BenchArgs) -> Result<()> {
-    if let Some(out) = launch_if_asked(args.nproc_per_node)? {
+    if let Some(out) = launch_if_asked(args.nproc_per_node, &Default::default())? {
         if !out.success() {
             bail!(
                 "bench comms: rank {} failed first ({})\nhint: its own error is printed above",
