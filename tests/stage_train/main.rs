@@ -15,6 +15,8 @@ mod train_document_mask;
 mod train_eval;
 #[cfg(feature = "gloo")]
 mod train_gloo;
+#[cfg(feature = "gloo")]
+mod train_slurm;
 mod train_memory;
 mod train_run;
 mod train_step;

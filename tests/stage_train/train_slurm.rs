@@ -1,0 +1,122 @@
+//! `harpe train` under a real Slurm (the one-node cluster of scripts/slurm-test-cluster.sh) with the Gloo
+//! backend on the CPU: `srun` of 2 tasks on configs/tiny-cpu.toml trains to the one-rank run's losses and
+//! weights; `sbatch` of scripts/slurm-harpe-128k.sh itself, with the CPU overrides on sbatch's command
+//! line and in its environment, trains; `scancel --signal=TERM` ends that job with a complete checkpoint,
+//! and `scontrol requeue` resumes it to the same bytes as the uninterrupted srun run.
+//!
+//! README lines these run (on CPU: 2 tasks instead of 8 GPUs, gloo instead of nccl, tiny-cpu instead of
+//! the 128K recipe, fewer steps): "Single node, torchrun, Slurm" — the `srun --nodes=1 --ntasks-per-node=8
+//! ... harpe train` line and the `sbatch --nodes=1 scripts/slurm-harpe-128k.sh` line.
+use super::train_dist::{assert_same_losses, assert_same_tensors, losses, train};
+use crate::common::slurm::{cluster, ended, root, run_ok, slurm_cmd, wait_job};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// tiny-cpu shortened: 24 + 16 steps, the second stage at 128 tokens with HARPE bases.
+const STEPS: &str = "stage.0.steps=24 stage.1.steps=16";
+
+fn sets() -> Vec<String> {
+    STEPS.split(' ').flat_map(|kv| ["--set".to_string(), kv.to_string()]).collect()
+}
+
+fn final_model(run: &Path) -> std::path::PathBuf {
+    run.join("checkpoints/step_000040/model.safetensors")
+}
+
+fn complete_checkpoints(run: &Path) -> Vec<u64> {
+    let mut v: Vec<u64> = std::fs::read_dir(run.join("checkpoints"))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().join("DONE").is_file())
+                .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("step_").and_then(|s| s.parse().ok()))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and_resumes_after_requeue() {
+    let Some((conf, _one_at_a_time)) = cluster() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let cfg = root().join("configs/tiny-cpu.toml");
+    let harpe = env!("CARGO_BIN_EXE_harpe");
+    let t0 = Instant::now();
+
+    // one rank, no launcher
+    let one = dir.join("one");
+    let set = sets();
+    let set: Vec<&str> = set.iter().map(String::as_str).collect();
+    train(&cfg, &one, &set);
+    let t_one = t0.elapsed();
+
+    // README: srun --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 harpe train --config ... --set dist.backend=nccl
+    let two = dir.join("srun");
+    let t = Instant::now();
+    let mut srun = slurm_cmd(&conf, "srun", dir);
+    srun.args(["--nodes=1", "--ntasks-per-node=2", "--time=10", harpe, "train", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&two)
+        .args(["--set", "dist.backend=gloo", "--set", "dist.zero_stage=3"])
+        .args(&set)
+        .env("HARPE_RUN_TOKEN", "srun-test-token");
+    run_ok(&mut srun);
+    assert_same_losses(&one, &two, "srun -n 2 (Gloo, ZeRO-3) vs one rank");
+    assert_same_tensors(&final_model(&one), &final_model(&two), "srun -n 2 vs one rank", 1e-5);
+    let t_srun = t.elapsed();
+
+    // README: sbatch --nodes=1 scripts/slurm-harpe-128k.sh, with the CPU overrides
+    let job_dir = dir.join("sbatch");
+    let t = Instant::now();
+    let mut sbatch = slurm_cmd(&conf, "sbatch", dir);
+    sbatch
+        .args(["--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10"])
+        .arg(format!("--output={}/job-%j.out", dir.display()))
+        .arg(root().join("scripts/slurm-harpe-128k.sh"))
+        .env("BACKEND", "gloo")
+        .env("CONFIG", &cfg)
+        .env("RUN_DIR", &job_dir)
+        .env("HARPE", harpe)
+        .env("TIMEOUT_S", "60")
+        .env("HARPE_SET", STEPS);
+    let job = run_ok(&mut sbatch).trim().split(';').next().unwrap().to_string();
+    let log = dir.join(format!("job-{job}.out"));
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // stop it once a few steps are logged: every rank stops after the same step and checkpoints
+    let t_wait = Instant::now();
+    while losses(&job_dir).len() < 3 {
+        assert!(t_wait.elapsed() < Duration::from_secs(300), "the job trained no steps:\n{}", read_log());
+        assert!(!ended(&crate::common::slurm::job_state(&conf, &job)), "the job ended early:\n{}", read_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run_ok(slurm_cmd(&conf, "scancel", dir).args(["--signal=TERM", &job]));
+    let state = wait_job(&conf, &job, Duration::from_secs(120), ended);
+    assert_eq!(state, "COMPLETED", "a TERM'd run checkpoints and exits 0:\n{}", read_log());
+    let stopped_at = *losses(&job_dir).last().map(|(s, _)| s).unwrap();
+    assert!(stopped_at < 40, "the signal stopped the run before its end (step {stopped_at}):\n{}", read_log());
+    assert_eq!(complete_checkpoints(&job_dir).last(), Some(&stopped_at), "a complete checkpoint of the last step");
+    let t_term = t.elapsed();
+
+    // scontrol requeue: the same job runs the script again and resumes from that checkpoint
+    let t = Instant::now();
+    run_ok(slurm_cmd(&conf, "scontrol", dir).args(["requeue", &job]));
+    std::thread::sleep(Duration::from_secs(1));
+    let state = wait_job(&conf, &job, Duration::from_secs(400), |s| s == "COMPLETED" || s.contains("FAIL"));
+    assert_eq!(state, "COMPLETED", "{}", read_log());
+    assert!(read_log().contains("resuming from"), "the requeued job resumed:\n{}", read_log());
+    assert_eq!(losses(&job_dir).len(), 40, "one record per step across the stop");
+    assert!(
+        std::fs::read(final_model(&job_dir)).unwrap() == std::fs::read(final_model(&two)).unwrap(),
+        "the stopped and requeued job ends bit-identical to the uninterrupted srun run"
+    );
+    eprintln!(
+        "timings: one rank {:.1} s, srun -n 2 {:.1} s, sbatch to TERM'd checkpoint {:.1} s, requeue to the end {:.1} s",
+        t_one.as_secs_f64(),
+        t_srun.as_secs_f64(),
+        t_term.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+}
