@@ -494,7 +494,8 @@ impl CheckpointTime {
         let weight_bytes = if shape.bf16 { 2.0 } else { 4.0 };
         let rank0_bytes = params * 12.0 / world.gpus.max(1) as f64 + params * weight_bytes;
         let write_s = rank0_bytes / (CHECKPOINT_WRITE_GBS * 1e9);
-        let stop_lead_s = ((2.0 * step_s + write_s) * 1.25 / 60.0).ceil() as u64 * 60;
+        // f64 to u64 saturates, so a step time the plan cannot bound (infinite) stays a number
+        let stop_lead_s = (((2.0 * step_s + write_s) * 1.25 / 60.0).ceil() * 60.0) as u64;
         CheckpointTime { rank0_bytes, write_s, stop_lead_s }
     }
 }

@@ -12,15 +12,17 @@ use crate::common::slurm::{cluster, ended, root, run_ok, slurm_cmd, wait_job};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// tiny-cpu shortened: 24 + 16 steps, the second stage at 128 tokens with HARPE bases.
-const STEPS: &str = "stage.0.steps=24 stage.1.steps=16";
+/// tiny-cpu with 120 + 80 steps (its own are 100 + 60), the second stage at 128 tokens with HARPE bases:
+/// long enough (~10 s under srun here) that a TERM sent at step 3 lands mid-run.
+const STEPS: &str = "stage.0.steps=120 stage.1.steps=80";
+const LAST: usize = 200;
 
 fn sets() -> Vec<String> {
     STEPS.split(' ').flat_map(|kv| ["--set".to_string(), kv.to_string()]).collect()
 }
 
 fn final_model(run: &Path) -> std::path::PathBuf {
-    run.join("checkpoints/step_000040/model.safetensors")
+    run.join(format!("checkpoints/step_{LAST:06}/model.safetensors"))
 }
 
 fn complete_checkpoints(run: &Path) -> Vec<u64> {
@@ -96,7 +98,7 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     let state = wait_job(&conf, &job, Duration::from_secs(120), ended);
     assert_eq!(state, "COMPLETED", "a TERM'd run checkpoints and exits 0:\n{}", read_log());
     let stopped_at = *losses(&job_dir).last().map(|(s, _)| s).unwrap();
-    assert!(stopped_at < 40, "the signal stopped the run before its end (step {stopped_at}):\n{}", read_log());
+    assert!(stopped_at < LAST as u64, "the signal stopped the run before its end (step {stopped_at}):\n{}", read_log());
     assert_eq!(complete_checkpoints(&job_dir).last(), Some(&stopped_at), "a complete checkpoint of the last step");
     let t_term = t.elapsed();
 
@@ -107,7 +109,7 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     let state = wait_job(&conf, &job, Duration::from_secs(400), |s| s == "COMPLETED" || s.contains("FAIL"));
     assert_eq!(state, "COMPLETED", "{}", read_log());
     assert!(read_log().contains("resuming from"), "the requeued job resumed:\n{}", read_log());
-    assert_eq!(losses(&job_dir).len(), 40, "one record per step across the stop");
+    assert_eq!(losses(&job_dir).len(), LAST, "one record per step across the stop");
     assert!(
         std::fs::read(final_model(&job_dir)).unwrap() == std::fs::read(final_model(&two)).unwrap(),
         "the stopped and requeued job ends bit-identical to the uninterrupted srun run"
