@@ -9,7 +9,7 @@
 # What it reads from the environment (sbatch passes the submitting shell's on): CONFIG, RUN_DIR, HARPE
 # (the binary), BACKEND (nccl; gloo runs the same script on CPUs), ZERO_STAGE, TIMEOUT_S, and HARPE_SET
 # (extra `--set` overrides, space-separated, e.g. HARPE_SET="train.seed=1 checkpoint.every=200").
-# Node and GPU counts are sbatch's own options. The CPU rehearsal of tests/tools/slurm.rs submits
+# Node and GPU counts are sbatch's own options. The CPU rehearsal of tests/stage_train/train_slurm.rs submits
 # this very file as
 #   BACKEND=gloo CONFIG=... sbatch --nodes=1 --ntasks-per-node=2 --gpus-per-node=0 --cpus-per-task=1 \
 #     --time=10 --signal=TERM@30 scripts/slurm-harpe-128k.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for the tests that submit real srun/sbatch jobs
-# (tests/tools/slurm.rs) and for trying the Slurm workflow of README "Launching on GPUs" by hand.
+# (tests/stage_train/train_slurm.rs, tests/tools/sweep_slurm.rs) and for trying the Slurm workflow of
+# README "Launching on GPUs" by hand.
 #
 #   scripts/slurm-test-cluster.sh up       # install slurm-wlm + munge if missing, start, wait until idle
 #   scripts/slurm-test-cluster.sh status   # exit 0 when the node is up and answers

@@ -100,7 +100,8 @@ impl SlurmSpec {
 
     /// Values that would break the script or that Slurm would refuse late; `what` names the table.
     pub fn check(&self, origin: &str, what: &str) -> Result<()> {
-        for (key, v) in [("nodes", self.nodes), ("ntasks_per_node", self.ntasks_per_node), ("cpus_per_task", self.cpus_per_task)]
+        for (key, v) in
+            [("nodes", self.nodes), ("ntasks_per_node", self.ntasks_per_node), ("cpus_per_task", self.cpus_per_task)]
         {
             if v == Some(0) {
                 bail!("{origin}: {what} `{key}` = 0\nhint: at least 1 (or leave `{key}` out for the default)");
@@ -376,7 +377,8 @@ pub fn sacct_states(job_ids: &[String]) -> Option<BTreeMap<String, String>> {
     if job_ids.is_empty() {
         return Some(BTreeMap::new());
     }
-    let o = Command::new("sacct").args(["-n", "-X", "-P", "-o", "JobID,State", "-j", &job_ids.join(",")]).output().ok()?;
+    let o =
+        Command::new("sacct").args(["-n", "-X", "-P", "-o", "JobID,State", "-j", &job_ids.join(",")]).output().ok()?;
     if !o.status.success() {
         return None;
     }
@@ -394,8 +396,18 @@ fn parse_pairs(text: &str) -> BTreeMap<String, String> {
 pub fn is_queued(state: &str) -> bool {
     matches!(
         state,
-        "PENDING" | "REQUEUED" | "REQUEUE_HOLD" | "REQUEUE_FED" | "CONFIGURING" | "RUNNING" | "COMPLETING" | "SUSPENDED"
-            | "RESIZING" | "SIGNALING" | "STAGE_OUT" | "STOPPED"
+        "PENDING"
+            | "REQUEUED"
+            | "REQUEUE_HOLD"
+            | "REQUEUE_FED"
+            | "CONFIGURING"
+            | "RUNNING"
+            | "COMPLETING"
+            | "SUSPENDED"
+            | "RESIZING"
+            | "SIGNALING"
+            | "STAGE_OUT"
+            | "STOPPED"
     )
 }
 
@@ -414,7 +426,10 @@ pub fn sbatch(script: &Path) -> Result<String> {
     let text = String::from_utf8_lossy(&o.stdout);
     let id = text.trim().split(';').next().unwrap_or("").to_string();
     if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
-        bail!("sbatch printed no job id ({:?})\nhint: this harpe expects `sbatch --parsable` to print JOBID", text.trim());
+        bail!(
+            "sbatch printed no job id ({:?})\nhint: this harpe expects `sbatch --parsable` to print JOBID",
+            text.trim()
+        );
     }
     Ok(id)
 }
@@ -481,7 +496,8 @@ pub fn status_rows(
 
 /// `--status` as a table.
 pub fn render_status(rows: &[RunStatus], notes: &[String]) -> String {
-    let mut s = format!("{:<40} {:<12} {:<14} {:<12} {:>10}\n", "run", "state", "slurm task", "slurm state", "last step");
+    let mut s =
+        format!("{:<40} {:<12} {:<14} {:<12} {:>10}\n", "run", "state", "slurm task", "slurm state", "last step");
     for r in rows {
         let _ = writeln!(
             s,
@@ -527,7 +543,12 @@ mod tests {
 
     #[test]
     fn an_arm_table_overrides_keys_and_appends_extra_lines() {
-        let base = SlurmSpec { partition: Some("gpu".into()), nodes: Some(1), extra: vec!["--qos=a".into()], ..Default::default() };
+        let base = SlurmSpec {
+            partition: Some("gpu".into()),
+            nodes: Some(1),
+            extra: vec!["--qos=a".into()],
+            ..Default::default()
+        };
         let arm = SlurmSpec { nodes: Some(2), extra: vec!["--exclusive".into()], ..Default::default() };
         let m = base.merged(Some(&arm));
         assert_eq!((m.partition.as_deref(), m.nodes), (Some("gpu"), Some(2)));
@@ -555,12 +576,27 @@ mod tests {
     #[test]
     fn the_script_maps_each_index_to_its_run_with_absolute_paths() {
         let runs = [
-            TaskRun { id: "a__seed0".into(), config: "r.toml".into(), set: vec!["train.seed=0".into()], shape: SlurmSpec::default() },
-            TaskRun { id: "a__seed1".into(), config: "/x/r.toml".into(), set: vec!["x=\"y z\"".into()], shape: SlurmSpec::default() },
+            TaskRun {
+                id: "a__seed0".into(),
+                config: "r.toml".into(),
+                set: vec!["train.seed=0".into()],
+                shape: SlurmSpec::default(),
+            },
+            TaskRun {
+                id: "a__seed1".into(),
+                config: "/x/r.toml".into(),
+                set: vec!["x=\"y z\"".into()],
+                shape: SlurmSpec::default(),
+            },
         ];
         let jobs = array_jobs("s", &runs, &[1]);
         assert_eq!(jobs.len(), 1);
-        let p = ScriptPaths { harpe: "/bin/harpe".into(), cwd: "/w".into(), out: "/w/out".into(), sweep_file: "/w/s.toml".into() };
+        let p = ScriptPaths {
+            harpe: "/bin/harpe".into(),
+            cwd: "/w".into(),
+            out: "/w/out".into(),
+            sweep_file: "/w/s.toml".into(),
+        };
         let s = array_script("s", &jobs[0], &p);
         assert!(s.contains("#SBATCH --array=1\n"), "{s}");
         assert!(s.contains("  1) RUN=a__seed1; CONFIG=/x/r.toml; SET=(--set 'x=\"y z\"') ;;"), "{s}");
@@ -576,19 +612,26 @@ mod tests {
             std::fs::create_dir_all(d.path().join(id)).unwrap();
         }
         std::fs::create_dir_all(d.path().join("e/eval")).unwrap();
-        std::fs::write(RunDir::new(&d.path().join("e")).eval_summary(), "{}").unwrap();
-        std::fs::write(d.path().join("b/metrics.jsonl"), "{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":1.5}\n").unwrap();
+        std::fs::write(RunDir::new(d.path().join("e")).eval_summary(), "{}").unwrap();
+        std::fs::write(d.path().join("b/metrics.jsonl"), "{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":1.5}\n")
+            .unwrap();
         let tasks = ["a", "b", "c", "e"].iter().enumerate().map(|(i, r)| (i, r.to_string())).collect();
-        let jobs = JobsFile { format: JOBS_FORMAT.into(), jobs: vec![JobRecord { job_id: "7".into(), script: "s".into(), submitted: 0, tasks }] };
+        let jobs = JobsFile {
+            format: JOBS_FORMAT.into(),
+            jobs: vec![JobRecord { job_id: "7".into(), script: "s".into(), submitted: 0, tasks }],
+        };
         let queue: BTreeMap<String, String> = [("7_0", "PENDING"), ("7_1", "RUNNING"), ("7_2", "TIMEOUT")]
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect();
-        let runs: Vec<(String, PathBuf)> = ["a", "b", "c", "e", "f"].iter().map(|r| (r.to_string(), PathBuf::from(r))).collect();
+        let runs: Vec<(String, PathBuf)> =
+            ["a", "b", "c", "e", "f"].iter().map(|r| (r.to_string(), PathBuf::from(r))).collect();
         let rows = status_rows(d.path(), &runs, &jobs, &queue, &BTreeMap::new());
-        let got: Vec<(&str, &str, u64)> =
-            rows.iter().map(|r| (r.id.as_str(), r.state.as_str(), r.last_step)).collect();
-        assert_eq!(got, [("a", "pending", 0), ("b", "running", 2), ("c", "failed", 0), ("e", "done", 0), ("f", "unsubmitted", 0)]);
+        let got: Vec<(&str, &str, u64)> = rows.iter().map(|r| (r.id.as_str(), r.state.as_str(), r.last_step)).collect();
+        assert_eq!(
+            got,
+            [("a", "pending", 0), ("b", "running", 2), ("c", "failed", 0), ("e", "done", 0), ("f", "unsubmitted", 0)]
+        );
         assert!(render_status(&rows, &[]).contains("5 runs: 1 done, 1 failed, 1 pending, 1 running, 1 unsubmitted"));
     }
 }

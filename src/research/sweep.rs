@@ -932,12 +932,10 @@ fn model_arch(c: &RunConfig) -> Option<crate::model::config::LlamaConfig> {
 /// so processes that update different runs at the same time do not undo each other's changes.
 fn update_index(out: &Path, fresh: &SweepIndex, f: impl FnOnce(&mut SweepIndex)) -> Result<()> {
     let lock_path = out.join(".sweep-index.lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(false)
-        .open(&lock_path)
-        .with_context(|| format!("cannot open {}\nhint: the sweep directory must be writable", lock_path.display()))?;
+    let file =
+        std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&lock_path).with_context(|| {
+            format!("cannot open {}\nhint: the sweep directory must be writable", lock_path.display())
+        })?;
     file.lock().with_context(|| {
         format!("cannot lock {}\nhint: the file system of the sweep directory must support flock", lock_path.display())
     })?;
@@ -969,7 +967,9 @@ pub fn run(args: SweepArgs) -> Result<()> {
     if let Some(dir) = &args.status {
         return print_status(dir);
     }
-    let config = args.config.clone().ok_or_else(|| anyhow!("no --config\nhint: pass the sweep file, e.g. --config configs/sweeps/harpe-vs-multistage.toml"))?;
+    let config = args.config.clone().ok_or_else(|| {
+        anyhow!("no --config\nhint: pass the sweep file, e.g. --config configs/sweeps/harpe-vs-multistage.toml")
+    })?;
     let spec = SweepSpec::load(&config)?;
     let name = spec.name_for(&config);
     if let Some(id) = &args.task {
@@ -1172,7 +1172,12 @@ fn submit_slurm(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, p
     }
     let task_runs: Vec<slurm::TaskRun> = all
         .iter()
-        .map(|p| slurm::TaskRun { id: p.id.clone(), config: p.config.clone(), set: p.set.clone(), shape: p.slurm.clone() })
+        .map(|p| slurm::TaskRun {
+            id: p.id.clone(),
+            config: p.config.clone(),
+            set: p.set.clone(),
+            shape: p.slurm.clone(),
+        })
         .collect();
     let array = slurm::array_jobs(&sanitize(name), &task_runs, &todo);
     println!(
@@ -1241,7 +1246,12 @@ fn submit_slurm(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, p
             },
         )?;
         let idx: Vec<usize> = j.runs.iter().map(|r| r.0).collect();
-        println!("submitted job {id}: array {} ({} run(s), {})", slurm::index_list(&idx), j.runs.len(), j.shape.describe());
+        println!(
+            "submitted job {id}: array {} ({} run(s), {})",
+            slurm::index_list(&idx),
+            j.runs.len(),
+            j.shape.describe()
+        );
     }
     println!(
         "next: harpe sweep --status {0} (rerun this command to resubmit runs that stopped); when all are done: harpe report {0}",
@@ -1315,10 +1325,10 @@ fn run_task(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, id: &
 /// `--status DIR`: each run's state, newest Slurm task and last logged step.
 fn print_status(dir: &Path) -> Result<()> {
     let p = dir.join("sweep.json");
-    let text = std::fs::read_to_string(&p).with_context(|| {
-        format!("cannot read {}\nhint: pass the --out directory of a `harpe sweep`", p.display())
-    })?;
-    let ix: SweepIndex = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("cannot read {}\nhint: pass the --out directory of a `harpe sweep`", p.display()))?;
+    let ix: SweepIndex =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
     let jobs = slurm::read_jobs(dir)?;
     let mut notes = vec![];
     let queue = if jobs.jobs.is_empty() {
@@ -1336,7 +1346,9 @@ fn print_status(dir: &Path) -> Result<()> {
         .filter_map(|t| t.split('_').next().map(str::to_string))
         .collect();
     let sacct = slurm::sacct_states(&gone.into_iter().collect::<Vec<_>>()).unwrap_or_else(|| {
-        notes.push("sacct has no accounting data here: a task that left the queue unfinished shows as failed".to_string());
+        notes.push(
+            "sacct has no accounting data here: a task that left the queue unfinished shows as failed".to_string(),
+        );
         BTreeMap::new()
     });
     let runs: Vec<(String, PathBuf)> = ix.runs.iter().map(|r| (r.id.clone(), r.dir.clone())).collect();

@@ -49,7 +49,10 @@ pub fn run_ok(cmd: &mut Command) -> String {
 
 /// squeue's state of job `id` (or of its array tasks, space-separated), "" once it left the queue.
 pub fn job_state(conf: &Path, id: &str) -> String {
-    let o = slurm_cmd(conf, "squeue", Path::new("/")).args(["-h", "-r", "-t", "all", "-o", "%T", "-j", id]).output().unwrap();
+    let o = slurm_cmd(conf, "squeue", Path::new("/"))
+        .args(["-h", "-r", "-t", "all", "-o", "%T", "-j", id])
+        .output()
+        .unwrap();
     String::from_utf8_lossy(&o.stdout).split_whitespace().collect::<Vec<_>>().join(" ")
 }
 

@@ -37,7 +37,10 @@ fn slurm_table_bad_input_names_the_file_and_key() {
         setup(d, &sweep_toml(table));
         let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--executor", "slurm", "--dry-run"]);
         let e = err(&o);
-        assert!(!o.status.success() && e.contains("sweep.toml") && e.contains(needle) && e.contains("hint:"), "{table}: {e}");
+        assert!(
+            !o.status.success() && e.contains("sweep.toml") && e.contains(needle) && e.contains("hint:"),
+            "{table}: {e}"
+        );
     }
     // an arm's own table is checked the same way and named
     setup(d, &sweep_toml("").replace("name = \"harpe\"", "name = \"harpe\"\nslurm = { gpus_per_nod = 8 }"));
@@ -97,7 +100,8 @@ fn slurm_dry_run_prints_one_array_script_per_shape_with_absolute_paths() {
     }
     // the arm's override, quoted for the shell exactly as --set takes it
     assert!(
-        harpe.contains(r#"SET=(--set 'rope={ scheme = "harpe", head_bases = [10000.0, 40000.0] }' --set train.seed=1)"#),
+        harpe
+            .contains(r#"SET=(--set 'rope={ scheme = "harpe", head_bases = [10000.0, 40000.0] }' --set train.seed=1)"#),
         "{harpe}"
     );
     // the script is valid bash
@@ -129,7 +133,12 @@ fn status(d: &Path, conf: &Path) -> String {
 }
 
 fn row<'a>(status: &'a str, id: &str) -> Vec<&'a str> {
-    status.lines().find(|l| l.starts_with(&format!("{id} "))).unwrap_or_else(|| panic!("{status}")).split_whitespace().collect()
+    status
+        .lines()
+        .find(|l| l.starts_with(&format!("{id} ")))
+        .unwrap_or_else(|| panic!("{status}"))
+        .split_whitespace()
+        .collect()
 }
 
 /// Submit the sweep; the array job's id.
@@ -189,5 +198,9 @@ fn slurm_sweep_array_ends_with_the_local_report_and_a_killed_task_recovers() {
     assert_eq!(std::fs::read_to_string(victim.join("metrics.jsonl")).unwrap().lines().count(), 40);
     // README: harpe report runs/hvm
     assert_eq!(report_metrics(d), report_metrics(local.path()), "the array's report is the local executor's");
-    eprintln!("timings: local sweep {:.1} s, slurm sweep with a kill and a resubmission {:.1} s", t_local.as_secs_f64(), t.elapsed().as_secs_f64());
+    eprintln!(
+        "timings: local sweep {:.1} s, slurm sweep with a kill and a resubmission {:.1} s",
+        t_local.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
 }
