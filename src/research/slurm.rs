@@ -69,6 +69,11 @@ pub struct SlurmSpec {
     /// further `#SBATCH` options, one per entry, e.g. ["--qos=long", "--constraint=a100"]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extra: Vec<String>,
+    /// `--set` overrides of `[dist]` keys for the tasks' `harpe train`, e.g. ["dist.backend=nccl"]: how a
+    /// run is computed on the cluster, never what (other keys are refused, so a run trains to the same
+    /// result under either executor and the run directory's config check still passes)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub set: Vec<String>,
 }
 
 impl SlurmSpec {
@@ -77,6 +82,8 @@ impl SlurmSpec {
         let Some(o) = over else { return self.clone() };
         let mut extra = self.extra.clone();
         extra.extend(o.extra.iter().cloned());
+        let mut set = self.set.clone();
+        set.extend(o.set.iter().cloned());
         SlurmSpec {
             partition: o.partition.clone().or_else(|| self.partition.clone()),
             account: o.account.clone().or_else(|| self.account.clone()),
@@ -87,6 +94,7 @@ impl SlurmSpec {
             time: o.time.clone().or_else(|| self.time.clone()),
             signal_lead_s: o.signal_lead_s.or(self.signal_lead_s),
             extra,
+            set,
         }
     }
 
@@ -114,6 +122,13 @@ impl SlurmSpec {
                         "{origin}: {what} `{key}` = {s:?} is not one word\nhint: e.g. partition = \"gpu\", time = \"72:00:00\""
                     );
                 }
+            }
+        }
+        for o in &self.set {
+            if !o.starts_with("dist.") || !o.contains('=') {
+                bail!(
+                    "{origin}: {what} `set` entry {o:?} is not a `dist.KEY=VALUE` override\nhint: [slurm] may only say how runs are computed (e.g. \"dist.backend=nccl\"); put other overrides in the sweep's or the arm's `set`"
+                );
             }
         }
         for line in &self.extra {

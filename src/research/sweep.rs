@@ -1170,15 +1170,7 @@ fn submit_slurm(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, p
             todo.push(i);
         }
     }
-    let task_runs: Vec<slurm::TaskRun> = all
-        .iter()
-        .map(|p| slurm::TaskRun {
-            id: p.id.clone(),
-            config: p.config.clone(),
-            set: p.set.clone(),
-            shape: p.slurm.clone(),
-        })
-        .collect();
+    let task_runs: Vec<slurm::TaskRun> = all.iter().map(task_run).collect::<Result<_>>()?;
     let array = slurm::array_jobs(&sanitize(name), &task_runs, &todo);
     println!(
         "sweep `{name}`: {} runs, {} already done, {} still queued, {} to submit as {} array job(s) -> {}",
@@ -1258,6 +1250,23 @@ fn submit_slurm(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, p
         out.display()
     );
     Ok(())
+}
+
+/// What an array task trains: the run's overrides, then its `[slurm]` table's `dist.*` ones, checked here so
+/// a bad value stops the submission instead of every task.
+fn task_run(p: &RunPlan) -> Result<slurm::TaskRun> {
+    let mut set = p.set.clone();
+    set.extend(p.slurm.set.iter().cloned());
+    if !p.slurm.set.is_empty() {
+        RunConfig::load(&p.config, &set).map_err(|e| {
+            anyhow!(
+                "[slurm] `set` {:?} does not apply to run {}: {e:#}\nhint: [slurm] set takes `harpe train --set` keys of [dist]",
+                p.slurm.set,
+                p.id
+            )
+        })?;
+    }
+    Ok(slurm::TaskRun { id: p.id.clone(), config: p.config.clone(), set, shape: p.slurm.clone() })
 }
 
 /// `--task RUN`: evaluate one trained run inside a Slurm array task and mark it in sweep.json.

@@ -16,6 +16,7 @@ const SLURM: &str = r#"
 partition = "debug"
 time = "00:20:00"
 cpus_per_task = 1
+set = ["dist.zero_stage=1"]
 extra = ["--qos=normal"]
 "#;
 
@@ -33,6 +34,7 @@ fn slurm_table_bad_input_names_the_file_and_key() {
         ("[slurm]\ntime = \"1 day\"\n", "`time`"),
         ("[slurm]\nextra = [\"qos=long\"]\n", "\"qos=long\""),
         ("[slurm]\nnodes = \"two\"\n", "nodes"),
+        ("[slurm]\nset = [\"optim.lr=1\"]\n", "\"optim.lr=1\" is not a `dist.KEY=VALUE`"),
     ] {
         setup(d, &sweep_toml(table));
         let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--executor", "slurm", "--dry-run"]);
@@ -46,6 +48,14 @@ fn slurm_table_bad_input_names_the_file_and_key() {
     setup(d, &sweep_toml("").replace("name = \"harpe\"", "name = \"harpe\"\nslurm = { gpus_per_nod = 8 }"));
     let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--executor", "slurm", "--dry-run"]);
     assert!(!o.status.success() && err(&o).contains("gpus_per_nod"), "{}", err(&o));
+    // a [dist] value that does not resolve stops the submission, not every task
+    setup(d, &sweep_toml("[slurm]\nset = [\"dist.zero_stage=9\"]\n"));
+    let o = harpe_in(d, &["sweep", "--config", "sweep.toml", "--executor", "slurm", "--dry-run"]);
+    let e = err(&o);
+    assert!(
+        !o.status.success() && e.contains("[slurm] `set`") && e.contains("zero_stage") && e.contains("hint:"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -80,7 +90,11 @@ fn slurm_dry_run_prints_one_array_script_per_shape_with_absolute_paths() {
         &format!("#SBATCH --output={}/slurm/%A_%a.out", out.display()),
         &format!("#SBATCH --chdir={}", d.display()),
         &format!("HARPE={}", env!("CARGO_BIN_EXE_harpe")),
-        &format!("  0) RUN=rope__seed0; CONFIG={}/base.toml; SET=(--set train.seed=0) ;;", d.display()),
+        // the run's overrides, then [slurm]'s dist ones (how it is computed on the cluster)
+        &format!(
+            "  0) RUN=rope__seed0; CONFIG={}/base.toml; SET=(--set train.seed=0 --set dist.zero_stage=1) ;;",
+            d.display()
+        ),
         "srun --kill-on-bad-exit=1 \"$HARPE\" train --config \"$CONFIG\" --out \"$OUT/$RUN\" --resume \"${SET[@]}\"",
         &format!("\"$HARPE\" sweep --config {}/sweep.toml --out \"$OUT\" --task \"$RUN\"", d.display()),
     ] {
@@ -101,7 +115,7 @@ fn slurm_dry_run_prints_one_array_script_per_shape_with_absolute_paths() {
     // the arm's override, quoted for the shell exactly as --set takes it
     assert!(
         harpe
-            .contains(r#"SET=(--set 'rope={ scheme = "harpe", head_bases = [10000.0, 40000.0] }' --set train.seed=1)"#),
+            .contains(r#"SET=(--set 'rope={ scheme = "harpe", head_bases = [10000.0, 40000.0] }' --set train.seed=1 --set dist.zero_stage=1)"#),
         "{harpe}"
     );
     // the script is valid bash
@@ -203,4 +217,32 @@ fn slurm_sweep_array_ends_with_the_local_report_and_a_killed_task_recovers() {
         t_local.as_secs_f64(),
         t.elapsed().as_secs_f64()
     );
+}
+
+#[test]
+fn the_shipped_sweeps_submit_8_gpu_nccl_tasks_with_the_plans_stop_warning() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = tempfile::tempdir().unwrap();
+    for file in ["configs/sweeps/harpe-vs-multistage.toml", "configs/sweeps/data-strategies.toml"] {
+        let o = harpe_cmd()
+            .current_dir(root)
+            .args(["sweep", "--config", file, "--executor", "slurm", "--dry-run", "--out"])
+            .arg(out.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{file}: {}", err(&o));
+        for line in ["#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --signal=TERM@2040"] {
+            assert!(text.lines().any(|l| l == line), "{file}: no `{line}` in\n{text}");
+        }
+        assert!(text.contains("--set dist.backend=nccl) ;;"), "{file}: {text}");
+    }
+    // 2040 is `harpe plan`'s stop line for the 128K recipe on one 8-GPU node at ZeRO-3
+    let o = harpe_cmd()
+        .current_dir(root)
+        .args(["plan", "--config", "configs/harpe-128k.toml", "--set", "model.path=configs/arch/llama-2-7b"])
+        .args(["--gpus", "8", "--zero", "3"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("-> Slurm --signal=TERM@2040"), "{}", err(&o));
 }
