@@ -69,7 +69,21 @@ pub fn wait_job(conf: &Path, id: &str, limit: Duration, done: impl Fn(&str) -> b
     }
 }
 
-/// Whether every task of a job has ended (left the queue or holds an end state).
+/// Whether every task of a job has ended (left the queue or holds an end state; a job being signalled,
+/// completing or requeued has not).
 pub fn ended(state: &str) -> bool {
-    state.split_whitespace().all(|s| !matches!(s, "PENDING" | "RUNNING" | "CONFIGURING" | "COMPLETING" | "REQUEUED"))
+    state.split_whitespace().all(|s| {
+        matches!(
+            s,
+            "COMPLETED"
+                | "FAILED"
+                | "CANCELLED"
+                | "TIMEOUT"
+                | "NODE_FAIL"
+                | "PREEMPTED"
+                | "OUT_OF_MEMORY"
+                | "BOOT_FAIL"
+                | "DEADLINE"
+        )
+    })
 }

@@ -148,8 +148,8 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
         .env("HARPE", harpe)
         .env("HARPE_SET", "stage.0.steps=1000000 stage.1.steps=1");
     let job = run_ok(&mut sbatch).trim().split(';').next().unwrap().to_string();
-    let log = std::fs::read_to_string(dir.join(format!("job-{job}.out"))).unwrap_or_default();
     let state = wait_job(&conf, &job, Duration::from_secs(150), ended);
+    let log = std::fs::read_to_string(dir.join(format!("job-{job}.out"))).unwrap_or_default();
     assert_eq!(state, "COMPLETED", "the time limit's TERM stopped the run in time:\n{log}");
     let last = *losses(&limited).last().map(|(s, _)| s).unwrap();
     assert_eq!(complete_checkpoints(&limited).last(), Some(&last), "a complete checkpoint of step {last}");
