@@ -87,3 +87,10 @@ pub fn ended(state: &str) -> bool {
         )
     })
 }
+
+/// Fail unless README.md has `line` as one of its lines (a test that runs a README line says which,
+/// and this keeps the two from drifting apart).
+pub fn assert_readme_line(line: &str) {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    assert!(readme.lines().any(|l| l.trim_end() == line), "README.md no longer has the line this test runs:\n{line}");
+}

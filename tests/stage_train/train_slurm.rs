@@ -9,7 +9,7 @@
 //! the 128K recipe, fewer steps): "Single node, torchrun, Slurm" — the `srun --nodes=1 --ntasks-per-node=8
 //! ... harpe train` line and the `sbatch --nodes=1 scripts/slurm-harpe-128k.sh` line.
 use super::train_dist::{assert_same_losses, assert_same_tensors, losses, losses_or_empty, train};
-use crate::common::slurm::{cluster, ended, root, run_ok, slurm_cmd, wait_job};
+use crate::common::slurm::{assert_readme_line, cluster, ended, root, run_ok, slurm_cmd, wait_job};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -59,7 +59,10 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     train(&cfg, &one, &short);
     let t_one = t0.elapsed();
 
-    // README: srun --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 harpe train --config ... --set dist.backend=nccl
+    // README's srun line, with 2 tasks, no GPUs, gloo, tiny-cpu and fewer steps
+    assert_readme_line(
+        "srun --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 harpe train --config configs/harpe-128k.toml --set dist.backend=nccl",
+    );
     let srun_train = |out: &Path, steps: &str| {
         let mut srun = slurm_cmd(&conf, "srun", dir);
         srun.args(["--nodes=1", "--ntasks-per-node=2", "--time=10", harpe, "train", "--config"])
@@ -81,7 +84,8 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     let full = dir.join("srun-full");
     srun_train(&full, LONG);
 
-    // README: sbatch --nodes=1 scripts/slurm-harpe-128k.sh, with the CPU overrides
+    // README's sbatch line, with the CPU overrides on sbatch's command line and in the environment
+    assert_readme_line("sbatch --nodes=1 scripts/slurm-harpe-128k.sh");
     let job_dir = dir.join("sbatch");
     let t = Instant::now();
     let mut sbatch = slurm_cmd(&conf, "sbatch", dir);

@@ -6,7 +6,7 @@
 //! `harpe sweep --status ...`, `harpe report ...`.
 use super::sweep::{harpe_in, has_checkpoint, setup, sweep_toml};
 use crate::common::harpe_cmd;
-use crate::common::slurm::{cluster, ended, run_ok, slurm_cmd, wait_job};
+use crate::common::slurm::{assert_readme_line, cluster, ended, run_ok, slurm_cmd, wait_job};
 use serde_json::Value;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -184,7 +184,12 @@ fn slurm_sweep_array_ends_with_the_local_report_and_a_killed_task_recovers() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
     setup(d, &sweep_toml(SLURM.replace("extra = [\"--qos=normal\"]\n", "").as_str()));
-    // README: harpe sweep --executor slurm --config configs/sweeps/harpe-vs-multistage.toml --out runs/hvm
+    // README's lines of the sweep on Slurm, with the tiny sweep for the paper's
+    assert_readme_line(
+        "harpe sweep --executor slurm --config configs/sweeps/harpe-vs-multistage.toml --out runs/hvm   # or on Slurm,",
+    );
+    assert_readme_line("harpe sweep --status runs/hvm     # then per run: pending/running/done/failed, Slurm task id, last step");
+    assert_readme_line("harpe report runs/hvm --baseline abf-ms-32k-64k-128k");
     let job = submit(d, &conf, "4 to submit as 1 array job(s)");
     // SIGKILL the task of rope__seed1 (array index 1) once it has a checkpoint: a crash, not a clean stop
     let victim = d.join("out/rope__seed1");
