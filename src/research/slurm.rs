@@ -470,7 +470,8 @@ pub fn last_step(run: &Path) -> u64 {
 #[derive(Clone, Debug, Serialize)]
 pub struct RunStatus {
     pub id: String,
-    /// pending, running, done, failed or unsubmitted
+    /// pending, running, done, failed; for a run no Slurm task ran, sweep.json's state (a local sweep's)
+    /// or unsubmitted
     pub state: String,
     /// `JOB_INDEX` of the newest submission
     pub slurm: Option<String>,
@@ -480,17 +481,18 @@ pub struct RunStatus {
 }
 
 /// Where each run stands: done from its run directory, pending/running from squeue, failed when its
-/// newest task ended (or left the queue) without finishing it.
+/// newest task ended (or left the queue) without finishing it. `runs`: id, directory and sweep.json's
+/// state (what a local executor wrote; "pending" there for a Slurm sweep's unsubmitted run).
 pub fn status_rows(
     out: &Path,
-    runs: &[(String, PathBuf)],
+    runs: &[(String, PathBuf, String)],
     jobs: &JobsFile,
     queue: &BTreeMap<String, String>,
     sacct: &BTreeMap<String, String>,
 ) -> Vec<RunStatus> {
     let tasks = latest_tasks(jobs);
     runs.iter()
-        .map(|(id, dir)| {
+        .map(|(id, dir, local)| {
             let run = out.join(dir);
             let slurm = tasks.get(id).cloned();
             let slurm_state = slurm.as_ref().and_then(|t| queue.get(t).or_else(|| sacct.get(t)).cloned());
@@ -498,6 +500,7 @@ pub fn status_rows(
                 "done"
             } else {
                 match (&slurm, slurm_state.as_deref()) {
+                    (None, _) if local != "pending" => local.as_str(),
                     (None, _) => "unsubmitted",
                     (Some(_), Some(s)) if s == "RUNNING" || s == "COMPLETING" => "running",
                     (Some(_), Some(s)) if is_queued(s) => "pending",
@@ -639,14 +642,24 @@ mod tests {
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect();
-        let runs: Vec<(String, PathBuf)> =
-            ["a", "b", "c", "e", "f"].iter().map(|r| (r.to_string(), PathBuf::from(r))).collect();
+        let mut runs: Vec<(String, PathBuf, String)> =
+            ["a", "b", "c", "e", "f"].iter().map(|r| (r.to_string(), PathBuf::from(r), "pending".into())).collect();
+        // a run of a local sweep: sweep.json's word
+        runs.push(("g".into(), "g".into(), "training".into()));
         let rows = status_rows(d.path(), &runs, &jobs, &queue, &BTreeMap::new());
         let got: Vec<(&str, &str, u64)> = rows.iter().map(|r| (r.id.as_str(), r.state.as_str(), r.last_step)).collect();
         assert_eq!(
             got,
-            [("a", "pending", 0), ("b", "running", 2), ("c", "failed", 0), ("e", "done", 0), ("f", "unsubmitted", 0)]
+            [
+                ("a", "pending", 0),
+                ("b", "running", 2),
+                ("c", "failed", 0),
+                ("e", "done", 0),
+                ("f", "unsubmitted", 0),
+                ("g", "training", 0)
+            ]
         );
-        assert!(render_status(&rows, &[]).contains("5 runs: 1 done, 1 failed, 1 pending, 1 running, 1 unsubmitted"));
+        assert!(render_status(&rows, &[])
+            .contains("6 runs: 1 done, 1 failed, 1 pending, 1 running, 1 training, 1 unsubmitted"));
     }
 }

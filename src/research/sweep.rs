@@ -1360,7 +1360,14 @@ fn print_status(dir: &Path) -> Result<()> {
         );
         BTreeMap::new()
     });
-    let runs: Vec<(String, PathBuf)> = ix.runs.iter().map(|r| (r.id.clone(), r.dir.clone())).collect();
+    let runs: Vec<(String, PathBuf, String)> = ix
+        .runs
+        .iter()
+        .map(|r| {
+            let state = serde_json::to_value(r.state).ok().and_then(|v| v.as_str().map(str::to_string));
+            (r.id.clone(), r.dir.clone(), state.unwrap_or_default())
+        })
+        .collect();
     let rows = slurm::status_rows(dir, &runs, &jobs, &queue, &sacct);
     print!("{}", slurm::render_status(&rows, &notes));
     Ok(())

@@ -188,7 +188,9 @@ fn slurm_sweep_array_ends_with_the_local_report_and_a_killed_task_recovers() {
     assert_readme_line(
         "harpe sweep --executor slurm --config configs/sweeps/harpe-vs-multistage.toml --out runs/hvm   # or on Slurm,",
     );
-    assert_readme_line("harpe sweep --status runs/hvm     # then per run: pending/running/done/failed, Slurm task id, last step");
+    assert_readme_line(
+        "harpe sweep --status runs/hvm     # then per run: pending/running/done/failed, Slurm task id, last step",
+    );
     assert_readme_line("harpe report runs/hvm --baseline abf-ms-32k-64k-128k");
     let job = submit(d, &conf, "4 to submit as 1 array job(s)");
     // SIGKILL the task of rope__seed1 (array index 1) once it has a checkpoint: a crash, not a clean stop
