@@ -3,5 +3,6 @@
 //! intervals and plots.
 pub mod bases;
 pub mod report;
+pub mod slurm;
 pub mod stats;
 pub mod sweep;

@@ -20,9 +20,13 @@
 //! - Children get SIGTERM when the sweep dies (Linux `PR_SET_PDEATHSIG`), and a SIGINT/SIGTERM to the
 //!   sweep is forwarded once, so every child checkpoints and a rerun resumes.
 //!
-//! Not here: scheduling across machines (run one sweep per node on disjoint `--only` sets, or a cluster
-//! launcher), the statistics (`report.rs`).
+//! - `--executor slurm` hands the same runs to Slurm as array jobs (`slurm.rs`); a task evaluates its
+//!   run with `--task RUN`, which updates this run's entry of `sweep.json` under a lock, re-read from
+//!   disk, because the other tasks write theirs at the same time.
+//!
+//! Not here: the Slurm scripts and `--status` (`slurm.rs`), the statistics (`report.rs`).
 use crate::config::RunConfig;
+use crate::research::slurm::{self, SlurmSpec};
 use crate::train::checkpoint::load_state;
 use crate::train::RunDir;
 use anyhow::{anyhow, bail, Context, Result};
@@ -39,13 +43,23 @@ pub const RUN_MARKER_FORMAT: &str = "harpe-sweep-run-v1";
 /// `sweep.json` format tag.
 pub const INDEX_FORMAT: &str = "harpe-sweep-v1";
 
+/// Where the runs of a sweep train.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Executor {
+    /// child processes on this machine (`--jobs` at a time)
+    #[default]
+    Local,
+    /// one `sbatch --array` job per resource shape of the `[slurm]` table; returns after submitting
+    Slurm,
+}
+
 /// Train and evaluate every run of a sweep file.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SweepArgs {
-    /// sweep file: `base` recipe, `seeds`, `[axes]`, `[[arm]]` tables, `[eval]` (see
+    /// sweep file: `base` recipe, `seeds`, `[axes]`, `[[arm]]` tables, `[eval]`, `[slurm]` (see
     /// configs/sweeps/harpe-vs-multistage.toml)
-    #[arg(long, value_name = "FILE")]
-    pub config: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "status")]
+    pub config: Option<PathBuf>,
     /// sweep directory: sweep.json and one run directory per run [default: runs/<sweep name>]
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -64,6 +78,15 @@ pub struct SweepArgs {
     /// peak TFLOP/s per device for --dry-run's estimate [default: the recipe's log.peak_tflops, else 312]
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// local: child processes here; slurm: submit array jobs (with --dry-run: print their scripts)
+    #[arg(long, value_enum, default_value_t = Executor::Local)]
+    pub executor: Executor,
+    /// print where each run of the sweep directory DIR stands (Slurm task, state, last step) and stop
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "dry_run", "task"])]
+    pub status: Option<PathBuf>,
+    /// evaluate the trained run RUN and mark it in sweep.json (what a Slurm array task runs after training)
+    #[arg(long, value_name = "RUN", hide = true, requires = "out")]
+    pub task: Option<String>,
 }
 
 /// The sweep file.
@@ -94,6 +117,9 @@ pub struct SweepSpec {
     /// evaluation of every finished run
     #[serde(default)]
     pub eval: EvalSpec,
+    /// `#SBATCH` options of `--executor slurm` (an arm's `slurm = {...}` overrides keys for its runs)
+    #[serde(default)]
+    pub slurm: SlurmSpec,
 }
 
 fn d_seeds() -> Vec<u64> {
@@ -114,6 +140,9 @@ pub struct ArmSpec {
     /// overrides, as `--set` takes them
     #[serde(default)]
     pub set: Vec<String>,
+    /// `#SBATCH` options of this arm's runs, over the sweep's `[slurm]`
+    #[serde(default)]
+    pub slurm: Option<SlurmSpec>,
 }
 
 /// `[eval]`: what runs after training (paths relative to the working directory, as in recipes).
@@ -188,6 +217,8 @@ pub struct RunPlan {
     pub set: Vec<String>,
     pub resolved: RunConfig,
     pub hash: String,
+    /// its `#SBATCH` options (`[slurm]` with the arm's keys over it)
+    pub slurm: SlurmSpec,
 }
 
 /// `sweep-run.json` in a run directory.
@@ -310,6 +341,12 @@ impl SweepSpec {
         self.check_lists(&origin)?;
         let arms = self.arms_or_base();
         check_arm_names(&origin, &arms)?;
+        self.slurm.check(&origin, "[slurm]")?;
+        for a in &arms {
+            if let Some(sl) = &a.slurm {
+                sl.check(&origin, &format!("arm `{}` slurm", a.name))?;
+            }
+        }
         let mut plans = vec![];
         for a in &arms {
             let config = self.arm_config(a, here, &origin)?;
@@ -339,7 +376,7 @@ impl SweepSpec {
     /// The `[[arm]]` tables, or one arm `base` without overrides when there are none.
     fn arms_or_base(&self) -> Vec<ArmSpec> {
         if self.arms.is_empty() {
-            vec![ArmSpec { name: "base".into(), config: None, set: vec![] }]
+            vec![ArmSpec { name: "base".into(), config: None, set: vec![], slurm: None }]
         } else {
             self.arms.clone()
         }
@@ -403,6 +440,7 @@ impl SweepSpec {
                     set,
                     resolved: r.cfg,
                     hash: r.hash,
+                    slurm: self.slurm.merged(a.slurm.as_ref()),
                 });
             }
         }
@@ -518,6 +556,8 @@ struct Ctx {
     threads: Option<usize>,
     index: Mutex<SweepIndex>,
     stop: Arc<AtomicBool>,
+    /// other processes (Slurm array tasks) write sweep.json too: merge this run's entry into the file
+    shared: bool,
 }
 
 impl Ctx {
@@ -525,6 +565,17 @@ impl Ctx {
         let mut ix = self.index.lock().map_err(|_| anyhow!("internal: sweep index lock poisoned"))?;
         if let Some(e) = ix.runs.iter_mut().find(|e| e.id == id) {
             f(e);
+        }
+        if self.shared {
+            let mine = ix.runs.iter().find(|e| e.id == id).cloned();
+            return update_index(&self.out, &ix.clone(), |disk| {
+                if let Some(e) = mine {
+                    match disk.runs.iter_mut().find(|d| d.id == e.id) {
+                        Some(d) => *d = e,
+                        None => disk.runs.push(e),
+                    }
+                }
+            });
         }
         let text = serde_json::to_string_pretty(&*ix)?;
         crate::util::write_atomic(&self.out.join("sweep.json"), text.as_bytes())
@@ -763,22 +814,28 @@ pub fn eval_summary(ev: &Path, spec: &EvalSpec) -> Result<BTreeMap<String, f64>>
     Ok(m)
 }
 
-/// Train and evaluate one run; returns its final state.
-fn do_run(ctx: &Ctx, plan: &RunPlan) -> Result<RunState> {
-    let dir = ctx.out.join(&plan.id);
+/// Create the run directory of `plan` under `out` with its `sweep-run.json`.
+fn write_marker(out: &Path, sweep: &str, eval: &EvalSpec, plan: &RunPlan) -> Result<PathBuf> {
+    let dir = out.join(&plan.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let marker = RunMarker {
         format: RUN_MARKER_FORMAT.into(),
-        sweep: ctx.name.clone(),
+        sweep: sweep.to_string(),
         id: plan.id.clone(),
         arm: plan.group.clone(),
         seed: plan.seed,
         config: plan.config.clone(),
         set: plan.set.clone(),
         config_hash: plan.hash.clone(),
-        eval: ctx.eval.clone(),
+        eval: eval.clone(),
     };
     crate::util::write_atomic(&RunDir::new(&dir).sweep_marker(), serde_json::to_string_pretty(&marker)?.as_bytes())?;
+    Ok(dir)
+}
+
+/// Train and evaluate one run; returns its final state.
+fn do_run(ctx: &Ctx, plan: &RunPlan) -> Result<RunState> {
+    let dir = write_marker(&ctx.out, &ctx.name, &ctx.eval, plan)?;
     let resuming = RunDir::new(&dir).latest_checkpoint()?.is_some();
     ctx.update(&plan.id, |e| {
         e.state = RunState::Training;
@@ -871,6 +928,24 @@ fn model_arch(c: &RunConfig) -> Option<crate::model::config::LlamaConfig> {
     Some(m)
 }
 
+/// Change `sweep.json` of `out` as it is on disk (`fresh` when there is none) while holding its lock,
+/// so processes that update different runs at the same time do not undo each other's changes.
+fn update_index(out: &Path, fresh: &SweepIndex, f: impl FnOnce(&mut SweepIndex)) -> Result<()> {
+    let lock_path = out.join(".sweep-index.lock");
+    let file =
+        std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&lock_path).with_context(|| {
+            format!("cannot open {}\nhint: the sweep directory must be writable", lock_path.display())
+        })?;
+    file.lock().with_context(|| {
+        format!("cannot lock {}\nhint: the file system of the sweep directory must support flock", lock_path.display())
+    })?;
+    let mut ix = load_index(out, &fresh.name)?.unwrap_or_else(|| fresh.clone());
+    f(&mut ix);
+    let r = crate::util::write_atomic(&out.join("sweep.json"), serde_json::to_string_pretty(&ix)?.as_bytes());
+    let _ = file.unlock();
+    r
+}
+
 /// Load `sweep.json` of `out` if it exists, checking it belongs to this sweep.
 fn load_index(out: &Path, name: &str) -> Result<Option<SweepIndex>> {
     let p = out.join("sweep.json");
@@ -889,9 +964,21 @@ fn load_index(out: &Path, name: &str) -> Result<Option<SweepIndex>> {
 
 /// `harpe sweep`.
 pub fn run(args: SweepArgs) -> Result<()> {
-    let spec = SweepSpec::load(&args.config)?;
-    let name = spec.name_for(&args.config);
-    let plans = selected_plans(&spec, &args)?;
+    if let Some(dir) = &args.status {
+        return print_status(dir);
+    }
+    let config = args.config.clone().ok_or_else(|| {
+        anyhow!("no --config\nhint: pass the sweep file, e.g. --config configs/sweeps/harpe-vs-multistage.toml")
+    })?;
+    let spec = SweepSpec::load(&config)?;
+    let name = spec.name_for(&config);
+    if let Some(id) = &args.task {
+        return run_task(&args, &config, &spec, &name, id);
+    }
+    let plans = selected_plans(&spec, &config, &args)?;
+    if args.executor == Executor::Slurm {
+        return submit_slurm(&args, &config, &spec, &name, &plans);
+    }
     if args.dry_run {
         print_plan(&plans, &args);
         return Ok(());
@@ -911,17 +998,7 @@ pub fn run(args: SweepArgs) -> Result<()> {
     let mut runs = vec![];
     let mut queue = VecDeque::new();
     for (i, p) in plans.iter().enumerate() {
-        let mut e = old_runs.get(&p.id).cloned().unwrap_or(RunEntry {
-            id: p.id.clone(),
-            arm: p.group.clone(),
-            seed: p.seed,
-            dir: PathBuf::from(&p.id),
-            state: RunState::Pending,
-            attempts: 0,
-            train_s: 0.0,
-            eval_s: 0.0,
-            error: None,
-        });
+        let mut e = old_runs.get(&p.id).cloned().unwrap_or_else(|| new_entry(p));
         let complete = e.state == RunState::Done && RunDir::new(out.join(&p.id)).eval_summary().exists();
         if !complete {
             if e.state == RunState::Done {
@@ -952,11 +1029,12 @@ pub fn run(args: SweepArgs) -> Result<()> {
         index: Mutex::new(SweepIndex {
             format: INDEX_FORMAT.into(),
             name: name.clone(),
-            spec: args.config.clone(),
+            spec: config.clone(),
             eval: spec.eval.clone(),
             runs,
         }),
         stop: Arc::clone(&stop),
+        shared: false,
     };
     ctx.update("", |_| {})?;
     let failures = run_queue(&ctx, &plans, queue, jobs)?;
@@ -964,9 +1042,24 @@ pub fn run(args: SweepArgs) -> Result<()> {
     outcome(&name, &out, &ix, stop.load(Ordering::SeqCst), &failures)
 }
 
+/// A run not yet started, as sweep.json lists it.
+fn new_entry(p: &RunPlan) -> RunEntry {
+    RunEntry {
+        id: p.id.clone(),
+        arm: p.group.clone(),
+        seed: p.seed,
+        dir: PathBuf::from(&p.id),
+        state: RunState::Pending,
+        attempts: 0,
+        train_s: 0.0,
+        eval_s: 0.0,
+        error: None,
+    }
+}
+
 /// The sweep's runs, narrowed to `--only` when given.
-fn selected_plans(spec: &SweepSpec, args: &SweepArgs) -> Result<Vec<RunPlan>> {
-    let mut plans = spec.plan(&args.config)?;
+fn selected_plans(spec: &SweepSpec, config: &Path, args: &SweepArgs) -> Result<Vec<RunPlan>> {
+    let mut plans = spec.plan(config)?;
     if !args.only.is_empty() {
         plans.retain(|p| args.only.iter().any(|o| p.id.contains(o.as_str())));
         if plans.is_empty() {
@@ -1038,5 +1131,244 @@ fn outcome(name: &str, out: &Path, ix: &SweepIndex, stopped: bool, failures: &[(
         );
     }
     println!("sweep `{name}`: all {done} runs done; next: harpe report {}", out.display());
+    Ok(())
+}
+
+/// `path` made absolute against the working directory (what a Slurm task, started elsewhere, needs).
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("cannot make {} absolute", path.display()))
+}
+
+/// `--executor slurm`: submit the runs that are neither complete nor still queued, one array job per
+/// resource shape (`--dry-run`: print the scripts instead).
+fn submit_slurm(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, plans: &[RunPlan]) -> Result<()> {
+    let all = spec.plan(config)?;
+    let out = absolute(&args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(sanitize(name))))?;
+    let paths = slurm::ScriptPaths {
+        harpe: absolute(&harpe_binary()?)?,
+        cwd: absolute(Path::new("."))?,
+        out: out.clone(),
+        sweep_file: absolute(config)?,
+    };
+    let jobs = slurm::read_jobs(&out)?;
+    let queue = if jobs.jobs.is_empty() {
+        BTreeMap::new()
+    } else {
+        slurm::squeue_states().ok_or_else(|| {
+            anyhow!("cannot ask squeue which of this sweep's tasks are still queued\nhint: run on a Slurm login node")
+        })?
+    };
+    let tasks = slurm::latest_tasks(&jobs);
+    let (mut done, mut queued, mut todo) = (vec![], vec![], vec![]);
+    for p in plans {
+        let i = all.iter().position(|q| q.id == p.id).ok_or_else(|| anyhow!("internal: run {} not planned", p.id))?;
+        if RunDir::new(out.join(&p.id)).eval_summary().exists() {
+            done.push(i);
+        } else if tasks.get(&p.id).and_then(|t| queue.get(t)).is_some_and(|s| slurm::is_queued(s)) {
+            queued.push(i);
+        } else {
+            todo.push(i);
+        }
+    }
+    let task_runs: Vec<slurm::TaskRun> = all.iter().map(task_run).collect::<Result<_>>()?;
+    let array = slurm::array_jobs(&sanitize(name), &task_runs, &todo);
+    println!(
+        "sweep `{name}`: {} runs, {} already done, {} still queued, {} to submit as {} array job(s) -> {}",
+        plans.len(),
+        done.len(),
+        queued.len(),
+        todo.len(),
+        array.len(),
+        out.display()
+    );
+    let n0 = jobs.jobs.len();
+    let script_path = |k: usize, j: &slurm::ArrayJob| out.join("slurm").join(format!("{}-{}.sbatch", j.name, n0 + k));
+    if args.dry_run {
+        for (k, j) in array.iter().enumerate() {
+            println!("# --- {}", script_path(k, j).display());
+            print!("{}", slurm::array_script(name, j, &paths));
+        }
+        return Ok(());
+    }
+    std::fs::create_dir_all(out.join("slurm"))
+        .with_context(|| format!("cannot create {}\nhint: choose a writable --out", out.display()))?;
+    for p in plans {
+        check_run_dir(&out.join(&p.id), name, p)?;
+    }
+    for &i in &todo {
+        write_marker(&out, name, &spec.eval, &all[i])?;
+    }
+    let fresh = SweepIndex {
+        format: INDEX_FORMAT.into(),
+        name: name.to_string(),
+        spec: paths.sweep_file.clone(),
+        eval: spec.eval.clone(),
+        runs: vec![],
+    };
+    update_index(&out, &fresh, |ix| {
+        for &i in done.iter().chain(&todo) {
+            let p = &all[i];
+            if !ix.runs.iter().any(|e| e.id == p.id) {
+                ix.runs.push(new_entry(p));
+            }
+            if let Some(e) = ix.runs.iter_mut().find(|e| e.id == p.id) {
+                if done.contains(&i) {
+                    e.state = RunState::Done;
+                } else {
+                    e.state = RunState::Pending;
+                    e.attempts += 1;
+                    e.error = None;
+                }
+            }
+        }
+    })?;
+    for (k, j) in array.iter().enumerate() {
+        let path = script_path(k, j);
+        crate::util::write_atomic(&path, slurm::array_script(name, j, &paths).as_bytes())?;
+        let id = slurm::sbatch(&path)?;
+        let submitted =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        slurm::record_job(
+            &out,
+            slurm::JobRecord {
+                job_id: id.clone(),
+                script: path.strip_prefix(&out).unwrap_or(&path).to_path_buf(),
+                submitted,
+                tasks: j.runs.iter().map(|(i, r)| (*i, r.id.clone())).collect(),
+            },
+        )?;
+        let idx: Vec<usize> = j.runs.iter().map(|r| r.0).collect();
+        println!(
+            "submitted job {id}: array {} ({} run(s), {})",
+            slurm::index_list(&idx),
+            j.runs.len(),
+            j.shape.describe()
+        );
+    }
+    println!(
+        "next: harpe sweep --status {0} (rerun this command to resubmit runs that stopped); when all are done: harpe report {0}",
+        out.display()
+    );
+    Ok(())
+}
+
+/// What an array task trains: the run's overrides, then its `[slurm]` table's `dist.*` ones, checked here so
+/// a bad value stops the submission instead of every task.
+fn task_run(p: &RunPlan) -> Result<slurm::TaskRun> {
+    let mut set = p.set.clone();
+    set.extend(p.slurm.set.iter().cloned());
+    if !p.slurm.set.is_empty() {
+        RunConfig::load(&p.config, &set).map_err(|e| {
+            anyhow!(
+                "[slurm] `set` {:?} does not apply to run {}: {e:#}\nhint: [slurm] set takes `harpe train --set` keys of [dist]",
+                p.slurm.set,
+                p.id
+            )
+        })?;
+    }
+    Ok(slurm::TaskRun { id: p.id.clone(), config: p.config.clone(), set, shape: p.slurm.clone() })
+}
+
+/// `--task RUN`: evaluate one trained run inside a Slurm array task and mark it in sweep.json.
+fn run_task(args: &SweepArgs, config: &Path, spec: &SweepSpec, name: &str, id: &str) -> Result<()> {
+    let plans = spec.plan(config)?;
+    let plan = plans.iter().find(|p| p.id == id).ok_or_else(|| {
+        anyhow!("--task {id}: {} has no such run\nhint: run ids are printed by --dry-run", config.display())
+    })?;
+    let out = args.out.clone().ok_or_else(|| anyhow!("--task needs --out\nhint: the sweep directory"))?;
+    let dir = out.join(id);
+    check_run_dir(&dir, name, plan)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    let fresh = SweepIndex {
+        format: INDEX_FORMAT.into(),
+        name: name.to_string(),
+        spec: config.to_path_buf(),
+        eval: spec.eval.clone(),
+        runs: vec![new_entry(plan)],
+    };
+    let index = load_index(&out, name)?.unwrap_or(fresh);
+    let ctx = Ctx {
+        bin: harpe_binary()?,
+        out: out.clone(),
+        name: name.to_string(),
+        eval: spec.eval.clone(),
+        threads: None,
+        index: Mutex::new(index),
+        stop,
+        shared: true,
+    };
+    if !run_finished(&dir, plan.resolved.stages.len())? {
+        ctx.update(id, |e| e.state = RunState::Interrupted)?;
+        bail!(
+            "{id}: training stopped before its last step (a signal or the time limit); its newest checkpoint is kept\nhint: rerun `harpe sweep --executor slurm` with the same arguments to resubmit it; it resumes"
+        );
+    }
+    ctx.update(id, |e| {
+        e.state = RunState::Evaluating;
+        e.error = None;
+    })?;
+    let t0 = Instant::now();
+    let result = eval_run(&ctx, &dir);
+    let dt = t0.elapsed().as_secs_f64();
+    let state = match &result {
+        Ok(true) => RunState::Done,
+        Ok(false) => RunState::Interrupted,
+        Err(_) => RunState::Failed,
+    };
+    let error = result.as_ref().err().map(|e| format!("{e:#}"));
+    ctx.update(id, |e| {
+        e.eval_s += dt;
+        e.state = state;
+        e.error = error;
+    })?;
+    if !result? {
+        bail!("{id}: stopped by a signal during evaluation\nhint: rerun `harpe sweep --executor slurm` to finish it");
+    }
+    println!("[sweep] done   {id}");
+    Ok(())
+}
+
+/// `--status DIR`: each run's state, newest Slurm task and last logged step.
+fn print_status(dir: &Path) -> Result<()> {
+    let p = dir.join("sweep.json");
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("cannot read {}\nhint: pass the --out directory of a `harpe sweep`", p.display()))?;
+    let ix: SweepIndex =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", p.display()))?;
+    let jobs = slurm::read_jobs(dir)?;
+    let mut notes = vec![];
+    let queue = if jobs.jobs.is_empty() {
+        BTreeMap::new()
+    } else {
+        slurm::squeue_states().unwrap_or_else(|| {
+            notes.push("squeue cannot be asked here: states come from the run directories only".to_string());
+            BTreeMap::new()
+        })
+    };
+    let tasks = slurm::latest_tasks(&jobs);
+    let gone: BTreeSet<String> = tasks
+        .values()
+        .filter(|t| !queue.contains_key(*t))
+        .filter_map(|t| t.split('_').next().map(str::to_string))
+        .collect();
+    let sacct = slurm::sacct_states(&gone.into_iter().collect::<Vec<_>>()).unwrap_or_else(|| {
+        notes.push(
+            "sacct has no accounting data here: a task that left the queue unfinished shows as failed".to_string(),
+        );
+        BTreeMap::new()
+    });
+    let runs: Vec<(String, PathBuf, String)> = ix
+        .runs
+        .iter()
+        .map(|r| {
+            let state = serde_json::to_value(r.state).ok().and_then(|v| v.as_str().map(str::to_string));
+            (r.id.clone(), r.dir.clone(), state.unwrap_or_default())
+        })
+        .collect();
+    let rows = slurm::status_rows(dir, &runs, &jobs, &queue, &sacct);
+    print!("{}", slurm::render_status(&rows, &notes));
     Ok(())
 }

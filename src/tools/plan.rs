@@ -240,6 +240,19 @@ fn render_time(s: &mut String, p: &Plan, div: f64) {
         p.tokens_per_s / p.world.gpus as f64,
         p.run_hours
     );
+    let c = &p.checkpoint;
+    if p.step_time_s.is_finite() {
+        let _ = writeln!(
+            s,
+            "stop: up to 2 steps + a checkpoint write ({:.1} GB on rank 0 in {:.0} s at {} GB/s) -> Slurm --signal=TERM@{}",
+            c.rank0_bytes / 1e9,
+            c.write_s,
+            CHECKPOINT_WRITE_GBS,
+            c.stop_lead_s
+        );
+    } else {
+        let _ = writeln!(s, "stop: no lead time for Slurm's --signal (this plan cannot bound the step time)");
+    }
     match (&p.suggestion, p.fits) {
         (_, true) => {}
         (Some(g), false) => {

@@ -327,6 +327,8 @@ pub struct Plan {
     pub tokens_per_s: f64,
     /// the whole run (every stage at its own plan), hours
     pub run_hours: f64,
+    /// a checkpoint: what one rank writes (its optimizer shard; rank 0 also the HF weights) and how long
+    pub checkpoint: CheckpointTime,
     /// when it does not fit: the cheapest change that does
     pub suggestion: Option<Suggestion>,
 }
@@ -463,7 +465,38 @@ pub fn plan_stage(arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> 
         step_time_s: t.step_time_s,
         tokens_per_s: shape.tokens_per_step as f64 / t.step_time_s,
         run_hours: 0.0,
+        checkpoint: CheckpointTime::of(arch, shape, world, t.step_time_s),
         suggestion: None,
+    }
+}
+
+/// Write rate of one process to the run directory's file system assumed for checkpoints, GB/s: a
+/// conservative figure for a cluster's parallel file system under 16 concurrent writers (a local NVMe
+/// writes 2-5 GB/s).
+pub const CHECKPOINT_WRITE_GBS: f64 = 1.0;
+
+/// How long a checkpointed stop takes, for a scheduler's advance warning (Slurm's `--signal=TERM@N`).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct CheckpointTime {
+    /// rank 0's bytes: its fp32 master + AdamW m, v shard (12 bytes a parameter over the ranks), then the
+    /// HF weights in the compute dtype, which rank 0 writes alone after every shard is on disk
+    pub rank0_bytes: f64,
+    /// rank 0's bytes at `CHECKPOINT_WRITE_GBS`, seconds
+    pub write_s: f64,
+    /// warning a stop needs: the signal lands mid-step, the stop is agreed at the end of the next step
+    /// (up to 2 steps), then the save; plus a quarter for error, rounded up to whole minutes
+    pub stop_lead_s: u64,
+}
+
+impl CheckpointTime {
+    fn of(arch: &Arch, shape: &StageShape, world: &World, step_s: f64) -> CheckpointTime {
+        let params = arch.params as f64;
+        let weight_bytes = if shape.bf16 { 2.0 } else { 4.0 };
+        let rank0_bytes = params * 12.0 / world.gpus.max(1) as f64 + params * weight_bytes;
+        let write_s = rank0_bytes / (CHECKPOINT_WRITE_GBS * 1e9);
+        // f64 to u64 saturates, so a step time the plan cannot bound (infinite) stays a number
+        let stop_lead_s = (((2.0 * step_s + write_s) * 1.25 / 60.0).ceil() * 60.0) as u64;
+        CheckpointTime { rank0_bytes, write_s, stop_lead_s }
     }
 }
 

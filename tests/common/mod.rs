@@ -7,6 +7,7 @@
 #![allow(dead_code, unused_macros)]
 pub mod data;
 pub mod ops;
+pub mod slurm;
 
 use std::process::Command;
 

@@ -20,6 +20,7 @@ mod train_eval;
 mod train_gloo;
 #[cfg(feature = "gloo")]
 mod train_two_hosts;
+mod train_slurm;
 mod train_memory;
 mod train_run;
 mod train_step;

@@ -19,3 +19,4 @@ mod report;
 mod search_bases;
 mod selftest_perturbed;
 mod sweep;
+mod sweep_slurm;

@@ -234,3 +234,29 @@ fn cli_json_has_the_contract_fields() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("b200") && err.contains("hint:"), "{err}");
 }
+
+#[test]
+fn the_slurm_scripts_stop_warning_is_the_plans_lead_time() {
+    // scripts/slurm-harpe-128k.sh: 2 nodes x 8 GPUs, ZeRO-3, the 128K stage of configs/harpe-128k.toml
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let world = World { gpus: 16, zero_stage: ZeroStage::from_number(3).unwrap(), sp_degree: 1 };
+    let p = plan_for(&cfg, &world, &Gpu::new(GpuKind::A100)).unwrap();
+    let c = &p.checkpoint;
+    // rank 0 writes its 12 B/param shard and the bf16 weights
+    let n = n_params() as f64;
+    assert!((c.rank0_bytes - (12.0 * n / 16.0 + 2.0 * n)).abs() < 1.0, "{}", c.rank0_bytes);
+    // a stop needs up to 2 steps + the write, with a quarter to spare, in whole minutes
+    let need = 2.0 * p.step_time_s + c.write_s;
+    assert!(c.stop_lead_s as f64 >= 1.25 * need && c.stop_lead_s as f64 - 60.0 < 1.25 * need, "{c:?} {need}");
+    assert!(c.stop_lead_s > 600, "one 128K step alone is longer than the old TERM@600: {:.0} s", p.step_time_s);
+    // the number in the script is the plan's, and `harpe plan` prints it
+    let script = std::fs::read_to_string("scripts/slurm-harpe-128k.sh").unwrap();
+    let line = format!("#SBATCH --signal=TERM@{}\n", c.stop_lead_s);
+    assert!(script.contains(&line), "scripts/slurm-harpe-128k.sh should have `{}`", line.trim());
+    let o = harpe_cmd()
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpus", "16", "--zero", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains(&format!("-> Slurm --signal=TERM@{}", c.stop_lead_s)), "{text}");
+}

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BASE: &str = r#"
+pub(super) const BASE: &str = r#"
 [model.init]
 vocab_size = 259
 hidden_size = 16
@@ -52,7 +52,7 @@ seq_len = 32
 steps = 40
 "#;
 
-fn sweep_toml(extra: &str) -> String {
+pub(super) fn sweep_toml(extra: &str) -> String {
     format!(
         r#"name = "tiny"
 base = "base.toml"
@@ -80,7 +80,7 @@ force = true
     )
 }
 
-fn setup(dir: &Path, sweep: &str) {
+pub(super) fn setup(dir: &Path, sweep: &str) {
     std::fs::write(dir.join("base.toml"), BASE).unwrap();
     std::fs::write(dir.join("sweep.toml"), sweep).unwrap();
     std::fs::write(dir.join("held.txt"), "Ada found a red box by the river. Then Ada went home. 3 + 4 = 7. ".repeat(3))
@@ -88,7 +88,7 @@ fn setup(dir: &Path, sweep: &str) {
 }
 
 /// `harpe ARGS` run in `dir`.
-fn harpe_in(dir: &Path, args: &[&str]) -> std::process::Output {
+pub(super) fn harpe_in(dir: &Path, args: &[&str]) -> std::process::Output {
     harpe_cmd().current_dir(dir).args(args).output().unwrap()
 }
 
@@ -118,7 +118,7 @@ fn processes_with(needle: &str) -> Vec<String> {
 /// A complete checkpoint (`step_N/DONE`, what `checkpoint::list_complete` resumes from). Not `.tmp-step_N`:
 /// a save writes DONE there before its rename, and a kill in between can leave the victim with nothing to
 /// resume, and the sweep then says `train` where this test expects `resume`.
-fn has_checkpoint(run: &Path) -> bool {
+pub(super) fn has_checkpoint(run: &Path) -> bool {
     std::fs::read_dir(run.join("checkpoints"))
         .map(|rd| {
             rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("step_") && e.path().join("DONE").exists())

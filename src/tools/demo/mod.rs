@@ -553,13 +553,16 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let sweep_cfg = out.join("sweep.toml");
     std::fs::write(&sweep_cfg, sweep_toml(out, &sz)?)?;
     crate::research::sweep::run(SweepArgs {
-        config: sweep_cfg,
+        config: Some(sweep_cfg),
         out: Some(out.join("sweep")),
         jobs: args.jobs,
         dry_run: false,
         only: vec![],
         mfu: 0.4,
         peak_tflops: None,
+        executor: crate::research::sweep::Executor::Local,
+        status: None,
+        task: None,
     })?;
     println!("   {:.0}s", t.elapsed().as_secs_f64());
 
