@@ -579,32 +579,19 @@ fn state_terms(sz: &Sizes, arch: &Arch, world: &World, terms: &mut Vec<Term>) {
 /// Activations: saved segment inputs + the larger of the recompute and the loss working sets, and on GPUs
 /// one layer's attention workspace.
 fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, terms: &mut Vec<Term>) {
-    let (c, i, l, tl, wb, hd, kvd) = (sz.c, sz.i, sz.l, sz.tl, sz.wb, sz.hd, sz.kvd);
+    let (tl, wb) = (sz.tl, sz.wb);
     let gib = |b: f64| b / GIB;
-    let none = matches!(shape.checkpointing, Checkpointing::None);
-    let inputs = if none { 0.0 } else { sz.n_seg as f64 * tl * c * wb };
-    let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
-    let (recompute, loss, ws_note) = if sz.cpu {
-        // one layer's autograd graph; Ulysses keeps three copies of q, k, v and of o per layer (the
-        // exchange's input and output and the re-laid-out result)
-        let sp_copies = if sz.p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
-        let g = (cpu_graph_per_token(arch) + sp_copies) * tl * 4.0;
-        let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
-        let seg_grads = sz.seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
-        let kept = sz.last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
-        let re = if sz.n_seg > 1 { kept + sz.seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
-        let lo = kept + 3.0 * logits + 2.0 * tl * c * 4.0 + seg_grads;
-        (re, lo, "candle autograd: last segment's graph kept + one recomputed segment + backward temporaries")
-    } else {
-        let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
-        let transient = i + c; // d(act) and the incoming gradient in the MLP backward
-        let layers_alive = if none { l } else { sz.seg };
-        let kept = layers_alive as f64 * (saved * wb + arch.heads as f64 * 4.0) * tl; // + lse (H f32)
-        let re = kept + transient * tl * wb;
-        // without checkpointing every layer's activations are still alive while the loss runs
-        let lo = if none { kept } else { 0.0 } + logits + 2.0 * tl * c * wb;
-        (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
-    };
+    let path = if sz.cpu { LayerPath::CpuF32 } else { LayerPath::Cuda };
+    // Ulysses keeps three copies of q, k, v and of o per layer (the exchange's input and output and the
+    // re-laid-out result)
+    let sp_copies = if sz.p > 1 { 3.0 * (2.0 * sz.hd + 2.0 * sz.kvd) * wb } else { 0.0 };
+    let act = activations(arch, shape, path, (sz.n_seg, sz.seg, sz.last_seg), tl, sp_copies);
+    let (inputs, recompute, loss) = (act.inputs, act.recompute, act.loss);
+    let ws_note = format!(
+        "candle autograd keeps a layer's graph until its backward returns: {:.1}K values/token/layer ({})",
+        layer_graph_bytes(arch, path) / wb / 1e3,
+        path.name()
+    );
     add_term(
         terms,
         "layer_inputs",
@@ -751,15 +738,148 @@ fn splits_over_ranks(arch: &Arch, sh: &StageShape, w: &World) -> bool {
     sh.tokens_per_step.is_multiple_of(unit) && w.dist().validate("", w.gpus, Some(arch.kv_heads), &[stage]).is_ok()
 }
 
-/// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
-/// (`Llama::layer_forward`): the fused RMSNorm op's output (C, twice), q/k/v projections (HD + 2 Hkv·D),
-/// RoPE's output for q and k (HD + Hkv·D; it reads the projections' strided rows, no copy), v made
-/// contiguous (Hkv·D), attention output (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate,
-/// up and the fused SwiGLU's product (3I: `ops::swiglu` keeps no silu output), down and the residual (2C).
-pub fn cpu_graph_per_token(a: &Arch) -> f64 {
-    let (c, i) = (a.hidden as f64, a.intermediate as f64);
+/// Which implementation each op of a decoder layer runs, and so which tensors candle's autograd keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerPath {
+    /// CPU in f32: `ops::linear`, RoPE reading the projections' strided rows, the attention op in f32
+    CpuF32,
+    /// CPU in bf16/f16: candle's matmul; RoPE and the attention op run in f32 on upcast copies
+    CpuHalf,
+    /// CUDA: cuBLAS, the RoPE kernel on a contiguous copy, the flash kernels in the run dtype
+    Cuda,
+}
+
+impl LayerPath {
+    pub fn name(&self) -> &'static str {
+        match self {
+            LayerPath::CpuF32 => "cpu f32",
+            LayerPath::CpuHalf => "cpu bf16",
+            LayerPath::Cuda => "cuda",
+        }
+    }
+}
+
+/// One tensor (or group of tensors) a decoder layer's autograd graph keeps: values per token and bytes
+/// per value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stored {
+    pub what: &'static str,
+    pub per_token: f64,
+    pub bytes: f64,
+}
+
+/// What candle's autograd keeps of one decoder layer until its backward returns, op by op as
+/// `Llama::layer_body` runs them on `path` with activations of `wb` bytes (every op output that another
+/// op reads is kept by that op's node; views share storage). The paths differ only where an op makes
+/// copies: RoPE (CPU f32 reads strided rows; CPU bf16 upcasts to f32 and casts back; the CUDA kernel
+/// needs contiguous rows) and attention (CPU bf16 upcasts q, k, v to f32; the packed O|lse rows are f32
+/// on CPU, the run dtype on CUDA). Nothing of size T x T is kept on any path.
+pub fn layer_graph(a: &Arch, path: LayerPath, wb: f64) -> Vec<Stored> {
+    let (c, i, h) = (a.hidden as f64, a.intermediate as f64, a.heads as f64);
     let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
-    6.0 * c + 4.0 * hd + 4.0 * kvd + 3.0 * i
+    let s = |what, per_token, bytes| Stored { what, per_token, bytes };
+    let packed = |elem: usize| {
+        let rows = crate::ops::attention_shape::PackedRows { d: a.head_dim, elem_bytes: elem };
+        h * rows.fwd_width() as f64
+    };
+    let mut v = vec![s("input norm output", c, wb), s("q, k, v projections", hd + 2.0 * kvd, wb)];
+    match path {
+        LayerPath::CpuF32 => v.push(s("RoPE outputs of q, k", hd + kvd, wb)),
+        LayerPath::CpuHalf => {
+            v.push(s("RoPE: q, k upcast to f32 and rotated", 2.0 * (hd + kvd), 4.0));
+            v.push(s("RoPE outputs cast back", hd + kvd, wb));
+        }
+        LayerPath::Cuda => v.push(s("RoPE: q, k made contiguous and rotated", 2.0 * (hd + kvd), wb)),
+    }
+    v.push(s("v made contiguous", kvd, wb));
+    match path {
+        LayerPath::CpuF32 => v.push(s("attention: packed O|lse rows", packed(4), 4.0)),
+        LayerPath::CpuHalf => {
+            v.push(s("attention: q, k, v upcast to f32", hd + 2.0 * kvd, 4.0));
+            v.push(s("attention: packed O|lse rows (f32)", packed(4), 4.0));
+            v.push(s("attention: O cast back", hd, wb));
+        }
+        LayerPath::Cuda => v.push(s("attention: packed O|lse rows", packed(wb as usize), wb)),
+    }
+    v.extend([
+        s("attention output as (B, T, H*D) rows", hd, wb),
+        s("o projection, residual", 2.0 * c, wb),
+        s("post-attention norm output", c, wb),
+        s("gate, up, fused SwiGLU output", 3.0 * i, wb),
+        s("down projection, residual", 2.0 * c, wb),
+    ]);
+    v
+}
+
+/// Bytes per token of `layer_graph`.
+pub fn layer_graph_bytes(a: &Arch, path: LayerPath) -> f64 {
+    let wb = if path == LayerPath::CpuF32 { 4.0 } else { 2.0 };
+    layer_graph_bytes_wb(a, path, wb)
+}
+
+fn layer_graph_bytes_wb(a: &Arch, path: LayerPath, wb: f64) -> f64 {
+    layer_graph(a, path, wb).iter().map(|t| t.per_token * t.bytes).sum()
+}
+
+/// Bytes alive in one layer's backward besides its graph, at `tl` tokens. CPU f32: calibrated
+/// (`CPU_BWD_PER_*`). Otherwise counted at the two widest points: the MLP's (the gradient of the SwiGLU
+/// output, the op's dgate and dup, the gradients of the residual and the norm output, and the f32 block
+/// of the SwiGLU backward, `ops::swiglu::BWD_BLOCK`) and, on CPU bf16, attention's (its f32 backward:
+/// the padded output gradient, the packed rows, the scratch and dQ|dK|dV; on CUDA that is the
+/// `attention_workspace` term).
+pub fn backward_temporaries(a: &Arch, path: LayerPath, wb: f64, tl: f64) -> f64 {
+    use crate::ops::swiglu::{BWD_BLOCK, BWD_LIVE_F32};
+    let (c, i, h) = (a.hidden as f64, a.intermediate as f64, a.heads as f64);
+    let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
+    if path == LayerPath::CpuF32 {
+        return (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * 4.0 * tl;
+    }
+    let block_rows = (BWD_BLOCK as f64 / i).floor().max(1.0).min(tl);
+    let mlp = (3.0 * i + 2.0 * c) * wb * tl + block_rows * i * (BWD_LIVE_F32 * 4) as f64;
+    if path == LayerPath::Cuda {
+        return mlp;
+    }
+    let rows = crate::ops::attention_shape::PackedRows { d: a.head_dim, elem_bytes: 4 };
+    let per_head = (rows.fwd_width() + rows.bwd_width() + a.head_dim + 1) as f64 * 4.0;
+    let attn = (h * per_head + (hd + 2.0 * kvd) * 4.0 + 2.0 * c * wb) * tl;
+    mlp.max(attn)
+}
+
+/// The activation memory of one rank: saved segment inputs, and the two phases' working sets (bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct Activations {
+    pub inputs: f64,
+    /// a recomputed segment's graph + its backward temporaries + its weights' gradients
+    pub recompute: f64,
+    /// the last segment's graph (kept from the forward) + the loss's backward
+    pub loss: f64,
+}
+
+/// `Activations` of `shape` on `path` with `tl` tokens per rank, segments `(n_seg, seg, last_seg)`, and
+/// `extra` bytes per token per layer (Ulysses' copies).
+pub fn activations(
+    arch: &Arch,
+    shape: &StageShape,
+    path: LayerPath,
+    (n_seg, seg, last_seg): (usize, usize, usize),
+    tl: f64,
+    extra: f64,
+) -> Activations {
+    let wb = if path == LayerPath::CpuF32 || !shape.bf16 && path == LayerPath::Cuda { 4.0 } else { 2.0 };
+    let (c, v) = (arch.hidden as f64, arch.vocab as f64);
+    let none = matches!(shape.checkpointing, Checkpointing::None);
+    let inputs = if none { 0.0 } else { n_seg as f64 * tl * c * wb };
+    let g = (layer_graph_bytes_wb(arch, path, wb) + extra) * tl;
+    let bwd = backward_temporaries(arch, path, wb, tl);
+    // the weights' gradients of a segment (and of the head) as candle returns them, before they are handed on
+    let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + v * c * wb;
+    let kept = last_seg as f64 * g + c * tl * wb; // the last segment's graph + the final norm's output
+    let recompute = if n_seg > 1 { seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
+    // the loss backward: one chunk's f32 logits and their gradient (x3 with the softmax), the head's
+    // f32 copy and gradient, the chunk's f32 dh, and dh written in place in the activation dtype
+    let chunk = shape.loss_chunk.min(shape.micro_batch * shape.seq_len) as f64;
+    let loss_ws = 3.0 * chunk * v * 4.0 + 2.0 * v * c * 4.0 + chunk * c * 4.0 + tl * c * wb;
+    Activations { inputs, recompute, loss: kept + loss_ws + seg_grads }
 }
 
 /// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.
