@@ -7,16 +7,17 @@
 //! layer), Korthikanti et al. 2022 (activations counted tensor by tensor per layer), Chen et al. 2016
 //! (checkpointing), `model::flops_per_token` (6N + 12·L·C·T, the FLOPs the MFU column uses).
 //! The non-obvious decisions:
-//! - Two device modes. `gpu` models harpe's CUDA path (bf16 weights/activations, flash attention, the
-//!   chunked loss: nothing T x T or T x V, SwiGLU backward in place, norm outputs recomputed). `cpu`
-//!   models the CPU path as it is today: f32 everywhere, candle's autograd keeping every op output of a
-//!   recomputed segment, and `train::forward_backward` keeping the last segment's graph (built in the
-//!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
-//!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
-//!   gradient, the fused SwiGLU's packed gradient) and the process baseline are *calibrated* constants, measured
-//!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
+//! - Two device modes, one activation count. `gpu` models harpe's CUDA path (bf16, flash attention, the
+//!   chunked loss: nothing T x T or T x V); `cpu` models the CPU path as it is (f32 everywhere). On both,
+//!   candle's autograd keeps every op output of a layer until that layer's backward returns: `layer_graph`
+//!   counts those tensors op by op for a `LayerPath` (the paths differ only in RoPE's and attention's
+//!   copies), and tests/plan_graph_memory.rs checks the count against the allocator in bf16 on the CPU.
+//!   The backward's temporaries are counted on the bf16/CUDA paths; on the CPU f32 path they and the
+//!   process baseline are *calibrated* constants, measured as documented at `CPU_BWD_*` and
+//!   `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
 //! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
-//!   before any segment is recomputed, so their buffers are never alive together (GPU path).
+//!   before any segment is recomputed, and `train::step` drops the last segment's graph after the loss's
+//!   backward, so their buffers are never alive together.
 //! - Step time = max(compute, ZeRO collectives) + Ulysses all-to-alls: ZeRO traffic is bucketed and
 //!   overlaps compute; the all-to-alls sit between the projections and attention, so they do not.
 //!   Compute counts the recomputed forward; `mfu` is the achieved fraction of peak on those FLOPs.
@@ -475,9 +476,8 @@ struct Sizes {
     w: f64,
     p: usize,
     z: ZeroStage,
-    /// hidden, intermediate, layers; query and kv widths (heads x head_dim)
+    /// hidden, layers; query and kv widths (heads x head_dim)
     c: f64,
-    i: f64,
     l: usize,
     hd: f64,
     kvd: f64,
@@ -505,7 +505,6 @@ impl Sizes {
             p,
             z: world.zero_stage,
             c: arch.hidden as f64,
-            i: arch.intermediate as f64,
             l,
             hd: (arch.heads * arch.head_dim) as f64,
             kvd: (arch.kv_heads * arch.head_dim) as f64,
