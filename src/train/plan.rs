@@ -46,24 +46,14 @@ pub const CPU_BASELINE_BYTES: u64 = 47 << 19;
 /// candle's backward temporaries per token of one recomputed layer (the sums of gradients, the fused
 /// SwiGLU's packed gradient, matmul gradients and the gemm crate's packing buffers) together with what
 /// glibc's allocator keeps resident between steps, in f32 elements per unit of the MLP width I and of the
-/// hidden size C. Calibrated again after `ops::linear` began cutting a GEMM
-/// along the larger of its output's sizes (a band packs its own part of one operand and all of the other;
-/// the down projection's weight gradient, C x I over k = tokens, now packs dy per thread instead of the
-/// tokens x I activations). The GQA check below then measured 91-92 MiB at T 512 and, over repeated runs
-/// of the same binary, 119 or 127 MiB at T 1024 (bimodal: how glibc's arenas meet the threads; the test
-/// keeps the smaller of two runs, as the script keeps the smallest of three). On the 119 mode the previous
-/// 4.5 and 11.0 left its measured/planned growth at 0.84-0.91, so both were scaled by 0.8 (0.98 with
-/// these); on the MHA grid of `scripts/calibrate_cpu_plan.py` (C 128/256, I 512/1024, L 4/8, T 512/1024)
-/// the measured peaks are 1.02-1.10x these plans (the script's own least-squares fit, 5.9 and 11.8,
-/// over-predicts the GQA growth). Earlier: 4.5 and 11.0 after candle's backward stopped adding each
-/// first gradient to a new tensor of zeros (third_party/candle-core/HARPE.md), 8.5 and 16.0 before it,
-/// 11.1 and 17.1 before the linear op took candle's transposed weight gradients and reshape temporaries
-/// away, 14.5 and 26.0 before SwiGLU was fused. Method of `scripts/calibrate_cpu_plan.py`: a
-/// least-squares fit of the smallest of 3 peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256,
-/// I 512/1024, L 4/8, T 1024) after subtracting every enumerated term; validated on a GQA config of other
-/// sizes by tests/stage_train/plan_memory.rs.
-pub const CPU_BWD_PER_I: f64 = 3.6;
-pub const CPU_BWD_PER_C: f64 = 8.8;
+/// hidden size C. Fitted by `scripts/calibrate_cpu_plan.py` (2 repeats) after the training step stopped
+/// keeping the last segment's graph through the recompute: the fit moved from 3.6 and 8.8 (whose plan had
+/// counted that graph twice over the peak) to 5.3 and 14.3, the largest residual of the fitted runs
+/// 6.4 MiB. Method of the script: a least-squares fit of the smallest peak RSS of 2-step `harpe train`
+/// runs of MHA configs (C 128/256, I 512/1024, L 4/8, T 1024) after subtracting every enumerated term;
+/// validated on a GQA config of other sizes by tests/stage_train/plan_memory.rs.
+pub const CPU_BWD_PER_I: f64 = 5.3;
+pub const CPU_BWD_PER_C: f64 = 14.3;
 
 /// Hardware a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -117,15 +117,16 @@ fn design_section_5_activations_totals_and_sp() {
     for (z, p) in [(1, 1), (2, 1), (1, 2)] {
         assert!(!plan(z, p, &[]).fits, "ZeRO-{z} SP {p}");
     }
-    // Ulysses P = 8 divides the activation terms by 8 (the working set's per-token part; the weight
-    // gradients and the SwiGLU block do not shrink)
+    // Ulysses P = 8 divides the layer inputs by 8; the working set less (each rank's graph also keeps the
+    // exchange's copies of q, k, v and o, and at 16K tokens a rank the loss phase's T-independent chunk
+    // and head terms are its peak)
     let sp = plan(3, 8, &[]);
     assert_eq!(sp.term("layer_inputs") * 8, z3.term("layer_inputs"));
     let r = z3.term("working_set") as f64 / sp.term("working_set") as f64;
-    assert!((7.0..=8.0).contains(&r), "working set ratio {r:.2}");
+    assert!((3.0..=8.0).contains(&r), "working set ratio {r:.2}");
     assert_eq!(sp.term("attention_workspace") * 8, z3.term("attention_workspace"), "H / 8 heads per rank");
     let total = sp.total_bytes as f64 / 1e9;
-    assert!((17.0..=32.0).contains(&total), "SP 8 total {total:.2} GB");
+    assert!((17.0..=40.0).contains(&total), "SP 8 total {total:.2} GB");
     // ... which leaves room for 512K
     let long = plan(3, 8, &["stage.0.seq_len=524288"]);
     assert!(long.fits, "512K with SP 8: {:.1} GB", long.total_bytes as f64 / 1e9);
