@@ -864,11 +864,16 @@ pub fn activations(
     let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + v * c * wb;
     let kept = last_seg as f64 * g + c * tl * wb; // the last segment's graph + the final norm's output
     let recompute = if n_seg > 1 { seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
-    // the loss backward: one chunk's f32 logits and their gradient (x3 with the softmax), the head's
-    // f32 copy and gradient, the chunk's f32 dh, and dh written in place in the activation dtype
+    // The loss backward (`model::loss`, before any layer's backward) at its wider point: either a chunk's
+    // dlogits while the head's f32 gradient takes the chunk's product into a new sum (the head's f32 copy,
+    // the gradient, the product and the sum: 4 x V x C f32), or the chunk's logits (in the activation
+    // dtype, then f32) beside its dlogits; + the chunk's f32 input and dh, written in place.
     let chunk = shape.loss_chunk.min(shape.micro_batch * shape.seq_len) as f64;
-    let loss_ws = 3.0 * chunk * v * 4.0 + 2.0 * v * c * 4.0 + chunk * c * 4.0 + tl * c * wb;
-    Activations { inputs, recompute, loss: kept + loss_ws + seg_grads }
+    let head = v * c * 4.0;
+    let logits_copy = if wb < 4.0 { wb } else { 0.0 };
+    let widest = (4.0 * head + chunk * v * 4.0).max(2.0 * head + chunk * v * (8.0 + logits_copy));
+    let loss_ws = widest + 2.0 * chunk * c * 4.0 + tl * c * wb;
+    Activations { inputs, recompute, loss: kept + loss_ws }
 }
 
 /// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.
