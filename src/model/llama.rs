@@ -4,7 +4,7 @@
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
 //! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
-//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on CPU in f32 (`ops::swiglu`), and RoPE tables
+//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on every device (`ops::swiglu`), and RoPE tables
 //! come from the model's `RopeScheme` per call (per layer only when `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
 //! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
 //! reference, the CUDA kernels, or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
@@ -188,13 +188,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
     }
 }
 
-/// silu(gate) * up: the fused op with its own backward on CPU in f32 (`ops::swiglu`), plain ops elsewhere.
+/// silu(gate) * up: the fused op with its own backward (`ops::swiglu`), so the graph keeps gate and up only.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-    if gate.device().is_cpu() && gate.dtype() == DType::F32 && up.dtype() == DType::F32 {
-        crate::ops::swiglu::swiglu(gate, up)
-    } else {
-        crate::ops::swiglu::swiglu_slow(gate, up)
-    }
+    crate::ops::swiglu::swiglu(gate, up)
 }
 
 /// The weights outside the decoder layers, as one forward uses them.

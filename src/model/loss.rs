@@ -172,7 +172,9 @@ impl CustomOp3 for ChunkedCe {
         let g = grad.detach().to_dtype(DType::F32)?.reshape((n, 1))?; // (N, 1)
         let w32 = w.to_dtype(DType::F32)?; // (V, C)
         let w_t = w.t()?; // (C, V)
-        let mut dh = Vec::new();
+                          // dh is written chunk by chunk into its one buffer: chunks and their concatenation would be alive
+                          // together (2 x N x C f32 at the peak of the loss backward)
+        let dh = Tensor::zeros((n, c), hidden.dtype(), h.device())?; // (N, C)
         let mut dw = Tensor::zeros((v, c), DType::F32, h.device())?; // (V, C)
         for start in (0..n).step_by(self.chunk) {
             let len = self.chunk.min(n - start);
@@ -189,10 +191,9 @@ impl CustomOp3 for ChunkedCe {
                 let p = logits.broadcast_sub(&lse)?.exp()?; // softmax (n, V)
                 p.broadcast_mul(&gc)?.scatter_add(&idx, &gc.neg()?, 1)? // (n, V)
             };
-            dh.push(dlogits.matmul(&w32)?); // (n, C)
+            dh.slice_set(&dlogits.matmul(&w32)?.to_dtype(hidden.dtype())?, 0, start)?; // (n, C)
             dw = (dw + dlogits.t()?.matmul(&hc.to_dtype(DType::F32)?)?)?;
         }
-        let dh = Tensor::cat(&dh, 0)?.to_dtype(hidden.dtype())?;
         Ok((None, Some(dh), Some(dw.to_dtype(weight.dtype())?)))
     }
 }

@@ -7,16 +7,17 @@
 //! layer), Korthikanti et al. 2022 (activations counted tensor by tensor per layer), Chen et al. 2016
 //! (checkpointing), `model::flops_per_token` (6N + 12·L·C·T, the FLOPs the MFU column uses).
 //! The non-obvious decisions:
-//! - Two device modes. `gpu` models harpe's CUDA path (bf16 weights/activations, flash attention, the
-//!   chunked loss: nothing T x T or T x V, SwiGLU backward in place, norm outputs recomputed). `cpu`
-//!   models the CPU path as it is today: f32 everywhere, candle's autograd keeping every op output of a
-//!   recomputed segment, and `train::forward_backward` keeping the last segment's graph (built in the
-//!   forward) alive until the micro-batch is done. The per-tensor counts of the CPU graph are
-//!   enumerated in `cpu_graph_per_token`; the backward temporaries of candle's autograd (zeros + sum per
-//!   gradient, the fused SwiGLU's packed gradient) and the process baseline are *calibrated* constants, measured
-//!   as documented at `CPU_BWD_*` and `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
+//! - Two device modes, one activation count. `gpu` models harpe's CUDA path (bf16, flash attention, the
+//!   chunked loss: nothing T x T or T x V); `cpu` models the CPU path as it is (f32 everywhere). On both,
+//!   candle's autograd keeps every op output of a layer until that layer's backward returns: `layer_graph`
+//!   counts those tensors op by op for a `LayerPath` (the paths differ only in RoPE's and attention's
+//!   copies), and tests/plan_graph_memory.rs checks the count against the allocator in bf16 on the CPU.
+//!   The backward's temporaries are counted on the bf16/CUDA paths; on the CPU f32 path they and the
+//!   process baseline are *calibrated* constants, measured as documented at `CPU_BWD_*` and
+//!   `CPU_BASELINE_BYTES` and checked by tests/stage_train/plan_memory.rs.
 //! - The activation peak is layer inputs + max(recompute working set, loss working set): the loss runs
-//!   before any segment is recomputed, so their buffers are never alive together (GPU path).
+//!   before any segment is recomputed, and `train::step` drops the last segment's graph after the loss's
+//!   backward, so their buffers are never alive together.
 //! - Step time = max(compute, ZeRO collectives) + Ulysses all-to-alls: ZeRO traffic is bucketed and
 //!   overlaps compute; the all-to-alls sit between the projections and attention, so they do not.
 //!   Compute counts the recomputed forward; `mfu` is the achieved fraction of peak on those FLOPs.
@@ -45,24 +46,14 @@ pub const CPU_BASELINE_BYTES: u64 = 47 << 19;
 /// candle's backward temporaries per token of one recomputed layer (the sums of gradients, the fused
 /// SwiGLU's packed gradient, matmul gradients and the gemm crate's packing buffers) together with what
 /// glibc's allocator keeps resident between steps, in f32 elements per unit of the MLP width I and of the
-/// hidden size C. Calibrated again after `ops::linear` began cutting a GEMM
-/// along the larger of its output's sizes (a band packs its own part of one operand and all of the other;
-/// the down projection's weight gradient, C x I over k = tokens, now packs dy per thread instead of the
-/// tokens x I activations). The GQA check below then measured 91-92 MiB at T 512 and, over repeated runs
-/// of the same binary, 119 or 127 MiB at T 1024 (bimodal: how glibc's arenas meet the threads; the test
-/// keeps the smaller of two runs, as the script keeps the smallest of three). On the 119 mode the previous
-/// 4.5 and 11.0 left its measured/planned growth at 0.84-0.91, so both were scaled by 0.8 (0.98 with
-/// these); on the MHA grid of `scripts/calibrate_cpu_plan.py` (C 128/256, I 512/1024, L 4/8, T 512/1024)
-/// the measured peaks are 1.02-1.10x these plans (the script's own least-squares fit, 5.9 and 11.8,
-/// over-predicts the GQA growth). Earlier: 4.5 and 11.0 after candle's backward stopped adding each
-/// first gradient to a new tensor of zeros (third_party/candle-core/HARPE.md), 8.5 and 16.0 before it,
-/// 11.1 and 17.1 before the linear op took candle's transposed weight gradients and reshape temporaries
-/// away, 14.5 and 26.0 before SwiGLU was fused. Method of `scripts/calibrate_cpu_plan.py`: a
-/// least-squares fit of the smallest of 3 peak RSS of 2-step `harpe train` runs of MHA configs (C 128/256,
-/// I 512/1024, L 4/8, T 1024) after subtracting every enumerated term; validated on a GQA config of other
-/// sizes by tests/stage_train/plan_memory.rs.
-pub const CPU_BWD_PER_I: f64 = 3.6;
-pub const CPU_BWD_PER_C: f64 = 8.8;
+/// hidden size C. Fitted by `scripts/calibrate_cpu_plan.py` (2 repeats) after the training step stopped
+/// keeping the last segment's graph through the recompute: the fit moved from 3.6 and 8.8 (whose plan had
+/// counted that graph twice over the peak) to 5.3 and 14.3, the largest residual of the fitted runs
+/// 6.4 MiB. Method of the script: a least-squares fit of the smallest peak RSS of 2-step `harpe train`
+/// runs of MHA configs (C 128/256, I 512/1024, L 4/8, T 1024) after subtracting every enumerated term;
+/// validated on a GQA config of other sizes by tests/stage_train/plan_memory.rs.
+pub const CPU_BWD_PER_I: f64 = 5.3;
+pub const CPU_BWD_PER_C: f64 = 14.3;
 
 /// Hardware a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -508,9 +499,8 @@ struct Sizes {
     w: f64,
     p: usize,
     z: ZeroStage,
-    /// hidden, intermediate, layers; query and kv widths (heads x head_dim)
+    /// hidden, layers; query and kv widths (heads x head_dim)
     c: f64,
-    i: f64,
     l: usize,
     hd: f64,
     kvd: f64,
@@ -538,7 +528,6 @@ impl Sizes {
             p,
             z: world.zero_stage,
             c: arch.hidden as f64,
-            i: arch.intermediate as f64,
             l,
             hd: (arch.heads * arch.head_dim) as f64,
             kvd: (arch.kv_heads * arch.head_dim) as f64,
@@ -612,32 +601,19 @@ fn state_terms(sz: &Sizes, arch: &Arch, world: &World, terms: &mut Vec<Term>) {
 /// Activations: saved segment inputs + the larger of the recompute and the loss working sets, and on GPUs
 /// one layer's attention workspace.
 fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, terms: &mut Vec<Term>) {
-    let (c, i, l, tl, wb, hd, kvd) = (sz.c, sz.i, sz.l, sz.tl, sz.wb, sz.hd, sz.kvd);
+    let (tl, wb) = (sz.tl, sz.wb);
     let gib = |b: f64| b / GIB;
-    let none = matches!(shape.checkpointing, Checkpointing::None);
-    let inputs = if none { 0.0 } else { sz.n_seg as f64 * tl * c * wb };
-    let logits = (shape.loss_chunk.min(shape.micro_batch * shape.seq_len) * arch.vocab) as f64 * 4.0;
-    let (recompute, loss, ws_note) = if sz.cpu {
-        // one layer's autograd graph; Ulysses keeps three copies of q, k, v and of o per layer (the
-        // exchange's input and output and the re-laid-out result)
-        let sp_copies = if sz.p > 1 { 3.0 * (2.0 * hd + 2.0 * kvd) } else { 0.0 };
-        let g = (cpu_graph_per_token(arch) + sp_copies) * tl * 4.0;
-        let bwd = (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * tl * 4.0;
-        let seg_grads = sz.seg as f64 * arch.layer_params() as f64 * wb + (arch.vocab * arch.hidden) as f64 * wb;
-        let kept = sz.last_seg as f64 * g + 3.0 * c * tl * 4.0; // the last segment's graph + final norm
-        let re = if sz.n_seg > 1 { kept + sz.seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
-        let lo = kept + 3.0 * logits + 2.0 * tl * c * 4.0 + seg_grads;
-        (re, lo, "candle autograd: last segment's graph kept + one recomputed segment + backward temporaries")
-    } else {
-        let saved = 2.0 * hd + 2.0 * kvd + c + 2.0 * i; // q, k, v, o, residual, gate, up (elements/token)
-        let transient = i + c; // d(act) and the incoming gradient in the MLP backward
-        let layers_alive = if none { l } else { sz.seg };
-        let kept = layers_alive as f64 * (saved * wb + arch.heads as f64 * 4.0) * tl; // + lse (H f32)
-        let re = kept + transient * tl * wb;
-        // without checkpointing every layer's activations are still alive while the loss runs
-        let lo = if none { kept } else { 0.0 } + logits + 2.0 * tl * c * wb;
-        (re, lo, "flash attention + in-place SwiGLU backward; norm outputs recomputed")
-    };
+    let path = if sz.cpu { LayerPath::CpuF32 } else { LayerPath::Cuda };
+    // Ulysses keeps three copies of q, k, v and of o per layer (the exchange's input and output and the
+    // re-laid-out result)
+    let sp_copies = if sz.p > 1 { 3.0 * (2.0 * sz.hd + 2.0 * sz.kvd) * wb } else { 0.0 };
+    let act = activations(arch, shape, path, (sz.n_seg, sz.seg, sz.last_seg), tl, sp_copies);
+    let (inputs, recompute, loss) = (act.inputs, act.recompute, act.loss);
+    let ws_note = format!(
+        "candle autograd keeps a layer's graph until its backward returns: {:.1}K values/token/layer ({})",
+        layer_graph_bytes(arch, path) / wb / 1e3,
+        path.name()
+    );
     add_term(
         terms,
         "layer_inputs",
@@ -784,15 +760,153 @@ fn splits_over_ranks(arch: &Arch, sh: &StageShape, w: &World) -> bool {
     sh.tokens_per_step.is_multiple_of(unit) && w.dist().validate("", w.gpus, Some(arch.kv_heads), &[stage]).is_ok()
 }
 
-/// f32 elements per token that candle's autograd keeps for one decoder layer on the CPU path, op by op
-/// (`Llama::layer_forward`): the fused RMSNorm op's output (C, twice), q/k/v projections (HD + 2 Hkv·D),
-/// RoPE's output for q and k (HD + Hkv·D; it reads the projections' strided rows, no copy), v made
-/// contiguous (Hkv·D), attention output (HD), its (B,T,H·D) copy (HD), o_proj and the residual (2C), gate,
-/// up and the fused SwiGLU's product (3I: `ops::swiglu` keeps no silu output), down and the residual (2C).
-pub fn cpu_graph_per_token(a: &Arch) -> f64 {
-    let (c, i) = (a.hidden as f64, a.intermediate as f64);
+/// Which implementation each op of a decoder layer runs, and so which tensors candle's autograd keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerPath {
+    /// CPU in f32: `ops::linear`, RoPE reading the projections' strided rows, the attention op in f32
+    CpuF32,
+    /// CPU in bf16/f16: candle's matmul; RoPE and the attention op run in f32 on upcast copies
+    CpuHalf,
+    /// CUDA: cuBLAS, the RoPE kernel on a contiguous copy, the flash kernels in the run dtype
+    Cuda,
+}
+
+impl LayerPath {
+    pub fn name(&self) -> &'static str {
+        match self {
+            LayerPath::CpuF32 => "cpu f32",
+            LayerPath::CpuHalf => "cpu bf16",
+            LayerPath::Cuda => "cuda",
+        }
+    }
+}
+
+/// One tensor (or group of tensors) a decoder layer's autograd graph keeps: values per token and bytes
+/// per value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stored {
+    pub what: &'static str,
+    pub per_token: f64,
+    pub bytes: f64,
+}
+
+/// What candle's autograd keeps of one decoder layer until its backward returns, op by op as
+/// `Llama::layer_body` runs them on `path` with activations of `wb` bytes (every op output that another
+/// op reads is kept by that op's node; views share storage). The paths differ only where an op makes
+/// copies: RoPE (CPU f32 reads strided rows; CPU bf16 upcasts to f32 and casts back; the CUDA kernel
+/// needs contiguous rows) and attention (CPU bf16 upcasts q, k, v to f32; the packed O|lse rows are f32
+/// on CPU, the run dtype on CUDA). Nothing of size T x T is kept on any path.
+pub fn layer_graph(a: &Arch, path: LayerPath, wb: f64) -> Vec<Stored> {
+    let (c, i, h) = (a.hidden as f64, a.intermediate as f64, a.heads as f64);
     let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
-    6.0 * c + 4.0 * hd + 4.0 * kvd + 3.0 * i
+    let s = |what, per_token, bytes| Stored { what, per_token, bytes };
+    let packed = |elem: usize| {
+        let rows = crate::ops::attention_shape::PackedRows { d: a.head_dim, elem_bytes: elem };
+        h * rows.fwd_width() as f64
+    };
+    let mut v = vec![s("input norm output", c, wb), s("q, k, v projections", hd + 2.0 * kvd, wb)];
+    match path {
+        LayerPath::CpuF32 => v.push(s("RoPE outputs of q, k", hd + kvd, wb)),
+        LayerPath::CpuHalf => {
+            v.push(s("RoPE: q, k upcast to f32 and rotated", 2.0 * (hd + kvd), 4.0));
+            v.push(s("RoPE outputs cast back", hd + kvd, wb));
+        }
+        LayerPath::Cuda => v.push(s("RoPE: q, k made contiguous and rotated", 2.0 * (hd + kvd), wb)),
+    }
+    v.push(s("v made contiguous", kvd, wb));
+    match path {
+        LayerPath::CpuF32 => v.push(s("attention: packed O|lse rows", packed(4), 4.0)),
+        LayerPath::CpuHalf => {
+            v.push(s("attention: q, k, v upcast to f32", hd + 2.0 * kvd, 4.0));
+            v.push(s("attention: packed O|lse rows (f32)", packed(4), 4.0));
+            v.push(s("attention: O cast back", hd, wb));
+        }
+        LayerPath::Cuda => v.push(s("attention: packed O|lse rows", packed(wb as usize), wb)),
+    }
+    v.extend([
+        s("attention output as (B, T, H*D) rows", hd, wb),
+        s("o projection, residual", 2.0 * c, wb),
+        s("post-attention norm output", c, wb),
+        s("gate, up, fused SwiGLU output", 3.0 * i, wb),
+        s("down projection, residual", 2.0 * c, wb),
+    ]);
+    v
+}
+
+/// Bytes per token of `layer_graph`.
+pub fn layer_graph_bytes(a: &Arch, path: LayerPath) -> f64 {
+    let wb = if path == LayerPath::CpuF32 { 4.0 } else { 2.0 };
+    layer_graph_bytes_wb(a, path, wb)
+}
+
+fn layer_graph_bytes_wb(a: &Arch, path: LayerPath, wb: f64) -> f64 {
+    layer_graph(a, path, wb).iter().map(|t| t.per_token * t.bytes).sum()
+}
+
+/// Bytes alive in one layer's backward besides its graph, at `tl` tokens. CPU f32: calibrated
+/// (`CPU_BWD_PER_*`). Otherwise counted at the two widest points: the MLP's (the gradient of the SwiGLU
+/// output, the op's dgate and dup, the gradients of the residual and the norm output, and the f32 block
+/// of the SwiGLU backward, `ops::swiglu::BWD_BLOCK`) and, on CPU bf16, attention's (its f32 backward:
+/// the padded output gradient, the packed rows, the scratch and dQ|dK|dV; on CUDA that is the
+/// `attention_workspace` term).
+pub fn backward_temporaries(a: &Arch, path: LayerPath, wb: f64, tl: f64) -> f64 {
+    use crate::ops::swiglu::{BWD_BLOCK, BWD_LIVE_F32};
+    let (c, i, h) = (a.hidden as f64, a.intermediate as f64, a.heads as f64);
+    let (hd, kvd) = ((a.heads * a.head_dim) as f64, (a.kv_heads * a.head_dim) as f64);
+    if path == LayerPath::CpuF32 {
+        return (CPU_BWD_PER_I * i + CPU_BWD_PER_C * c) * 4.0 * tl;
+    }
+    let block_rows = (BWD_BLOCK as f64 / i).floor().max(1.0).min(tl);
+    let mlp = (3.0 * i + 2.0 * c) * wb * tl + block_rows * i * (BWD_LIVE_F32 * 4) as f64;
+    if path == LayerPath::Cuda {
+        return mlp;
+    }
+    let rows = crate::ops::attention_shape::PackedRows { d: a.head_dim, elem_bytes: 4 };
+    let per_head = (rows.fwd_width() + rows.bwd_width() + a.head_dim + 1) as f64 * 4.0;
+    let attn = (h * per_head + (hd + 2.0 * kvd) * 4.0 + 2.0 * c * wb) * tl;
+    mlp.max(attn)
+}
+
+/// The activation memory of one rank: saved segment inputs, and the two phases' working sets (bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct Activations {
+    pub inputs: f64,
+    /// a recomputed segment's graph + its backward temporaries + its weights' gradients
+    pub recompute: f64,
+    /// the last segment's graph (kept from the forward) + the loss's backward
+    pub loss: f64,
+}
+
+/// `Activations` of `shape` on `path` with `tl` tokens per rank, segments `(n_seg, seg, last_seg)`, and
+/// `extra` bytes per token per layer (Ulysses' copies).
+pub fn activations(
+    arch: &Arch,
+    shape: &StageShape,
+    path: LayerPath,
+    (n_seg, seg, last_seg): (usize, usize, usize),
+    tl: f64,
+    extra: f64,
+) -> Activations {
+    let wb = if path == LayerPath::CpuF32 || !shape.bf16 && path == LayerPath::Cuda { 4.0 } else { 2.0 };
+    let (c, v) = (arch.hidden as f64, arch.vocab as f64);
+    let none = matches!(shape.checkpointing, Checkpointing::None);
+    let inputs = if none { 0.0 } else { n_seg as f64 * tl * c * wb };
+    let g = (layer_graph_bytes_wb(arch, path, wb) + extra) * tl;
+    let bwd = backward_temporaries(arch, path, wb, tl);
+    // the weights' gradients of a segment (and of the head) as candle returns them, before they are handed on
+    let seg_grads = seg as f64 * arch.layer_params() as f64 * wb + v * c * wb;
+    let kept = last_seg as f64 * g + c * tl * wb; // the last segment's graph + the final norm's output
+    let recompute = if n_seg > 1 { seg as f64 * g + bwd + seg_grads } else { kept + bwd + seg_grads };
+    // The loss backward (`model::loss`, before any layer's backward) at its wider point: either a chunk's
+    // dlogits while the head's f32 gradient takes the chunk's product into a new sum (the head's f32 copy,
+    // the gradient, the product and the sum: 4 x V x C f32), or the chunk's logits (in the activation
+    // dtype, then f32) beside its dlogits; + the chunk's f32 input and dh, written in place.
+    let chunk = shape.loss_chunk.min(shape.micro_batch * shape.seq_len) as f64;
+    let head = v * c * 4.0;
+    let logits_copy = if wb < 4.0 { wb } else { 0.0 };
+    let widest = (4.0 * head + chunk * v * 4.0).max(2.0 * head + chunk * v * (8.0 + logits_copy));
+    let loss_ws = widest + 2.0 * chunk * c * 4.0 + tl * c * wb;
+    Activations { inputs, recompute, loss: kept + loss_ws }
 }
 
 /// The cheapest change that makes `shape` fit: candidates ordered by GPU-seconds per token.

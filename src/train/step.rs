@@ -104,11 +104,13 @@ pub fn forward_backward_with(
     let nll = chunked_cross_entropy(&h, &fwd.outer.head, targets, loss_chunk)?; // (B*T)
     let store = (nll.sum_all()? * scale)?.backward()?;
     params.take_grads(&store, &fwd.held, &[Outer::Norm, Outer::Head])?;
-    drop(fwd);
     let mut g =
         store.get(last_in.as_tensor()).cloned().ok_or_else(|| anyhow!("no gradient reached the last layers"))?;
-    let nll = nll.detach(); // (B*T), stays on the device (`LossSums`)
-    drop(store);
+    // The nll, h and the forward's output each hold the last segment's whole graph: a shadowing `let`
+    // would keep it alive through every recompute below (one layer's graph, ~25 GiB at 128K on 7B).
+    let nll_graph = nll;
+    let nll = nll_graph.detach(); // (B*T), stays on the device (`LossSums`)
+    drop((nll_graph, h, fwd, store));
 
     // Backward through the earlier segments, last to first, recomputing each from its saved input.
     for i in (0..n_seg - 1).rev() {

@@ -94,7 +94,7 @@ const PINNED: &[(&str, &str)] = &[
     ("abf-multistage-16k-128k.toml", "7b9779749b48d00d701e7dd1388eb16b6d4b4d3784dad7990dd58c3587db4c12"),
     ("abf-multistage-8k-32k-128k.toml", "f2b1ad011c9041f829130668701c0bd381b28c0f996d2851a56aa208a3d70475"),
     ("gpu-plan-check.toml", "33fd51987fabec473b5e42e136bac69dccc0860c1a435864b381220668cfac92"),
-    ("harpe-128k.toml", "7f2fb83f74fd477d52d69e2a8f701b85f45958417d342df28d4fa5eb573e1849"),
+    ("harpe-128k.toml", "022668e73691cf8b4456393d4a9b89f4fe55fffa6dd5429d60dd916c9c950f68"),
     ("harpe-uniform-asc-128k.toml", "929381f98fcd80cc8e0aca35c0040a85ca884f321ec1b688f324e4c9c07a3e55"),
     ("harpe-uniform-desc-128k.toml", "fd1d1685d44400f82540f6cf593100340817b42dc15e60b2bcd8ad2ae572f3ef"),
     ("pi-128k.toml", "a9ede14d157638e79993c4726ebe8eaf66b150450a98be8a53f55bcbf99b8799"),

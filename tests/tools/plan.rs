@@ -1,6 +1,7 @@
 //! `harpe plan` reproduces the memory budget harpe was designed against (Llama-2-7B, 128K, 8 x 80 GB A100:
-//! bf16 weights and gradients, fp32 master/m/v, one checkpoint per layer; plain ZeRO-3 at batch 1 fits
-//! without offload; below, "the design budget"), refuses bad worlds with the
+//! bf16 weights and gradients, fp32 master/m/v, one checkpoint per layer; below, "the design budget") for
+//! the model state, counts the activations as candle's autograd keeps them (ZeRO-3 then needs Ulysses over
+//! 2 GPUs at 128K), refuses bad worlds with the
 //! nearest valid choice, and prints the same plan as JSON. Expected values are derived here from the
 //! architecture, not read back from the plan.
 use crate::common::harpe_cmd;
@@ -72,47 +73,60 @@ fn design_section_5_state_per_zero_stage() {
     assert_eq!(state(&plan(0, 1, &[])), 18 * n);
 }
 
+/// One recomputed layer's working set on the CUDA path, counted here op by op from `Llama::layer_body`
+/// (bf16): the tensors candle's autograd keeps (norm outputs, q/k/v, RoPE's contiguous copies and
+/// outputs, v's copy, the flash op's packed O|lse rows of D + 8, o's (B, T, H*D) rows, o and down
+/// projections with their residuals, gate, up and the fused SwiGLU output), the MLP backward's gradients
+/// (3I + 2C), the SwiGLU backward's f32 block and the segment's weight gradients.
+fn working_set_128k() -> u64 {
+    let graph = 15 * C + 32 * (128 + 8) + 3 * I; // values per token
+    let bwd = 3 * I + 2 * C;
+    let block = (4_194_304 / I) * I * 8 * 4;
+    let grads = (4 * C * C + 3 * C * I + 2 * C) * 2 + V * C * 2;
+    (graph + bwd) * T * 2 + block + grads
+}
+
 #[test]
 fn design_section_5_activations_totals_and_sp() {
     let z3 = plan(3, 1, &[]);
     // one checkpoint per layer: 32 x T x 4096 x 2 B = 32 GiB
     assert_eq!(z3.term("layer_inputs"), L * T * C * 2);
     assert_eq!(z3.term("layer_inputs"), 32 << 30);
-    // one layer's recompute working set ~10-15 GB at 128K
-    let ws = z3.term("working_set") as f64 / 1e9;
-    assert!((10.0..=15.5).contains(&ws), "working set {ws:.2} GB");
+    // one layer's recompute working set at 128K: ~98.8K values a token kept by candle's autograd + the
+    // backward's gradients, ~35 GiB (the design budget's flash-style 42.5K values a token was not what the
+    // autograd graph keeps)
+    let ws = z3.term("working_set");
+    assert!(ws.abs_diff(working_set_128k()) < 1 << 20, "working set {ws} vs {}", working_set_128k());
     // one layer's flash-attention backward: the op's packed bf16 rows [q | O | lse | dO | .] (3 x 128 + 16
     // elements) and its f32 scratch (delta + dQ accumulator, 129 floats) per head and token — the op's own
     // function (ops::attention_shape::attention_workspace), 5.5 GB at 128K
     assert_eq!(z3.term("attention_workspace"), T * 32 * (400 * 2 + 129 * 4));
-    // plain ZeRO-3 at batch 1 x 128K fits without offload: ~60 GB in the design budget, + 1.7 GB of fp32
-    // gradient shard, + 0.4 GB of prefetched layer, + 1.6 GB of two layers' fp32 gradients in flight, + the
-    // attention workspace
-    let total = z3.total_bytes as f64 / 1e9;
-    assert!((54.0..=76.0).contains(&total), "ZeRO-3 total {total:.2} GB");
-    assert!(z3.fits);
-    // ZeRO-2 is tight in the design budget — with fp32 gradients it no longer fits: less than 15% of 80 GiB left
-    let z2 = plan(2, 1, &[]);
-    let left = 1.0 - z2.total_bytes as f64 / z2.gpu.mem_bytes as f64;
-    assert!(left < 0.15, "ZeRO-2 leaves {:.0}%", 100.0 * left);
-    assert!(!z2.fits);
-    // ZeRO-1 does not fit; the cheapest fix is the ZeRO stage that fits, which the check names
-    let z1 = plan(1, 1, &[]);
-    assert!(!z1.fits);
-    let fix = z1.suggestion.as_ref().expect("a fix");
-    assert_eq!(fix.change, "dist.zero_stage = 3");
-    let e = format!("{:#}", z1.check_fits().unwrap_err());
-    assert!(e.contains("dist.zero_stage = 3") && e.contains("--force") && e.contains("hint:"), "{e}");
-    assert!(z3.check_fits().is_ok());
-    // Ulysses P = 8 divides every activation term by 8: ~20 GB per GPU
+    // plain ZeRO-3 at batch 1 x 128K does not fit 80 GB: ~91 GiB; the cheapest change is Ulysses over 2 GPUs,
+    // which halves every activation term
+    let total = z3.total_bytes as f64 / (1u64 << 30) as f64;
+    assert!((85.0..=95.0).contains(&total), "ZeRO-3 total {total:.2} GiB");
+    assert!(!z3.fits);
+    assert_eq!(z3.suggestion.as_ref().expect("a fix").change, "dist.sp_degree = 2");
+    let e = format!("{:#}", z3.check_fits().unwrap_err());
+    assert!(e.contains("dist.sp_degree = 2") && e.contains("--force") && e.contains("hint:"), "{e}");
+    let sp2 = plan(3, 2, &[]);
+    assert!(sp2.fits && sp2.check_fits().is_ok());
+    // at least 5% of the A100's 79.1 usable GiB left
+    assert!((sp2.total_bytes as f64) < 0.95 * 79.1 * (1u64 << 30) as f64, "{}", sp2.total_bytes);
+    // ZeRO-1 and ZeRO-2 do not fit either, at SP 1 or 2
+    for (z, p) in [(1, 1), (2, 1), (1, 2)] {
+        assert!(!plan(z, p, &[]).fits, "ZeRO-{z} SP {p}");
+    }
+    // Ulysses P = 8 divides the layer inputs by 8; the working set less (each rank's graph also keeps the
+    // exchange's copies of q, k, v and o, and at 16K tokens a rank the loss phase's T-independent chunk
+    // and head terms are its peak)
     let sp = plan(3, 8, &[]);
     assert_eq!(sp.term("layer_inputs") * 8, z3.term("layer_inputs"));
-    assert_eq!(sp.term("working_set") * 8, z3.term("working_set"));
+    let r = z3.term("working_set") as f64 / sp.term("working_set") as f64;
+    assert!((3.0..=8.0).contains(&r), "working set ratio {r:.2}");
     assert_eq!(sp.term("attention_workspace") * 8, z3.term("attention_workspace"), "H / 8 heads per rank");
     let total = sp.total_bytes as f64 / 1e9;
-    // (the design budget's ~20 GB + harpe's fp32 gradient shard, the prefetched layer, the gradients in flight and the
-    // attention workspace)
-    assert!((17.0..=28.0).contains(&total), "SP 8 total {total:.2} GB");
+    assert!((17.0..=40.0).contains(&total), "SP 8 total {total:.2} GB");
     // ... which leaves room for 512K
     let long = plan(3, 8, &["stage.0.seq_len=524288"]);
     assert!(long.fits, "512K with SP 8: {:.1} GB", long.total_bytes as f64 / 1e9);
@@ -209,10 +223,10 @@ fn cli_json_has_the_contract_fields() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lib = plan(3, 1, &[]);
+    let lib = plan(3, 2, &[]); // the recipe's dist.sp_degree
     assert_eq!(v["total_bytes"].as_u64(), Some(lib.total_bytes));
     assert_eq!(v["fits"].as_bool(), Some(true));
-    assert_eq!(v["terms"]["layer_inputs"].as_u64(), Some(32 << 30));
+    assert_eq!(v["terms"]["layer_inputs"].as_u64(), Some(16 << 30));
     let sum: u64 = v["terms"].as_object().unwrap().values().map(|x| x.as_u64().unwrap()).sum();
     assert_eq!(sum, lib.total_bytes);
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
