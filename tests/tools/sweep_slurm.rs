@@ -242,7 +242,11 @@ fn the_shipped_sweeps_submit_8_gpu_nccl_tasks_with_the_plans_stop_warning() {
         for line in ["#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --signal=TERM@2040"] {
             assert!(text.lines().any(|l| l == line), "{file}: no `{line}` in\n{text}");
         }
-        assert!(text.contains("--set dist.backend=nccl) ;;"), "{file}: {text}");
+        assert!(text.contains("--set dist.backend=nccl"), "{file}: {text}");
+        // every arm of the 7B sweep at the layout that fits 128K (the arms' own recipes set no [dist])
+        if file.ends_with("harpe-vs-multistage.toml") {
+            assert!(text.contains("--set dist.zero_stage=3 --set dist.sp_degree=2) ;;"), "{file}: {text}");
+        }
     }
     // 2040 is `harpe plan`'s stop line for the 128K recipe on one 8-GPU node at ZeRO-3
     let o = harpe_cmd()
