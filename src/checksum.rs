@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex};
 
 /// Bytes per checksummed block.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -74,16 +75,20 @@ impl FileSum {
     /// Check block `b`'s bytes `data` (read from `path`) against its checksum; a mismatch names the
     /// file, the byte range and both values, and ends with `hint`.
     pub fn check_block(&self, path: &Path, b: usize, data: &[u8], hint: &str) -> Result<()> {
+        self.check_crc(path, b, data.len(), crc32c::crc32c(data), hint)
+    }
+
+    /// `check_block` of a block of `len` bytes whose CRC32C (`got`) was computed elsewhere (`Beside`).
+    pub fn check_crc(&self, path: &Path, b: usize, len: usize, got: u32, hint: &str) -> Result<()> {
         let r = self.block_range(b);
         let want = self.crc32c.get(b).copied();
-        let got = crc32c::crc32c(data);
-        if want != Some(got) || data.len() as u64 != r.end.saturating_sub(r.start) {
+        if want != Some(got) || len as u64 != r.end.saturating_sub(r.start) {
             bail!(
                 "{}: bytes {}..{} (block {b}) are damaged: CRC32C {got:08x} over {} bytes, the recorded checksum is {}\nhint: {hint}",
                 path.display(),
                 r.start,
                 r.end,
-                data.len(),
+                len,
                 want.map_or("missing".to_string(), |w| format!("{w:08x}"))
             );
         }
@@ -190,9 +195,10 @@ impl<W: Write + Send> SumWriter<W> {
     }
 }
 
-/// Writes at least this large are summed on a second thread while the write itself runs (the hash then
-/// costs nothing where a core is free); smaller ones inline, where a thread would cost more than it saves.
-const OVERLAP_BYTES: usize = 1 << 20;
+/// Writes (and checked reads, `Beside`) at least this large are summed on a second thread while the write
+/// (the conversion of the bytes read) runs, so the hash costs nothing where a core is free; smaller ones
+/// inline, where starting a thread would cost more than it saves.
+pub const OVERLAP_BYTES: usize = 1 << 20;
 
 impl<W: Write + Send> Write for SumWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -216,6 +222,86 @@ impl<W: Write + Send> Write for SumWriter<W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// A helper thread that computes the CRC32C of one buffer at a time while its caller uses the same bytes
+/// (a resume converts each block it read to values while the block's checksum is computed): the hash
+/// then costs nothing where a core is free. When the helper has not started on a buffer by the time the
+/// caller is done with it (no free core: a busy machine), the caller takes the work back and hashes it
+/// itself, so a check never waits for a thread to be scheduled; the worst case is the hash inline.
+pub struct Beside<'a> {
+    shared: &'a (Mutex<BesideSlot>, Condvar),
+}
+
+/// The one buffer handed to the helper, its result, and the end of the work.
+#[derive(Default)]
+pub struct BesideSlot {
+    todo: Option<Arc<Vec<u8>>>,
+    crc: Option<u32>,
+    closed: bool,
+}
+
+impl Beside<'_> {
+    /// Run `f` with a `Beside` whose helper thread lives as long as `f` runs.
+    pub fn run<R>(f: impl FnOnce(&mut Beside) -> R) -> R {
+        let shared = (Mutex::new(BesideSlot::default()), Condvar::new());
+        std::thread::scope(|s| {
+            s.spawn(|| Beside::helper(&shared));
+            let r = f(&mut Beside { shared: &shared });
+            lock(&shared.0).closed = true;
+            shared.1.notify_all();
+            r
+        })
+    }
+
+    fn helper(shared: &(Mutex<BesideSlot>, Condvar)) {
+        let mut slot = lock(&shared.0);
+        loop {
+            if let Some(data) = slot.todo.take() {
+                drop(slot);
+                let crc = crc32c::crc32c(&data);
+                // the buffer goes back to the caller whole: this thread's handle is gone before it hears
+                drop(data);
+                slot = lock(&shared.0);
+                slot.crc = Some(crc);
+                shared.1.notify_all();
+            } else if slot.closed {
+                return;
+            } else {
+                slot = shared.1.wait(slot).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+
+    /// The CRC32C of `data`, computed on the helper while `consume(&data)` runs here; `data` comes back
+    /// for reuse.
+    pub fn crc_while<R>(&mut self, data: Vec<u8>, consume: impl FnOnce(&[u8]) -> R) -> (Vec<u8>, u32, R) {
+        let data = Arc::new(data);
+        {
+            let mut slot = lock(&self.shared.0);
+            (slot.todo, slot.crc) = (Some(data.clone()), None);
+        }
+        self.shared.1.notify_all();
+        let made = consume(&data);
+        let mut slot = lock(&self.shared.0);
+        let crc = if let Some(unstarted) = slot.todo.take() {
+            drop((unstarted, slot));
+            crc32c::crc32c(&data)
+        } else {
+            loop {
+                if let Some(crc) = slot.crc.take() {
+                    break crc;
+                }
+                slot = self.shared.1.wait(slot).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        (Arc::unwrap_or_clone(data), crc, made)
+    }
+}
+
+/// The slot, whatever a panicking holder left in it (each field is written whole).
+fn lock(m: &Mutex<BesideSlot>) -> std::sync::MutexGuard<'_, BesideSlot> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Version of `Checksums::format`.
@@ -300,6 +386,22 @@ mod tests {
         std::fs::write(&p, &bad).unwrap();
         let e = format!("{:#}", sum.verify_file(&p, "use another copy").unwrap_err());
         assert!(e.contains("bytes 8388608..16777216 (block 1)") && e.ends_with("hint: use another copy"), "{e}");
+        // hashed beside a consumer: the same CRC, whether the helper or the caller computed it
+        let (whole, last) = (BLOCK_BYTES as usize, 2 * BLOCK_BYTES as usize);
+        Beside::run(|beside| {
+            for (b, block) in [(0, &bad[..whole]), (1, &bad[whole..last]), (2, &bad[last..])] {
+                let (back, crc, len) = beside.crc_while(block.to_vec(), |d| d.len());
+                assert_eq!((back.as_slice(), crc, len), (block, crc32c::crc32c(block), block.len()));
+                let checked = sum.check_crc(&p, b, len, crc, "h");
+                assert_eq!(checked.is_err(), b == 1, "block {b}: {checked:?}");
+            }
+            // the caller takes back a buffer the helper has not started: a long consumer and a short one
+            for pause in [50, 0] {
+                let (_, crc, ()) = beside
+                    .crc_while(data[..4096].to_vec(), |_| std::thread::sleep(std::time::Duration::from_millis(pause)));
+                assert_eq!(crc, crc32c::crc32c(&data[..4096]));
+            }
+        });
         // only block 0 read: the damage in block 1 is not seen
         let f = std::fs::File::open(&p).unwrap();
         sum.verify_blocks(&p, &f, sum.blocks_of(0..100), "h").unwrap();

@@ -5,7 +5,7 @@
 //! A resume may use another world size than the run that wrote the checkpoint, so the shards are re-cut.
 //! Split from checkpoint/mod.rs, which writes what this reads.
 
-use crate::checksum::{Checksums, FileSum};
+use crate::checksum::{Beside, Checksums, FileSum, OVERLAP_BYTES};
 use crate::comms::Mesh;
 use crate::flatbuf::FlatBuf;
 use crate::optim::adamw::AdamW;
@@ -50,21 +50,36 @@ pub enum OptimPart {
 
 impl OptimShard {
     /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`. With
-    /// checksums, every block holding any of those bytes is read whole and checked before its values
-    /// are used.
+    /// checksums, every block holding any of those bytes is read whole and its CRC32C computed while its
+    /// values are converted (`checksum::Beside`, for reads of `OVERLAP_BYTES` or more); a damaged block
+    /// fails the call, and `out` keeps none of its values.
     pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
-        use std::os::unix::fs::FileExt;
         let start = (self.offsets[part as usize] + 4 * local.start) as u64;
         let end = start + 4 * local.len() as u64;
+        out.reserve(local.len());
+        if self.sum.is_some() && end - start >= OVERLAP_BYTES as u64 {
+            Beside::run(|beside| self.copy_range(start..end, out, Some(beside)))
+        } else {
+            self.copy_range(start..end, out, None)
+        }
+    }
+
+    /// `copy_into` of the file's bytes `bytes`, hashing beside the conversion when given `beside`.
+    fn copy_range(
+        &self,
+        bytes: std::ops::Range<u64>,
+        out: &mut Vec<f32>,
+        mut beside: Option<&mut Beside>,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
         let grid = self.sum.as_ref().map_or(READ_CHUNK_BYTES, |s| s.block_bytes);
         let mut buf = Vec::new();
         // bytes of a value split by a block boundary (never in a file harpe wrote: its data is 4-aligned)
         let mut carry = Vec::new();
-        out.reserve(local.len());
-        let mut at = start;
-        while at < end {
+        let mut at = bytes.start;
+        while at < bytes.end {
             let b = at / grid;
-            let hi = ((b + 1) * grid).min(end);
+            let hi = ((b + 1) * grid).min(bytes.end);
             let (rs, re) = match &self.sum {
                 Some(s) => (s.block_range(b as usize).start, s.block_range(b as usize).end),
                 None => (at, hi),
@@ -73,13 +88,29 @@ impl OptimShard {
             self.file.read_exact_at(&mut buf, rs).with_context(|| {
                 format!("cannot read {} at byte {rs}\nhint: the file is damaged or truncated", self.path.display())
             })?;
-            if let Some(s) = &self.sum {
-                s.check_block(&self.path, b as usize, &buf, &self.hint)?;
+            let (wanted, kept) = ((at - rs) as usize..(hi - rs) as usize, out.len());
+            let take = |bytes: &[u8]| {
+                carry.extend_from_slice(&bytes[wanted]);
+                let whole = carry.len() / 4 * 4;
+                out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+                carry.drain(..whole);
+            };
+            let checked = match (&self.sum, beside.as_deref_mut()) {
+                (Some(s), Some(beside)) => {
+                    let (back, crc, ()) = beside.crc_while(std::mem::take(&mut buf), take);
+                    buf = back;
+                    s.check_crc(&self.path, b as usize, buf.len(), crc, &self.hint)
+                }
+                (Some(s), None) => s.check_block(&self.path, b as usize, &buf, &self.hint).map(|()| take(&buf)),
+                (None, _) => {
+                    take(&buf);
+                    Ok(())
+                }
+            };
+            if let Err(e) = checked {
+                out.truncate(kept);
+                return Err(e);
             }
-            carry.extend_from_slice(&buf[(at - rs) as usize..(hi - rs) as usize]);
-            let whole = carry.len() / 4 * 4;
-            out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-            carry.drain(..whole);
             at = hi;
         }
         Ok(())
