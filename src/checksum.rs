@@ -12,10 +12,10 @@
 //! `checksums.json`, a dataset's `manifest.json`) or what a mismatch means for the run.
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 
 /// Bytes per checksummed block.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -224,27 +224,41 @@ impl<W: Write + Send> Write for SumWriter<W> {
     }
 }
 
-/// A helper thread that computes the CRC32C of one buffer at a time while its caller uses the same bytes
-/// (a resume converts each block it read to values while the block's checksum is computed): the hash
-/// then costs nothing where a core is free. When the helper has not started on a buffer by the time the
-/// caller is done with it (no free core: a busy machine), the caller takes the work back and hashes it
-/// itself, so a check never waits for a thread to be scheduled; the worst case is the hash inline.
+/// Block CRC32Cs computed on a helper thread while the caller goes on reading and converting (a resume
+/// reads a block, converts its bytes to values, and moves on): the caller hands each block's buffer over
+/// (`hash`) and takes a buffer the helper is done with for its next block (`buffer`). Whatever the
+/// helper has not started when the caller needs a buffer or is done (`finish`), the caller hashes
+/// itself, so on a busy machine (no free core for the helper) the hash costs what it costs inline and
+/// the caller never waits for the helper to be scheduled, except at the end for the one block it is on.
 pub struct Beside<'a> {
-    shared: &'a (Mutex<BesideSlot>, Condvar),
+    shared: &'a (Mutex<BesideState>, Condvar),
 }
 
-/// The one buffer handed to the helper, its result, and the end of the work.
+/// Buffers in the hands of the caller, the helper or the queue at once: one being filled, one being
+/// hashed, one waiting.
+const BESIDE_BUFFERS: usize = 3;
+
+/// What the caller and the helper share.
 #[derive(Default)]
-pub struct BesideSlot {
-    todo: Option<Arc<Vec<u8>>>,
-    crc: Option<u32>,
+pub struct BesideState {
+    /// blocks handed over and not yet started: (block, bytes)
+    todo: VecDeque<(usize, Vec<u8>)>,
+    /// (block, length, CRC32C) of every block hashed
+    done: Vec<(usize, usize, u32)>,
+    /// buffers hashed and free again
+    free: Vec<Vec<u8>>,
+    /// buffers made so far
+    made: usize,
+    /// the helper is hashing a block
+    busy: bool,
+    /// the caller is done: the helper returns
     closed: bool,
 }
 
 impl Beside<'_> {
     /// Run `f` with a `Beside` whose helper thread lives as long as `f` runs.
     pub fn run<R>(f: impl FnOnce(&mut Beside) -> R) -> R {
-        let shared = (Mutex::new(BesideSlot::default()), Condvar::new());
+        let shared = (Mutex::new(BesideState::default()), Condvar::new());
         std::thread::scope(|s| {
             s.spawn(|| Beside::helper(&shared));
             let r = f(&mut Beside { shared: &shared });
@@ -254,53 +268,78 @@ impl Beside<'_> {
         })
     }
 
-    fn helper(shared: &(Mutex<BesideSlot>, Condvar)) {
-        let mut slot = lock(&shared.0);
+    fn helper(shared: &(Mutex<BesideState>, Condvar)) {
+        let mut st = lock(&shared.0);
         loop {
-            if let Some(data) = slot.todo.take() {
-                drop(slot);
+            if let Some((b, data)) = st.todo.pop_front() {
+                st.busy = true;
+                drop(st);
                 let crc = crc32c::crc32c(&data);
-                // the buffer goes back to the caller whole: this thread's handle is gone before it hears
-                drop(data);
-                slot = lock(&shared.0);
-                slot.crc = Some(crc);
+                st = lock(&shared.0);
+                st.done.push((b, data.len(), crc));
+                st.free.push(data);
+                st.busy = false;
                 shared.1.notify_all();
-            } else if slot.closed {
+            } else if st.closed {
                 return;
             } else {
-                slot = shared.1.wait(slot).unwrap_or_else(|p| p.into_inner());
+                st = shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
     }
 
-    /// The CRC32C of `data`, computed on the helper while `consume(&data)` runs here; `data` comes back
-    /// for reuse.
-    pub fn crc_while<R>(&mut self, data: Vec<u8>, consume: impl FnOnce(&[u8]) -> R) -> (Vec<u8>, u32, R) {
-        let data = Arc::new(data);
-        {
-            let mut slot = lock(&self.shared.0);
-            (slot.todo, slot.crc) = (Some(data.clone()), None);
-        }
-        self.shared.1.notify_all();
-        let made = consume(&data);
-        let mut slot = lock(&self.shared.0);
-        let crc = if let Some(unstarted) = slot.todo.take() {
-            drop((unstarted, slot));
-            crc32c::crc32c(&data)
-        } else {
-            loop {
-                if let Some(crc) = slot.crc.take() {
-                    break crc;
-                }
-                slot = self.shared.1.wait(slot).unwrap_or_else(|p| p.into_inner());
+    /// A buffer for the next block: one the helper is done with, a new one while fewer than
+    /// `BESIDE_BUFFERS` exist, else the oldest waiting block's, hashed here first.
+    pub fn buffer(&mut self) -> Vec<u8> {
+        let mut st = lock(&self.shared.0);
+        loop {
+            if let Some(buf) = st.free.pop() {
+                return buf;
             }
-        };
-        (Arc::unwrap_or_clone(data), crc, made)
+            if st.made < BESIDE_BUFFERS {
+                st.made += 1;
+                return Vec::new();
+            }
+            if let Some((b, data)) = st.todo.pop_front() {
+                drop(st);
+                let crc = crc32c::crc32c(&data);
+                lock(&self.shared.0).done.push((b, data.len(), crc));
+                return data;
+            }
+            st = self.shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Hand block `b`'s bytes over to be hashed.
+    pub fn hash(&mut self, b: usize, data: Vec<u8>) {
+        lock(&self.shared.0).todo.push_back((b, data));
+        self.shared.1.notify_all();
+    }
+
+    /// (block, length, CRC32C) of every block handed over since the last call, in block order: what the
+    /// helper has not started is hashed here.
+    pub fn finish(&mut self) -> Vec<(usize, usize, u32)> {
+        let mut st = lock(&self.shared.0);
+        loop {
+            if let Some((b, data)) = st.todo.pop_front() {
+                drop(st);
+                let crc = crc32c::crc32c(&data);
+                st = lock(&self.shared.0);
+                st.done.push((b, data.len(), crc));
+                st.free.push(data);
+            } else if st.busy {
+                st = self.shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
+            } else {
+                let mut done = std::mem::take(&mut st.done);
+                done.sort_unstable();
+                return done;
+            }
+        }
     }
 }
 
-/// The slot, whatever a panicking holder left in it (each field is written whole).
-fn lock(m: &Mutex<BesideSlot>) -> std::sync::MutexGuard<'_, BesideSlot> {
+/// The shared state, whatever a panicking holder left in it (each change is whole before it unlocks).
+fn lock(m: &Mutex<BesideState>) -> std::sync::MutexGuard<'_, BesideState> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -386,20 +425,25 @@ mod tests {
         std::fs::write(&p, &bad).unwrap();
         let e = format!("{:#}", sum.verify_file(&p, "use another copy").unwrap_err());
         assert!(e.contains("bytes 8388608..16777216 (block 1)") && e.ends_with("hint: use another copy"), "{e}");
-        // hashed beside a consumer: the same CRC, whether the helper or the caller computed it
+        // hashed beside the caller: the same CRCs in block order, whoever computed them, and buffers come
+        // back for reuse (more blocks than buffers: some are hashed by the caller to free one)
         let (whole, last) = (BLOCK_BYTES as usize, 2 * BLOCK_BYTES as usize);
+        let blocks = [&bad[..whole], &bad[whole..last], &bad[last..]];
         Beside::run(|beside| {
-            for (b, block) in [(0, &bad[..whole]), (1, &bad[whole..last]), (2, &bad[last..])] {
-                let (back, crc, len) = beside.crc_while(block.to_vec(), |d| d.len());
-                assert_eq!((back.as_slice(), crc, len), (block, crc32c::crc32c(block), block.len()));
-                let checked = sum.check_crc(&p, b, len, crc, "h");
-                assert_eq!(checked.is_err(), b == 1, "block {b}: {checked:?}");
-            }
-            // the caller takes back a buffer the helper has not started: a long consumer and a short one
-            for pause in [50, 0] {
-                let (_, crc, ()) = beside
-                    .crc_while(data[..4096].to_vec(), |_| std::thread::sleep(std::time::Duration::from_millis(pause)));
-                assert_eq!(crc, crc32c::crc32c(&data[..4096]));
+            for round in 0..3 {
+                for (b, block) in blocks.iter().enumerate() {
+                    let mut buf = beside.buffer();
+                    buf.clear();
+                    buf.extend_from_slice(block);
+                    beside.hash(b, buf);
+                }
+                let done = beside.finish();
+                let want: Vec<_> = blocks.iter().enumerate().map(|(b, d)| (b, d.len(), crc32c::crc32c(d))).collect();
+                assert_eq!(done, want, "round {round}");
+                for (b, len, crc) in done {
+                    let checked = sum.check_crc(&p, b, len, crc, "h");
+                    assert_eq!(checked.is_err(), b == 1, "block {b}: {checked:?}");
+                }
             }
         });
         // only block 0 read: the damage in block 1 is not seen

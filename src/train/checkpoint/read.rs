@@ -50,18 +50,23 @@ pub enum OptimPart {
 
 impl OptimShard {
     /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`. With
-    /// checksums, every block holding any of those bytes is read whole and its CRC32C computed while its
-    /// values are converted (`checksum::Beside`, for reads of `OVERLAP_BYTES` or more); a damaged block
-    /// fails the call, and `out` keeps none of its values.
+    /// checksums, every block holding any of those bytes is read whole and checked: reads of
+    /// `OVERLAP_BYTES` or more hash each block on a helper while the next ones are read and converted
+    /// (`checksum::Beside`) and check the sums before returning. A damaged block fails the call, and `out`
+    /// keeps none of the values this call added.
     pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
         let start = (self.offsets[part as usize] + 4 * local.start) as u64;
         let end = start + 4 * local.len() as u64;
         out.reserve(local.len());
-        if self.sum.is_some() && end - start >= OVERLAP_BYTES as u64 {
-            Beside::run(|beside| self.copy_range(start..end, out, Some(beside)))
-        } else {
-            self.copy_range(start..end, out, None)
+        let kept = out.len();
+        let copied = match self.sum.is_some() && end - start >= OVERLAP_BYTES as u64 {
+            true => Beside::run(|beside| self.copy_range(start..end, out, Some(beside))),
+            false => self.copy_range(start..end, out, None),
+        };
+        if copied.is_err() {
+            out.truncate(kept);
         }
+        copied
     }
 
     /// `copy_into` of the file's bytes `bytes`, hashing beside the conversion when given `beside`.
@@ -84,34 +89,29 @@ impl OptimShard {
                 Some(s) => (s.block_range(b as usize).start, s.block_range(b as usize).end),
                 None => (at, hi),
             };
+            if let Some(beside) = beside.as_deref_mut() {
+                buf = beside.buffer();
+            }
             buf.resize((re - rs) as usize, 0);
             self.file.read_exact_at(&mut buf, rs).with_context(|| {
                 format!("cannot read {} at byte {rs}\nhint: the file is damaged or truncated", self.path.display())
             })?;
-            let (wanted, kept) = ((at - rs) as usize..(hi - rs) as usize, out.len());
-            let take = |bytes: &[u8]| {
-                carry.extend_from_slice(&bytes[wanted]);
-                let whole = carry.len() / 4 * 4;
-                out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-                carry.drain(..whole);
-            };
-            let checked = match (&self.sum, beside.as_deref_mut()) {
-                (Some(s), Some(beside)) => {
-                    let (back, crc, ()) = beside.crc_while(std::mem::take(&mut buf), take);
-                    buf = back;
-                    s.check_crc(&self.path, b as usize, buf.len(), crc, &self.hint)
-                }
-                (Some(s), None) => s.check_block(&self.path, b as usize, &buf, &self.hint).map(|()| take(&buf)),
-                (None, _) => {
-                    take(&buf);
-                    Ok(())
-                }
-            };
-            if let Err(e) = checked {
-                out.truncate(kept);
-                return Err(e);
+            let wanted = (at - rs) as usize..(hi - rs) as usize;
+            carry.extend_from_slice(&buf[wanted]);
+            let whole = carry.len() / 4 * 4;
+            match (&self.sum, beside.as_deref_mut()) {
+                (Some(_), Some(beside)) => beside.hash(b as usize, std::mem::take(&mut buf)),
+                (Some(s), None) => s.check_block(&self.path, b as usize, &buf, &self.hint)?,
+                (None, _) => {}
             }
+            out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            carry.drain(..whole);
             at = hi;
+        }
+        if let (Some(s), Some(beside)) = (&self.sum, beside) {
+            for (b, len, crc) in beside.finish() {
+                s.check_crc(&self.path, b, len, crc, &self.hint)?;
+            }
         }
         Ok(())
     }
