@@ -12,10 +12,9 @@
 //! `checksums.json`, a dataset's `manifest.json`) or what a mismatch means for the run.
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
-use std::sync::{Condvar, Mutex};
 
 /// Bytes per checksummed block.
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -75,20 +74,16 @@ impl FileSum {
     /// Check block `b`'s bytes `data` (read from `path`) against its checksum; a mismatch names the
     /// file, the byte range and both values, and ends with `hint`.
     pub fn check_block(&self, path: &Path, b: usize, data: &[u8], hint: &str) -> Result<()> {
-        self.check_crc(path, b, data.len(), crc32c::crc32c(data), hint)
-    }
-
-    /// `check_block` of a block of `len` bytes whose CRC32C (`got`) was computed elsewhere (`Beside`).
-    pub fn check_crc(&self, path: &Path, b: usize, len: usize, got: u32, hint: &str) -> Result<()> {
         let r = self.block_range(b);
         let want = self.crc32c.get(b).copied();
-        if want != Some(got) || len as u64 != r.end.saturating_sub(r.start) {
+        let got = crc32c::crc32c(data);
+        if want != Some(got) || data.len() as u64 != r.end.saturating_sub(r.start) {
             bail!(
                 "{}: bytes {}..{} (block {b}) are damaged: CRC32C {got:08x} over {} bytes, the recorded checksum is {}\nhint: {hint}",
                 path.display(),
                 r.start,
                 r.end,
-                len,
+                data.len(),
                 want.map_or("missing".to_string(), |w| format!("{w:08x}"))
             );
         }
@@ -195,10 +190,9 @@ impl<W: Write + Send> SumWriter<W> {
     }
 }
 
-/// Writes (and checked reads, `Beside`) at least this large are summed on a second thread while the write
-/// (the conversion of the bytes read) runs, so the hash costs nothing where a core is free; smaller ones
-/// inline, where starting a thread would cost more than it saves.
-pub const OVERLAP_BYTES: usize = 1 << 20;
+/// Writes at least this large are summed on a second thread while the write itself runs (the hash then
+/// costs nothing where a core is free); smaller ones inline, where a thread would cost more than it saves.
+const OVERLAP_BYTES: usize = 1 << 20;
 
 impl<W: Write + Send> Write for SumWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -222,125 +216,6 @@ impl<W: Write + Send> Write for SumWriter<W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
-}
-
-/// Block CRC32Cs computed on a helper thread while the caller goes on reading and converting (a resume
-/// reads a block, converts its bytes to values, and moves on): the caller hands each block's buffer over
-/// (`hash`) and takes a buffer the helper is done with for its next block (`buffer`). Whatever the
-/// helper has not started when the caller needs a buffer or is done (`finish`), the caller hashes
-/// itself, so on a busy machine (no free core for the helper) the hash costs what it costs inline and
-/// the caller never waits for the helper to be scheduled, except at the end for the one block it is on.
-pub struct Beside<'a> {
-    shared: &'a (Mutex<BesideState>, Condvar),
-}
-
-/// Buffers in the hands of the caller, the helper or the queue at once: one being filled, one being
-/// hashed, one waiting.
-const BESIDE_BUFFERS: usize = 3;
-
-/// What the caller and the helper share.
-#[derive(Default)]
-pub struct BesideState {
-    /// blocks handed over and not yet started: (block, bytes)
-    todo: VecDeque<(usize, Vec<u8>)>,
-    /// (block, length, CRC32C) of every block hashed
-    done: Vec<(usize, usize, u32)>,
-    /// buffers hashed and free again
-    free: Vec<Vec<u8>>,
-    /// buffers made so far
-    made: usize,
-    /// the helper is hashing a block
-    busy: bool,
-    /// the caller is done: the helper returns
-    closed: bool,
-}
-
-impl Beside<'_> {
-    /// Run `f` with a `Beside` whose helper thread lives as long as `f` runs.
-    pub fn run<R>(f: impl FnOnce(&mut Beside) -> R) -> R {
-        let shared = (Mutex::new(BesideState::default()), Condvar::new());
-        std::thread::scope(|s| {
-            s.spawn(|| Beside::helper(&shared));
-            let r = f(&mut Beside { shared: &shared });
-            lock(&shared.0).closed = true;
-            shared.1.notify_all();
-            r
-        })
-    }
-
-    fn helper(shared: &(Mutex<BesideState>, Condvar)) {
-        let mut st = lock(&shared.0);
-        loop {
-            if let Some((b, data)) = st.todo.pop_front() {
-                st.busy = true;
-                drop(st);
-                let crc = crc32c::crc32c(&data);
-                st = lock(&shared.0);
-                st.done.push((b, data.len(), crc));
-                st.free.push(data);
-                st.busy = false;
-                shared.1.notify_all();
-            } else if st.closed {
-                return;
-            } else {
-                st = shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-        }
-    }
-
-    /// A buffer for the next block: one the helper is done with, a new one while fewer than
-    /// `BESIDE_BUFFERS` exist, else the oldest waiting block's, hashed here first.
-    pub fn buffer(&mut self) -> Vec<u8> {
-        let mut st = lock(&self.shared.0);
-        loop {
-            if let Some(buf) = st.free.pop() {
-                return buf;
-            }
-            if st.made < BESIDE_BUFFERS {
-                st.made += 1;
-                return Vec::new();
-            }
-            if let Some((b, data)) = st.todo.pop_front() {
-                drop(st);
-                let crc = crc32c::crc32c(&data);
-                lock(&self.shared.0).done.push((b, data.len(), crc));
-                return data;
-            }
-            st = self.shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// Hand block `b`'s bytes over to be hashed.
-    pub fn hash(&mut self, b: usize, data: Vec<u8>) {
-        lock(&self.shared.0).todo.push_back((b, data));
-        self.shared.1.notify_all();
-    }
-
-    /// (block, length, CRC32C) of every block handed over since the last call, in block order: what the
-    /// helper has not started is hashed here.
-    pub fn finish(&mut self) -> Vec<(usize, usize, u32)> {
-        let mut st = lock(&self.shared.0);
-        loop {
-            if let Some((b, data)) = st.todo.pop_front() {
-                drop(st);
-                let crc = crc32c::crc32c(&data);
-                st = lock(&self.shared.0);
-                st.done.push((b, data.len(), crc));
-                st.free.push(data);
-            } else if st.busy {
-                st = self.shared.1.wait(st).unwrap_or_else(|p| p.into_inner());
-            } else {
-                let mut done = std::mem::take(&mut st.done);
-                done.sort_unstable();
-                return done;
-            }
-        }
-    }
-}
-
-/// The shared state, whatever a panicking holder left in it (each change is whole before it unlocks).
-fn lock(m: &Mutex<BesideState>) -> std::sync::MutexGuard<'_, BesideState> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Version of `Checksums::format`.
@@ -425,27 +300,6 @@ mod tests {
         std::fs::write(&p, &bad).unwrap();
         let e = format!("{:#}", sum.verify_file(&p, "use another copy").unwrap_err());
         assert!(e.contains("bytes 8388608..16777216 (block 1)") && e.ends_with("hint: use another copy"), "{e}");
-        // hashed beside the caller: the same CRCs in block order, whoever computed them, and buffers come
-        // back for reuse (more blocks than buffers: some are hashed by the caller to free one)
-        let (whole, last) = (BLOCK_BYTES as usize, 2 * BLOCK_BYTES as usize);
-        let blocks = [&bad[..whole], &bad[whole..last], &bad[last..]];
-        Beside::run(|beside| {
-            for round in 0..3 {
-                for (b, block) in blocks.iter().enumerate() {
-                    let mut buf = beside.buffer();
-                    buf.clear();
-                    buf.extend_from_slice(block);
-                    beside.hash(b, buf);
-                }
-                let done = beside.finish();
-                let want: Vec<_> = blocks.iter().enumerate().map(|(b, d)| (b, d.len(), crc32c::crc32c(d))).collect();
-                assert_eq!(done, want, "round {round}");
-                for (b, len, crc) in done {
-                    let checked = sum.check_crc(&p, b, len, crc, "h");
-                    assert_eq!(checked.is_err(), b == 1, "block {b}: {checked:?}");
-                }
-            }
-        });
         // only block 0 read: the damage in block 1 is not seen
         let f = std::fs::File::open(&p).unwrap();
         sum.verify_blocks(&p, &f, sum.blocks_of(0..100), "h").unwrap();

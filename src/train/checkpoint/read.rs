@@ -5,7 +5,7 @@
 //! A resume may use another world size than the run that wrote the checkpoint, so the shards are re-cut.
 //! Split from checkpoint/mod.rs, which writes what this reads.
 
-use crate::checksum::{Beside, Checksums, FileSum, OVERLAP_BYTES};
+use crate::checksum::{Checksums, FileSum};
 use crate::comms::Mesh;
 use crate::flatbuf::FlatBuf;
 use crate::optim::adamw::AdamW;
@@ -50,68 +50,37 @@ pub enum OptimPart {
 
 impl OptimShard {
     /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`. With
-    /// checksums, every block holding any of those bytes is read whole and checked: reads of
-    /// `OVERLAP_BYTES` or more hash each block on a helper while the next ones are read and converted
-    /// (`checksum::Beside`) and check the sums before returning. A damaged block fails the call, and `out`
-    /// keeps none of the values this call added.
+    /// checksums, every block holding any of those bytes is read whole and checked before its values
+    /// are used.
     pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        use std::os::unix::fs::FileExt;
         let start = (self.offsets[part as usize] + 4 * local.start) as u64;
         let end = start + 4 * local.len() as u64;
-        out.reserve(local.len());
-        let kept = out.len();
-        let copied = match self.sum.is_some() && end - start >= OVERLAP_BYTES as u64 {
-            true => Beside::run(|beside| self.copy_range(start..end, out, Some(beside))),
-            false => self.copy_range(start..end, out, None),
-        };
-        if copied.is_err() {
-            out.truncate(kept);
-        }
-        copied
-    }
-
-    /// `copy_into` of the file's bytes `bytes`, hashing beside the conversion when given `beside`.
-    fn copy_range(
-        &self,
-        bytes: std::ops::Range<u64>,
-        out: &mut Vec<f32>,
-        mut beside: Option<&mut Beside>,
-    ) -> Result<()> {
-        use std::os::unix::fs::FileExt;
         let grid = self.sum.as_ref().map_or(READ_CHUNK_BYTES, |s| s.block_bytes);
         let mut buf = Vec::new();
         // bytes of a value split by a block boundary (never in a file harpe wrote: its data is 4-aligned)
         let mut carry = Vec::new();
-        let mut at = bytes.start;
-        while at < bytes.end {
+        out.reserve(local.len());
+        let mut at = start;
+        while at < end {
             let b = at / grid;
-            let hi = ((b + 1) * grid).min(bytes.end);
+            let hi = ((b + 1) * grid).min(end);
             let (rs, re) = match &self.sum {
                 Some(s) => (s.block_range(b as usize).start, s.block_range(b as usize).end),
                 None => (at, hi),
             };
-            if let Some(beside) = beside.as_deref_mut() {
-                buf = beside.buffer();
-            }
             buf.resize((re - rs) as usize, 0);
             self.file.read_exact_at(&mut buf, rs).with_context(|| {
                 format!("cannot read {} at byte {rs}\nhint: the file is damaged or truncated", self.path.display())
             })?;
-            let wanted = (at - rs) as usize..(hi - rs) as usize;
-            carry.extend_from_slice(&buf[wanted]);
-            let whole = carry.len() / 4 * 4;
-            match (&self.sum, beside.as_deref_mut()) {
-                (Some(_), Some(beside)) => beside.hash(b as usize, std::mem::take(&mut buf)),
-                (Some(s), None) => s.check_block(&self.path, b as usize, &buf, &self.hint)?,
-                (None, _) => {}
+            if let Some(s) = &self.sum {
+                s.check_block(&self.path, b as usize, &buf, &self.hint)?;
             }
+            carry.extend_from_slice(&buf[(at - rs) as usize..(hi - rs) as usize]);
+            let whole = carry.len() / 4 * 4;
             out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
             carry.drain(..whole);
             at = hi;
-        }
-        if let (Some(s), Some(beside)) = (&self.sum, beside) {
-            for (b, len, crc) in beside.finish() {
-                s.check_crc(&self.path, b, len, crc, &self.hint)?;
-            }
         }
         Ok(())
     }
