@@ -1,11 +1,15 @@
 //! Build script: compiles kernels/*.cu twice over — with the host C++ compiler against kernels/emu.h
 //! (always; a static lib whose `emu_*` entry points run the kernels' own source on CPU, see
-//! `harpe::ops::emu`), and with nvcc to PTX when the `cuda` feature is on (embedded by `ops::cuda`).
+//! `harpe::ops::emu`), and with nvcc to one fatbin per file when the `cuda` feature is on (embedded by
+//! `ops::cuda`).
 //!
-//! Reference: `nvcc -ptx -arch=compute_80 -O3 -std=c++17` per kernel file into OUT_DIR, embedded by `ops::cuda`
-//! with `include_str!`; nvcc and its headers come from PyPI (scripts/install-cuda-toolchain.sh).
-//! The non-obvious decision: PTX for compute_80 (not SASS) so one binary runs on A100 and, JIT-compiled
-//! by the driver, on Hopper; `HARPE_PTX_ARCH` overrides it (e.g. compute_90).
+//! Reference: `nvcc -fatbin -gencode arch=compute_80,code=[sm_80,compute_80] -gencode
+//! arch=compute_90,code=[sm_90,compute_90] -O3 -std=c++17` per kernel file into OUT_DIR, embedded by
+//! `ops::cuda` with `include_bytes!`; nvcc and its headers come from PyPI (scripts/install-cuda-toolchain.sh).
+//! The non-obvious decision: SASS for sm_80 and sm_90 beside the PTX of both, so an A100 or an H100/H200
+//! runs the kernels without a JIT compile at first use (the driver picks the SASS of the device), and any
+//! other GPU of compute capability >= 8.0 JIT-compiles the newest PTX it can take. `HARPE_CUDA_ARCHS`
+//! (default "80,90") names the archs; each fatbin is checked to hold the SASS of every one of them.
 //! Does not: build candle's kernels (candle-kernels does), or look for a GPU.
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,7 +26,7 @@ fn main() {
     }
     build_emulation(&kdir, &out);
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        build_ptx(&kdir, &out);
+        build_fatbins(&kdir, &out);
     }
     if std::env::var_os("CARGO_FEATURE_MKL").is_some() {
         link_mkl();
@@ -114,15 +118,38 @@ fn find_nvcc() -> PathBuf {
     PathBuf::from("nvcc") // from PATH
 }
 
-fn build_ptx(kdir: &Path, out: &Path) {
+/// The archs of `HARPE_CUDA_ARCHS` (default 80 and 90), e.g. "80,90" -> [80, 90].
+fn cuda_archs() -> Vec<u32> {
+    println!("cargo:rerun-if-env-changed=HARPE_CUDA_ARCHS");
+    let spec = std::env::var("HARPE_CUDA_ARCHS").unwrap_or_else(|_| "80,90".into());
+    let archs: Vec<u32> = spec
+        .split(',')
+        .map(|a| {
+            a.trim().parse().unwrap_or_else(|_| {
+                panic!(
+                    "HARPE_CUDA_ARCHS={spec:?}: {a:?} is not a compute capability\nhint: e.g. HARPE_CUDA_ARCHS=80,90"
+                )
+            })
+        })
+        .collect();
+    assert!(!archs.is_empty(), "HARPE_CUDA_ARCHS is empty\nhint: e.g. HARPE_CUDA_ARCHS=80,90");
+    archs
+}
+
+/// kernels/K.cu -> OUT_DIR/K.fatbin: SASS and PTX for each arch of `cuda_archs`.
+fn build_fatbins(kdir: &Path, out: &Path) {
     let nvcc = find_nvcc();
-    println!("cargo:rerun-if-env-changed=HARPE_PTX_ARCH");
-    let arch = std::env::var("HARPE_PTX_ARCH").unwrap_or_else(|_| "compute_80".into());
+    let archs = cuda_archs();
     for k in KERNELS {
-        let ptx = out.join(format!("{k}.ptx"));
-        let status = Command::new(&nvcc)
-            .args(["-ptx", &format!("-arch={arch}"), "-O3", "-std=c++17", "-lineinfo", "-o"])
-            .arg(&ptx)
+        let fatbin = out.join(format!("{k}.fatbin"));
+        let mut cmd = Command::new(&nvcc);
+        cmd.arg("-fatbin");
+        for a in &archs {
+            cmd.arg(format!("-gencode=arch=compute_{a},code=[sm_{a},compute_{a}]"));
+        }
+        let status = cmd
+            .args(["-O3", "-std=c++17", "-lineinfo", "-o"])
+            .arg(&fatbin)
             .arg(kdir.join(format!("{k}.cu")))
             .status()
             .unwrap_or_else(|e| {
@@ -133,5 +160,55 @@ fn build_ptx(kdir: &Path, out: &Path) {
                 )
             });
         assert!(status.success(), "nvcc failed on kernels/{k}.cu ({status})");
+        check_fatbin(&fatbin, &archs);
     }
+}
+
+/// Fail the build unless `path` is a fatbin holding SASS (an ELF entry) and PTX for each of `archs`: a
+/// toolchain that dropped an arch would otherwise show only as a JIT compile on the GPU, or a missing
+/// kernel image on one too new for the PTX.
+fn check_fatbin(path: &Path, archs: &[u32]) {
+    let data = std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let entries = fatbin_entries(&data).unwrap_or_else(|e| panic!("{}: not a fatbin nvcc wrote: {e}", path.display()));
+    for &a in archs {
+        for (kind, what) in [(FATBIN_ELF, "SASS"), (FATBIN_PTX, "PTX")] {
+            assert!(
+                entries.contains(&(kind, a)),
+                "{}: no {what} for sm_{a} (entries (kind, arch): {entries:?}; kind {FATBIN_ELF} = SASS, {FATBIN_PTX} = PTX)\n\
+                 hint: check that this nvcc supports sm_{a} (nvcc --list-gpu-code)",
+                path.display()
+            );
+        }
+    }
+}
+
+/// Entry kinds of a fatbin: PTX text and an ELF (SASS) image.
+const FATBIN_PTX: u16 = 1;
+const FATBIN_ELF: u16 = 2;
+
+/// The (kind, arch) of each entry of a fatbin image. Its layout (CUDA's fatbinary.h, as `cuobjdump` reads
+/// it): a 16-byte header (magic 0xBA55ED50 u32, version u16, header size u16, size of the entries u64),
+/// then entries, each a header (kind u16, u16, header size u32, payload size u64, ..., arch u32 at
+/// byte 28) followed by its payload.
+fn fatbin_entries(d: &[u8]) -> Result<Vec<(u16, u32)>, String> {
+    let u16_at = |o: usize| d.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| d.get(o..o + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let u64_at = |o: usize| d.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+    if u32_at(0) != Some(0xBA55_ED50) {
+        return Err("no fatbin magic".into());
+    }
+    let (hdr, size) = (u16_at(6).ok_or("short header")? as usize, u64_at(8).ok_or("short header")? as usize);
+    let end = hdr.checked_add(size).filter(|&e| e <= d.len()).ok_or("entries past the end of the file")?;
+    let (mut at, mut out) = (hdr, vec![]);
+    while at < end {
+        let kind = u16_at(at).ok_or("short entry")?;
+        let entry_hdr = u32_at(at + 4).ok_or("short entry")? as usize;
+        let payload = u64_at(at + 8).ok_or("short entry")? as usize;
+        if entry_hdr < 32 {
+            return Err(format!("an entry header of {entry_hdr} bytes"));
+        }
+        out.push((kind, u32_at(at + 28).ok_or("short entry")?));
+        at = at.checked_add(entry_hdr).and_then(|a| a.checked_add(payload)).ok_or("entry size overflows")?;
+    }
+    Ok(out)
 }

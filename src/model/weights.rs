@@ -350,7 +350,9 @@ impl StreamSrc<'_> {
 
     /// Little-endian bytes of the elements `range` (row-major order), copied from the device.
     fn bytes(&self, range: std::ops::Range<usize>) -> Result<Vec<u8>> {
-        fn le<T: Copy, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {
+        // generic over the conversion, not a `fn` pointer: through a pointer each element was an indirect
+        // call (benches/results/checkpoint-checksums.md), where each `to_le_bytes` inlines to a copy
+        fn le<T: Copy, const N: usize>(v: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
             v.into_iter().flat_map(f).collect()
         }
         let t = match self {

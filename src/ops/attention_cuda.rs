@@ -19,7 +19,7 @@
 use crate::ops::attention_shape::{
     attention_workspace, check_dims, AttnDims, AttnKernel, AttnMask, PackedRows, ATTN_THREADS,
 };
-use crate::ops::cuda::{cfg, contiguous, grid_for, same_device, u32_arg, view};
+use crate::ops::cuda::{cfg, contiguous, grid_for, kernel_file, load_func, same_device, u32_arg, view, KernelFile};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, PushKernelArg,
@@ -28,11 +28,10 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 use half::{bf16, f16};
 
-/// PTX of kernels/attention.cu (compute_80; JIT-compiled by the driver on Hopper).
-pub const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
-/// PTX of kernels/mma_probe.cu (the fragment-layout probe `harpe selftest` runs).
-pub const MMA_PROBE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mma_probe.ptx"));
-const MODULE: &str = "harpe_attention";
+/// kernels/attention.cu.
+pub const ATTENTION: KernelFile = kernel_file!("attention");
+/// kernels/mma_probe.cu (the fragment-layout probe `harpe selftest` runs).
+pub const MMA_PROBE: KernelFile = kernel_file!("mma_probe");
 
 /// Run `$body` with `$t` the Rust element type of `$dtype` (f32, bf16, f16), or an error naming `$what`.
 macro_rules! by_dtype {
@@ -183,8 +182,7 @@ fn fwd_t<T: DeviceRepr, L>(
     docs: &DocsArg<'_>,
 ) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let func =
-        dev.get_or_load_custom_func(&format!("{}_{}_d{d}", kernel.stem("fwd"), suffix(dtype)), MODULE, ATTENTION_PTX)?;
+    let func = load_func(dev, &format!("{}_{}_d{d}", kernel.stem("fwd"), suffix(dtype)), &ATTENTION)?;
     let grid = u32_arg(tq.div_ceil(kernel.fwd_rows(d)) * b * h, "attention", "forward blocks")?;
     let (b32, h32, hkv32, tq32, tk32) = (b as u32, h as u32, hkv as u32, tq as u32, tk as u32);
     let causal32 = causal as i32;
@@ -226,9 +224,9 @@ fn bwd_t<T: DeviceRepr, L>(
 ) -> Result<()> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
     let sfx = suffix(dtype);
-    let f_delta = dev.get_or_load_custom_func(&format!("attn_bwd_delta_{sfx}"), MODULE, ATTENTION_PTX)?;
-    let f_bwd = dev.get_or_load_custom_func(&format!("{}_{sfx}_d{d}", kernel.stem("bwd")), MODULE, ATTENTION_PTX)?;
-    let f_conv = dev.get_or_load_custom_func(&format!("attn_dq_convert_{sfx}"), MODULE, ATTENTION_PTX)?;
+    let f_delta = load_func(dev, &format!("attn_bwd_delta_{sfx}"), &ATTENTION)?;
+    let f_bwd = load_func(dev, &format!("{}_{sfx}_d{d}", kernel.stem("bwd")), &ATTENTION)?;
+    let f_conv = load_func(dev, &format!("attn_dq_convert_{sfx}"), &ATTENTION)?;
     let rows = b * h * tq;
     let (rows32, d32) = (u32_arg(rows, "attention", "rows")?, d as u32);
     let (b32, h32, hkv32, tq32, tk32) = (b as u32, h as u32, hkv as u32, tq as u32, tk as u32);
@@ -461,7 +459,7 @@ pub fn mma_probe(dev: &CudaDevice, dtype: DType, a: &[f32], b: &[f32], bt: &[f32
         let up = |x: &[f32]| dev.clone_htod(&x.iter().map(|&v| conv(v)).collect::<Vec<T>>());
         let (da, db, dbt) = (up(a)?, up(b)?, up(bt)?);
         let out = dev.alloc_zeros::<f32>(1024)?;
-        let func = dev.get_or_load_custom_func(name, "harpe_mma_probe", MMA_PROBE_PTX)?;
+        let func = load_func(dev, name, &MMA_PROBE)?;
         let mut bld = func.builder();
         bld.arg(&da).arg(&db).arg(&dbt).arg(&out);
         // SAFETY: one warp reads 256 elements of each input and writes 1024 floats.

@@ -224,7 +224,7 @@ pub fn ce_chunk_dlogits(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::dims;
-    use crate::ops::cuda::{cfg, dtype_suffix, same_device, u32_arg, view, BLOCK, CROSS_ENTROPY_PTX, MAX_GRID};
+    use crate::ops::cuda::{cfg, dtype_suffix, load_func, same_device, u32_arg, view, BLOCK, CROSS_ENTROPY, MAX_GRID};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
@@ -248,8 +248,7 @@ mod cuda {
         let (n, v) = dims(ll, lt)?;
         let (n32, v32) = (u32_arg(n, OP, "rows")?, u32_arg(v, OP, "V")?);
         let dev = sl.device();
-        let func =
-            dev.get_or_load_custom_func(&format!("cross_entropy_{sfx}"), "harpe_cross_entropy", CROSS_ENTROPY_PTX)?;
+        let func = load_func(dev, &format!("cross_entropy_{sfx}"), &CROSS_ENTROPY)?;
         let t = view::<u32>(st, lt, OP, "targets")?;
         let nll = dev.alloc_zeros::<f32>(n)?;
         let null = 0u64;

@@ -1,9 +1,10 @@
-//! CUDA plumbing for harpe's own kernels (kernels/*.cu): the embedded PTX, module loading, launch
+//! CUDA plumbing for harpe's own kernels (kernels/*.cu): the embedded fatbins, module loading, launch
 //! shapes, the precondition checks every launcher shares, and the launchers that work on flat device
 //! buffers rather than tensors (AdamW, the gradient norm) for the optimizer to call.
 //!
 //! Reference: candle's and cudarc's kernel loading and launch API (`get_or_load_custom_func`,
-//! `builder().arg(..).launch(..)`).
+//! `builder().arg(..).launch(..)`); `load_func` is candle's loader for a binary image (a fatbin with
+//! SASS for sm_80 and sm_90, build.rs), which candle's takes only as PTX text.
 //! The non-obvious decision: AdamW and the norm work on raw device memory, not through candle ops: the
 //! training state is flat buffers (`FlatBuf::Device`) that the optimizer updates in place,
 //! which candle's immutable tensors cannot express; `adamw_step_tensors` takes the device pointers of
@@ -13,21 +14,90 @@
 //! (`ops::emu` is the host twin of the same kernels).
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::bf16;
+use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
-/// PTX of kernels/rope.cu (compute_80; the driver JIT-compiles it for newer GPUs).
-pub const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
-/// PTX of kernels/rms_norm.cu.
-pub const RMS_NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rms_norm.ptx"));
-/// PTX of kernels/cross_entropy.cu.
-pub const CROSS_ENTROPY_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cross_entropy.ptx"));
-/// PTX of kernels/adamw.cu.
-pub const ADAMW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
+/// One kernels/*.cu file as build.rs compiled it: a fatbin with SASS for sm_80 and sm_90 and the PTX of
+/// both, so an A100 or H100/H200 runs without a JIT compile and a newer GPU JIT-compiles the PTX.
+pub struct KernelFile {
+    /// the file's stem, naming its module
+    pub name: &'static str,
+    /// the fatbin image
+    pub image: &'static [u8],
+}
+
+/// The `KernelFile` of kernels/$name.cu.
+macro_rules! kernel_file {
+    ($name:literal) => {
+        $crate::ops::cuda::KernelFile {
+            name: $name,
+            image: include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")),
+        }
+    };
+}
+pub(crate) use kernel_file;
+
+/// kernels/rope.cu.
+pub const ROPE: KernelFile = kernel_file!("rope");
+/// kernels/rms_norm.cu.
+pub const RMS_NORM: KernelFile = kernel_file!("rms_norm");
+/// kernels/cross_entropy.cu.
+pub const CROSS_ENTROPY: KernelFile = kernel_file!("cross_entropy");
+/// kernels/adamw.cu.
+pub const ADAMW: KernelFile = kernel_file!("adamw");
+
+/// A kernel of a `KernelFile`, launched on its device's stream (what candle's `CudaFunc` is for its own).
+pub struct Func {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Func {
+    /// A launch of this kernel on the device's stream: `.arg(..)` each argument, then `.launch(cfg)`.
+    pub fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+/// The kernel `name` of `file` on `dev`. A file's module is loaded once per CUDA context and kept for
+/// the process: candle's devices on one GPU share its primary context, so `Local` ranks sharing a GPU
+/// load (and, on a GPU without SASS here, JIT-compile) each file once, not once per rank.
+pub fn load_func(dev: &CudaDevice, name: &str, file: &KernelFile) -> Result<Func> {
+    static MODULES: Mutex<BTreeMap<(usize, &str), Arc<CudaModule>>> = Mutex::new(BTreeMap::new());
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let module = {
+        let mut loaded = MODULES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match loaded.get(&(ctx.cu_ctx() as usize, file.name)) {
+            Some(m) => m.clone(),
+            None => {
+                let m = ctx.load_module(Ptx::from_binary(file.image.to_vec())).map_err(|e| {
+                    candle_core::Error::Msg(format!(
+                        "cannot load kernels/{}.cu on cuda:{} ({e})\nhint: the build holds SASS and PTX for the \
+                         archs of HARPE_CUDA_ARCHS (default 80,90): a GPU below the lowest cannot run it; build \
+                         with its arch added, or update the driver if it is older than the CUDA toolchain",
+                        file.name,
+                        ctx.ordinal()
+                    ))
+                })?;
+                loaded.insert((ctx.cu_ctx() as usize, file.name), m.clone());
+                m
+            }
+        }
+    };
+    let func = module
+        .load_function(name)
+        .map_err(|e| candle_core::Error::Msg(format!("kernels/{}.cu has no kernel {name} ({e})", file.name)))?;
+    Ok(Func { func, stream })
+}
 
 /// Threads per block of the row kernels (rms_norm, cross_entropy) and the elementwise ones.
 pub const BLOCK: u32 = 256;
@@ -219,7 +289,7 @@ unsafe fn launch_adamw(
     let merged = merge_segments(segments, n)?;
     let name = if out_bf16 { "adamw_bf16" } else { "adamw_f32" };
     let out_size = if out_bf16 { 2 } else { 4 };
-    let func = dev.get_or_load_custom_func(name, "harpe_adamw", ADAMW_PTX)?;
+    let func = load_func(dev, name, &ADAMW)?;
     for (r, wd) in merged {
         let len = (r.end - r.start) as u64;
         let at = |p: u64| p + 4 * r.start as u64;
@@ -262,12 +332,12 @@ pub fn grad_sumsq(dev: &CudaDevice, grad: &CudaView<'_, f32>) -> Result<f64> {
     let grid = grid_for(grad.len(), BLOCK).min(1024);
     let partial = dev.alloc_zeros::<f64>(grid as usize)?;
     let out = dev.alloc_zeros::<f64>(1)?;
-    let f1 = dev.get_or_load_custom_func("grad_sumsq_partial", "harpe_adamw", ADAMW_PTX)?;
+    let f1 = load_func(dev, "grad_sumsq_partial", &ADAMW)?;
     let mut b = f1.builder();
     b.arg(grad).arg(&n).arg(&partial);
     // SAFETY: `partial` has one slot per block.
     unsafe { b.launch(cfg(grid, BLOCK)) }.w()?;
-    let f2 = dev.get_or_load_custom_func("grad_sumsq_finish", "harpe_adamw", ADAMW_PTX)?;
+    let f2 = load_func(dev, "grad_sumsq_finish", &ADAMW)?;
     let mut b = f2.builder();
     b.arg(&partial).arg(&grid).arg(&out);
     // SAFETY: one block reads `grid` partials and writes one f64.

@@ -289,14 +289,12 @@ pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::rows;
-    use crate::ops::cuda::{cfg, dtype_suffix, same_device, u32_arg, view, BLOCK, RMS_NORM_PTX};
+    use crate::ops::cuda::{cfg, dtype_suffix, load_func, same_device, u32_arg, view, BLOCK, RMS_NORM};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
     use half::bf16;
-
-    const MODULE: &str = "harpe_rms_norm";
 
     fn check(sx: &CudaStorage, sw: &CudaStorage, op: &str) -> Result<&'static str> {
         same_device(sx, sw, op)?;
@@ -311,7 +309,7 @@ mod cuda {
         let (n, c) = rows(lx, lw)?;
         let (n32, c32) = (u32_arg(n, "rms_norm", "rows")?, u32_arg(c, "rms_norm", "C")?);
         let dev = sx.device();
-        let func = dev.get_or_load_custom_func(&format!("rms_norm_fwd_{sfx}"), MODULE, RMS_NORM_PTX)?;
+        let func = load_func(dev, &format!("rms_norm_fwd_{sfx}"), &RMS_NORM)?;
         let null = 0u64;
         let grid = n32.clamp(1, crate::ops::cuda::MAX_GRID);
         macro_rules! go {
@@ -347,8 +345,8 @@ mod cuda {
         }
         let (n32, c32) = (u32_arg(n, "rms_norm", "rows")?, u32_arg(c, "rms_norm", "C")?);
         let dev = sx.device();
-        let fb = dev.get_or_load_custom_func(&format!("rms_norm_bwd_{sfx}"), MODULE, RMS_NORM_PTX)?;
-        let fw = dev.get_or_load_custom_func(&format!("rms_norm_dw_{sfx}"), MODULE, RMS_NORM_PTX)?;
+        let fb = load_func(dev, &format!("rms_norm_bwd_{sfx}"), &RMS_NORM)?;
+        let fw = load_func(dev, &format!("rms_norm_dw_{sfx}"), &RMS_NORM)?;
         // enough blocks to fill the GPU; each owns one row of dw partials
         let grid = n32.clamp(1, 1024);
         let partial = dev.alloc_zeros::<f32>(grid as usize * c)?;

@@ -209,7 +209,7 @@ fn check_shapes(l1: &Layout, l2: &Layout, l3: &Layout) -> Result<(usize, usize, 
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::check_shapes;
-    use crate::ops::cuda::{cfg, dtype_suffix, grid_for, same_device, u32_arg, view, BLOCK, ROPE_PTX};
+    use crate::ops::cuda::{cfg, dtype_suffix, grid_for, load_func, same_device, u32_arg, view, BLOCK, ROPE};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
@@ -237,7 +237,7 @@ mod cuda {
         let rows = u32_arg(b * h * t, OP, "B*H*T")?;
         let (h32, t32, half, htab32) = (h as u32, t as u32, (d / 2) as u32, htab as u32);
         let dev = s1.device();
-        let func = dev.get_or_load_custom_func(&format!("rope_{sfx}"), "harpe_rope", ROPE_PTX)?;
+        let func = load_func(dev, &format!("rope_{sfx}"), &ROPE)?;
         let (cos, sin) = (view::<f32>(s2, l2, OP, "cos")?, view::<f32>(s3, l3, OP, "sin")?);
         let n = b * h * t * d;
         let grid = grid_for(n / 2, BLOCK);

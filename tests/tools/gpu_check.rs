@@ -63,6 +63,11 @@ fn the_step_limits_of_each_half_fit_the_budget() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("no total in:\n{t}"));
         assert!(total <= 420, "{half:?}: limits sum to {total} s > 420 s");
+        // the first half leaves 15% of the budget for a preflight slower than planned
+        if half.is_none() {
+            assert!(100 * total <= 85 * 420, "the first half plans {total} s: less than 15% of 420 s left");
+            assert!(t.contains(&format!("slack: {} s (", 420 - total)), "{t}");
+        }
         assert!(t.starts_with("preflight"), "{half:?}: the preflight is not first:\n{t}");
         // a budget smaller than the plan is refused
         let o = gpu_check(&args, &[("HARPE_GPU_CHECK_BUDGET", "100")]);

@@ -3,7 +3,7 @@
 //! printed row by row as the rows are computed; exit code 1 on any FAIL.
 //!
 //! Reference: ggml `test-backend-ops` and flash-attention's tests (one harness, every op). Targets: `cuda`
-//! (the PTX kernels through the ops the model calls, on the GPU) and `emulated` (the same kernel source
+//! (the CUDA kernels through the ops the model calls, on the GPU) and `emulated` (the same kernel source
 //! compiled for the host against kernels/emu.h — what a CPU build runs, and what `cargo test` checks).
 //! Sizes are drawn per run (seeded) and are never multiples of 32.
 //!
@@ -68,7 +68,7 @@ use serde::Serialize;
 pub enum Target {
     /// the kernels' source compiled for the host (kernels/emu.h)
     Emulated,
-    /// the PTX kernels on a CUDA device
+    /// harpe's CUDA kernels on a CUDA device
     Cuda(Device),
 }
 
