@@ -23,7 +23,8 @@
 //!   own slice summed (NCCL's reduce-scatter-v here is one ncclReduce per root too). Sums are in f32
 //!   (bf16 inputs are widened, summed and rounded once) and f64 for the per-step scalars.
 //! - A failure: Gloo returns an error when a peer's connection breaks and times out after
-//!   `dist.timeout_s`; the rank then waits briefly for the watch to name the rank that failed first
+//!   `dist.timeout_s` less the few seconds naming the cause takes (`collective_timeout`, so the rank
+//!   has stopped within `dist.timeout_s`); it then waits briefly for the watch to name the rank that failed first
 //!   (its own error otherwise, told to the group), so every rank stops naming the cause. A timeout
 //!   that no failure explains (a host or the link to it gone silent: no connection breaks) adds a roll
 //!   call through the store: the ranks that do not answer are named with their hosts, and a rank that
@@ -382,6 +383,16 @@ struct GlooShared {
 /// How long a roll call waits for the other ranks to answer through the store.
 const ROLL_CALL: Duration = Duration::from_secs(3);
 
+/// How long a failed collective waits for the failure watch to name a rank that failed first.
+const WATCH_WAIT: Duration = Duration::from_secs(3);
+
+/// Gloo's own timeout for a collective: `dist.timeout_s` less what naming the cause takes afterwards
+/// (the watch's wait, then a roll call), so a rank that meets a silent peer has stopped, cause named,
+/// within `dist.timeout_s` as the setting promises; never under half of it, for tiny timeouts.
+fn collective_timeout(timeout: Duration) -> Duration {
+    timeout.saturating_sub(WATCH_WAIT + ROLL_CALL).max(timeout / 2)
+}
+
 /// The store the group met through, and its keys: each rank's Gloo host is published at the join, so a
 /// roll call after a collective timed out can name the ranks that are unreachable and where they are.
 struct RollCall {
@@ -443,7 +454,7 @@ impl GlooShared {
     /// A collective failed with `e`: when another rank failed first (the watch names it within a short
     /// wait) that is the cause; else this rank tells the group and returns its own error.
     fn blame(&self, e: anyhow::Error) -> anyhow::Error {
-        match self.watch.wait_failure(Duration::from_secs(3)) {
+        match self.watch.wait_failure(WATCH_WAIT) {
             Some(f) if f.rank != self.rank => e.context(format!(
                 "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
                 f.rank
@@ -547,13 +558,13 @@ impl GlooComm {
             e
         };
         let mut store = StoreAdapter { client, deadline, last: vec![], err: CString::default() };
-        let world_ctx = Ctx::connect(rank, world, &host, &prefix, &mut store, timeout)
+        let world_ctx = Ctx::connect(rank, world, &host, &prefix, &mut store, collective_timeout(timeout))
             .map_err(|e| fail("connecting the Gloo group", e))?;
         let sp_ctx = if sp > 1 {
             let group = rank / sp;
             let p = format!("{prefix}sp{group}/");
             Some(
-                Ctx::connect(rank % sp, sp, &host, &p, &mut store, timeout)
+                Ctx::connect(rank % sp, sp, &host, &p, &mut store, collective_timeout(timeout))
                     .map_err(|e| fail("connecting its sequence-parallel group", e))?,
             )
         } else {

@@ -223,7 +223,9 @@ fn the_link_taken_down_mid_run_stops_every_rank_on_both_hosts_after_the_timeout_
         assert!(text.contains(&want) && text.contains("hint:"), "node {i} does not say {want:?}:\n{text}");
     }
     assert!(
-        took < Duration::from_secs(timeout_s + 15),
+        // the collective in flight started before the link went down, so its timeout ends no later; a few
+        // seconds for the processes to exit on a loaded machine
+        took < Duration::from_secs(timeout_s + 4),
         "the ranks took {took:?} to stop (dist.timeout_s = {timeout_s})"
     );
     let said: Vec<String> = ps
