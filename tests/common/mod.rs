@@ -3,7 +3,8 @@
 //! - this file: the tiny recipe (`tiny_model!`) and the CLI wrapper (`harpe`, `harpe_cmd`, `output`);
 //! - `ops`: the op harness: deterministic inputs (`randv`, `randn`), the max-difference helpers
 //!   (`max_abs_diff`, `max_abs`, `rel_err`) and the one finite-difference checker (`fd_check`, `Fd`);
-//! - `data`: the data tests' WordLevel tokenizer and synthetic corpora.
+//! - `data`: the data tests' WordLevel tokenizer and synthetic corpora;
+//! - `torchrun()`: PyTorch's launcher for the tests that run harpe under it.
 #![allow(dead_code, unused_macros)]
 pub mod data;
 pub mod ops;
@@ -56,4 +57,25 @@ pub fn output(cmd: &mut Command) -> (bool, String, String) {
 /// `harpe ARGS`: (success, stdout, stderr).
 pub fn harpe(args: &[&str]) -> (bool, String, String) {
     output(harpe_cmd().args(args))
+}
+
+/// torchrun, for the tests that run harpe under PyTorch's launcher: `$HARPE_TORCHRUN`, then
+/// target/torch-venv (where `.ci/run` installs it), then PATH. `None` after saying how to get it,
+/// and a failure instead under CI (`HARPE_CI` or `CI` set), where a skipped launcher test would pass unseen.
+pub fn torchrun() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let found = std::env::var_os("HARPE_TORCHRUN").map(PathBuf::from).or_else(|| {
+        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/torch-venv/bin/torchrun");
+        venv.exists().then_some(venv).or_else(|| {
+            let path = std::env::var_os("PATH")?;
+            std::env::split_paths(&path).map(|d| d.join("torchrun")).find(|p| p.exists())
+        })
+    });
+    if found.is_none() {
+        let how = "install it with `scripts/install-torchrun.sh target/torch-venv` (or set HARPE_TORCHRUN)";
+        let ci = std::env::var_os("HARPE_CI").is_some() || std::env::var_os("CI").is_some();
+        assert!(!ci, "torchrun not found, and this is CI: {how}");
+        eprintln!("torchrun not found: test not run; {how}");
+    }
+    found
 }

@@ -12,32 +12,13 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-fn torchrun() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("HARPE_TORCHRUN") {
-        return Some(PathBuf::from(p));
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/torch-venv/bin/torchrun");
-    if venv.exists() {
-        return Some(venv);
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join("torchrun")).find(|p| p.exists())
-}
-
 /// One torchrun at a time: each agent imports torch (seconds of CPU), and 2 cores are the norm here.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// torchrun and the turn to use it, or `None` after saying how to get it (a failure under CI).
 fn need_torchrun() -> Option<(PathBuf, MutexGuard<'static, ()>)> {
-    let t = torchrun();
-    if t.is_none() {
-        let how = "install it with `scripts/install-torchrun.sh target/torch-venv` (or set HARPE_TORCHRUN)";
-        if std::env::var_os("CI").is_some() {
-            panic!("torchrun not found, and CI is set: {how}");
-        }
-        eprintln!("torchrun not found: test not run; {how}");
-    }
-    Some((t?, ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())))
+    let t = crate::common::torchrun()?;
+    Some((t, ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())))
 }
 
 fn free_port() -> String {

@@ -10,7 +10,7 @@ use super::train_dist::{
     assert_same_losses, assert_same_tensors, baseline, bf16_ranks_within_the_noise_floor, ckpt, harpe_text as harpe,
     losses, losses_or_empty, model, shards_and_done, train, train_ranks, write_cfg, TINY,
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -201,24 +201,9 @@ fn processes_with_different_configs_are_refused_before_any_work() {
     assert!(!out.join("metrics.jsonl").exists(), "a step ran before the refusal");
 }
 
-/// torchrun, from `$HARPE_TORCHRUN`, target/torch-venv, or PATH (the same rule as the launcher tests);
-/// under CI a missing torchrun fails the test.
-fn torchrun() -> Option<PathBuf> {
-    let found = std::env::var_os("HARPE_TORCHRUN").map(PathBuf::from).or_else(|| {
-        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/torch-venv/bin/torchrun");
-        venv.exists().then_some(venv)
-    });
-    if found.is_none() {
-        let how = "install it with `scripts/install-torchrun.sh target/torch-venv` (or set HARPE_TORCHRUN)";
-        assert!(std::env::var_os("CI").is_none(), "torchrun not found, and CI is set: {how}");
-        eprintln!("torchrun not found: test not run; {how}");
-    }
-    found
-}
-
 #[test]
 fn gloo_processes_under_torchrun_equal_one_rank() {
-    let Some(torchrun) = torchrun() else { return };
+    let Some(torchrun) = crate::common::torchrun() else { return };
     let d = tempfile::tempdir().unwrap();
     let (cfg, one, tol) = baseline(d.path());
     let out = d.path().join("torchrun");

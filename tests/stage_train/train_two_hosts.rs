@@ -112,21 +112,6 @@ fn torchrun_run(h: &Hosts, torchrun: &Path, logs: &Path, launcher: &[&str], args
         .collect()
 }
 
-/// torchrun, as the launcher tests find it (`$HARPE_TORCHRUN`, target/torch-venv); under CI a missing
-/// torchrun fails the test.
-fn torchrun() -> Option<PathBuf> {
-    let found = std::env::var_os("HARPE_TORCHRUN").map(PathBuf::from).or_else(|| {
-        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/torch-venv/bin/torchrun");
-        venv.exists().then_some(venv)
-    });
-    if found.is_none() {
-        let how = "install it with `scripts/install-torchrun.sh target/torch-venv` (or set HARPE_TORCHRUN)";
-        assert!(std::env::var_os("HARPE_CI").is_none(), "torchrun not found, and HARPE_CI is set: {how}");
-        eprintln!("torchrun not found: test not run; {how}");
-    }
-    found
-}
-
 #[test]
 fn two_hosts_under_harpes_launcher_by_name_by_address_and_over_a_lossy_link_equal_one_rank() {
     let Some(h) = Hosts::make("two_hosts_under_harpes_launcher", Names::Cluster) else { return };
@@ -176,7 +161,7 @@ fn a_master_addr_resolving_to_loopback_on_its_own_host_stops_every_rank_at_once_
         );
     }
     eprintln!("harpe's launcher: every rank stopped after {:?}; node02 says:\n{}", t0.elapsed(), ps[1].text());
-    let Some(torchrun) = torchrun() else { return };
+    let Some(torchrun) = crate::common::torchrun() else { return };
     // torchrun publishes node01 (its host name) as MASTER_ADDR; on node01 it is 127.0.1.1
     let out = d.path().join("torchrun");
     let mut args: Vec<String> =
@@ -237,7 +222,7 @@ fn the_link_taken_down_mid_run_stops_every_rank_on_both_hosts_after_the_timeout_
 
 #[test]
 fn two_hosts_under_torchrun_equal_one_rank_and_re_form_after_a_killed_worker() {
-    let Some(torchrun) = torchrun() else { return };
+    let Some(torchrun) = crate::common::torchrun() else { return };
     let Some(h) = Hosts::make("two_hosts_under_torchrun", Names::Cluster) else { return };
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path());
