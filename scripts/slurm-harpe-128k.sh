@@ -13,7 +13,9 @@
 # this very file as
 #   BACKEND=gloo CONFIG=... sbatch --nodes=1 --ntasks-per-node=2 --gpus-per-node=0 --cpus-per-task=1 \
 #     --time=10 --signal=TERM@30 scripts/slurm-harpe-128k.sh
-# (a --time shorter than the --signal lead time below would get the TERM at once).
+# (a --time shorter than the --signal lead time below would get the TERM at once), and
+# tests/stage_train/train_slurm_two_nodes.rs, on two nodes, keeps this file's --nodes=2 and --time:
+#   BACKEND=gloo CONFIG=... sbatch --ntasks-per-node=2 --gpus-per-node=0 --cpus-per-task=1 scripts/slurm-harpe-128k.sh
 #
 # How the ranks find each other: harpe reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, takes the
 # first host of SLURM_JOB_NODELIST as rank 0's address and 20000 + SLURM_JOB_ID % 10000 as its port

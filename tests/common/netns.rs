@@ -114,6 +114,26 @@ impl Hosts {
         c
     }
 
+    /// As `cmd`, but keeping this machine's /sys and its cgroup mounts (slurmd will not start without them;
+    /// `ip netns exec` mounts a fresh sysfs that has none): `nsenter` into host `i`'s network namespace, then
+    /// a private mount namespace with the host's hosts file bound over /etc/hosts, as `ip netns exec` does.
+    pub fn cmd_keeping_sys(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        let script = "mount --bind \"$1\" /etc/hosts && hostname \"$0\" && shift && exec \"$@\"";
+        c.arg(format!("--net=/run/netns/{}", self.ns[i]))
+            .args(["unshare", "--mount", "--uts", "sh", "-c", script, NAMES[i]])
+            .arg(self.etc(i).join("hosts"))
+            .arg(program);
+        c
+    }
+
+    /// The pids of every process in host `i`'s network namespace.
+    pub fn pids(&self, i: usize) -> Vec<u32> {
+        let o = Command::new("ip").args(["netns", "pids", &self.ns[i]]).output();
+        o.map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
     /// Take host `i`'s end of the link down (its peer sees nothing more, and no connection breaks).
     pub fn link_down(&self, i: usize) {
         ip(&["-n", &self.ns[i], "link", "set", &self.veth[i], "down"]).unwrap();

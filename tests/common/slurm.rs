@@ -11,11 +11,9 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The test cluster's slurm.conf and a guard that keeps the cluster to one test at a time (two
-/// cluster tests at once would queue behind each other on 2 CPUs and blur their timings), or None when
-/// the cluster is down outside CI.
+/// The test cluster's slurm.conf and a guard that keeps the cluster to one test at a time
+/// (`one_at_a_time`), or None when the cluster is down outside CI.
 pub fn cluster() -> Option<(PathBuf, MutexGuard<'static, ()>)> {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let o = Command::new(root().join("scripts/slurm-test-cluster.sh")).arg("status").output().unwrap();
     if !o.status.success() {
         let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
@@ -28,8 +26,14 @@ pub fn cluster() -> Option<(PathBuf, MutexGuard<'static, ()>)> {
     let env = Command::new(root().join("scripts/slurm-test-cluster.sh")).arg("env").output().unwrap();
     let line = String::from_utf8_lossy(&env.stdout);
     let conf = line.trim().strip_prefix("export SLURM_CONF=").expect("slurm-test-cluster.sh env").to_string();
-    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    Some((PathBuf::from(conf), guard))
+    Some((PathBuf::from(conf), one_at_a_time()))
+}
+
+/// Held by each test that runs a Slurm cluster (this one or tests/common/slurm_two_nodes.rs), so only one
+/// runs at a time: two at once would queue behind each other on 2 CPUs and blur their timings.
+pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `prog` with the cluster's `SLURM_CONF`, run in `dir`.
@@ -49,10 +53,12 @@ pub fn run_ok(cmd: &mut Command) -> String {
 
 /// squeue's state of job `id` (or of its array tasks, space-separated), "" once it left the queue.
 pub fn job_state(conf: &Path, id: &str) -> String {
-    let o = slurm_cmd(conf, "squeue", Path::new("/"))
-        .args(["-h", "-r", "-t", "all", "-o", "%T", "-j", id])
-        .output()
-        .unwrap();
+    squeue_state(slurm_cmd(conf, "squeue", Path::new("/")), id)
+}
+
+/// `job_state` as asked through `squeue`, a command that runs squeue against the cluster.
+pub fn squeue_state(mut squeue: Command, id: &str) -> String {
+    let o = squeue.args(["-h", "-r", "-t", "all", "-o", "%T", "-j", id]).output().unwrap();
     String::from_utf8_lossy(&o.stdout).split_whitespace().collect::<Vec<_>>().join(" ")
 }
 

@@ -9,6 +9,9 @@ mod common;
 #[cfg(feature = "gloo")]
 #[path = "../common/netns.rs"]
 mod netns;
+#[cfg(feature = "gloo")]
+#[path = "../common/slurm_two_nodes.rs"]
+mod slurm_two_nodes;
 #[path = "../common/tmpfs.rs"]
 mod tmpfs;
 
@@ -21,6 +24,8 @@ mod train_gloo;
 #[cfg(feature = "gloo")]
 mod train_two_hosts;
 mod train_slurm;
+#[cfg(feature = "gloo")]
+mod train_slurm_two_nodes;
 mod train_memory;
 mod train_run;
 mod train_step;

@@ -16,17 +16,17 @@ use std::time::{Duration, Instant};
 /// tiny-cpu shortened to 24 + 16 steps (the second stage at 128 tokens with HARPE bases) for the
 /// comparison with one rank: 2 ranks sum in another order, and that noise grows with the steps (at step
 /// 128 of the full recipe it passes the 1e-6 the losses are held to).
-const SHORT: &str = "stage.0.steps=24 stage.1.steps=16";
+pub(super) const SHORT: &str = "stage.0.steps=24 stage.1.steps=16";
 /// 120 + 80 steps for the job that is stopped and requeued: long enough (~10 s under srun here) that a
 /// TERM sent at step 3 lands mid-run; compared bit for bit with a 2-rank run, so no noise to allow.
 const LONG: &str = "stage.0.steps=120 stage.1.steps=80";
 const LAST: usize = 200;
 
-fn sets(steps: &str) -> Vec<String> {
+pub(super) fn sets(steps: &str) -> Vec<String> {
     steps.split(' ').flat_map(|kv| ["--set".to_string(), kv.to_string()]).collect()
 }
 
-fn final_model(run: &Path, step: usize) -> std::path::PathBuf {
+pub(super) fn final_model(run: &Path, step: usize) -> std::path::PathBuf {
     run.join(format!("checkpoints/step_{step:06}/model.safetensors"))
 }
 
