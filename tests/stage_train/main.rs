@@ -23,6 +23,7 @@ mod train_eval;
 mod train_gloo;
 #[cfg(feature = "gloo")]
 mod train_two_hosts;
+#[cfg(feature = "gloo")]
 mod train_slurm;
 #[cfg(feature = "gloo")]
 mod train_slurm_two_nodes;
