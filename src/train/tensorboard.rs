@@ -7,7 +7,7 @@
 //! `framework/summary.proto`, which TensorBoard's loaders read; file names follow
 //! `tensorboard/summary/writer/event_file_writer.py` (`events.out.tfevents.{secs}.{host}.{pid}...`).
 //! The messages are declared here with `prost`'s derive (only the fields harpe writes), so no `protoc`
-//! is needed at build time; the checksum is the `crc32c` crate. The non-obvious decision: every session
+//! is needed at build time; the checksum is `checksum::crc32c`. The non-obvious decision: every session
 //! (fresh or resumed) opens a new file whose second event is `SessionLog{status: START}` at step
 //! `start_step + 1`, which TensorBoard's event accumulator takes as "purge this run's events at or after
 //! that step" — so steps a resumed run replays show once, as `MetricsLog::open` keeps them once in
@@ -84,7 +84,7 @@ pub const SESSION_START: i32 = 1;
 
 /// TFRecord's masked crc32c.
 fn masked_crc(bytes: &[u8]) -> u32 {
-    let c = crc32c::crc32c(bytes);
+    let c = crate::checksum::crc32c(bytes);
     c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
@@ -292,7 +292,7 @@ mod tests {
     fn masked_crc_matches_tensorflow() {
         // crc32c("") = 0 -> mask(0) = 0xa282ead8; crc32c("123456789") = 0xe3069283 (RFC 3720 check value)
         assert_eq!(masked_crc(b""), 0xa282_ead8);
-        assert_eq!(crc32c::crc32c(b"123456789"), 0xe306_9283);
+        assert_eq!(crate::checksum::crc32c(b"123456789"), 0xe306_9283);
         assert_eq!(masked_crc(b"123456789"), 0xe306_9283u32.rotate_right(15).wrapping_add(0xa282_ead8));
     }
 

@@ -42,9 +42,7 @@ use std::time::{Duration, Instant};
 
 pub mod consolidate;
 mod read;
-pub use read::{
-    load_optim, read_optim_range, read_optim_shard, read_optim_shards, stitch_optim, OptimPart, OptimShard, Stitched,
-};
+pub use read::{load_optim, read_optim_range, read_optim_shard, read_optim_shards, stitch_optim, OptimShard, Stitched};
 
 /// Version of `state.json` and the optimizer shard layout.
 pub const FORMAT: u32 = 1;

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// One rank's optimizer shard file: its flat range, AdamW step count and where its fp32 (master, m, v)
 /// lie in the file. A resuming rank reads only the elements of its own range (`stitch_optim`), so
 /// resuming N ranks reads each file's bytes about once in all, not N times into every rank's memory;
-/// it reads them with positional reads in pieces of `READ_CHUNK_BYTES`, not through a memory map,
+/// it reads them with positional reads in pieces of `READ_PIECE_BYTES`, not through a memory map,
 /// because the mapped pages a copy touches count as the process's resident memory until it unmaps
 /// (the whole checkpoint at once when the ranks are threads of one process), while read pages stay in
 /// the kernel's page cache.
@@ -34,62 +34,121 @@ pub struct OptimShard {
     sum: Option<FileSum>,
     /// the hint of a checksum mismatch (`damage_hint`)
     hint: String,
+    /// blocks 0..checked_blocks were checked when the shard was opened (the header's)
+    checked_blocks: usize,
 }
 
-/// Bytes per positional read of a shard's values: one checksum block, so a checked read reads each
-/// block once and whole.
-const READ_CHUNK_BYTES: u64 = crate::checksum::BLOCK_BYTES;
+/// Bytes per positional read of a shard's values: pieces small enough to be hashed and converted while
+/// still in the core's cache (`checksum::PIECE_BYTES`).
+const READ_PIECE_BYTES: u64 = crate::checksum::PIECE_BYTES;
 
-/// Which of a shard's three tensors.
-#[derive(Clone, Copy, Debug)]
-pub enum OptimPart {
-    Master = 0,
-    M = 1,
-    V = 2,
+/// Little-endian f32 values from bytes that arrive in pieces (a value may straddle two pieces when
+/// a range does not start on a piece's 4-byte grid; never in a file harpe wrote, whose data is
+/// 4-aligned, but a reader does not rely on it).
+#[derive(Default)]
+struct LeF32 {
+    part: [u8; 4],
+    have: usize,
+}
+
+impl LeF32 {
+    fn push(&mut self, mut bytes: &[u8], out: &mut Vec<f32>) {
+        if self.have > 0 {
+            let take = (4 - self.have).min(bytes.len());
+            self.part[self.have..self.have + take].copy_from_slice(&bytes[..take]);
+            (self.have, bytes) = (self.have + take, &bytes[take..]);
+            if self.have < 4 {
+                return;
+            }
+            out.push(f32::from_le_bytes(self.part));
+            self.have = 0;
+        }
+        let whole = bytes.len() / 4 * 4;
+        out.extend(bytes[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        let rest = &bytes[whole..];
+        self.part[..rest.len()].copy_from_slice(rest);
+        self.have = rest.len();
+    }
 }
 
 impl OptimShard {
-    /// Append the values of `part` at positions `local` (relative to `range.start`) to `out`. With
-    /// checksums, every block holding any of those bytes is read whole and checked before its values
-    /// are used.
-    pub fn copy_into(&self, part: OptimPart, local: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        let start = (self.offsets[part as usize] + 4 * local.start) as u64;
-        let end = start + 4 * local.len() as u64;
-        let grid = self.sum.as_ref().map_or(READ_CHUNK_BYTES, |s| s.block_bytes);
-        let mut buf = Vec::new();
-        // bytes of a value split by a block boundary (never in a file harpe wrote: its data is 4-aligned)
-        let mut carry = Vec::new();
-        out.reserve(local.len());
-        let mut at = start;
-        while at < end {
-            let b = at / grid;
-            let hi = ((b + 1) * grid).min(end);
-            let (rs, re) = match &self.sum {
-                Some(s) => (s.block_range(b as usize).start, s.block_range(b as usize).end),
-                None => (at, hi),
-            };
-            buf.resize((re - rs) as usize, 0);
-            self.file.read_exact_at(&mut buf, rs).with_context(|| {
-                format!("cannot read {} at byte {rs}\nhint: the file is damaged or truncated", self.path.display())
-            })?;
-            if let Some(s) = &self.sum {
-                s.check_block(&self.path, b as usize, &buf, &self.hint)?;
+    /// Append the (master, m, v) values at positions `local` (relative to `range.start`) to `outs`, in
+    /// one pass over the file: with checksums, every block holding any of those bytes is read whole,
+    /// once (a block where one tensor ends and the next begins serves both), and checked; a damaged
+    /// block's values are taken back out of `outs` before the error returns, so nothing unchecked is
+    /// kept. Blocks checked when the shard was opened (its header's) are not hashed again.
+    pub fn copy_range(&self, local: std::ops::Range<usize>, outs: [&mut Vec<f32>; 3]) -> Result<()> {
+        let want = self.offsets.map(|o| (o + 4 * local.start) as u64..(o + 4 * local.end) as u64);
+        let mut outs = outs;
+        for o in outs.iter_mut() {
+            o.reserve(local.len());
+        }
+        let mut buf = vec![0u8; READ_PIECE_BYTES as usize];
+        let mut values: [LeF32; 3] = Default::default();
+        let Some(s) = &self.sum else {
+            // an older checkpoint without checksums: just the values
+            for k in 0..3 {
+                self.read_pieces(want[k].clone(), &want, &mut buf, &mut values, &mut outs, |_| {})?;
             }
-            carry.extend_from_slice(&buf[(at - rs) as usize..(hi - rs) as usize]);
-            let whole = carry.len() / 4 * 4;
-            out.extend(carry[..whole].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-            carry.drain(..whole);
-            at = hi;
+            return Ok(());
+        };
+        let mut blocks: Vec<usize> = want.iter().flat_map(|w| s.blocks_of(w.clone())).collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        for b in blocks {
+            let block = s.block_range(b);
+            if b < self.checked_blocks {
+                // checked at open: read only the wanted bytes
+                for w in &want {
+                    let span = w.start.max(block.start)..w.end.min(block.end);
+                    if !span.is_empty() {
+                        self.read_pieces(span, &want, &mut buf, &mut values, &mut outs, |_| {})?;
+                    }
+                }
+                continue;
+            }
+            let marks = outs.each_ref().map(|o| o.len());
+            let mut crc = crate::checksum::Crc::new();
+            self.read_pieces(block.clone(), &want, &mut buf, &mut values, &mut outs, |piece| crc.update(piece))?;
+            if let Err(e) = s.check_crc(&self.path, b, crc.value(), block.end - block.start, &self.hint) {
+                for (o, m) in outs.iter_mut().zip(marks) {
+                    o.truncate(m);
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }
 
-    /// Every value of `part`.
-    pub fn values(&self, part: OptimPart) -> Result<Vec<f32>> {
-        let mut v = Vec::with_capacity(self.range.len());
-        self.copy_into(part, 0..self.range.len(), &mut v)?;
-        Ok(v)
+    /// Read bytes `span` of the file in pieces of `READ_PIECE_BYTES`, pass each piece to `each` and
+    /// append the values of the bytes that lie in `want[k]` to `outs[k]`.
+    fn read_pieces(
+        &self,
+        span: std::ops::Range<u64>,
+        want: &[std::ops::Range<u64>; 3],
+        buf: &mut [u8],
+        values: &mut [LeF32; 3],
+        outs: &mut [&mut Vec<f32>; 3],
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut at = span.start;
+        while at < span.end {
+            let piece = &mut buf[..(span.end - at).min(READ_PIECE_BYTES) as usize];
+            self.file.read_exact_at(piece, at).with_context(|| {
+                format!("cannot read {} at byte {at}\nhint: the file is damaged or truncated", self.path.display())
+            })?;
+            each(piece);
+            let hi = at + piece.len() as u64;
+            for k in 0..3 {
+                let (lo, up) = (at.max(want[k].start), hi.min(want[k].end));
+                if lo < up {
+                    values[k].push(&piece[(lo - at) as usize..(up - at) as usize], outs[k]);
+                }
+            }
+            at = hi;
+        }
+        Ok(())
     }
 }
 
@@ -134,7 +193,16 @@ pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
     let offsets = [offset("master")?, offset("m")?, offset("v")?];
     let t = num("t")?;
     drop(st);
-    Ok(OptimShard { path: p.to_path_buf(), range, t, file: f, offsets, sum: None, hint: String::new() })
+    Ok(OptimShard {
+        path: p.to_path_buf(),
+        range,
+        t,
+        file: f,
+        offsets,
+        sum: None,
+        hint: String::new(),
+        checked_blocks: 0,
+    })
 }
 
 /// The checksums of optimizer shard `p` in `sums` (of checkpoint `dir`) and the hint of a mismatch,
@@ -179,8 +247,9 @@ pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
         if let Some((sum, hint)) = sum {
             // the header's remaining blocks (block 0 was checked before parsing)
             let header_end = shard.offsets.iter().copied().min().unwrap_or(0) as u64;
-            let more = sum.blocks_of(0..header_end).filter(|&b| b > 0);
-            sum.verify_blocks(&shard.path, &shard.file, more, &hint)?;
+            let header = sum.blocks_of(0..header_end);
+            sum.verify_blocks(&shard.path, &shard.file, header.clone().filter(|&b| b > 0), &hint)?;
+            shard.checked_blocks = header.end.max(1);
             (shard.sum, shard.hint) = (Some(sum), hint);
         }
         shards.push(shard);
@@ -221,9 +290,7 @@ pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usi
         }
         let hi = s.range.end.min(want.end);
         let local = pos - s.range.start..hi - s.range.start;
-        s.copy_into(OptimPart::Master, local.clone(), &mut master)?;
-        s.copy_into(OptimPart::M, local.clone(), &mut m)?;
-        s.copy_into(OptimPart::V, local, &mut v)?;
+        s.copy_range(local, [&mut master, &mut m, &mut v])?;
         pos = hi;
     }
     if pos < want.end {
@@ -258,4 +325,89 @@ pub fn load_optim(dir: &Path, mesh: &Mesh, optim: &mut AdamW) -> Result<()> {
     let (master, m, v, t) = read_optim_range(dir, mesh, optim.range())?;
     // restore moves the host values to the optimizer's placement (a host checkpoint resumes on a device)
     optim.restore(FlatBuf::from_vec(master), FlatBuf::from_vec(m), FlatBuf::from_vec(v), t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checksum::Summer;
+    use crate::model::weights::{write_safetensors_summed, StreamSrc};
+    use std::collections::HashMap;
+
+    /// An optimizer shard of `n` values per tensor, its values, and the sums of its bytes in blocks of
+    /// `block` bytes (smaller than the product's, so a small file spans many blocks).
+    fn shard(dir: &Path, n: usize, block: u64) -> (PathBuf, [Vec<f32>; 3], FileSum) {
+        let vals: [Vec<f32>; 3] = std::array::from_fn(|k| (0..n).map(|i| (i * 3 + k) as f32 * 0.25 - 7.0).collect());
+        let bufs: Vec<FlatBuf> = vals.iter().map(|v| FlatBuf::from_vec(v.clone())).collect();
+        let srcs: Vec<(String, StreamSrc)> =
+            ["master", "m", "v"].iter().zip(&bufs).map(|(k, b)| (k.to_string(), StreamSrc::Flat(b))).collect();
+        let info = serde_json::json!({"format": super::super::FORMAT, "t": 3, "range_start": 10, "range_end": 10 + n});
+        let meta: HashMap<String, String> = [("harpe_optim".to_string(), info.to_string())].into();
+        let p = dir.join("optim-00000-of-00001.safetensors");
+        write_safetensors_summed(&p, &srcs, Some(meta), 4096).unwrap();
+        let mut s = Summer::new(block);
+        s.update(&std::fs::read(&p).unwrap());
+        (p, vals, s.finish())
+    }
+
+    fn read(sh: &OptimShard, local: std::ops::Range<usize>) -> Result<[Vec<f32>; 3]> {
+        let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
+        sh.copy_range(local, [&mut a, &mut b, &mut c]).map(|_| [a, b, c])
+    }
+
+    #[test]
+    fn one_pass_reads_every_range_of_all_three_tensors_and_keeps_nothing_of_a_damaged_block() {
+        let d = tempfile::tempdir().unwrap();
+        let n = 20_000; // 80 KB per tensor: ~60 blocks of 4 KiB, several pieces
+        let (p, vals, sum) = shard(d.path(), n, 4096);
+        let open = |sum: Option<FileSum>| {
+            let mut sh = read_optim_shard(&p).unwrap();
+            assert_eq!((sh.range.clone(), sh.t), (10..10 + n, 3));
+            sh.checked_blocks = usize::from(sum.is_some());
+            (sh.sum, sh.hint) = (sum, "use another".into());
+            sh
+        };
+        let (plain, summed) = (open(None), open(Some(sum.clone())));
+        for local in [0..n, 0..1, 1..2, 1023..1025, 5..n - 3, n - 1..n, 7..7] {
+            let want: [Vec<f32>; 3] = std::array::from_fn(|k| vals[k][local.clone()].to_vec());
+            assert_eq!(read(&plain, local.clone()).unwrap(), want, "{local:?} without checksums");
+            assert_eq!(read(&summed, local.clone()).unwrap(), want, "{local:?} with checksums");
+        }
+        // one flipped bit in the middle of `m`: a range that does not touch its block still reads
+        let m_at = summed.offsets[1] + 4 * (n / 2);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[m_at + 1] ^= 0x10;
+        std::fs::write(&p, &bytes).unwrap();
+        let summed = open(Some(sum.clone()));
+        let bad = m_at as u64 / 4096;
+        assert_eq!(read(&summed, 0..100).unwrap()[1], vals[1][..100]);
+        let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
+        let e = format!("{:#}", summed.copy_range(0..n, [&mut a, &mut b, &mut c]).unwrap_err());
+        assert!(e.contains(&format!("bytes {}..{} (block {bad}) are damaged", bad * 4096, (bad + 1) * 4096)), "{e}");
+        assert!(e.ends_with("hint: use another"), "{e}");
+        // what was kept is exactly the values of the blocks before the damaged one
+        let before = bad * 4096;
+        for (k, o) in [a, b, c].iter().enumerate() {
+            let off = summed.offsets[k] as u64;
+            let whole = (before.saturating_sub(off) / 4).min(n as u64) as usize;
+            assert_eq!(o.len(), whole, "tensor {k}");
+            assert_eq!(o[..], vals[k][..whole], "tensor {k}");
+        }
+        // without checksums the same damage goes through (an older checkpoint's reader)
+        assert_ne!(read(&open(None), 0..n).unwrap()[1], vals[1]);
+    }
+
+    #[test]
+    fn values_split_across_pieces_are_joined() {
+        let vals: Vec<f32> = (0..9).map(|i| i as f32 - 3.5).collect();
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for cuts in [vec![1usize, 2, 3, 30], vec![5, 6, 7], vec![3, 4, 11, 35]] {
+            let (mut dec, mut out, mut at) = (LeF32::default(), vec![], 0);
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                dec.push(&bytes[at..c.max(at)], &mut out);
+                at = c.max(at);
+            }
+            assert_eq!(out, vals);
+        }
+    }
 }
