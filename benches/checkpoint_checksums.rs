@@ -6,10 +6,15 @@
 //! 90M: a 1.08 GB shard of fp32 master, m and v), `HARPE_BENCH_REPEATS` (default 3).
 //! Write: `write_safetensors_summed` (the save's writer: 32 MiB pieces copied from the buffers, summed as
 //! they stream, fsync, rename) against the same loop without the `SumWriter` (this file's `write_plain`).
-//! Read: `read_optim_shards` + `stitch_optim` of the whole range (the resume's reader: 8 MiB positional
-//! reads) with `checksums.json` (every block checked as read) and without it (an older checkpoint's path).
-//! The two sides alternate (and which goes first); medians. Reads come from the page cache (the file was just written): the
-//! fastest the I/O gets, so the checksums' share is at its largest. It is not a test and CI does not run it.
+//! Read: `read_optim_shards` + `stitch_optim` of the whole range (the resume's reader: 256 KiB positional
+//! reads, each hashed and converted while in cache) with `checksums.json` (every block checked as read)
+//! and without it (an older checkpoint's path).
+//! Also: the read with the check of a model file of `HARPE_BENCH_MODEL_BPP` bytes per parameter
+//! (default 2 = bf16) before it, which a resume does not wait for (it runs beside the first step:
+//! `ShareCheck` in src/train/session.rs), to show what that costs where it would.
+//! The two sides alternate (and which goes first); medians. Reads come from the page cache (the file was
+//! just written): the fastest the I/O gets, so the checksums' share is at its largest; `HARPE_BENCH_COLD=1`
+//! (root) empties the page cache before each read instead. It is not a test and CI does not run it.
 use anyhow::Result;
 use harpe::checksum::{Checksums, FileSum};
 use harpe::flatbuf::FlatBuf;
@@ -42,6 +47,17 @@ fn write_plain(path: &Path, bufs: &[&FlatBuf], header_len: usize) -> Result<()> 
     Ok(())
 }
 
+/// With `cold`, empty the page cache (root only) so the next read comes from the storage.
+fn drop_caches(cold: bool) -> Result<()> {
+    if cold {
+        // SAFETY: sync(2) takes no arguments and cannot fail
+        unsafe { libc::sync() };
+        std::fs::write("/proc/sys/vm/drop_caches", "3")
+            .map_err(|e| anyhow::anyhow!("HARPE_BENCH_COLD needs root to write /proc/sys/vm/drop_caches: {e}"))?;
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -51,6 +67,8 @@ fn main() -> Result<()> {
     let dir = std::env::var("HARPE_BENCH_DIR").unwrap_or_else(|_| "/tmp/harpe-bench-ckpt".into());
     let n: usize = std::env::var("HARPE_BENCH_PARAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(90_000_000);
     let repeats: usize = std::env::var("HARPE_BENCH_REPEATS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let cold = std::env::var_os("HARPE_BENCH_COLD").is_some();
+    let model_bpp: usize = std::env::var("HARPE_BENCH_MODEL_BPP").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     let dir = Path::new(&dir);
     std::fs::create_dir_all(dir)?;
     let bufs: Vec<FlatBuf> =
@@ -80,9 +98,38 @@ fn main() -> Result<()> {
     }
     std::fs::remove_file(&plain)?;
     let sum: FileSum = sum.unwrap_or_else(|| unreachable!());
+    // the model file a resume checks but does not read (bf16: 2 bytes per parameter; its bytes do not
+    // matter to the check)
+    let model: Vec<u8> = (0..model_bpp * n).map(|i| (i * 7 + i / 13) as u8).collect();
+    std::fs::write(dir.join("model.safetensors"), &model)?;
     let mut sums = Checksums::new();
     sums.files.insert("optim-00000-of-00001.safetensors".into(), sum.clone());
+    sums.files.insert("model.safetensors".into(), FileSum::of_bytes(&model));
+    drop(model);
     let sums_text = serde_json::to_string(&sums)?;
+    let mesh = harpe::comms::Mesh::single();
+    // the optimizer range and the model file's check (`verify_share`, which a resume runs beside its
+    // first step) one after the other, as a resume would wait for them if the check came first; without
+    // checksums, the range alone
+    let resume = |with: bool| -> Result<f64> {
+        let p = dir.join(checkpoint::CHECKSUMS);
+        match with {
+            true => std::fs::write(&p, &sums_text)?,
+            false => {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+        drop_caches(cold)?;
+        let t = Instant::now();
+        let sums = checkpoint::load_checksums(dir)?;
+        if let Some(s) = sums {
+            checkpoint::verify_share(dir, &s, 0, 1)?;
+        }
+        let (master, _, _, _) = checkpoint::read_optim_range(dir, &mesh, 0..n)?;
+        let s = t.elapsed().as_secs_f64();
+        assert_eq!(master.len(), n);
+        Ok(s)
+    };
     let read = |with: bool| -> Result<f64> {
         let p = dir.join(checkpoint::CHECKSUMS);
         match with {
@@ -91,6 +138,7 @@ fn main() -> Result<()> {
                 let _ = std::fs::remove_file(&p);
             }
         }
+        drop_caches(cold)?;
         let t = Instant::now();
         let shards = checkpoint::read_optim_shards(dir)?;
         let (master, _, _, _) = checkpoint::stitch_optim(dir, &shards, 0..n)?;
@@ -99,9 +147,18 @@ fn main() -> Result<()> {
         Ok(s)
     };
     read(false)?; // warm the page cache
-    for _ in 0..repeats {
-        r_sum.push(read(true)?);
-        r_plain.push(read(false)?);
+    resume(true)?;
+    let (mut res_sum, mut res_plain) = (vec![], vec![]);
+    for r in 0..repeats {
+        if r % 2 == 0 {
+            r_sum.push(read(true)?);
+            r_plain.push(read(false)?);
+        } else {
+            r_plain.push(read(false)?);
+            r_sum.push(read(true)?);
+        }
+        res_sum.push(resume(true)?);
+        res_plain.push(resume(false)?);
     }
     // the hash alone over the file's bytes, one core
     let data = std::fs::read(&path)?;
@@ -127,6 +184,11 @@ fn main() -> Result<()> {
     );
     row("write (save: stream, fsync, rename)", &w_sum, &w_plain);
     row("read (resume: every value of the range)", &r_sum, &r_plain);
+    row(
+        &format!("read + the model file's check ({model_bpp} B/param) before it (not what a resume does)"),
+        &res_sum,
+        &res_plain,
+    );
     println!("CRC32C alone over the file, one core: {hash_s:.3} s ({:.2} GB/s)", gb / hash_s);
     std::fs::remove_dir_all(dir)?;
     Ok(())

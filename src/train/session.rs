@@ -74,9 +74,34 @@ pub(super) struct Run {
     pub(super) sp: Option<SpGroup>,
     /// tokens trained before this session (a resume), for the session's tokens/s
     pub(super) tokens_at_start: u64,
+    /// a resume's check of the checkpoint files training does not read, still running (`ShareCheck`)
+    pub(super) share_check: Option<ShareCheck>,
 }
 
 impl Run {
+    /// Wait for a resume's `ShareCheck` and agree on it with every rank (one collective, every rank at
+    /// the same point: after the session's first step, or at its end when it trains none). A damaged
+    /// file stops the run on every rank before that step is logged or saved.
+    pub(super) fn settle_share_check(&mut self) -> Result<()> {
+        let Some(c) = self.share_check.take() else {
+            return Ok(());
+        };
+        let mine = c.handle.join().unwrap_or_else(|_| bail!("internal: the checksum thread panicked"));
+        let all = self.comm.all_ok(mine.is_ok())?;
+        mine?;
+        if !all {
+            // The rank that found the damage returns its error, which ends the group naming that rank
+            // and this collective with it: so the cause, not this rank's echo of it, is what is shown.
+            self.comm.all_ok(true)?;
+            bail!(
+                "another rank found a damaged file in {} (its error names it)\nhint: {}",
+                c.dir.display(),
+                checkpoint::damage_hint(&c.dir)
+            );
+        }
+        Ok(())
+    }
+
     /// Where this rank's weight gathers read from: the ranks' master shards.
     pub(super) fn shards(&self) -> zero::Shards<'_> {
         zero::Shards { comm: &self.comm, map: &self.map, layout: &self.layout, master: self.optim.master() }
@@ -124,7 +149,7 @@ impl Run {
         let map = ShardMap::new(&layout, zero.optimizer_owners(mesh.world()), Split::Slices);
         let my_shard = if zero.shards_optimizer() { mesh.rank() } else { 0 };
         let hp = AdamWHyper::from_config(&cfg.optim);
-        let (optim, state) = match &resume_from {
+        let (optim, state, share_check) = match &resume_from {
             // a resume builds the optimizer from the checkpoint alone: no initial weights drawn or read
             Some(dir) => resume(dir, (args.force, &hash), &comm, (&layout, &map, my_shard), (hp, &placement))?,
             None => {
@@ -132,7 +157,7 @@ impl Run {
                 // stage builds its model from the master shards (`Stage::open`)
                 let weights = initial_weights(&cfg, &base_cfg, &placement)?;
                 let optim = AdamW::new(&layout, &weights, &map, my_shard, hp)?;
-                (optim, TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()))
+                (optim, TrainState::new(cfg.train.seed, &hash, base_cfg.rope.clone()), None)
             }
         };
         let tokens_at_start = state.tokens_seen;
@@ -169,6 +194,7 @@ impl Run {
             _lock: lock,
             sp,
             tokens_at_start,
+            share_check,
         })
     }
 
@@ -304,25 +330,16 @@ pub(super) fn stop_flag() -> Result<Arc<AtomicBool>> {
 
 /// Continue from checkpoint `dir`: its state (checked against the config hash unless `force`) and this
 /// rank's optimizer shard (`rank`'s range of `map` over `layout`), read from the checkpoint's shards
-/// into a new optimizer with hyper-parameters `hp` placed at `p`.
+/// into a new optimizer with hyper-parameters `hp` placed at `p`; and the check of the files training
+/// does not read, started (`ShareCheck`).
 pub(super) fn resume(
     dir: &Path,
     (force, hash): (bool, &str),
     comm: &Comm,
     (layout, map, rank): (&ParamLayout, &ShardMap, usize),
     (hp, p): (AdamWHyper, &Placement),
-) -> Result<(AdamW, TrainState)> {
+) -> Result<(AdamW, TrainState, Option<ShareCheck>)> {
     let mesh = comm.mesh();
-    // the files no rank reads whole are checked in shares; the optimizer blocks as each rank reads them
-    match checkpoint::load_checksums(dir)? {
-        Some(sums) => checkpoint::verify_share(dir, &sums, mesh.rank(), mesh.world())?,
-        None if mesh.rank() == 0 => println!(
-            "note: {} has no {} (written by an older harpe): resuming without verifying its files",
-            dir.display(),
-            checkpoint::CHECKSUMS
-        ),
-        None => {}
-    }
     let state = checkpoint::load_state(dir)?;
     if state.config_hash != hash && !force {
         bail!(
@@ -330,12 +347,41 @@ pub(super) fn resume(
             dir.display()
         );
     }
+    let sums = checkpoint::load_checksums(dir)?;
+    if sums.is_none() && mesh.rank() == 0 {
+        println!(
+            "note: {} has no {} (written by an older harpe): resuming without verifying its files",
+            dir.display(),
+            checkpoint::CHECKSUMS
+        );
+    }
+    let check = sums.map(|sums| ShareCheck::start(dir, sums, mesh.rank(), mesh.world()));
     let (master, m, v, t) = checkpoint::read_optim_range(dir, &mesh, map.flat_range(rank))?;
     let optim = AdamW::from_state((layout, map, rank), hp, [master, m, v].map(FlatBuf::from_vec), t, p)?;
     if mesh.rank() == 0 {
         println!("resuming from {} (step {}, stage {})", dir.display(), state.step, state.stage);
     }
-    Ok((optim, state))
+    Ok((optim, state, check))
+}
+
+/// The check of a resumed checkpoint's files that no rank reads (model files, config, tokenizer,
+/// state: `checkpoint::verify_share`, this rank's share), on a thread of its own while the session's
+/// first step trains. Training never reads them (a resume builds the model from the optimizer's
+/// verified master weights), so nothing waits for them: reading them before the first step would add
+/// their bytes to every resume (2 per 12 of the optimizer's in bf16; +42% measured on a cold disk,
+/// benches/results/checkpoint-checksums.md), while a step at the sizes harpe is for outlasts the check.
+/// `Run::settle_share_check` ends it before anything of the first step is logged or saved.
+pub(super) struct ShareCheck {
+    dir: PathBuf,
+    handle: std::thread::JoinHandle<Result<()>>,
+}
+
+impl ShareCheck {
+    fn start(dir: &Path, sums: crate::checksum::Checksums, rank: usize, world: usize) -> ShareCheck {
+        let owned = dir.to_path_buf();
+        let handle = std::thread::spawn(move || checkpoint::verify_share(&owned, &sums, rank, world));
+        ShareCheck { dir: dir.to_path_buf(), handle }
+    }
 }
 
 /// The checkpoint every rank resumes from, chosen by rank 0 alone and told to all: rank 0

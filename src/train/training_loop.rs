@@ -58,6 +58,7 @@ pub(super) fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Res
             }
             r.comm.progress(&format!("in step {}", r.state.step + 1));
             let out = train_step(&mut r, &mut stage)?;
+            r.settle_share_check()?;
             log_step(&mut r, &stage, &out)?;
             r.check_bad_streak()?;
             maybe_evaluate(&mut r, &stage, ev.as_mut())?;
@@ -71,6 +72,7 @@ pub(super) fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Res
         }
         stage.close();
     }
+    r.settle_share_check()?;
     finish(&r, end)
 }
 

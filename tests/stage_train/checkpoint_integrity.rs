@@ -1,7 +1,8 @@
 //! Checksummed checkpoints through the binary: a flipped exponent bit in the model file of the shipped
 //! tiny-cpu run's checkpoint is refused by `--resume` (naming the file and the bytes) and found by
 //! `harpe verify`; `--resume-from` continues from the checkpoint before it; a flip in an optimizer block
-//! only one rank of a 2-rank run reads is found by that rank; a checkpoint without checksums (an older
+//! only one rank of a 2-rank run reads is found by that rank; a damaged model file that one rank checks
+//! stops every rank before the first step is logged or saved; a checkpoint without checksums (an older
 //! harpe's) still resumes, saying so.
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,6 +65,9 @@ fn a_flipped_weight_bit_is_refused_at_resume_and_found_by_verify() {
         "{text}"
     );
     assert!(!ckpt(&out, 22).exists());
+    // the model file is checked while the first step trains: the run stopped before logging it
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("{\"step\":20,") && !metrics.contains("{\"step\":21,"), "{metrics}");
     let (ok, text) = harpe(&["verify", s20.to_str().unwrap()]);
     assert!(!ok && text.contains("model.safetensors: bytes 0..") && text.contains("1 damaged part(s)"), "{text}");
     assert!(harpe(&["verify", s10.to_str().unwrap()]).0);
@@ -133,4 +137,33 @@ fn a_flip_in_an_optimizer_block_only_rank_1_reads_is_found_by_rank_1() {
     assert!(text.contains("rank 1"), "the rank that read the block reports it: {text}");
     let (ok, text) = harpe(&["verify", ckpt(&out, 1).to_str().unwrap()]);
     assert!(!ok && text.contains("(block 1)"), "{text}");
+}
+
+#[test]
+fn a_damaged_model_file_checked_by_rank_1_stops_both_ranks_after_the_first_step_trains() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = d.path().join("wide.toml");
+    std::fs::write(&cfg, WIDE).unwrap();
+    let out = d.path().join("run");
+    let dist = ["--set", "dist.backend=local", "--set", "dist.world_size=2", "--set", "dist.zero_stage=1"];
+    let (ok, text) = train(&cfg, &out, &[&dist[..], &["--steps", "1"]].concat());
+    assert!(ok, "{text}");
+    // the checkpoint's non-optimizer files are checked in shares, block by block in name order:
+    // config.json's one block is rank 0's, model.safetensors' first block rank 1's
+    let sums: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt(&out, 1).join("checksums.json")).unwrap()).unwrap();
+    let names: Vec<&String> = sums["files"].as_object().unwrap().keys().filter(|n| !n.starts_with("optim-")).collect();
+    assert_eq!(names[..2], ["config.json", "model.safetensors"]);
+    assert_eq!(sums["files"]["config.json"]["crc32c"].as_array().unwrap().len(), 1);
+    let model = ckpt(&out, 1).join("model.safetensors");
+    flip(&model, first_value_offset(&model) + 3, 0x40);
+    let (ok, text) = train(&cfg, &out, &[&dist[..], &["--steps", "3", "--resume"]].concat());
+    assert!(!ok, "{text}");
+    assert!(text.contains("step_000001/model.safetensors: bytes 0..") && text.contains("(block 0) are damaged"), "{text}");
+    assert!(text.contains("rank 1 failed") && text.contains("ranks [0] stopped because of it"), "{text}");
+    assert!(!text.contains("another rank found"), "the cause is shown, not rank 0's echo of it: {text}");
+    assert!(text.contains("harpe verify"), "{text}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(!metrics.contains("{\"step\":2,"), "{metrics}");
+    assert!(!ckpt(&out, 2).exists() && !ckpt(&out, 3).exists());
 }

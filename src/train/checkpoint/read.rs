@@ -34,8 +34,10 @@ pub struct OptimShard {
     sum: Option<FileSum>,
     /// the hint of a checksum mismatch (`damage_hint`)
     hint: String,
-    /// blocks 0..checked_blocks were checked when the shard was opened (the header's)
-    checked_blocks: usize,
+    /// the blocks that hold the file's header (the safetensors header and the metadata with `range`
+    /// and `t`): checked with the first values a reader takes from this file, so a rank that uses the
+    /// file trusts its header only once it is checked, and a rank that does not use it never reads it
+    header_blocks: std::ops::Range<usize>,
 }
 
 /// Bytes per positional read of a shard's values: pieces small enough to be hashed and converted while
@@ -73,10 +75,10 @@ impl LeF32 {
 
 impl OptimShard {
     /// Append the (master, m, v) values at positions `local` (relative to `range.start`) to `outs`, in
-    /// one pass over the file: with checksums, every block holding any of those bytes is read whole,
-    /// once (a block where one tensor ends and the next begins serves both), and checked; a damaged
-    /// block's values are taken back out of `outs` before the error returns, so nothing unchecked is
-    /// kept. Blocks checked when the shard was opened (its header's) are not hashed again.
+    /// one pass over the file: with checksums, every block holding any of those bytes, and the blocks
+    /// of the header their positions came from, is read whole, once (a block where one tensor ends and
+    /// the next begins serves both), and checked; a damaged block's values are taken back out of `outs`
+    /// before the error returns, so nothing unchecked is kept.
     pub fn copy_range(&self, local: std::ops::Range<usize>, outs: [&mut Vec<f32>; 3]) -> Result<()> {
         let want = self.offsets.map(|o| (o + 4 * local.start) as u64..(o + 4 * local.end) as u64);
         let mut outs = outs;
@@ -92,21 +94,12 @@ impl OptimShard {
             }
             return Ok(());
         };
-        let mut blocks: Vec<usize> = want.iter().flat_map(|w| s.blocks_of(w.clone())).collect();
+        let mut blocks: Vec<usize> =
+            want.iter().flat_map(|w| s.blocks_of(w.clone())).chain(self.header_blocks.clone()).collect();
         blocks.sort_unstable();
         blocks.dedup();
         for b in blocks {
             let block = s.block_range(b);
-            if b < self.checked_blocks {
-                // checked at open: read only the wanted bytes
-                for w in &want {
-                    let span = w.start.max(block.start)..w.end.min(block.end);
-                    if !span.is_empty() {
-                        self.read_pieces(span, &want, &mut buf, &mut values, &mut outs, |_| {})?;
-                    }
-                }
-                continue;
-            }
             let marks = outs.each_ref().map(|o| o.len());
             let mut crc = crate::checksum::Crc::new();
             self.read_pieces(block.clone(), &want, &mut buf, &mut values, &mut outs, |piece| crc.update(piece))?;
@@ -201,23 +194,48 @@ pub fn read_optim_shard(p: &Path) -> Result<OptimShard> {
         offsets,
         sum: None,
         hint: String::new(),
-        checked_blocks: 0,
+        header_blocks: 0..0,
     })
 }
 
 /// The checksums of optimizer shard `p` in `sums` (of checkpoint `dir`) and the hint of a mismatch,
-/// after checking the file's length and its first block (where the header every reader parses lies;
-/// the values are checked as they are read).
+/// after checking the file's length (its blocks are checked as they are read: `copy_range`).
 fn shard_sum(dir: &Path, p: &Path, sums: &Checksums) -> Result<(FileSum, String)> {
     let hint = super::damage_hint(dir);
     let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let sum = sums.files.get(&name).ok_or_else(|| {
         anyhow!("{}: not listed in {}\nhint: {hint}", p.display(), dir.join(super::CHECKSUMS).display())
     })?;
-    let f = std::fs::File::open(p).with_context(|| format!("cannot open {}\nhint: {hint}", p.display()))?;
-    sum.check_len(p, f.metadata().with_context(|| format!("cannot stat {}", p.display()))?.len(), &hint)?;
-    sum.verify_blocks(p, &f, sum.blocks_of(0..1), &hint)?;
+    let len = std::fs::metadata(p).with_context(|| format!("cannot stat {}\nhint: {hint}", p.display()))?.len();
+    sum.check_len(p, len, &hint)?;
     Ok((sum.clone(), hint))
+}
+
+impl OptimShard {
+    /// Attach the file's checksums (`hint` ends a mismatch's error).
+    fn with_sum(mut self, sum: FileSum, hint: String) -> OptimShard {
+        let header_end = self.offsets.iter().copied().min().unwrap_or(0) as u64;
+        self.header_blocks = sum.blocks_of(0..header_end.max(1));
+        (self.sum, self.hint) = (Some(sum), hint);
+        self
+    }
+
+    /// Check the blocks of the file's header; run before an error that its `range` or `t` led to, so
+    /// that damage is reported as damage.
+    pub fn verify_header(&self) -> Result<()> {
+        match &self.sum {
+            Some(s) => s.verify_blocks(&self.path, &self.file, self.header_blocks.clone(), &self.hint),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Check the headers of `shards` (`verify_header`), then return `err`.
+fn refuse<T>(shards: &[OptimShard], err: anyhow::Error) -> Result<T> {
+    for s in shards {
+        s.verify_header()?;
+    }
+    Err(err)
 }
 
 /// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
@@ -243,15 +261,19 @@ pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
     let mut shards = Vec::with_capacity(files.len());
     for p in &files {
         let sum = sums.as_ref().map(|s| shard_sum(dir, p, s)).transpose()?;
-        let mut shard = read_optim_shard(p)?;
-        if let Some((sum, hint)) = sum {
-            // the header's remaining blocks (block 0 was checked before parsing)
-            let header_end = shard.offsets.iter().copied().min().unwrap_or(0) as u64;
-            let header = sum.blocks_of(0..header_end);
-            sum.verify_blocks(&shard.path, &shard.file, header.clone().filter(|&b| b > 0), &hint)?;
-            shard.checked_blocks = header.end.max(1);
-            (shard.sum, shard.hint) = (Some(sum), hint);
-        }
+        // The header is parsed before it is checked: which files a rank needs comes from their headers,
+        // and reading every file's first block on every rank would cost N x 8 MiB per rank. A file a
+        // rank takes values from has its header checked with them (`copy_range`); an error that a
+        // header led to checks it first (`refuse`); a header that does not parse checks the file.
+        let shard = match (read_optim_shard(p), sum) {
+            (Ok(shard), Some((sum, hint))) => shard.with_sum(sum, hint),
+            (Ok(shard), None) => shard,
+            (Err(e), Some((sum, hint))) => {
+                sum.verify_file(p, &hint)?;
+                return Err(e);
+            }
+            (Err(e), None) => return Err(e),
+        };
         shards.push(shard);
     }
     shards.sort_by_key(|s| (s.range.start, s.range.end));
@@ -267,13 +289,13 @@ pub type Stitched = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
 pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usize>) -> Result<Stitched> {
     let t = shards.first().map(|s| s.t).unwrap_or(0);
     if let Some(s) = shards.iter().find(|s| s.t != t) {
-        bail!(
+        return refuse(shards, anyhow!(
             "{}: {} is at optimizer step {} but {} at {t}\nhint: the checkpoint mixes shards of different saves; use another checkpoint",
             dir.display(),
             s.path.display(),
             s.t,
             shards[0].path.display()
-        );
+        ));
     }
     let (mut master, mut m, mut v) =
         (Vec::with_capacity(want.len()), Vec::with_capacity(want.len()), Vec::with_capacity(want.len()));
@@ -295,10 +317,10 @@ pub fn stitch_optim(dir: &Path, shards: &[OptimShard], want: std::ops::Range<usi
     }
     if pos < want.end {
         let end = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
-        bail!(
+        return refuse(shards, anyhow!(
             "{}: the optimizer shards cover the flat parameters only up to {pos} of the needed {want:?} (shards end at {end})\nhint: the checkpoint is missing a shard, or the model has more parameters than the run that wrote it",
             dir.display()
-        );
+        ));
     }
     Ok((master, m, v, t))
 }
@@ -310,11 +332,11 @@ pub fn read_optim_range(dir: &Path, mesh: &Mesh, want: std::ops::Range<usize>) -
     let shards = read_optim_shards(dir)?;
     let total = shards.iter().map(|s| s.range.end).max().unwrap_or(0);
     if want.end > total {
-        bail!(
+        return refuse(&shards, anyhow!(
             "{}: the optimizer shards hold {total} parameters, rank {} needs {want:?}\nhint: the model differs from the run that wrote the checkpoint",
             dir.display(),
             mesh.rank()
-        );
+        ));
     }
     stitch_optim(dir, &shards, want)
 }
@@ -361,11 +383,12 @@ mod tests {
         let n = 20_000; // 80 KB per tensor: ~60 blocks of 4 KiB, several pieces
         let (p, vals, sum) = shard(d.path(), n, 4096);
         let open = |sum: Option<FileSum>| {
-            let mut sh = read_optim_shard(&p).unwrap();
+            let sh = read_optim_shard(&p).unwrap();
             assert_eq!((sh.range.clone(), sh.t), (10..10 + n, 3));
-            sh.checked_blocks = usize::from(sum.is_some());
-            (sh.sum, sh.hint) = (sum, "use another".into());
-            sh
+            match sum {
+                Some(sum) => sh.with_sum(sum, "use another".into()),
+                None => sh,
+            }
         };
         let (plain, summed) = (open(None), open(Some(sum.clone())));
         for local in [0..n, 0..1, 1..2, 1023..1025, 5..n - 3, n - 1..n, 7..7] {
@@ -395,6 +418,35 @@ mod tests {
         }
         // without checksums the same damage goes through (an older checkpoint's reader)
         assert_ne!(read(&open(None), 0..n).unwrap()[1], vals[1]);
+    }
+
+    #[test]
+    fn a_damaged_header_is_found_by_a_rank_that_reads_no_value_of_its_block() {
+        let d = tempfile::tempdir().unwrap();
+        let n = 20_000;
+        let (p, vals, sum) = shard(d.path(), n, 4096);
+        let mut sums = Checksums::new();
+        sums.files.insert("optim-00000-of-00001.safetensors".into(), sum);
+        std::fs::write(d.path().join(super::super::CHECKSUMS), serde_json::to_string(&sums).unwrap()).unwrap();
+        let last = 10 + n - 1..10 + n; // flat positions: the shard holds 10..10 + n
+        let shards = read_optim_shards(d.path()).unwrap();
+        assert_eq!(stitch_optim(d.path(), &shards, last.clone()).unwrap().0, [vals[0][n - 1]]);
+        let clean = std::fs::read(&p).unwrap();
+        let at = |needle: &str| clean.windows(needle.len()).position(|w| w == needle.as_bytes()).unwrap();
+        // the step count 3 -> 7: still a valid header, so only its checksum tells
+        let mut bytes = clean.clone();
+        bytes[at("\\\"t\\\":3") + 6] ^= 0x04;
+        std::fs::write(&p, &bytes).unwrap();
+        let shards = read_optim_shards(d.path()).unwrap();
+        assert_eq!(shards[0].t, 7);
+        let e = format!("{:#}", stitch_optim(d.path(), &shards, last).unwrap_err());
+        assert!(e.contains("bytes 0..4096 (block 0) are damaged"), "{e}");
+        // a header that no longer parses is reported as damage, not as a malformed file
+        let mut bytes = clean.clone();
+        bytes[at("harpe_optim")] ^= 0x20;
+        std::fs::write(&p, &bytes).unwrap();
+        let e = format!("{:#}", read_optim_shards(d.path()).err().unwrap());
+        assert!(e.contains("(block 0) are damaged"), "{e}");
     }
 
     #[test]
