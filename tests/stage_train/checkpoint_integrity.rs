@@ -159,7 +159,10 @@ fn a_damaged_model_file_checked_by_rank_1_stops_both_ranks_after_the_first_step_
     flip(&model, first_value_offset(&model) + 3, 0x40);
     let (ok, text) = train(&cfg, &out, &[&dist[..], &["--steps", "3", "--resume"]].concat());
     assert!(!ok, "{text}");
-    assert!(text.contains("step_000001/model.safetensors: bytes 0..") && text.contains("(block 0) are damaged"), "{text}");
+    assert!(
+        text.contains("step_000001/model.safetensors: bytes 0..") && text.contains("(block 0) are damaged"),
+        "{text}"
+    );
     assert!(text.contains("rank 1 failed") && text.contains("ranks [0] stopped because of it"), "{text}");
     assert!(!text.contains("another rank found"), "the cause is shown, not rank 0's echo of it: {text}");
     assert!(text.contains("harpe verify"), "{text}");
