@@ -94,6 +94,24 @@ pub fn ended(state: &str) -> bool {
     })
 }
 
+/// `sbatch` (a command made for the caller's cluster) of the shipped scripts/slurm-harpe-128k.sh as
+/// the GPU-less test clusters run it: 2 Gloo tasks per node, no GPUs, one CPU each, then `opts` (before
+/// the script); the config, run directory, binary and `--set` values through the script's environment,
+/// and a 60 s collective timeout.
+pub fn sbatch_shipped_script(mut sbatch: Command, opts: &[String], cfg: &Path, run_dir: &Path, set: &str) -> Command {
+    sbatch
+        .args(["--parsable", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"])
+        .args(opts)
+        .arg(root().join("scripts/slurm-harpe-128k.sh"))
+        .env("BACKEND", "gloo")
+        .env("CONFIG", cfg)
+        .env("RUN_DIR", run_dir)
+        .env("HARPE", env!("CARGO_BIN_EXE_harpe"))
+        .env("TIMEOUT_S", "60")
+        .env("HARPE_SET", set);
+    sbatch
+}
+
 /// Fail unless README.md has `line` as one of its lines (a test that runs a README line says which,
 /// and this keeps the two from drifting apart).
 pub fn assert_readme_line(line: &str) {

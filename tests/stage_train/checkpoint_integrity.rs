@@ -141,12 +141,29 @@ fn a_flip_in_an_optimizer_block_only_rank_1_reads_is_found_by_rank_1() {
 
 #[test]
 fn a_damaged_model_file_checked_by_rank_1_stops_both_ranks_after_the_first_step_trains() {
+    let dist = ["--set", "dist.backend=local", "--set", "dist.world_size=2", "--set", "dist.zero_stage=1"];
+    let text = damaged_model_file_run(&dist);
+    assert!(text.contains("rank 1 failed") && text.contains("ranks [0] stopped because of it"), "{text}");
+}
+
+/// The same with 2 Gloo processes, the launch path of NCCL ranks: rank 1's process reports the damage, rank
+/// 0's stops because of it.
+#[cfg(feature = "gloo")]
+#[test]
+fn a_damaged_model_file_checked_by_process_1_stops_both_processes() {
+    let dist = ["--nproc-per-node", "2", "--set", "dist.backend=gloo", "--set", "dist.zero_stage=1"];
+    let text = damaged_model_file_run(&dist);
+    assert!(text.contains("rank 1 failed first"), "{text}");
+}
+
+/// Train one step on 2 ranks (`dist`), flip a bit in the checkpoint's model file where rank 1 checks it,
+/// resume: the run fails naming the file, before the first step is logged or saved. Its output.
+fn damaged_model_file_run(dist: &[&str]) -> String {
     let d = tempfile::tempdir().unwrap();
     let cfg = d.path().join("wide.toml");
     std::fs::write(&cfg, WIDE).unwrap();
     let out = d.path().join("run");
-    let dist = ["--set", "dist.backend=local", "--set", "dist.world_size=2", "--set", "dist.zero_stage=1"];
-    let (ok, text) = train(&cfg, &out, &[&dist[..], &["--steps", "1"]].concat());
+    let (ok, text) = train(&cfg, &out, &[dist, &["--steps", "1"]].concat());
     assert!(ok, "{text}");
     // the checkpoint's non-optimizer files are checked in shares, block by block in name order:
     // config.json's one block is rank 0's, model.safetensors' first block rank 1's
@@ -157,16 +174,16 @@ fn a_damaged_model_file_checked_by_rank_1_stops_both_ranks_after_the_first_step_
     assert_eq!(sums["files"]["config.json"]["crc32c"].as_array().unwrap().len(), 1);
     let model = ckpt(&out, 1).join("model.safetensors");
     flip(&model, first_value_offset(&model) + 3, 0x40);
-    let (ok, text) = train(&cfg, &out, &[&dist[..], &["--steps", "3", "--resume"]].concat());
+    let (ok, text) = train(&cfg, &out, &[dist, &["--steps", "3", "--resume"]].concat());
     assert!(!ok, "{text}");
     assert!(
         text.contains("step_000001/model.safetensors: bytes 0..") && text.contains("(block 0) are damaged"),
         "{text}"
     );
-    assert!(text.contains("rank 1 failed") && text.contains("ranks [0] stopped because of it"), "{text}");
     assert!(!text.contains("another rank found"), "the cause is shown, not rank 0's echo of it: {text}");
     assert!(text.contains("harpe verify"), "{text}");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert!(!metrics.contains("{\"step\":2,"), "{metrics}");
     assert!(!ckpt(&out, 2).exists() && !ckpt(&out, 3).exists());
+    text
 }

@@ -9,7 +9,9 @@
 //! the 128K recipe, fewer steps): "Single node, torchrun, Slurm" — the `srun --nodes=1 --ntasks-per-node=8
 //! ... harpe train` line and the `sbatch --nodes=1 scripts/slurm-harpe-128k.sh` line.
 use super::train_dist::{assert_same_losses, assert_same_tensors, losses, losses_or_empty, train};
-use crate::common::slurm::{assert_readme_line, cluster, ended, root, run_ok, slurm_cmd, wait_job};
+use crate::common::slurm::{
+    assert_readme_line, cluster, ended, root, run_ok, sbatch_shipped_script, slurm_cmd, wait_job,
+};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -88,19 +90,16 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     assert_readme_line("sbatch --nodes=1 scripts/slurm-harpe-128k.sh");
     let job_dir = dir.join("sbatch");
     let t = Instant::now();
-    let mut sbatch = slurm_cmd(&conf, "sbatch", dir);
-    sbatch
-        .args(["--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10"])
-        // the script's TERM@1080 is longer than this 10-minute limit, so Slurm would send it at once
-        .arg("--signal=TERM@30")
-        .arg(format!("--output={}/job-%j.out", dir.display()))
-        .arg(root().join("scripts/slurm-harpe-128k.sh"))
-        .env("BACKEND", "gloo")
-        .env("CONFIG", &cfg)
-        .env("RUN_DIR", &job_dir)
-        .env("HARPE", harpe)
-        .env("TIMEOUT_S", "60")
-        .env("HARPE_SET", LONG);
+    // the script's TERM@1080 is longer than this 10-minute limit, so Slurm would send it at once
+    let opts = ["--nodes=1", "--time=10", "--signal=TERM@30"].map(String::from);
+    let output = format!("--output={}/job-%j.out", dir.display());
+    let mut sbatch = sbatch_shipped_script(
+        slurm_cmd(&conf, "sbatch", dir),
+        &[&opts[..], std::slice::from_ref(&output)].concat(),
+        &cfg,
+        &job_dir,
+        LONG,
+    );
     let job = run_ok(&mut sbatch).trim().split(';').next().unwrap().to_string();
     let log = dir.join(format!("job-{job}.out"));
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
@@ -140,17 +139,9 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
     // and the job ends before its limit, COMPLETED (not TIMEOUT)
     let t = Instant::now();
     let limited = dir.join("limited");
-    let mut sbatch = slurm_cmd(&conf, "sbatch", dir);
-    sbatch
-        .args(["--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"])
-        .args(["--time=1", "--signal=TERM@45"])
-        .arg(format!("--output={}/job-%j.out", dir.display()))
-        .arg(root().join("scripts/slurm-harpe-128k.sh"))
-        .env("BACKEND", "gloo")
-        .env("CONFIG", &cfg)
-        .env("RUN_DIR", &limited)
-        .env("HARPE", harpe)
-        .env("HARPE_SET", "stage.0.steps=1000000 stage.1.steps=1");
+    let opts = ["--nodes=1".into(), "--time=1".into(), "--signal=TERM@45".into(), output];
+    let set = "stage.0.steps=1000000 stage.1.steps=1";
+    let mut sbatch = sbatch_shipped_script(slurm_cmd(&conf, "sbatch", dir), &opts, &cfg, &limited, set);
     let job = run_ok(&mut sbatch).trim().split(';').next().unwrap().to_string();
     let state = wait_job(&conf, &job, Duration::from_secs(150), ended);
     let log = std::fs::read_to_string(dir.join(format!("job-{job}.out"))).unwrap_or_default();

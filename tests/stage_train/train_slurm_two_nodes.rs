@@ -6,7 +6,7 @@
 use super::slurm_two_nodes::TwoNodes;
 use super::train_dist::{assert_same_losses, assert_same_tensors, train};
 use super::train_slurm::{final_model, sets, SHORT};
-use crate::common::slurm::{assert_readme_line, ended, root, run_ok};
+use crate::common::slurm::{assert_readme_line, ended, root, run_ok, sbatch_shipped_script};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -49,16 +49,7 @@ fn slurm_two_nodes_srun_and_sbatch_of_the_shipped_script_equal_one_rank() {
     );
     let t = Instant::now();
     let job_dir = dir.join("sbatch");
-    let mut sbatch = c.cmd("sbatch", dir);
-    sbatch
-        .args(["--parsable", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"])
-        .arg(root().join("scripts/slurm-harpe-128k.sh"))
-        .env("BACKEND", "gloo")
-        .env("CONFIG", &cfg)
-        .env("RUN_DIR", &job_dir)
-        .env("HARPE", harpe)
-        .env("TIMEOUT_S", "60")
-        .env("HARPE_SET", SHORT);
+    let mut sbatch = sbatch_shipped_script(c.cmd("sbatch", dir), &[], &cfg, &job_dir, SHORT);
     let job = run_ok(&mut sbatch).trim().split(';').next().unwrap().to_string();
     let log = dir.join(format!("slurm-harpe-128k-{job}.out"));
     let t_wait = Instant::now();
