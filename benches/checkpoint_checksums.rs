@@ -107,11 +107,10 @@ fn main() -> Result<()> {
     sums.files.insert("model.safetensors".into(), FileSum::of_bytes(&model));
     drop(model);
     let sums_text = serde_json::to_string(&sums)?;
-    let mesh = harpe::comms::Mesh::single();
-    // the optimizer range and the model file's check (`verify_share`, which a resume runs beside its
-    // first step) one after the other, as a resume would wait for them if the check came first; without
-    // checksums, the range alone
-    let resume = |with: bool| -> Result<f64> {
+    // The resume's read of the range, with `checksums.json` or without; with `model_check`, the model
+    // file's check (`verify_share`, which a resume runs beside its first step) before it, as a resume
+    // would wait for it if the check came first.
+    let read = |with: bool, model_check: bool| -> Result<f64> {
         let p = dir.join(checkpoint::CHECKSUMS);
         match with {
             true => std::fs::write(&p, &sums_text)?,
@@ -121,44 +120,28 @@ fn main() -> Result<()> {
         }
         drop_caches(cold)?;
         let t = Instant::now();
-        let sums = checkpoint::load_checksums(dir)?;
-        if let Some(s) = sums {
+        if let (true, Some(s)) = (model_check, checkpoint::load_checksums(dir)?) {
             checkpoint::verify_share(dir, &s, 0, 1)?;
         }
-        let (master, _, _, _) = checkpoint::read_optim_range(dir, &mesh, 0..n)?;
-        let s = t.elapsed().as_secs_f64();
-        assert_eq!(master.len(), n);
-        Ok(s)
-    };
-    let read = |with: bool| -> Result<f64> {
-        let p = dir.join(checkpoint::CHECKSUMS);
-        match with {
-            true => std::fs::write(&p, &sums_text)?,
-            false => {
-                let _ = std::fs::remove_file(&p);
-            }
-        }
-        drop_caches(cold)?;
-        let t = Instant::now();
         let shards = checkpoint::read_optim_shards(dir)?;
         let (master, _, _, _) = checkpoint::stitch_optim(dir, &shards, 0..n)?;
         let s = t.elapsed().as_secs_f64();
         assert_eq!(master.len(), n);
         Ok(s)
     };
-    read(false)?; // warm the page cache
-    resume(true)?;
+    read(false, false)?; // warm the page cache
+    read(true, true)?;
     let (mut res_sum, mut res_plain) = (vec![], vec![]);
     for r in 0..repeats {
         if r % 2 == 0 {
-            r_sum.push(read(true)?);
-            r_plain.push(read(false)?);
+            r_sum.push(read(true, false)?);
+            r_plain.push(read(false, false)?);
         } else {
-            r_plain.push(read(false)?);
-            r_sum.push(read(true)?);
+            r_plain.push(read(false, false)?);
+            r_sum.push(read(true, false)?);
         }
-        res_sum.push(resume(true)?);
-        res_plain.push(resume(false)?);
+        res_sum.push(read(true, true)?);
+        res_plain.push(read(false, true)?);
     }
     // the hash alone over the file's bytes, one core
     let data = std::fs::read(&path)?;
