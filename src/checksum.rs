@@ -150,6 +150,25 @@ impl FileSum {
         Ok(())
     }
 
+    /// Read block `b` of the open file `f` (= `path`) in pieces of `buf.len()` bytes, handing each to
+    /// `each` (its offset, its bytes) as it arrives, then check the block against its checksum.
+    pub fn read_block(
+        &self,
+        (f, path): (&std::fs::File, &Path),
+        b: usize,
+        buf: &mut [u8],
+        hint: &str,
+        mut each: impl FnMut(u64, &[u8]),
+    ) -> Result<()> {
+        let r = self.block_range(b);
+        let mut crc = Crc::new();
+        read_pieces((f, path), r.clone(), buf, hint, |at, piece| {
+            crc.update(piece);
+            each(at, piece)
+        })?;
+        self.check_crc(path, b, crc.value(), r.end - r.start, hint)
+    }
+
     /// Read the blocks `blocks` of the open file `f` (= `path`) and check each (positional reads of
     /// `PIECE_BYTES`, each hashed while in cache).
     pub fn verify_blocks(
@@ -159,20 +178,9 @@ impl FileSum {
         blocks: impl Iterator<Item = usize>,
         hint: &str,
     ) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; PIECE_BYTES.min(self.block_bytes) as usize];
+        let mut buf = vec![0u8; PIECE_BYTES.min(self.block_bytes).max(1) as usize];
         for b in blocks {
-            let r = self.block_range(b);
-            let mut crc = Crc::new();
-            let mut at = r.start;
-            while at < r.end {
-                let piece = &mut buf[..(r.end - at).min(PIECE_BYTES) as usize];
-                f.read_exact_at(piece, at)
-                    .with_context(|| format!("cannot read {} at byte {at}\nhint: {hint}", path.display()))?;
-                crc.update(piece);
-                at += piece.len() as u64;
-            }
-            self.check_crc(path, b, crc.value(), r.end - r.start, hint)?;
+            self.read_block((f, path), b, &mut buf, hint, |_, _| {})?;
         }
         Ok(())
     }
@@ -184,6 +192,28 @@ impl FileSum {
         self.check_len(path, len, hint)?;
         self.verify_blocks(path, &f, 0..self.crc32c.len(), hint)
     }
+}
+
+/// Read bytes `span` of the open file `f` (= `path`) with positional reads of `buf.len()` bytes, handing
+/// each piece to `each` (its offset, its bytes); `hint` ends a read error.
+pub fn read_pieces(
+    (f, path): (&std::fs::File, &Path),
+    span: std::ops::Range<u64>,
+    buf: &mut [u8],
+    hint: &str,
+    mut each: impl FnMut(u64, &[u8]),
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let size = buf.len() as u64;
+    let mut at = span.start;
+    while at < span.end {
+        let piece = &mut buf[..(span.end - at).min(size) as usize];
+        f.read_exact_at(piece, at)
+            .with_context(|| format!("cannot read {} at byte {at}\nhint: {hint}", path.display()))?;
+        each(at, piece);
+        at += piece.len() as u64;
+    }
+    Ok(())
 }
 
 /// Running block checksums over bytes fed in order.

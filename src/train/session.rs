@@ -368,7 +368,7 @@ pub(super) fn resume(
 /// state: `checkpoint::verify_share`, this rank's share), on a thread of its own while the session's
 /// first step trains. Training never reads them (a resume builds the model from the optimizer's
 /// verified master weights), so nothing waits for them: reading them before the first step would add
-/// their bytes to every resume (2 per 12 of the optimizer's in bf16; +42% measured on a cold disk,
+/// their bytes to every resume (2 per 12 of the optimizer's in bf16; +42% to +54% measured on a cold disk,
 /// benches/results/checkpoint-checksums.md), while a step at the sizes harpe is for outlasts the check.
 /// `Run::settle_share_check` ends it before anything of the first step is logged or saved.
 pub(super) struct ShareCheck {

@@ -5,7 +5,7 @@
 //! A resume may use another world size than the run that wrote the checkpoint, so the shards are re-cut.
 //! Split from checkpoint/mod.rs, which writes what this reads.
 
-use crate::checksum::{Checksums, FileSum};
+use crate::checksum::{self, Checksums, FileSum};
 use crate::comms::Mesh;
 use crate::flatbuf::FlatBuf;
 use crate::optim::adamw::AdamW;
@@ -42,7 +42,10 @@ pub struct OptimShard {
 
 /// Bytes per positional read of a shard's values: pieces small enough to be hashed and converted while
 /// still in the core's cache (`checksum::PIECE_BYTES`).
-const READ_PIECE_BYTES: u64 = crate::checksum::PIECE_BYTES;
+const READ_PIECE_BYTES: u64 = checksum::PIECE_BYTES;
+
+/// The hint of a read error in a shard without checksums.
+const READ_HINT: &str = "the file is damaged or truncated";
 
 /// Little-endian f32 values from bytes that arrive in pieces (a value may straddle two pieces when
 /// a range does not start on a piece's 4-byte grid; never in a file harpe wrote, whose data is
@@ -79,18 +82,28 @@ impl OptimShard {
     /// of the header their positions came from, is read whole, once (a block where one tensor ends and
     /// the next begins serves both), and checked; a damaged block's values are taken back out of `outs`
     /// before the error returns, so nothing unchecked is kept.
-    pub fn copy_range(&self, local: std::ops::Range<usize>, outs: [&mut Vec<f32>; 3]) -> Result<()> {
+    pub fn copy_range(&self, local: std::ops::Range<usize>, mut outs: [&mut Vec<f32>; 3]) -> Result<()> {
         let want = self.offsets.map(|o| (o + 4 * local.start) as u64..(o + 4 * local.end) as u64);
-        let mut outs = outs;
         for o in outs.iter_mut() {
             o.reserve(local.len());
         }
         let mut buf = vec![0u8; READ_PIECE_BYTES as usize];
         let mut values: [LeF32; 3] = Default::default();
+        // append the values of a piece's bytes that lie in `want[k]` to `outs[k]`
+        let mut take = |outs: &mut [&mut Vec<f32>; 3], at: u64, piece: &[u8]| {
+            let hi = at + piece.len() as u64;
+            for k in 0..3 {
+                let (lo, up) = (at.max(want[k].start), hi.min(want[k].end));
+                if lo < up {
+                    values[k].push(&piece[(lo - at) as usize..(up - at) as usize], outs[k]);
+                }
+            }
+        };
+        let file = (&self.file, self.path.as_path());
         let Some(s) = &self.sum else {
             // an older checkpoint without checksums: just the values
-            for k in 0..3 {
-                self.read_pieces(want[k].clone(), &want, &mut buf, &mut values, &mut outs, |_| {})?;
+            for w in &want {
+                checksum::read_pieces(file, w.clone(), &mut buf, READ_HINT, |at, p| take(&mut outs, at, p))?;
             }
             return Ok(());
         };
@@ -99,11 +112,8 @@ impl OptimShard {
         blocks.sort_unstable();
         blocks.dedup();
         for b in blocks {
-            let block = s.block_range(b);
             let marks = outs.each_ref().map(|o| o.len());
-            let mut crc = crate::checksum::Crc::new();
-            self.read_pieces(block.clone(), &want, &mut buf, &mut values, &mut outs, |piece| crc.update(piece))?;
-            if let Err(e) = s.check_crc(&self.path, b, crc.value(), block.end - block.start, &self.hint) {
+            if let Err(e) = s.read_block(file, b, &mut buf, &self.hint, |at, p| take(&mut outs, at, p)) {
                 for (o, m) in outs.iter_mut().zip(marks) {
                     o.truncate(m);
                 }
@@ -113,35 +123,21 @@ impl OptimShard {
         Ok(())
     }
 
-    /// Read bytes `span` of the file in pieces of `READ_PIECE_BYTES`, pass each piece to `each` and
-    /// append the values of the bytes that lie in `want[k]` to `outs[k]`.
-    fn read_pieces(
-        &self,
-        span: std::ops::Range<u64>,
-        want: &[std::ops::Range<u64>; 3],
-        buf: &mut [u8],
-        values: &mut [LeF32; 3],
-        outs: &mut [&mut Vec<f32>; 3],
-        mut each: impl FnMut(&[u8]),
-    ) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        let mut at = span.start;
-        while at < span.end {
-            let piece = &mut buf[..(span.end - at).min(READ_PIECE_BYTES) as usize];
-            self.file.read_exact_at(piece, at).with_context(|| {
-                format!("cannot read {} at byte {at}\nhint: the file is damaged or truncated", self.path.display())
-            })?;
-            each(piece);
-            let hi = at + piece.len() as u64;
-            for k in 0..3 {
-                let (lo, up) = (at.max(want[k].start), hi.min(want[k].end));
-                if lo < up {
-                    values[k].push(&piece[(lo - at) as usize..(up - at) as usize], outs[k]);
-                }
-            }
-            at = hi;
+    /// Attach the file's checksums (`hint` ends a mismatch's error).
+    fn with_sum(mut self, sum: FileSum, hint: String) -> OptimShard {
+        let header_end = self.offsets.iter().copied().min().unwrap_or(0) as u64;
+        self.header_blocks = sum.blocks_of(0..header_end.max(1));
+        (self.sum, self.hint) = (Some(sum), hint);
+        self
+    }
+
+    /// Check the blocks of the file's header; run before an error that its `range` or `t` led to, so
+    /// that damage is reported as damage.
+    pub fn verify_header(&self) -> Result<()> {
+        match &self.sum {
+            Some(s) => s.verify_blocks(&self.path, &self.file, self.header_blocks.clone(), &self.hint),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -209,25 +205,6 @@ fn shard_sum(dir: &Path, p: &Path, sums: &Checksums) -> Result<(FileSum, String)
     let len = std::fs::metadata(p).with_context(|| format!("cannot stat {}\nhint: {hint}", p.display()))?.len();
     sum.check_len(p, len, &hint)?;
     Ok((sum.clone(), hint))
-}
-
-impl OptimShard {
-    /// Attach the file's checksums (`hint` ends a mismatch's error).
-    fn with_sum(mut self, sum: FileSum, hint: String) -> OptimShard {
-        let header_end = self.offsets.iter().copied().min().unwrap_or(0) as u64;
-        self.header_blocks = sum.blocks_of(0..header_end.max(1));
-        (self.sum, self.hint) = (Some(sum), hint);
-        self
-    }
-
-    /// Check the blocks of the file's header; run before an error that its `range` or `t` led to, so
-    /// that damage is reported as damage.
-    pub fn verify_header(&self) -> Result<()> {
-        match &self.sum {
-            Some(s) => s.verify_blocks(&self.path, &self.file, self.header_blocks.clone(), &self.hint),
-            None => Ok(()),
-        }
-    }
 }
 
 /// Check the headers of `shards` (`verify_header`), then return `err`.
