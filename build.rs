@@ -26,6 +26,7 @@ fn main() {
     }
     build_emulation(&kdir, &out);
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        record_cuda_version();
         build_fatbins(&kdir, &out);
     }
     if std::env::var_os("CARGO_FEATURE_MKL").is_some() {
@@ -116,6 +117,33 @@ fn find_nvcc() -> PathBuf {
         }
     }
     PathBuf::from("nvcc") // from PATH
+}
+
+/// `HARPE_CUDA_BUILD_VERSION` for the crate: the CUDA release of the nvcc that builds it, as the driver API
+/// writes versions (1000 x major + 10 x minor: 12040 for 12.4). The binary links that release's cudart,
+/// cuBLAS and NCCL and embeds PTX of its ISA, so a driver older than it cannot run the binary: `harpe
+/// --version` names it and training compares it with the driver's before any weight is read
+/// (device::check_cuda_floor). cudarc reads the same `nvcc --version` to pick its bindings.
+fn record_cuda_version() {
+    let nvcc = find_nvcc();
+    let out = Command::new(&nvcc).arg("--version").output().unwrap_or_else(|e| {
+        panic!(
+            "cannot run {} --version ({e})\nhint: eval \"$(scripts/install-cuda-toolchain.sh target/cuda-toolchain)\" \
+             puts nvcc on PATH and sets CUDA_ROOT",
+            nvcc.display()
+        )
+    });
+    let text = String::from_utf8_lossy(&out.stdout);
+    let release = text
+        .split("release ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{} --version printed no 'release X.Y':\n{text}", nvcc.display()));
+    let (major, minor) = release
+        .split_once('.')
+        .and_then(|(a, b)| Some((a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?)))
+        .unwrap_or_else(|| panic!("{} --version: cannot read release {release:?}", nvcc.display()));
+    println!("cargo:rustc-env=HARPE_CUDA_BUILD_VERSION={}", major * 1000 + minor * 10);
 }
 
 /// The archs of `HARPE_CUDA_ARCHS` (default 80 and 90), e.g. "80,90" -> [80, 90].

@@ -11,7 +11,8 @@
 #   scripts/gpu-check.sh rehearse [--second|--flash]  # here, on CPU: the same `run` code end to end (CPU device,
 #                                           # `selftest --target emulated`, the Local backend for the NCCL
 #                                           # steps, CPU stand-ins for the CUDA-only benchmarks), same report
-#   scripts/gpu-check.sh steps [--second|--flash]  # the step plan (ids, limits, their sum) without running anything
+#   scripts/gpu-check.sh run --multi       # on a machine with N > 1 GPUs: the NCCL rows with N processes
+#   scripts/gpu-check.sh steps [--second|--flash|--multi]  # the step plan (ids, limits, their sum) without running anything
 #   scripts/gpu-check.sh sizes [DIR]        # the 64 MiB check of `build` on any bundle directory
 #
 # The report. `run` and `rehearse` write one Markdown file into HARPE_GPU_CHECK_OUT (default benches/results/
@@ -40,7 +41,12 @@
 # memcheck and racecheck, 2 `Local` ranks sharing the GPU (ZeRO-3; Ulysses SP 2), plan vs measured at 32K.
 # `--flash` (the flash-attn bundle, HARPE_GPU_BUNDLE=gpu-bundle-fa): selftest with the candle-flash-attn
 # rows, attention at 8K/32K and 128K with its column, eval-ppl of one bf16 model through harpe's attention
-# and through candle-flash-attn's. Every comparison states its bound and why (beside its step below).
+# and through candle-flash-attn's. `--multi` (N > 1 GPUs): N NCCL processes (ZeRO 1, 2, 3 and Ulysses SP 2)
+# against the one-process run, then 2 steps of the 128K recipe's layout (ZeRO-3, SP 2) on a 7B-shaped stack
+# on all N GPUs with every rank's device peak logged; on one GPU each of these rows is reported as
+# NEEDS 2+ GPUS (never left out silently), and the first half names them in one such row. Its rehearsal
+# (`rehearse --multi`, run by CI with the gloo-featured debug harpe) takes 2 Gloo processes on the CPU.
+# Every comparison states its bound and why (beside its step below).
 # Every benchmark prints each row as it is measured, so a step stopped by its limit keeps its rows.
 # Exit code 0 only when every step ran and passed (information rows aside); 1 otherwise, the failed steps
 # named on stderr and in the report's summary (the report is complete either way).
@@ -228,6 +234,36 @@ skip() {
   echo "gpu-check: $2: SKIPPED ($3)" >&2
 }
 
+# needs ID NAME N HAVE: a planned step this machine cannot run for lack of GPUs: a NEEDS row in the report and
+# its summary (not a failure, not silent).
+needs() {
+  want "$1" || return 0
+  [ "$MODE" = dry ] && return 0
+  put "" "## $2" "" "**NEEDS $3+ GPUS**: this machine has $4; run \`scripts/gpu-check.sh run --multi\` on one with $3 or more."
+  SUMMARY+=("| $1 | $2 | NEEDS $3+ GPUS | - | - |")
+  echo "gpu-check: $2: NEEDS $3+ GPUS (this machine has $4)" >&2
+}
+
+# How many GPUs nvidia-smi lists (0 without nvidia-smi).
+gpu_count() {
+  command -v nvidia-smi >/dev/null || { echo 0; return; }
+  timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+}
+
+# The glibc floor of the binary (harpe's floors::GLIBC_FLOOR; tests/tools/no_system_libs.rs holds this number
+# to it): checked by the shell, because on an older glibc the loader stops harpe before it can say anything.
+GLIBC_FLOOR=2.34
+_glibc() {
+  local v
+  v="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')"
+  echo "glibc $v; harpe needs $GLIBC_FLOOR or newer"
+  [ -n "$v" ] || exit 0
+  [ "$(printf '%s\n%s\n' "$GLIBC_FLOOR" "$v" | sort -V | head -n 1)" = "$GLIBC_FLOOR" ] || {
+    echo "glibc $v is older than $GLIBC_FLOOR; hint: run in a newer image (a container) or build harpe on this OS"
+    exit 1
+  }
+}
+
 # A note in the report (what a rehearsal stands in for, what was left out).
 note() { [ "$MODE" = dry ] || put "" "> $*"; }
 
@@ -373,6 +409,7 @@ preflight() {
   else
     info preflight "preflight: nvidia-smi" 30 nvidia-smi --query-gpu=index,name,driver_version,compute_cap,memory.total,memory.used,memory.free --format=csv
   fi
+  step preflight "preflight: glibc floor" 5 "$SELF" _glibc
   step preflight "preflight: shared libraries (ldd)" 30 "$SELF" _ldd "$BIN"
   step preflight "preflight: harpe --version" 30 "$BIN" --version
   step preflight "preflight: devices harpe sees" 30 "$BIN" selftest --devices
@@ -548,6 +585,7 @@ first_half() {
   attention_torch attention-torch 8192,32768 25
   layer
   nccl
+  [ "$MODE" = dry ] || rehearse || [ "$(gpu_count)" -ge 2 ] || needs multi "NCCL with N processes and the 128K layout on N GPUs (run --multi)" 2 "$(gpu_count)"
   plan_vs_measured plan 16384
 }
 
@@ -557,6 +595,52 @@ second_half() {
   sanitizer
   local_ranks
   plan_vs_measured plan-32k 32768
+}
+
+# Several GPUs, one NCCL process each: 20 f32 steps of the tiny config at ZeRO 1, 2, 3 and Ulysses SP 2
+# (ZeRO-1) equal the one-process run to 1e-5 relative. The bound: with N ranks each gradient element is a
+# sum over the ranks' micro-batches in another grouping (NCCL's ring or tree order), and SP runs attention
+# and its projections at 1/P of the heads, so cuBLAS may take other tilings: per op at most (n - 1) 2^-24
+# relative for n = 192 terms, ~sqrt(n) 2^-24 typically; 1e-5 holds ~10 chained ops with margin (as the
+# Local ranks of the second half). Then the 128K recipe's layout (ZeRO-3, SP 2) on the 7B-shaped stack of
+# configs/gpu-plan-check.toml at T = 32768 for 2 bf16 steps on all N GPUs, stopped before its checkpoint,
+# every rank's device peak (allocated and reserved) in its log.
+MULTI_ROWS=(z1 z2 z3 sp2)
+multi_half() {
+  local d="$WORK/multi" n backend=nccl r z sets
+  if [ "$MODE" = dry ]; then
+    n=2
+  elif rehearse; then
+    n=2 backend=gloo
+    note "rehearsal: 2 Gloo processes on the CPU stand in for N NCCL processes on N GPUs (a binary built with --features gloo)"
+  else
+    n="$(gpu_count)"
+  fi
+  if [ "$n" -lt 2 ]; then
+    for r in "${MULTI_ROWS[@]}"; do needs multi "tiny config over NCCL, N processes ($r) vs 1 process" 2 "$n"; done
+    needs multi-128k "128K recipe's layout (ZeRO-3, SP 2), 2 steps on N GPUs" 2 "$n"
+    return
+  fi
+  step multi "tiny config, 1 process (the reference)" 15 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" --out "$d/one"
+  for r in "${MULTI_ROWS[@]}"; do
+    case "$r" in
+      sp2) sets=(--set dist.zero_stage=1 --set dist.sp_degree=2) ;;
+      *) sets=(--set "dist.zero_stage=${r#z}") ;;
+    esac
+    step multi "tiny config over $backend, $n processes ($r)" 40 "$BIN" "${TINY[@]}" --set "train.device=$(gpu_dev)" \
+      --set "dist.backend=\"$backend\"" --nproc-per-node "$n" "${sets[@]}" --out "$d/$r"
+    step multi "tiny config: $n processes ($r) vs 1 process (1e-5 relative)" 3 "$PY" -c "$PARITY_PY" \
+      "$d/one/metrics.jsonl" "$d/$r/metrics.jsonl" 20 1e-5
+  done
+  local cfg=configs/gpu-plan-check.toml lay=(--set stage.0.seq_len=32768 --set train.global_batch_tokens=32768)
+  if rehearse; then
+    cfg=configs/tiny-cpu.toml lay=(--set 'train.dtype="f32"' --set log.progress=false --set log.plot=false)
+    note "rehearsal: the tiny config on the CPU stands in for the 7B-shaped stack at T = 32768"
+  fi
+  step multi-128k "128K recipe's layout (ZeRO-3, SP 2), 2 steps on $n ranks" 120 "$SELF" _train_until 2 "$d/layout" \
+    "$BIN" train --config "$cfg" "${lay[@]}" --set "train.device=$(gpu_dev)" --set "dist.backend=\"$backend\"" \
+    --set dist.zero_stage=3 --set dist.sp_degree=2 --nproc-per-node "$n" --out "$d/layout"
+  step multi-128k "every rank's device peak of the layout run" 3 sh -c "grep -h 'peak' '$d/layout/metrics.jsonl' | tail -n 2"
 }
 
 # The flash-attn bundle's half (HARPE_GPU_BUNDLE=gpu-bundle-fa, built with HARPE_GPU_FEATURES=flash-attn: no
@@ -634,13 +718,15 @@ with op(sys.argv[1]) as f, open(sys.argv[2], "wb") as g:
   case "$BIN" in /*) ;; *) BIN="$PWD/$BIN" ;; esac
 }
 
-# site-packages dirs of python3 that hold nvidia/cu13/lib (CUDA 13 wheels) and nvidia/nccl/lib.
+# site-packages dirs of python3 that hold nvidia/cu13/lib (CUDA 13 wheels), nvidia/nccl/lib, and the cu12
+# wheels' per-library dirs (a CUDA 12 build on a torch cu12x machine).
 nvidia_libs() {
   "$PY" - <<'PYEOF' 2>/dev/null
 import os, site, sys
 dirs = []
 for p in list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path:
-    for sub in ("nvidia/cu13/lib", "nvidia/nccl/lib"):
+    for sub in ("nvidia/cu13/lib", "nvidia/nccl/lib", "nvidia/cuda_runtime/lib", "nvidia/cublas/lib",
+                "nvidia/curand/lib", "nvidia/cuda_nvrtc/lib"):
         d = os.path.join(p, sub)
         if os.path.isdir(d) and d not in dirs:
             dirs.append(d)
@@ -659,6 +745,7 @@ half() {
   case "$HALF" in
     second) second_half ;;
     flash) flash_half ;;
+    multi) multi_half ;;
     *) first_half ;;
   esac
 }
@@ -737,17 +824,18 @@ case "${1:-}" in
       "") ;;
       --second) HALF=second ;;
       --flash) HALF=flash ;;
-      *) die "unknown option ${2}; hint: the options are --second and --flash" ;;
+      --multi) HALF=multi ;;
+      *) die "unknown option ${2}; hint: the options are --second, --flash and --multi" ;;
     esac
     run
     ;;
-  _ldd | _torch | _torch_bench | _size_128k | _to_file | _train_until)
+  _ldd | _glibc | _torch | _torch_bench | _size_128k | _to_file | _train_until)
     f="$1"
     shift
     "$f" "$@"
     ;;
   *)
-    echo "usage: $0 build | run [--second|--flash] | rehearse [--second|--flash] | steps [--second|--flash] | sizes [DIR]   (see the header)" >&2
+    echo "usage: $0 build | run [--second|--flash|--multi] | rehearse [--second|--flash|--multi] | steps [--second|--flash|--multi] | sizes [DIR]   (see the header)" >&2
     exit 2
     ;;
 esac

@@ -55,12 +55,25 @@ echo "harpe-128k: job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-?}, ${SLURM_NT
 # A random per-submission rendezvous token, the same for every task (srun exports the environment).
 export HARPE_RUN_TOKEN="${HARPE_RUN_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 
+# The glibc the binary needs (harpe's floors::GLIBC_FLOOR; tests/tools/no_system_libs.rs holds this number to
+# it): on an older one the dynamic loader stops every task with "GLIBC_2.34 not found" and nothing else.
+GLIBC_FLOOR=2.34
+glibc="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')"
+if [ -n "$glibc" ] && [ "$(printf '%s\n%s\n' "$GLIBC_FLOOR" "$glibc" | sort -V | head -n 1)" != "$GLIBC_FLOOR" ]; then
+  echo "harpe-128k: glibc is $glibc on $(hostname) but harpe needs $GLIBC_FLOOR or newer; hint: run the job in a newer image (a container) or build harpe on this cluster's OS" >&2
+  exit 1
+fi
+
+# --gpu-bind=none: every task sees all of its node's GPUs and opens cuda:LOCAL_RANK. A site default that binds
+# one GPU per task shows each task only its own GPU as device 0 (harpe then uses that one device whatever its
+# LOCAL_RANK: floors::rank_gpu), and where the binding also fences devices by cgroup, NCCL cannot map its
+# node peers' memory for NVLink/peer-to-peer transfers and falls back to slower paths through host memory.
 # 1. Seconds-long smoke test of the launcher settings: every rank joins rank 0 and passes a barrier.
-srun --kill-on-bad-exit=1 "$HARPE" dist-check --timeout-s 120
+srun --kill-on-bad-exit=1 --gpu-bind=none "$HARPE" dist-check --timeout-s 120
 
 # 2. Train; --resume continues from the newest complete checkpoint (none on the first submission).
 #    SIGTERM (from --signal above, or scancel) makes every rank stop after the current step.
-srun --kill-on-bad-exit=1 "$HARPE" train --config "$CONFIG" --out "$RUN_DIR" --resume \
+srun --kill-on-bad-exit=1 --gpu-bind=none "$HARPE" train --config "$CONFIG" --out "$RUN_DIR" --resume \
     --set dist.backend="$BACKEND" \
     --set dist.zero_stage="$ZERO_STAGE" \
     --set dist.timeout_s="$TIMEOUT_S" \

@@ -178,24 +178,25 @@ pub fn device_memory(spec: &DeviceSpec, what: &str) -> Result<Option<DeviceMemor
 }
 
 /// Peak device memory of a step: candle/cudarc allocate with `cuMemAllocAsync` from the device's
-/// current memory pool, whose `USED_MEM_HIGH` attribute is the high-water mark of bytes handed out.
-/// `reset_device_peak` zeroes it (at a step's start), `device_peak_bytes` reads it; both are no-ops /
-/// `None` on the CPU (whose peak comes from /proc) and when the context has no stream-ordered pool.
+/// current memory pool, whose `USED_MEM_HIGH` attribute is the high-water mark of bytes handed out and
+/// `RESERVED_MEM_HIGH` that of bytes the pool held from the driver (handed out plus its free fragments:
+/// what another allocation on the device, NCCL's for one, could not have). `reset_device_peak` zeroes
+/// both (at a step's start, on every rank), `device_peak_bytes` / `device_reserved_peak_bytes` read them;
+/// no-ops / `None` on the CPU (whose peak comes from /proc) and when the context has no stream-ordered pool.
 /// Reference: CUDA driver API, "Stream Ordered Memory Allocator" (cuMemPoolGetAttribute).
 pub fn reset_device_peak(dev: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
         if let Some(pool) = cuda_pool(d)? {
-            let mut zero: u64 = 0;
-            // SAFETY: `pool` is the device's current pool; USED_MEM_HIGH takes a cuuint64_t (only 0 may be set).
-            unsafe {
-                cudarc::driver::result::mem_pool::set_attribute(
-                    pool,
-                    cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&mut zero as *mut u64).cast(),
-                )
+            use cudarc::driver::sys::CUmemPool_attribute::{
+                CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            };
+            for attr in [CU_MEMPOOL_ATTR_USED_MEM_HIGH, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH] {
+                let mut zero: u64 = 0;
+                // SAFETY: `pool` is the device's current pool; both high-water marks take a cuuint64_t (only 0 may be set).
+                unsafe { cudarc::driver::result::mem_pool::set_attribute(pool, attr, (&mut zero as *mut u64).cast()) }
+                    .map_err(|e| anyhow!("cannot reset the device memory pool's peak ({attr:?}): {e}"))?;
             }
-            .map_err(|e| anyhow!("cannot reset the device memory pool's peak: {e}"))?;
         }
     }
     let _ = dev;
@@ -205,22 +206,39 @@ pub fn reset_device_peak(dev: &Device) -> Result<()> {
 /// The device's peak allocated bytes since `reset_device_peak` (see there); `None` on the CPU.
 pub fn device_peak_bytes(dev: &Device) -> Result<Option<u64>> {
     #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        let Some(pool) = cuda_pool(d)? else { return Ok(None) };
-        let mut high: u64 = 0;
-        // SAFETY: as in `reset_device_peak`; the attribute is written as one cuuint64_t.
-        unsafe {
-            cudarc::driver::result::mem_pool::get_attribute(
-                pool,
-                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut high as *mut u64).cast(),
-            )
-        }
-        .map_err(|e| anyhow!("cannot read the device memory pool's peak: {e}"))?;
-        return Ok(Some(high));
+    {
+        pool_attribute(dev, cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
     }
-    let _ = dev;
-    Ok(None)
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dev;
+        Ok(None)
+    }
+}
+
+/// The device's peak reserved bytes (the pool's footprint) since `reset_device_peak`; `None` on the CPU.
+pub fn device_reserved_peak_bytes(dev: &Device) -> Result<Option<u64>> {
+    #[cfg(feature = "cuda")]
+    {
+        pool_attribute(dev, cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dev;
+        Ok(None)
+    }
+}
+
+/// One u64 attribute of the device's memory pool; `None` off CUDA or without a pool.
+#[cfg(feature = "cuda")]
+fn pool_attribute(dev: &Device, attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<Option<u64>> {
+    let Device::Cuda(d) = dev else { return Ok(None) };
+    let Some(pool) = cuda_pool(d)? else { return Ok(None) };
+    let mut v: u64 = 0;
+    // SAFETY: `pool` is the device's current pool; the memory attributes are written as one cuuint64_t.
+    unsafe { cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast()) }
+        .map_err(|e| anyhow!("cannot read the device memory pool's {attr:?}: {e}"))?;
+    Ok(Some(v))
 }
 
 /// Keep the memory a CUDA device's pool gets back (a freed tensor) mapped for the next allocation: set the
@@ -322,6 +340,46 @@ impl ComputeDtype {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The retry every CUDA allocation of candle's backend goes through (third_party/candle-core.patch), with
+    /// a failing allocator: an out-of-memory failure trims once and retries once; a second failure, a failed
+    /// trim and any other error come back as they are.
+    #[test]
+    fn an_allocation_out_of_memory_is_retried_once_after_a_trim() {
+        use candle_core::utils::retry_once_after_trim;
+        use std::cell::Cell;
+        #[derive(Debug, PartialEq)]
+        enum E {
+            Oom,
+            Other,
+            TrimFailed,
+        }
+        let run = |results: Vec<Result<u32, E>>, trim_ok: bool| {
+            let (calls, trims) = (Cell::new(0), Cell::new(0));
+            let mut results = results.into_iter();
+            let r = retry_once_after_trim(
+                || {
+                    calls.set(calls.get() + 1);
+                    results.next().expect("allocator called more often than the test planned")
+                },
+                |e| *e == E::Oom,
+                || {
+                    trims.set(trims.get() + 1);
+                    if trim_ok {
+                        Ok(())
+                    } else {
+                        Err(E::TrimFailed)
+                    }
+                },
+            );
+            (r, calls.get(), trims.get())
+        };
+        assert_eq!(run(vec![Ok(7)], true), (Ok(7), 1, 0));
+        assert_eq!(run(vec![Err(E::Oom), Ok(7)], true), (Ok(7), 2, 1));
+        assert_eq!(run(vec![Err(E::Oom), Err(E::Oom)], true), (Err(E::Oom), 2, 1));
+        assert_eq!(run(vec![Err(E::Other)], true), (Err(E::Other), 1, 0));
+        assert_eq!(run(vec![Err(E::Oom)], false), (Err(E::TrimFailed), 1, 1));
+    }
 
     #[test]
     fn parse_print_round_trip() {

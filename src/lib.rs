@@ -24,6 +24,7 @@ pub mod util;
 pub mod checksum;
 pub mod plot_font;
 pub mod device;
+pub mod floors;
 pub mod ops;
 pub mod flatbuf;
 // The pipeline: data, the model, the recipe, training state, processes and collectives, evaluation

@@ -26,8 +26,9 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[unsafe(export_name = "_rjem_malloc_conf")]
 pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always,narenas:1\0";
 
-/// `harpe --version`: the package version, the cargo features the binary was built with and its CPU GEMM
-/// backend (benchmark records name the build they measured: scripts/bench_train_torch.py reads this line).
+/// `harpe --version`: the package version, the cargo features the binary was built with, the CUDA release it
+/// was built for with the oldest driver branch that runs it (a CUDA build), and its CPU GEMM backend
+/// (benchmark records name the build they measured: scripts/bench_train_torch.py reads this line).
 fn version() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| {
@@ -39,7 +40,15 @@ fn version() -> &'static str {
         ];
         let on: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
         let on = if on.is_empty() { "none".to_string() } else { on.join(", ") };
-        format!("{} (features: {on}; CPU GEMM: {})", env!("CARGO_PKG_VERSION"), harpe::ops::cpu_gemm::backend())
+        let cuda = match harpe::floors::build_cuda_version() {
+            Some(v) => format!(
+                "; CUDA {} (driver {} or newer)",
+                harpe::floors::cuda_version_text(v),
+                harpe::floors::driver_branch(v)
+            ),
+            None => String::new(),
+        };
+        format!("{} (features: {on}{cuda}; CPU GEMM: {})", env!("CARGO_PKG_VERSION"), harpe::ops::cpu_gemm::backend())
     })
 }
 

@@ -28,6 +28,13 @@ pub const SLOW_EVAL: &str = "HARPE_TEST_SLOW_EVAL";
 /// `HARPE_TEST_SLOW_BENCH_ROW=SECONDS`: `harpe bench model` sleeps SECONDS after each row it prints (a
 /// benchmark that scripts/gpu-check.sh's step limit stops half-way).
 pub const SLOW_BENCH_ROW: &str = "HARPE_TEST_SLOW_BENCH_ROW";
+/// `HARPE_TEST_CUDA_DRIVER=12020`: the CUDA driver's version as `floors` sees it (an old cluster's driver).
+pub const FAKE_CUDA_DRIVER: &str = "HARPE_TEST_CUDA_DRIVER";
+/// `HARPE_TEST_CUDA_BUILD=13000`: the CUDA release `floors` takes this binary to be built for (lets a CPU
+/// build rehearse the driver check where a CUDA run makes it).
+pub const FAKE_CUDA_BUILD: &str = "HARPE_TEST_CUDA_BUILD";
+/// `HARPE_TEST_GLIBC=2.28`: the glibc version as `floors` sees it.
+pub const FAKE_GLIBC: &str = "HARPE_TEST_GLIBC";
 
 /// An injected failure (`HARPE_FAULT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +54,9 @@ pub struct Hooks {
     pub checkpoint_view: Option<(usize, PathBuf)>,
     pub slow_eval: Option<Duration>,
     pub slow_bench_row: Option<Duration>,
+    pub fake_cuda_driver: Option<u32>,
+    pub fake_cuda_build: Option<u32>,
+    pub fake_glibc: Option<(u32, u32)>,
     /// the first malformed hook variable: `check` reports it
     pub error: Option<String>,
 }
@@ -86,6 +96,20 @@ impl Hooks {
         h.slow_commit = seconds(SLOW_COMMIT, &mut bad);
         h.slow_eval = seconds(SLOW_EVAL, &mut bad);
         h.slow_bench_row = seconds(SLOW_BENCH_ROW, &mut bad);
+        for (name, slot) in [(FAKE_CUDA_DRIVER, &mut h.fake_cuda_driver), (FAKE_CUDA_BUILD, &mut h.fake_cuda_build)] {
+            if let Some(v) = get(name) {
+                match v.parse::<u32>() {
+                    Ok(n) if n >= 1000 => *slot = Some(n),
+                    _ => bad(name, &v, "a CUDA version as the driver writes it, e.g. 12040 for 12.4"),
+                }
+            }
+        }
+        if let Some(v) = get(FAKE_GLIBC) {
+            match v.split_once('.').map(|(a, b)| (a.parse(), b.parse())) {
+                Some((Ok(a), Ok(b))) => h.fake_glibc = Some((a, b)),
+                _ => bad(FAKE_GLIBC, &v, "MAJOR.MINOR, e.g. 2.28"),
+            }
+        }
         if let Some(v) = get(CHECKPOINT_VIEW) {
             match v.split_once(':').map(|(r, d)| (r.parse(), d)) {
                 Some((Ok(r), d)) if !d.is_empty() => h.checkpoint_view = Some((r, PathBuf::from(d))),
@@ -132,9 +156,17 @@ mod tests {
         assert_eq!(h.slow_eval, Some(Duration::from_millis(500)));
         assert_eq!(h.checkpoint_view, Some((1, PathBuf::from("/x/y"))));
         assert!(h.check().is_ok());
-        for (k, v) in
-            [(FAULT, "2:3:boom"), (FAULT, "2:3"), (LATE_SIGNAL, "x:2"), (SLOW_COMMIT, "-1"), (CHECKPOINT_VIEW, "1")]
-        {
+        let f = of(&[(FAKE_CUDA_DRIVER, "12020"), (FAKE_CUDA_BUILD, "13000"), (FAKE_GLIBC, "2.28")]);
+        assert_eq!((f.fake_cuda_driver, f.fake_cuda_build, f.fake_glibc), (Some(12020), Some(13000), Some((2, 28))));
+        for (k, v) in [
+            (FAULT, "2:3:boom"),
+            (FAULT, "2:3"),
+            (LATE_SIGNAL, "x:2"),
+            (SLOW_COMMIT, "-1"),
+            (CHECKPOINT_VIEW, "1"),
+            (FAKE_CUDA_DRIVER, "12.2"),
+            (FAKE_GLIBC, "two"),
+        ] {
             let e = of(&[(k, v)]).check().unwrap_err().to_string();
             assert!(e.contains(k) && e.contains("hint:"), "{k}={v}: {e}");
         }

@@ -33,6 +33,7 @@ pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod sequence;
+mod warm_up;
 pub mod zero;
 
 use crate::config::{Backend, DistSection};

@@ -24,6 +24,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
     crate::model::attention::refuse_for_training(args.attention)?;
     let origin = args.config.display().to_string();
     let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
+    // the driver and glibc this build needs, before any weight is read (and before workers are spawned)
+    crate::floors::check_for(&cfg.train.device)
+        .with_context(|| format!("{origin}: train.device = \"{}\"", cfg.train.device))?;
     let dist = &cfg.dist;
     if let Some(n) = args.nproc_per_node {
         return spawn_workers(&origin, n, dist.backend, &args.nodes);
@@ -107,7 +110,7 @@ fn run_process_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<(
     };
     // a GPU rank has its device to itself; CPU ranks share the host with the other processes of the node
     let (device, sharing) = match cfg.train.device {
-        DeviceSpec::Cuda(_) => (DeviceSpec::Cuda(env.local_rank), 1),
+        DeviceSpec::Cuda(_) => (DeviceSpec::Cuda(crate::floors::rank_gpu(env.local_rank)?), 1),
         DeviceSpec::Cpu => (DeviceSpec::Cpu, env.local_world_size.unwrap_or(env.world_size).max(1)),
     };
     plan_check(cfg, origin, args.force, Ranks { world: env.world_size, sharing, device })?;

@@ -122,6 +122,7 @@ impl Run {
         let mesh = comm.mesh();
         let lead = mesh.rank() == 0;
         let device = comm.open_device(&cfg.train.device, &format!("{origin}: train.device"))?;
+        comm.warm_up(&device, sp.as_ref())?; // NCCL's buffers before the weights and the pool (comms/warm_up.rs)
         let dtype = cfg.train.dtype.dtype();
         let run_dir = args.run_dir();
         let tokenizer = tokenizer_of(&cfg, &run_dir);

@@ -33,6 +33,7 @@ mod train_step;
 mod zero3_prefetch;
 mod checkpoint_integrity;
 mod cli_train;
+mod floors;
 mod full_disk;
 mod kill_during_write;
 mod plan_largest_t;

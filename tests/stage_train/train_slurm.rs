@@ -63,11 +63,11 @@ fn slurm_srun_equals_one_rank_and_sbatch_of_the_shipped_script_stops_on_term_and
 
     // README's srun line, with 2 tasks, no GPUs, gloo, tiny-cpu and fewer steps
     assert_readme_line(
-        "srun --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 harpe train --config configs/harpe-128k.toml --set dist.backend=nccl",
+        "srun --nodes=1 --ntasks-per-node=8 --gpus-per-node=8 --gpu-bind=none harpe train --config configs/harpe-128k.toml --set dist.backend=nccl",
     );
     let srun_train = |out: &Path, steps: &str| {
         let mut srun = slurm_cmd(&conf, "srun", dir);
-        srun.args(["--nodes=1", "--ntasks-per-node=2", "--time=10", harpe, "train", "--config"])
+        srun.args(["--nodes=1", "--ntasks-per-node=2", "--gpu-bind=none", "--time=10", harpe, "train", "--config"])
             .arg(&cfg)
             .arg("--out")
             .arg(out)

@@ -25,18 +25,27 @@ fn slurm_two_nodes_srun_and_sbatch_of_the_shipped_script_equal_one_rank() {
 
     // README's 2-node srun line: 2 tasks a node, no GPUs, gloo, tiny-cpu and fewer steps
     assert_readme_line(
-        "srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 harpe train --config configs/harpe-128k.toml --set dist.backend=nccl",
+        "srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --gpu-bind=none harpe train --config configs/harpe-128k.toml --set dist.backend=nccl",
     );
     let t = Instant::now();
     let two = dir.join("srun");
     let mut srun = c.cmd("srun", dir);
-    srun.args(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=10", harpe, "train", "--config"])
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&two)
-        .args(["--set", "dist.backend=gloo", "--set", "dist.zero_stage=3"])
-        .args(&short)
-        .env("HARPE_RUN_TOKEN", "srun-two-nodes-token");
+    srun.args([
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=0",
+        "--gpu-bind=none",
+        "--time=10",
+        harpe,
+        "train",
+        "--config",
+    ])
+    .arg(&cfg)
+    .arg("--out")
+    .arg(&two)
+    .args(["--set", "dist.backend=gloo", "--set", "dist.zero_stage=3"])
+    .args(&short)
+    .env("HARPE_RUN_TOKEN", "srun-two-nodes-token");
     run_ok(&mut srun);
     assert_same_losses(&one, &two, "srun --nodes=2 (Gloo, ZeRO-3) vs one rank");
     assert_same_tensors(&final_model(&one, 40), &final_model(&two, 40), "srun --nodes=2 vs one rank", 1e-5);

@@ -51,7 +51,7 @@ fn rehearse(args: &[&str], steps: &str, extra: &[(&str, &str)]) -> (Output, Stri
 
 #[test]
 fn the_step_limits_of_each_half_fit_the_budget() {
-    for half in [None, Some("--second"), Some("--flash")] {
+    for half in [None, Some("--second"), Some("--flash"), Some("--multi")] {
         let args: Vec<&str> = std::iter::once("steps").chain(half).collect();
         let o = gpu_check(&args, &[]);
         let t = text(&o);
@@ -188,7 +188,7 @@ fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     // an unknown option is refused with the options named
     let o = gpu_check(&["rehearse", "--third"], &[("HARPE_BIN", env!("CARGO_BIN_EXE_harpe"))]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("the options are --second and --flash"), "{}", text(&o));
+    assert!(text(&o).contains("the options are --second, --flash and --multi"), "{}", text(&o));
 }
 
 /// The 128K attention step's limit from 32K rows as `harpe bench attention` prints them: per shape one
@@ -214,4 +214,30 @@ fn the_128k_limit_comes_from_the_32k_rows_before_it() {
     std::fs::write(&f, "fwd 8192 8 1.0\n").unwrap();
     let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
     assert!(o.status.success() && text(&o).trim().is_empty(), "{}", text(&o));
+}
+
+/// `run --multi` on a machine without several GPUs reports every row it cannot run as NEEDS 2+ GPUS (in the
+/// report and its summary), never leaving one out, and does not fail the run for it. The machine here has no
+/// nvidia-smi, so it counts 0 GPUs: the `run` code path (not the rehearsal's Gloo stand-in) is what runs.
+#[test]
+fn the_multi_gpu_rows_say_they_need_more_gpus_on_one_device() {
+    let out = tempfile::tempdir().unwrap();
+    let bundle = tempfile::tempdir().unwrap();
+    let o = gpu_check(
+        &["run", "--multi"],
+        &[
+            ("HARPE_BIN", env!("CARGO_BIN_EXE_harpe")),
+            ("HARPE_GPU_CHECK_OUT", out.path().to_str().unwrap()),
+            ("HARPE_GPU_BUNDLE", bundle.path().to_str().unwrap()),
+            ("HARPE_GPU_CHECK_STEPS", "multi,multi-128k"),
+        ],
+    );
+    let r = report(out.path());
+    assert!(o.status.success(), "{}\n{r}", text(&o));
+    assert_eq!(r.matches("| NEEDS 2+ GPUS |").count(), 5, "{r}");
+    assert!(
+        r.contains("128K recipe's layout (ZeRO-3, SP 2), 2 steps on N GPUs") && r.contains("(sp2) vs 1 process"),
+        "{r}"
+    );
+    assert!(r.contains("run --multi"), "{r}");
 }

@@ -51,6 +51,40 @@ fn harpe_needs_only_glibc_and_libgcc() {
     );
 }
 
+/// The highest GLIBC_x.y symbol version the binary's dynamic symbols ask for is `harpe::floors::GLIBC_FLOOR`:
+/// the number `harpe train`'s floor check, scripts/gpu-check.sh and scripts/slurm-harpe-128k.sh state is the
+/// one the dynamic loader will demand, so a new dependency that raises it fails here instead of on a cluster.
+#[test]
+fn the_glibc_floor_is_the_binarys_own() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_harpe"));
+    let out = Command::new("readelf").args(["--dyn-syms", "-W"]).arg(bin).output().expect("readelf (binutils)");
+    assert!(out.status.success(), "readelf --dyn-syms failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let highest = text
+        .split("GLIBC_")
+        .skip(1)
+        .filter_map(|r| {
+            let v: String = r.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+            harpe::floors::parse_glibc(&v)
+        })
+        .max()
+        .expect("no GLIBC_ symbol versions in the binary");
+    assert_eq!(
+        highest,
+        harpe::floors::GLIBC_FLOOR,
+        "{} asks for GLIBC_{}.{}: update floors::GLIBC_FLOOR (and README's floor) to it",
+        bin.display(),
+        highest.0,
+        highest.1
+    );
+    // the shell checks that run before the binary can (the loader refuses an older glibc silently to harpe)
+    let line = format!("GLIBC_FLOOR={}.{}", highest.0, highest.1);
+    for script in ["scripts/gpu-check.sh", "scripts/slurm-harpe-128k.sh"] {
+        let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(script)).unwrap();
+        assert!(text.lines().any(|l| l.trim() == line), "{script} does not set {line}");
+    }
+}
+
 /// Rows `rows` of a 24-bit BMP as RGB triples (the image crate writes BITMAPINFOHEADER, bottom-up).
 fn bmp_pixels(bytes: &[u8]) -> (usize, usize, Vec<[u8; 3]>) {
     let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());

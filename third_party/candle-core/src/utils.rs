@@ -625,6 +625,33 @@ pub fn with_f16c() -> bool {
     crate::cpu::features::get().f16c
 }
 
+/// harpe: how many device allocations failed for lack of memory, were retried after the memory pool was
+/// trimmed, and then succeeded (`retry_once_after_trim`); a process-wide count for the training log.
+pub static ALLOC_RETRIES_SUCCEEDED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// harpe: run `alloc`; when it fails and `is_oom` says the failure is a lack of memory, call `trim` (give the
+/// memory pool's free blocks back to the driver, so a request that fits the device but not the pool's
+/// fragments can be mapped fresh) and run `alloc` exactly once more. Any other failure, a failed trim and a
+/// second failure are returned as they are. Kept free of CUDA types so harpe's tests drive it with a failing
+/// allocator on any machine; the CUDA backend's `alloc` and `alloc_zeros` call it.
+pub fn retry_once_after_trim<T, E>(
+    mut alloc: impl FnMut() -> std::result::Result<T, E>,
+    is_oom: impl Fn(&E) -> bool,
+    trim: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<T, E> {
+    match alloc() {
+        Err(e) if is_oom(&e) => {
+            trim()?;
+            let r = alloc();
+            if r.is_ok() {
+                ALLOC_RETRIES_SUCCEEDED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            r
+        }
+        r => r,
+    }
+}
+
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::linux_parse_cpu_list;

@@ -67,6 +67,11 @@ pub struct CudaDevice {
     seed_value: Arc<RwLock<u64>>,
 }
 
+/// harpe: a lack of device memory, as the driver reports it.
+fn is_oom(e: &cudarc::driver::DriverError) -> bool {
+    e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+}
+
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaDevice({:?})", self.id)
@@ -79,14 +84,40 @@ impl CudaDevice {
         &self,
         len: usize,
     ) -> Result<cudarc::driver::CudaSlice<T>> {
-        self.stream.alloc::<T>(len).w()
+        crate::utils::retry_once_after_trim(
+            || self.stream.alloc::<T>(len),
+            is_oom,
+            || self.trim_pool(),
+        )
+        .w()
     }
 
     pub fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         len: usize,
     ) -> Result<cudarc::driver::CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(len).w()
+        crate::utils::retry_once_after_trim(
+            || self.stream.alloc_zeros::<T>(len),
+            is_oom,
+            || self.trim_pool(),
+        )
+        .w()
+    }
+
+    /// harpe: after an allocation ran out of memory, wait for the stream's frees and give the memory pool's
+    /// unused blocks back to the driver (`cuMemPoolTrimTo(pool, 0)`), so the retry can map a fresh block.
+    fn trim_pool(&self) -> std::result::Result<(), cudarc::driver::DriverError> {
+        self.stream.synchronize()?;
+        if !self.context.has_async_alloc() {
+            return Ok(());
+        }
+        let mut pool = std::mem::MaybeUninit::uninit();
+        // SAFETY: the device of this context; the driver writes one pool handle, which the trim uses.
+        unsafe {
+            cudarc::driver::sys::cuDeviceGetMemPool(pool.as_mut_ptr(), self.context.cu_device())
+                .result()?;
+            cudarc::driver::result::mem_pool::trim_to(pool.assume_init(), 0)
+        }
     }
 
     pub fn enable_cuda_graph_htod_cache(&self) -> CudaGraphHtodCacheGuard {
