@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE script for a GPU machine: check and time harpe's CUDA build there, and rehearse all of it here on CPU.
 #
-#   scripts/gpu-check.sh build              # here (no GPU; Rust + the CUDA toolchain from PyPI): the CUDA
+#   scripts/gpu-check.sh build              # here (no GPU; Rust + the CUDA toolchain from PyPI; HARPE_CUDA_MAJOR=12
+#                                           # for the CUDA 12.4 build of R550+ drivers): the CUDA
 #                                           # release binary, stripped, its NEEDED list checked, xz-compressed
 #                                           # (Python's lzma unpacks it) into gpu-bundle/; prints the sizes and
 #                                           # fails when bundle + tracked tree exceed 64 MiB
@@ -107,14 +108,19 @@ sizes() { # BUNDLE_DIR: print the sizes; fail when bundle + tracked tree exceed 
 build() {
   set -e
   cd "$ROOT"
-  local env_lines
-  env_lines="$(scripts/install-cuda-toolchain.sh "$ROOT/target/cuda-toolchain")" || die "toolchain install failed"
+  local env_lines major="${HARPE_CUDA_MAJOR:-13}" prefix="$ROOT/target/cuda-toolchain" target="${CARGO_TARGET_DIR:-$ROOT/target}"
+  # CUDA 12 (R550+ drivers): its own toolchain and target dir (cudarc takes its CUDA version from nvcc when built)
+  if [ "$major" = 12 ]; then
+    prefix="$ROOT/target/cuda12-toolchain"
+    target="${CARGO_TARGET_DIR:-$ROOT/target/cu12}"
+  fi
+  env_lines="$(scripts/install-cuda-toolchain.sh "$prefix" "$major")" || die "toolchain install failed"
   eval "$env_lines"
   local t0=$SECONDS
-  # nccl = cuda + the NCCL backend (the binary then needs libnccl.so.2, which the cu13 wheels ship)
-  CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}" nice -n 5 cargo build --release --features "${HARPE_GPU_FEATURES:-nccl}" --bin harpe
-  local bin="${CARGO_TARGET_DIR:-$ROOT/target}/release/harpe"
-  echo "gpu-check: cuda release build took $((SECONDS - t0)) s" >&2
+  # nccl = cuda + the NCCL backend (the binary then needs libnccl.so.2, which the CUDA wheels ship)
+  CARGO_TARGET_DIR="$target" nice -n 5 cargo build --release --features "${HARPE_GPU_FEATURES:-nccl}" --bin harpe
+  local bin="$target/release/harpe"
+  echo "gpu-check: CUDA $major release build took $((SECONDS - t0)) s" >&2
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
   strip -o "$BUNDLE/harpe" "$bin"
   set +e
