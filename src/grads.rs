@@ -62,8 +62,8 @@ impl GradAccum {
         &mut self.buf
     }
 
-    /// Set every gradient to zero (start of a step).
-    pub fn zero(&mut self) -> Result<()> {
+    /// Set every gradient to 0 (the start of a step).
+    pub fn reset(&mut self) -> Result<()> {
         self.buf.fill(0.0)
     }
 
@@ -174,7 +174,7 @@ mod tests {
             clip_by_global_norm(dev.buf_mut(), nd, 1.0).unwrap()
         );
         assert_eq!(host.buf(), dev.buf());
-        dev.zero().unwrap();
+        dev.reset().unwrap();
         assert_eq!(dev.buf().sum_squares().unwrap(), 0.0);
     }
 }

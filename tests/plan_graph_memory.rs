@@ -13,10 +13,10 @@ use harpe::config::Checkpointing;
 use harpe::flatbuf::Placement;
 use harpe::grads::GradAccum;
 use harpe::model::config::LlamaConfig;
-use harpe::model::rope::RopeScheme;
+use harpe::model::rope::{Positions, RopeScheme};
 use harpe::model::weights::init_flat;
 use harpe::train::plan::{activations, layer_graph, Arch, LayerPath, StageShape};
-use harpe::train::{batch_tensors, forward_backward, rope_tables, trainable_model, Backward, MicroBatch};
+use harpe::train::{batch_tensors, forward_backward, trainable_model, Backward, MicroBatch, Params};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -110,15 +110,19 @@ fn measured_and_planned(cfg: &LlamaConfig, t: usize, loss_chunk: usize) -> (f64,
     let (model, vars) = trainable_model(cfg, &layout, &weights, DType::BF16, &dev).unwrap();
     drop(weights);
     let mut grads = GradAccum::new(&layout, &dev).unwrap();
-    let tables = rope_tables(&model, t).unwrap();
+    let tables = model.rope_tables(Positions::new(0, t)).unwrap();
     let seq: Vec<u32> = (0..t).map(|k| ((k * 7 + k * k) % cfg.vocab_size) as u32).collect();
     let (ids, targets) = batch_tensors(&[&seq], cfg.vocab_size, &dev).unwrap();
     let batch = MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None };
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
-    let out =
-        forward_backward(&model, (&vars, &layout, &mut grads), &batch, Backward { seg: 1, loss_chunk, scale: 1.0 })
-            .unwrap();
+    let out = forward_backward(
+        &model,
+        &mut Params::resident(&vars, &layout, &mut grads),
+        &batch,
+        Backward { seg: 1, loss_chunk, scale: 1.0 },
+    )
+    .unwrap();
     let measured = (PEAK.load(Ordering::Relaxed) - before) as f64;
     assert!(out.nll.sum_all().unwrap().to_scalar::<f32>().unwrap().is_finite());
 

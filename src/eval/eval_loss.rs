@@ -8,6 +8,7 @@
 use crate::data::loader::source_name;
 use crate::data::{Loader, LoaderConfig, Sequence};
 use crate::eval::ppl::{position_nlls, ScoringModel};
+use crate::model::llama::Tokens;
 use crate::model::Llama;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -145,7 +146,7 @@ pub fn sequence_nlls(model: &Llama, seq: &Sequence, data: &Path, chunk: usize) -
         );
     }
     let x = Tensor::new(seq.tokens.as_slice(), model.device())?.unsqueeze(0)?; // (1, T)
-    let hidden = model.forward_hidden(&x, 0)?; // (1, T, C)
+    let hidden = model.forward(&x, Tokens::At(0))?; // (1, T, C)
     position_nlls(model, &hidden, &seq.tokens, 0, seq.tokens.len() - 1, chunk)
 }
 

@@ -7,7 +7,7 @@
 //! model keep the base they were written with (HF behaves the same). `harpe generate` runs it on token
 //! ids and times it (the decode benchmark against transformers' `generate`). Not done here: sampling, beams.
 use crate::eval::ppl::ScoringModel;
-use crate::model::llama::{KvCache, Llama};
+use crate::model::llama::{KvCache, Llama, Tokens};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, D};
 use std::time::Instant;
@@ -91,7 +91,7 @@ pub fn greedy_generate_until(
     let mut last_hidden = None;
     for chunk in prompt.chunks(opts.prefill_chunk.max(1)) {
         let x = Tensor::new(chunk, &dev)?.unsqueeze(0)?; // (1, t)
-        let h = model.forward_cached(&x, &mut cache)?; // (1, t, C)
+        let h = model.forward(&x, Tokens::Cached(&mut cache))?; // (1, t, C)
         last_hidden = Some(h.narrow(1, chunk.len() - 1, 1)?);
     }
     let mut out = vec![];
@@ -107,7 +107,7 @@ pub fn greedy_generate_until(
             break;
         }
         let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
-        h = model.forward_cached(&x, &mut cache)?;
+        h = model.forward(&x, Tokens::Cached(&mut cache))?;
     }
     Ok(out)
 }

@@ -12,6 +12,7 @@
 use crate::data::tokenize::load_tokenizer;
 use crate::device::{ComputeDtype, DeviceSpec};
 use crate::model::attention::{AttentionChoice, AttentionImpl};
+use crate::model::llama::Tokens;
 use crate::model::{load_model_dir, rope::RopeParity, Llama};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -219,8 +220,8 @@ pub fn window_nll(model: &Llama, ids: &[u32], window: usize, stride: usize, chun
     for (begin, end, lo) in windows(ids.len(), window, stride)? {
         let t0 = std::time::Instant::now();
         let x = Tensor::new(&ids[begin..end], &dev)?.unsqueeze(0)?; // (1, L)
-        let hidden = model.forward_hidden(&x, 0)?; // (1, L, C)
-                                                   // target t is predicted at window position t - 1 - begin
+        let hidden = model.forward(&x, Tokens::At(0))?; // (1, L, C)
+                                                        // target t is predicted at window position t - 1 - begin
         let nlls = position_nlls(model, &hidden, &ids[begin..end], lo - 1 - begin, end - 1 - begin, chunk)?;
         let wsum: f64 = nlls.iter().sum();
         let n = end - lo;

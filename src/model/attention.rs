@@ -1,4 +1,4 @@
-//! The attention seam: `Llama::layer_forward` calls attention through an `AttentionImpl` that the
+//! The attention seam: every decoder layer of `Llama` calls attention through an `AttentionImpl` that the
 //! caller chooses (train, eval), so a CUDA kernel or a sequence-parallel wrapper plugs in without
 //! `model/` knowing about devices or ranks.
 //!
@@ -39,7 +39,7 @@ pub trait AttentionFn: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Which attention `layer_forward` runs.
+/// Which attention the decoder layers run.
 #[derive(Clone, Debug, Default)]
 pub enum AttentionImpl {
     /// `ops::attention`: the flash-style op with its own backward op, on CPU as GEMM blocks (the default).

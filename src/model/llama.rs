@@ -4,14 +4,21 @@
 //! Reference: HF `modeling_llama.py` (LlamaRMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer).
 //! The non-obvious decisions: RoPE and attention are our own ops with backward (`ops::rotary`,
 //! `ops::attention`; candle's fused ones have none), RMSNorm is the fused op with its backward on every
-//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on every device (`ops::swiglu`), and RoPE tables
-//! come from the model's `RopeScheme` per call (per layer only when `layer_head_bases` makes layers differ). Attention goes through `self.attention`, an
-//! `AttentionImpl` the caller sets (the CPU op on GEMM blocks or its reference loops, the blocked
-//! reference, the CUDA kernels, or a sequence-parallel wrapper from comms/), so `model/` never imports `comms/`. Parallelism (ZeRO,
-//! sequence parallel) is applied from outside: `layer_forward` takes one layer at a time. Packed sequences
-//! may carry document boundaries (`DocStarts`, `train.document_mask`): every layer's attention is then
-//! causal within each document; positions stay the packed ones (RoPE is not reset per document).
-//! Not done here: loss (see `loss`), sampling.
+//! device (`ops::rms_norm`), SiLU(gate) * up the fused op on every device (`ops::swiglu`). RoPE tables
+//! come from `rope_tables` (one shared table, or one per layer when `layer_head_bases` makes layers
+//! differ) and are passed into the forward: training builds them once per stage, inference per call.
+//! Attention goes through `self.attention`, an `AttentionImpl` the caller sets (the CPU op on GEMM
+//! blocks or its reference loops, the blocked reference, the CUDA kernels, or a sequence-parallel
+//! wrapper from comms/), so `model/` never imports `comms/`.
+//! The forward is written once, `forward_segments`: it asks a `WeightSource` for every weight in the
+//! order it uses them and lets its caller cut the layers into segments, so parallelism is applied from
+//! outside (ZeRO-3 gathers each layer right before use and activation checkpointing keeps each
+//! segment's input: `train::params`, `train::step`); inference's `forward` is that forward over the
+//! model's own weights. Packed sequences may carry document boundaries (`DocStarts`,
+//! `train.document_mask`): every layer's attention is then causal within each document; positions stay
+//! the packed ones (RoPE is not reset per document).
+//! Not done here: the loss (`model::loss`; `loss_full` here is the full-logits reference of tests),
+//! sampling.
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
 use crate::model::rope::{Positions, RopeParity, RopeTables};
@@ -46,7 +53,7 @@ pub struct Llama {
     pub norm: Tensor,    // model.norm.weight (C)
     pub lm_head: Tensor, // lm_head.weight (V, C); the same tensor as embed_tokens when tied
     pub parity: RopeParity,
-    /// The attention `layer_forward` calls; chosen by the caller (default: the attention op, GEMM blocks on CPU).
+    /// The attention every decoder layer calls; chosen by the caller (default: the attention op, GEMM blocks on CPU).
     pub attention: AttentionImpl,
 }
 
@@ -217,7 +224,7 @@ pub trait WeightSource {
     fn layer(&mut self, model: &Llama, l: usize) -> Result<(LayerWeights, Self::Held)>;
 }
 
-/// The model's own weights (inference, and every weight resident).
+/// The model's own weights (inference's `forward`, the bench's decoder layer).
 pub struct OwnWeights;
 
 impl WeightSource for OwnWeights {
@@ -263,6 +270,16 @@ impl KvCache {
     }
 }
 
+/// Where the tokens of an inference forward (`Llama::forward`) sit.
+pub enum Tokens<'a> {
+    /// fresh sequences at positions start..
+    At(usize),
+    /// packed sequences at positions start.. under a document mask (positions not reset per document)
+    Packed(usize, &'a DocStarts),
+    /// after what a KV cache holds: positions continue at `cache.pos`, and the cache is extended
+    Cached(&'a mut KvCache),
+}
+
 impl Llama {
     /// Build from HF-named tensors; every expected name must be there with its shape.
     /// `rotary_emb.inv_freq` buffers of old checkpoints are recomputed, so they are ignored.
@@ -297,9 +314,10 @@ impl Llama {
         })
     }
 
-    /// The model's configuration without any weights (ZeRO-3: the training loop gathers each layer and
-    /// passes it to `embed_with` / `layer_forward_with`); anything that needs the model's own weights
-    /// fails with an error instead of computing with them.
+    /// The model's configuration without weights, for a forward whose `WeightSource` hands out every
+    /// weight (ZeRO-3 gathers each group per use: `train::params`). It has no layers (asking `OwnWeights`
+    /// for one is an error); its embedding, norm and head are empty (0, C) tensors that only carry the
+    /// dtype and device.
     pub fn skeleton(cfg: LlamaConfig, dtype: DType, device: &Device) -> Result<Llama> {
         let empty = Tensor::zeros((0, cfg.hidden_size), dtype, device)?;
         Ok(Llama {
@@ -394,47 +412,33 @@ impl Llama {
         self.cfg.max_position_embeddings
     }
 
-    /// RoPE tables for layer `layer` covering positions start..start+len.
-    pub fn rope_tables(&self, layer: usize, start: usize, len: usize) -> Result<RopeTables> {
-        let tab_layer = if self.cfg.rope.per_layer() { layer } else { 0 };
-        self.cfg.rope.tables(self.cfg.head_dim, tab_layer, Positions::new(start, len), self.parity, self.device())
+    /// The RoPE tables of every layer at positions `at` (a sequence-parallel rank's part has
+    /// `at.seq_len` > `at.start + at.len`; dynamic schemes adapt to `seq_len`): one shared table, or one
+    /// per layer when the scheme makes layers differ (`tables[l.min(len - 1)]` is layer l's).
+    pub fn rope_tables(&self, at: Positions) -> Result<Vec<RopeTables>> {
+        let c = &self.cfg;
+        let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
+        (0..n).map(|l| c.rope.tables(c.head_dim, l, at, self.parity, self.device())).collect()
     }
 
-    /// Token embeddings: ids (B, T) u32 -> (B, T, C).
-    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        self.embed_with(&self.embed_tokens, ids)
-    }
-
-    /// Token embeddings from the table `embed_tokens` (V, C) instead of the model's own (ZeRO-3 passes
-    /// the table it gathered).
-    pub fn embed_with(&self, embed_tokens: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    /// Token embeddings from the table `embed_tokens` (V, C): ids (B, T) u32 -> (B, T, C).
+    fn embed(&self, embed_tokens: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let x = embed_tokens.index_select(&ids.flatten_all()?, 0)?;
         Ok(x.reshape((b, t, self.cfg.hidden_size))?)
     }
 
-    /// One decoder layer: x (B, T, C) at absolute positions start.. -> (B, T, C).
-    pub fn layer_forward(
-        &self,
-        layer: usize,
-        x: &Tensor,
-        tables: &RopeTables,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
-        self.layer_forward_with(layer, self.layer(layer)?, x, tables, cache, None)
-    }
-
-    /// The model's own weights of decoder layer `layer` (an error on a ZeRO-3 skeleton).
+    /// The model's own weights of decoder layer `layer` (an error on a `skeleton`).
     fn layer(&self, layer: usize) -> Result<&LayerWeights> {
         self.layers.get(layer).ok_or_else(|| {
-            anyhow!("internal: this model holds no weights of layer {layer} (a ZeRO-3 skeleton passes them in)")
+            anyhow!("internal: this model holds no weights of layer {layer} (a skeleton's come from its weight source)")
         })
     }
 
-    /// `layer_forward` with the layer's parameters `w` passed in (ZeRO-3 gathers them per layer and
-    /// frees them after; the model then holds no layer weights of its own), and optionally a document
-    /// mask `docs` ((B, T) of the whole sequences: under sequence parallelism the global ones).
-    pub fn layer_forward_with(
+    /// Decoder layer `layer` with parameters `w`: x (B, T, C) -> (B, T, C), at the positions of `tables`,
+    /// optionally reading and extending a KV cache and under a document mask `docs` ((B, T) of the whole
+    /// sequences: under sequence parallelism the global ones).
+    fn layer_forward(
         &self,
         layer: usize,
         w: &LayerWeights,
@@ -447,11 +451,11 @@ impl Llama {
         Ok((&x + linear(&mlp, &w.down_proj)?)?)
     }
 
-    /// A scalar whose gradients (in x and the layer's weights) are those of sum(layer_forward_with(..) ⊙ g)
+    /// A scalar whose gradients (in x and the layer's weights) are those of sum(layer_forward(..) ⊙ g)
     /// for the upstream gradient `g` (B, T, C): the recompute of activation checkpointing, which needs the
     /// layer's gradients but not its output, so the down projection's forward GEMM is never run
     /// (`ops::linear::linear_vjp`; its value is not the dot product).
-    pub fn layer_vjp_with(
+    fn layer_vjp(
         &self,
         layer: usize,
         w: &LayerWeights,
@@ -504,46 +508,25 @@ impl Llama {
         Ok((x, mlp))
     }
 
-    /// Final hidden states (after the last RMSNorm): ids (B, T) at positions start.. -> (B, T, C).
-    pub fn forward_hidden(&self, ids: &Tensor, start: usize) -> Result<Tensor> {
-        self.forward_impl(ids, start, None, None)
-    }
-
-    /// `forward_hidden` of packed sequences under a document mask (positions stay start.., not reset
-    /// per document).
-    pub fn forward_hidden_doc(&self, ids: &Tensor, start: usize, docs: &DocStarts) -> Result<Tensor> {
-        self.forward_impl(ids, start, None, Some(docs))
-    }
-
-    /// Like `forward_hidden`, reading and extending a KV cache (positions continue at `cache.pos`).
-    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let start = cache.pos;
-        let out = self.forward_impl(ids, start, Some(cache), None)?;
-        cache.pos += ids.dim(1)?;
-        Ok(out)
-    }
-
-    fn forward_impl(
-        &self,
-        ids: &Tensor,
-        start: usize,
-        cache: Option<&mut KvCache>,
-        docs: Option<&DocStarts>,
-    ) -> Result<Tensor> {
+    /// Inference's forward (eval, generate, tests) over the model's own weights: ids (B, T) at the
+    /// positions `tokens` says -> hidden states after the final RMSNorm (B, T, C). It is
+    /// `forward_segments` with every layer in one segment, RoPE tables built for this call.
+    pub fn forward(&self, ids: &Tensor, tokens: Tokens) -> Result<Tensor> {
         let t = ids.dim(1)?;
-        let tables = self.rope_tables_all(Positions::new(start, t))?;
+        let (start, docs, mut cache) = match tokens {
+            Tokens::At(start) => (start, None, None),
+            Tokens::Packed(start, docs) => (start, Some(docs), None),
+            Tokens::Cached(cache) => (cache.pos, None, Some(cache)),
+        };
+        let tables = self.rope_tables(Positions::new(start, t))?;
         let all = 0..self.cfg.num_hidden_layers;
         let layers = std::slice::from_ref(&all); // one segment: nothing is cut
-        let run = Forward { tables: &tables, docs, cache };
-        Ok(self.forward_segments(&mut OwnWeights, ids, layers, run, &mut |_, x| Ok(x))?.hidden)
-    }
-
-    /// RoPE tables of every layer at positions `at`: one shared table, or one per layer when the scheme
-    /// makes layers differ (`tables[l.min(len - 1)]` is layer l's).
-    pub fn rope_tables_all(&self, at: Positions) -> Result<Vec<RopeTables>> {
-        let c = &self.cfg;
-        let n = if c.rope.per_layer() { c.num_hidden_layers } else { 1 };
-        (0..n).map(|l| c.rope.tables(c.head_dim, l, at, self.parity, self.device())).collect()
+        let run = Forward { tables: &tables, docs, cache: cache.as_deref_mut() };
+        let hidden = self.forward_segments(&mut OwnWeights, ids, layers, run, &mut |_, x| Ok(x))?.hidden;
+        if let Some(cache) = cache {
+            cache.pos += t;
+        }
+        Ok(hidden)
     }
 
     /// The model's forward, written once: embed -> decoder layers, cut into `segments` (consecutive
@@ -561,7 +544,7 @@ impl Llama {
         cut: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
     ) -> Result<Segmented<W::Held>> {
         let outer = w.outer(self)?;
-        let mut x = self.embed_with(&outer.embed, ids)?; // (B, T, C)
+        let mut x = self.embed(&outer.embed, ids)?; // (B, T, C)
         let mut held = vec![];
         for (i, layers) in segments.iter().enumerate() {
             x = cut(i, x)?;
@@ -577,9 +560,10 @@ impl Llama {
     }
 
     /// Decoder layers `layers` on x (B, T, C), weights from `w`; returns the output and what `w` handed
-    /// out for them. With `vjp = Some(g)` (the recompute of activation checkpointing) the last layer
+    /// out for them: the layers of `forward_segments`, and of the training step's recompute of a
+    /// segment (`train::step`). With `vjp = Some(g)` (that recompute) the last layer
     /// gives, instead of its output, the scalar whose backward is that of sum(output ⊙ g)
-    /// (`layer_vjp_with`: the down projection's forward skipped).
+    /// (`layer_vjp`: the down projection's forward skipped).
     pub fn run_layers<W: WeightSource>(
         &self,
         w: &mut W,
@@ -595,8 +579,8 @@ impl Llama {
             let (lw, h) = w.layer(self, l)?;
             let tables = &run.tables[l.min(run.tables.len() - 1)];
             x = match vjp {
-                Some(g) if l == last => self.layer_vjp_with(l, &lw, &x, g, tables, run.docs)?, // ()
-                _ => self.layer_forward_with(l, &lw, &x, tables, run.cache.as_deref_mut(), run.docs)?, // (B, T, C)
+                Some(g) if l == last => self.layer_vjp(l, &lw, &x, g, tables, run.docs)?, // ()
+                _ => self.layer_forward(l, &lw, &x, tables, run.cache.as_deref_mut(), run.docs)?, // (B, T, C)
             };
             held.push(h);
         }
@@ -611,7 +595,7 @@ impl Llama {
     /// Token-mean cross-entropy of next-token prediction for ids (B, T), full logits (tests, tiny T).
     pub fn loss_full(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let hidden = self.forward_hidden(ids, 0)?;
+        let hidden = self.forward(ids, Tokens::At(0))?;
         let logits = self.logits(&hidden.narrow(1, 0, t - 1)?)?.to_dtype(DType::F32)?; // (B, T-1, V)
         let targets = ids.narrow(1, 1, t - 1)?.flatten_all()?;
         let logits = logits.reshape((b * (t - 1), self.cfg.vocab_size))?;

@@ -1,26 +1,13 @@
-//! A batch's tensors: ids and shifted targets, document starts, RoPE tables at global positions.
+//! A batch's tensors: ids and shifted targets, document starts.
 //!
 //! A sequence of T tokens trains T - 1 targets (`config::targets_in`, the one count): `batch_tensors`
 //! marks the last position `IGNORE_INDEX`.
 use crate::data::Sequence;
 use crate::model::attention::AttentionImpl;
-use crate::model::rope::RopeTables;
-use crate::model::Llama;
 use crate::ops::attention::DocStarts;
 use crate::ops::cross_entropy_chunk::IGNORE_INDEX;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
-
-/// RoPE tables for positions 0..t of every layer (one shared table unless layers differ).
-pub fn rope_tables(model: &Llama, t: usize) -> Result<Vec<RopeTables>> {
-    rope_tables_at(model, 0, t, t)
-}
-
-/// RoPE tables for the global positions start..start+len of sequences of `total` tokens (a
-/// sequence-parallel rank's part; `total` decides dynamic schemes), every layer or one shared.
-pub fn rope_tables_at(model: &Llama, start: usize, len: usize, total: usize) -> Result<Vec<RopeTables>> {
-    model.rope_tables_all(crate::model::rope::Positions { start, len, seq_len: total })
-}
 
 /// An error naming `train.document_mask` when it is on and `attention` cannot apply a document mask.
 pub fn check_document_mask(origin: &str, on: bool, attention: &AttentionImpl) -> Result<()> {

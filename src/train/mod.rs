@@ -5,12 +5,15 @@
 //!   AdamW on this rank's fp32 shard -> weights published), `log_step`, `check_bad_streak`,
 //!   `maybe_evaluate` (`[eval]`), `maybe_checkpoint`; a single `finish` at the end, also on a signal.
 //!   Reference: llm.c `train_gpt2.cu` "TRAINING SECTION" (one straight loop).
-//! - `step.rs` — one micro-batch's forward and backward with activation checkpointing (`Params`: where
-//!   the weights come from and where the gradients go, per ZeRO stage).
-//! - `params.rs` — which weights each ZeRO stage gathers, prefetches and frees around the step, and where
-//!   the gradients go (applied from outside: the step reads the same for every stage).
-//! - `batch.rs` — a batch's tensors (ids, targets, document starts, RoPE tables); `trainable.rs` — the
-//!   model as `Var`s; `loss_sums.rs` — the step's loss sums on the device.
+//! - `step.rs` — `forward_backward`: one micro-batch's forward and backward with activation
+//!   checkpointing (`Params`: where the weights come from and where the gradients go).
+//! - `params.rs` — `Sharding`, the one owner of the ZeRO stage (applied from outside: the loop, the stage
+//!   and the step read the same for every stage): the stage's model and gradient buffer, which weights
+//!   each micro-batch gathers, prefetches and frees and where its gradients go (`Params`), the step's
+//!   gradient reduction, the publish of updated weights, the full-weight gather of a checkpoint or an
+//!   evaluation.
+//! - `batch.rs` — a batch's tensors (ids, targets, document starts); `trainable.rs` — the model as
+//!   `Var`s; `loss_sums.rs` — the step's loss sums on the device.
 //! - `session.rs` — `Run`: everything a session holds (config, run directory, device, communicator,
 //!   optimizer, state), opened once, resumed from a checkpoint.
 //! - `stage.rs` — `Stage`: one stage's model, data and step arithmetic.
@@ -31,11 +34,12 @@
 //! - Weights the model computes with are candle `Var`s in the compute dtype; the optimizer owns fp32
 //!   master weights and moments of its shard (`FlatBuf`s); after each update the shards are all-gathered
 //!   bucket by bucket in the compute dtype straight into every parameter's `Var` (`zero::publish`), and
-//!   a stage's model is built the same way from the master shards (`zero::gather_params`): no rank keeps
-//!   a full fp32 copy of the weights beside the compute weights.
+//!   a stage's model is built the same way from the master shards (`zero::gather_params`, through
+//!   `Sharding`): no rank keeps a full fp32 copy of the weights beside the compute weights.
 //! - The communicator comes from `[dist]`; with one rank every collective is a no-op, so the loop has no
 //!   `if distributed` branches. `config::ZeroStage` changes only where parameters and gradients live,
-//!   never the order of the loop. Rank 0 alone writes the run directory.
+//!   never the order of the loop: the loop and `Stage` ask `Sharding` and never name the stage. Rank 0
+//!   alone writes the run directory.
 //! - Sequence parallelism (`dist.sp_degree` = P): the P ranks of a group read the same sequences; each
 //!   computes tokens sp_rank*T/P.. with RoPE tables at those global positions, attention goes through
 //!   the Ulysses exchange (`comms::sequence`), and the loss counts each rank's own targets, so the
@@ -66,11 +70,11 @@ pub mod tensorboard;
 mod training_loop;
 
 pub use args::TrainArgs;
-pub use batch::{batch_tensors, check_document_mask, doc_starts, rope_tables, rope_tables_at};
+pub use batch::{batch_tensors, check_document_mask, doc_starts};
 pub use launch::run;
 pub use loss_sums::LossSums;
 pub use params::Params;
 pub use run_dir::RunDir;
 pub use session::results_hash;
-pub use step::{forward_backward, forward_backward_with, Backward, MicroBatch, MicroOut};
+pub use step::{forward_backward, Backward, MicroBatch, MicroOut};
 pub use trainable::{trainable_model, trainable_model_from};

@@ -1,6 +1,9 @@
-//! Where one micro-batch's forward and backward take the weights from and put the gradients, for each
-//! ZeRO stage: the parallelism applied from outside the step (as torchtitan's `parallelize` applies
-//! FSDP), so `step::forward_backward` reads the same for every stage.
+//! The parallelism applied from outside the training loop (as torchtitan's `parallelize` applies FSDP):
+//! `Sharding` is the one owner of what the run's ZeRO stage (`config::ZeroStage`, chosen once per run)
+//! does around a step: the model a stage computes with, the gradient buffer, where one micro-batch's
+//! forward takes its weights and its backward puts the gradients (`Params`), the reduction of a step's
+//! gradients, the publish of updated weights, and the full-weight gather of a checkpoint or an
+//! evaluation. The loop and `step::forward_backward` read the same for every stage.
 //!
 //! Reference: Rajbhandari et al. 2020 (ZeRO 2: gradients reduce-scattered as their backward finishes;
 //! ZeRO 3: each layer's weights gathered right before use and freed after).
@@ -9,8 +12,14 @@
 //! known before it starts (`begin`), so ZeRO-3 starts the next layer's gather while this one computes;
 //! the tied embedding is one group whose gradient is handed on twice (after the head's backward, and
 //! after the embedding's), so the step never asks whether the model is tied.
-use crate::comms::zero::ZeroShards;
-use crate::grads::GradAccum;
+//! What this file does not do: the rules themselves (`ZeroStage` answers them), the collectives and
+//! the shard map (`comms::zero`).
+use super::trainable::trainable_model_from;
+use crate::comms::zero::{self, Shards, ZeroShards};
+use crate::config::{GradReduce, ZeroStage};
+use crate::flatbuf::Placement;
+use crate::grads::{self, GradAccum};
+use crate::model::config::LlamaConfig;
 use crate::model::layout::ParamLayout;
 use crate::model::llama::{
     layer_param_name, LayerWeights, OuterWeights, WeightSource, EMBED_TOKENS, FINAL_NORM, LAYER_PARAMS, LM_HEAD,
@@ -18,9 +27,111 @@ use crate::model::llama::{
 use crate::model::Llama;
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::collections::VecDeque;
 use std::ops::Range;
+
+/// This rank's side of the run's ZeRO stage: the stage, where the weights are gathered from (every
+/// rank's fp32 master shard) and in what dtype, onto which device, in buckets of how many elements.
+/// Built by `Run::sharding` for each use; every question the loop had for the stage is a method here.
+pub(super) struct Sharding<'a> {
+    pub(super) zero: ZeroStage,
+    pub(super) src: Shards<'a>,
+    /// this rank (`Mesh::rank`): which part of a reduce-scattered buffer is its own
+    pub(super) rank: usize,
+    /// the compute dtype and device the weights are gathered in and onto
+    pub(super) dtype: DType,
+    pub(super) device: &'a Device,
+    /// where the flat training state lives (the gradient buffer's placement)
+    pub(super) placement: &'a Placement,
+    /// elements per gather / reduce-scatter bucket (`dist.bucket_mb`)
+    pub(super) bucket: usize,
+}
+
+impl<'a> Sharding<'a> {
+    /// A stage's model of config `mc` and its `Var`s (layout order). ZeRO-3: a skeleton without weights
+    /// (each layer is gathered per use) and no `Var`s; otherwise every rank's resident weights gathered
+    /// from the master shards, bucket by bucket, in the compute dtype.
+    pub(super) fn stage_model(&self, mc: &LlamaConfig) -> Result<(Llama, Vec<Var>)> {
+        if self.zero.gathers_weights() {
+            return Ok((Llama::skeleton(mc.clone(), self.dtype, self.device)?, vec![]));
+        }
+        trainable_model_from(mc, self.src.layout, self.gather(Some(self.device))?)
+    }
+
+    /// The buffer a step accumulates gradients in: every parameter's, or (ZeRO 2-3) this rank's shard's.
+    pub(super) fn grad_buffer(&self) -> Result<GradAccum> {
+        GradAccum::zeros_in(self.zero.gradient_elems(self.src.layout.total, self.src.master.len()), self.placement)
+    }
+
+    /// One micro-batch's weights and gradient hand-off over the stage's `vars` (empty under ZeRO-3) and
+    /// gradient buffer `grads`: resident weights with gradients added into the full buffer (ZeRO 0-1),
+    /// resident weights with each group's gradients reduce-scattered into the shard as its backward
+    /// finishes (ZeRO-2), or each group also gathered right before use (ZeRO-3).
+    pub(super) fn params(&self, vars: &'a [Var], grads: &'a mut GradAccum) -> Params<'a> {
+        if !self.zero.shards_gradients() {
+            return Params::resident(vars, self.src.layout, grads);
+        }
+        let z = ZeroShards::new(self.src, grads.buf_mut(), self.dtype, self.device.clone(), self.bucket);
+        match self.zero.gathers_weights() {
+            true => Params::sharded(z),
+            false => Params::sharded_grads(vars, z),
+        }
+    }
+
+    /// Sum the ranks' partial gradients in `grads` and return the global norm. ZeRO-0: all-reduce, every
+    /// rank gets all of them (it updates all of them); ZeRO-1: reduce-scatter in place, each rank's own
+    /// range of the full buffer gets its sum (the only part its optimizer shard reads), half the bytes of
+    /// an all-reduce; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer
+    /// is this rank's shard. Sharded, the norm sums the shards' squares.
+    pub(super) fn reduce_grads(&self, grads: &mut GradAccum) -> Result<f64> {
+        let comm = self.src.comm;
+        let sq = match self.zero.grad_reduce() {
+            GradReduce::AllReduce => {
+                comm.all_reduce_sum(grads.buf_mut())?;
+                return grads::global_norm(grads.buf());
+            }
+            GradReduce::ReduceScatterInPlace => {
+                comm.reduce_scatter_sum_in_place(grads.buf_mut(), self.src.map)?;
+                grads.buf().range_sum_squares(self.src.map.flat_range(self.rank))?
+            }
+            GradReduce::DoneInBackward => grads.buf().sum_squares()?,
+        };
+        let mut sq = [sq];
+        comm.all_reduce_sum_f64(&mut sq)?;
+        Ok(sq[0].sqrt())
+    }
+
+    /// After an optimizer update: the updated master shards all-gathered into every rank's resident
+    /// `vars` (`zero::publish`); ZeRO-3 keeps no resident weights, so nothing is published.
+    pub(super) fn publish(&self, vars: &[Var]) -> Result<()> {
+        match self.zero.publishes_weights() {
+            true => zero::publish(&self.src, vars, self.bucket),
+            false => Ok(()),
+        }
+    }
+
+    /// The full weights of a checkpoint or an evaluation, where no rank holds them (ZeRO-3): every rank
+    /// joins the gather, and the ranks that want them keep them on `keep` (`gather`); `None` when the
+    /// stage's resident model already holds them. An evaluation gathers the whole model to each rank's
+    /// device rather than layer by layer as the training forward does: that is a collective per layer
+    /// and forward, so every rank would have to run the same forwards in lockstep, but the ranks score
+    /// different items (documents of different lengths, generations that stop at different tokens). The
+    /// cost is one model copy per rank for the evaluation's duration.
+    pub(super) fn full_weights(&self, keep: Option<&Device>) -> Result<Option<Vec<(String, Tensor)>>> {
+        match self.zero.needs_full_gather() {
+            true => Ok(Some(self.gather(keep)?)),
+            false => Ok(None),
+        }
+    }
+
+    /// The one full gather: every parameter from the ranks' master shards, group by group in the compute
+    /// dtype (`zero::gather_params`), kept on `keep` by the ranks that pass one (the others only take
+    /// part), named, in layout order.
+    fn gather(&self, keep: Option<&Device>) -> Result<Vec<(String, Tensor)>> {
+        zero::gather_params(&self.src, self.dtype, self.bucket, keep)
+    }
+}
 
 /// A parameter group whose gradients are handed on (ZeRO 2-3): layout indices and their `Var`s, which
 /// (ZeRO-3) keep the gathered weights alive while their graph is.
@@ -35,7 +146,8 @@ pub enum Outer {
     Head,
 }
 
-/// The parameters of one micro-batch under one ZeRO stage (see the file header).
+/// The parameters of one micro-batch under one ZeRO stage: `Sharding::params` makes the run's; tests and
+/// benches build one directly.
 pub struct Params<'a> {
     place: Place<'a>,
     /// ZeRO 2-3: the groups of the embedding, the final norm and (untied) the head, in that order,
@@ -66,7 +178,7 @@ impl<'a> Params<'a> {
     }
 
     /// ZeRO-2: resident parameters, gradients reduce-scattered into `z`'s shard.
-    pub fn sharded_grads(vars: &'a [Var], z: ZeroShards<'a>) -> Params<'a> {
+    fn sharded_grads(vars: &'a [Var], z: ZeroShards<'a>) -> Params<'a> {
         Params::new(Place::ShardedGrads { vars, z })
     }
 
@@ -219,4 +331,23 @@ fn layer_param_indices(layout: &ParamLayout, l: usize) -> Result<Range<usize>> {
         bail!("internal: layer {l}'s parameters are not consecutive in the layout");
     }
     Ok(idx)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The parallelism stays applied from outside: the loop and the stage never name the ZeRO stage (nor
+    /// its type, its collectives or its shards), so a rule of it can only be written here, once.
+    #[test]
+    fn the_loop_and_the_stage_never_name_the_zero_stage() {
+        let files = [("training_loop.rs", include_str!("training_loop.rs")), ("stage.rs", include_str!("stage.rs"))];
+        for (name, text) in files {
+            for (i, line) in text.lines().enumerate() {
+                assert!(
+                    !line.to_lowercase().contains("zero"),
+                    "src/train/{name}:{}: names the ZeRO stage; ask `Sharding` (train/params.rs) instead: {line}",
+                    i + 1
+                );
+            }
+        }
+    }
 }

@@ -6,6 +6,7 @@
 //! them; a stage builds its model from the master shards (`Stage::open`), so no rank keeps a full fp32
 //! copy of the weights beside the compute weights.
 use super::args::TrainArgs;
+use super::params::Sharding;
 use super::RunDir;
 use crate::comms::sequence::SpGroup;
 use crate::comms::zero::{self, ShardMap, Split};
@@ -102,9 +103,18 @@ impl Run {
         Ok(())
     }
 
-    /// Where this rank's weight gathers read from: the ranks' master shards.
-    pub(super) fn shards(&self) -> zero::Shards<'_> {
-        zero::Shards { comm: &self.comm, map: &self.map, layout: &self.layout, master: self.optim.master() }
+    /// This rank's side of the ZeRO stage (`Sharding`): its weight gathers read from the ranks' master
+    /// shards.
+    pub(super) fn sharding(&self) -> Sharding<'_> {
+        Sharding {
+            zero: self.zero,
+            src: zero::Shards { comm: &self.comm, map: &self.map, layout: &self.layout, master: self.optim.master() },
+            rank: self.mesh.rank(),
+            dtype: self.dtype,
+            device: &self.device,
+            placement: &self.placement,
+            bucket: self.bucket,
+        }
     }
 
     /// Config, run directory, signals, device and communicator, initial weights, optimizer, resume.

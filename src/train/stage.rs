@@ -5,17 +5,15 @@
 //! The non-obvious decision: a stage boundary resets the optimizer's moments only when the recipe says
 //! so (`RunConfig::stage_resets_optimizer`), and only when the stage starts fresh, never on a resume
 //! inside it.
-use super::batch::{check_document_mask, rope_tables_at};
+use super::batch::check_document_mask;
 use super::session::{stage_dataset, Run};
-use super::trainable::trainable_model_from;
 use crate::comms::sequence::Ulysses;
-use crate::comms::zero;
 use crate::config::rank_batching;
 use crate::data::{Loader, LoaderConfig};
 use crate::grads::GradAccum;
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
-use crate::model::rope::RopeTables;
+use crate::model::rope::{Positions, RopeTables};
 use crate::model::Llama;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
@@ -72,13 +70,8 @@ impl Stage {
         }
         mc.max_position_embeddings = mc.max_position_embeddings.max(seq_len);
         mc.validate(&format!("{}: stage {si}", r.origin))?;
-        let (model, vars) = if r.zero.gathers_weights() {
-            (Llama::skeleton(mc.clone(), r.dtype, &r.device)?, vec![]) // layers are gathered per use
-        } else {
-            // every rank's weights from the master shards, bucket by bucket, in the compute dtype
-            let named = zero::gather_params(&r.shards(), r.dtype, r.bucket, Some(&r.device))?;
-            trainable_model_from(&mc, &r.layout, named)?
-        };
+        // the weights as the run's sharding places them (resident, or gathered per use)
+        let (model, vars) = r.sharding().stage_model(&mc)?;
         // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
         let attention = match &r.sp {
             Some(g) => AttentionImpl::Custom(Arc::new(Ulysses {
@@ -91,7 +84,7 @@ impl Stage {
         let model = model.with_attention(attention);
         // this rank's tokens (all of them without sequence parallelism) at their global positions
         let (tok_start, tok_len) = (r.mesh.sp_rank * seq_len / r.mesh.sp_size, seq_len / r.mesh.sp_size);
-        let tables = rope_tables_at(&model, tok_start, tok_len, seq_len)?;
+        let tables = model.rope_tables(Positions { start: tok_start, len: tok_len, seq_len })?;
         let mut loader = open_loader(r, si)?;
         if si == r.state.stage && r.state.stage_step > 0 {
             let cursor = serde_json::from_value(r.state.data_cursor.clone())
@@ -111,8 +104,8 @@ impl Stage {
         Ok(Stage {
             si,
             sources: loader.manifest().source_names.clone(),
-            // ZeRO 2-3 accumulate only this rank's shard of the gradients
-            grads: GradAccum::zeros_in(r.zero.gradient_elems(r.layout.total, r.optim.range().len()), &r.placement)?,
+            // every parameter's gradients, or only this rank's shard of them
+            grads: r.sharding().grad_buffer()?,
             steps,
             tokens_per_step,
             accum,

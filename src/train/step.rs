@@ -4,11 +4,10 @@
 //! Reference: Chen et al. 2016 (checkpointing every k layers). The non-obvious decision: checkpointing
 //! is done here on top of candle's autograd (see mod.rs), around the model's own forward
 //! (`Llama::forward_segments`): the forward keeps only each segment's detached input, and the backward
-//! recomputes each earlier segment from it. Which weights each ZeRO stage gathers, prefetches and frees,
-//! and where the gradients go, is `Params`' business: this file reads the same for every stage.
+//! recomputes each earlier segment from it (`Llama::run_layers`). Which weights each ZeRO stage gathers,
+//! prefetches and frees, and where the gradients go, is `Params`' business (`params::Sharding` makes
+//! the one of a run's stage): this file reads the same for every stage.
 use super::params::{Outer, Params};
-use crate::grads::GradAccum;
-use crate::model::layout::ParamLayout;
 use crate::model::llama::Forward;
 use crate::model::loss::chunked_cross_entropy;
 use crate::model::rope::RopeTables;
@@ -47,34 +46,19 @@ pub struct Backward {
     pub scale: f64,
 }
 
-/// Forward and backward of one micro-batch with activation checkpointing; adds
-/// `scale * d(sum nll)/d(param)` into `grads`. Every parameter is the model's own `Var` (`vars`, layout
-/// order); ZeRO 2-3 call `forward_backward_with` instead.
-pub fn forward_backward(
-    model: &Llama,
-    (vars, layout, grads): (&[Var], &ParamLayout, &mut GradAccum),
-    batch: &MicroBatch,
-    how: Backward,
-) -> Result<MicroOut> {
-    forward_backward_with(model, &mut Params::resident(vars, layout, grads), batch, how)
-}
-
 /// The layers cut into segments of `seg` layers (the last one may be shorter).
 fn segments(n_layers: usize, seg: usize) -> Vec<Range<usize>> {
     let seg = seg.max(1);
     (0..n_layers).step_by(seg).map(|s| s..(s + seg).min(n_layers)).collect()
 }
 
-/// `forward_backward` over any `Params`: the forward keeps only the (detached) input of every segment
-/// (the last one keeps its graph), the backward recomputes each earlier segment from its input and
-/// hands every segment's gradients on as soon as its backward is done. The collectives `Params` runs
-/// come in the same order on every rank.
-pub fn forward_backward_with(
-    model: &Llama,
-    params: &mut Params,
-    batch: &MicroBatch,
-    how: Backward,
-) -> Result<MicroOut> {
+/// Forward and backward of one micro-batch with activation checkpointing, weights taken from and
+/// `scale * d(sum nll)/d(param)` handed on to `params` (every ZeRO stage; `Params::resident` for a
+/// model's own `Var`s): the forward keeps only the (detached) input of every segment (the last one
+/// keeps its graph), the backward recomputes each earlier segment from its input and hands every
+/// segment's gradients on as soon as its backward is done. The collectives `Params` runs come in the
+/// same order on every rank.
+pub fn forward_backward(model: &Llama, params: &mut Params, batch: &MicroBatch, how: Backward) -> Result<MicroOut> {
     let MicroBatch { ids, targets, tables, docs } = *batch;
     let Backward { seg, loss_chunk, scale } = how;
     let (b, t) = ids.dims2()?;

@@ -10,16 +10,13 @@ use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts};
 use super::eval::{eval_line, EvalPoint, TrainEval};
 use super::loss_sums::LossSums;
-use super::params::Params;
 use super::session::Run;
 use super::stage::Stage;
-use super::step::{forward_backward_with, Backward, MicroBatch};
+use super::step::{forward_backward, Backward, MicroBatch};
 use crate::checksum::FileSum;
 use crate::comms::sequence::SpGroup;
-use crate::comms::zero::{self, ZeroShards};
 use crate::comms::Comm;
 use crate::config::targets_in;
-use crate::config::GradReduce;
 use crate::data::loader::source_name;
 use crate::data::Sequence;
 use crate::grads;
@@ -114,13 +111,13 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
-    s.grads.zero()?;
+    s.grads.reset()?;
     let mut sums = LossSums::new(s.sources.len(), &r.device)?;
     let mut targets_seen = 0f64;
     for _ in 0..s.accum {
         targets_seen += micro_step(r, s, &mut sums)?;
     }
-    let grad_norm = reduce_gradients(r, s)?;
+    let grad_norm = r.sharding().reduce_grads(&mut s.grads)?;
     // nll sum, target count, then (nll sum, count) per source id, summed over ranks
     let (nll_sum, by_source) = sums.read()?;
     let mut reduced: Vec<f64> = [nll_sum, targets_seen].iter().chain(&by_source).copied().collect();
@@ -147,9 +144,7 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
         r.bad_streak = 0;
         grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
         r.optim.step(s.grads.buf(), lr)?;
-        if r.zero.publishes_weights() {
-            zero::publish(&r.shards(), &s.vars, r.bucket)?;
-        }
+        r.sharding().publish(&s.vars)?;
     }
     r.state.step += 1;
     r.state.stage_step += 1;
@@ -176,19 +171,10 @@ fn micro_step(r: &mut Run, s: &mut Stage, sums: &mut LossSums) -> Result<f64> {
         let tg = targets.reshape((s.bsz, s.seq_len))?.narrow(1, s.tok_start, s.tok_len)?;
         (ids.narrow(1, s.tok_start, s.tok_len)?.contiguous()?, tg.flatten_all()?.contiguous()?)
     };
-    let mut params = if r.zero.shards_gradients() {
-        let z = ZeroShards::new(r.shards(), s.grads.buf_mut(), r.dtype, r.device.clone(), r.bucket);
-        if r.zero.gathers_weights() {
-            Params::sharded(z)
-        } else {
-            Params::sharded_grads(&s.vars, z)
-        }
-    } else {
-        Params::resident(&s.vars, &r.layout, &mut s.grads)
-    };
+    let mut params = r.sharding().params(&s.vars, &mut s.grads);
     let batch = MicroBatch { ids: &ids, targets: &targets, tables: &s.tables, docs: docs.as_ref() };
     let how = Backward { seg: s.seg, loss_chunk: r.cfg.train.loss_chunk_tokens, scale: 1.0 / s.targets_per_step };
-    let out = forward_backward_with(&s.model, &mut params, &batch, how)?;
+    let out = forward_backward(&s.model, &mut params, &batch, how)?;
     injected_fault(r.mesh.rank(), r.state.step)?;
     sums.add(&out.nll, &seqs, s.tok_start, s.tok_len)?;
     Ok((s.bsz * targets_in(s.tok_start, s.tok_len, s.seq_len)) as f64)
@@ -207,28 +193,6 @@ fn injected_fault(rank: usize, step: u64) -> Result<()> {
         }
         _ => Ok(()),
     }
-}
-
-/// Sum the ranks' partial gradients and return the global norm. ZeRO-0: all-reduce, every rank gets
-/// all of them (it updates all of them); ZeRO-1: reduce-scatter in place, each rank's own range of the
-/// full buffer gets its sum (the only part its optimizer shard reads), half the bytes of an
-/// all-reduce; ZeRO 2-3: already reduce-scattered layer by layer during the backward, the buffer is
-/// this rank's shard. Sharded, the norm sums the shards' squares.
-fn reduce_gradients(r: &Run, s: &mut Stage) -> Result<f64> {
-    let sq = match r.zero.grad_reduce() {
-        GradReduce::AllReduce => {
-            r.comm.all_reduce_sum(s.grads.buf_mut())?;
-            return grads::global_norm(s.grads.buf());
-        }
-        GradReduce::ReduceScatterInPlace => {
-            r.comm.reduce_scatter_sum_in_place(s.grads.buf_mut(), &r.map)?;
-            s.grads.buf().range_sum_squares(r.map.flat_range(r.mesh.rank()))?
-        }
-        GradReduce::DoneInBackward => s.grads.buf().sum_squares()?,
-    };
-    let mut sq = [sq];
-    r.comm.all_reduce_sum_f64(&mut sq)?;
-    Ok(sq[0].sqrt())
 }
 
 /// Append the step's record to metrics.jsonl; print a line every `log.every` steps and on a skip.
@@ -277,18 +241,11 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
 fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<()> {
     let boundary = r.state.stage_step == s.steps || r.state.step >= r.limit;
     let Some(ev) = ev.filter(|e| e.due(r.state.step, boundary)) else { return Ok(()) };
-    // ZeRO-3: every rank gathers the whole weights to its device (group by group, in the compute dtype)
-    // and frees them after the evaluation. Not the layer-wise gather of the training forward: that is a
-    // collective per layer and forward, so every rank would have to run the same forwards in lockstep,
-    // but the ranks score different items (documents of different lengths, generations that stop at
-    // different tokens). The cost is one model copy per rank for the evaluation's duration, what rank 0
-    // alone held before evaluations were shared.
-    let model = match r.zero.needs_full_gather() {
-        true => {
-            let w = zero::gather_params(&r.shards(), r.dtype, r.bucket, Some(&r.device))?;
-            Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?
-        }
-        false => s.model.clone(),
+    // the stage's model, or, where no rank holds the whole weights, every rank's gathered copy of them
+    // on its device, freed after the evaluation (`Sharding::full_weights` says why not layer by layer)
+    let model = match r.sharding().full_weights(Some(&r.device))? {
+        Some(w) => Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?,
+        None => s.model.clone(),
     };
     // with the device's own attention (never the sequence-parallel exchange: each rank scores alone)
     let model = &model.with_attention(AttentionImpl::for_device(&r.device));
@@ -327,14 +284,11 @@ fn maybe_checkpoint(r: &mut Run, s: &Stage, out: &StepOut, stop: bool) -> Result
         snap.stage_step = 0;
         snap.data_cursor = serde_json::Value::Null;
     }
-    // ZeRO-3: every rank joins the gather of the weights rank 0 writes, group by group into rank 0's
-    // host memory (in the compute dtype: what the model files hold), so no device holds a full copy
-    let full = if r.zero.needs_full_gather() {
-        let keep = (r.mesh.rank() == 0).then_some(&Device::Cpu);
-        Some(zero::gather_params(&r.shards(), r.dtype, r.bucket, keep)?)
-    } else {
-        None
-    };
+    // where no rank holds the whole weights, every rank joins the gather of those rank 0 writes, group
+    // by group into rank 0's host memory (in the compute dtype: what the model files hold), so no device
+    // holds a full copy; otherwise they are the stage's own `vars`
+    let keep = (r.mesh.rank() == 0).then_some(&Device::Cpu);
+    let full = r.sharding().full_weights(keep)?;
     // rank 0 runs this on a thread of its own while it meets the others (`checkpoint::agree_within`):
     // it borrows only what it writes
     let (layout, vars, mc) = (&r.layout, &s.vars, &s.mc);

@@ -7,6 +7,7 @@
 use crate::common::ops::max_abs_diff;
 use candle_core::{DType, Device, Tensor, Var};
 use harpe::model::attention::{AttentionFn, AttentionImpl};
+use harpe::model::llama::Tokens;
 use harpe::model::rope::RopeScheme;
 use harpe::model::testing::tiny_config;
 use harpe::model::weights::init_random;
@@ -175,15 +176,15 @@ fn second_document_of_a_packed_sequence_sees_only_itself() {
     let docs = DocStarts::from_starts(&[&[0, la]], la + lb, &Device::Cpu).unwrap();
     for imp in [AttentionImpl::Cpu, AttentionImpl::CpuReference, AttentionImpl::Blocked { block: 5 }] {
         let m = m.clone().with_attention(imp.clone());
-        let masked = m.logits(&m.forward_hidden_doc(&packed, 0, &docs).unwrap()).unwrap(); // (1, T, V)
-        let b_alone = m.logits(&m.forward_hidden(&alone, la).unwrap()).unwrap(); // (1, lb, V)
+        let masked = m.logits(&m.forward(&packed, Tokens::Packed(0, &docs)).unwrap()).unwrap(); // (1, T, V)
+        let b_alone = m.logits(&m.forward(&alone, Tokens::At(la)).unwrap()).unwrap(); // (1, lb, V)
         let b_masked = masked.narrow(1, la, lb).unwrap();
         let e = max_abs_diff(&b_masked, &b_alone);
         assert!(e < 1e-4, "{imp:?}: document B's logits differ from B alone by {e}");
         // document A is a prefix: its logits equal A alone at positions 0..
-        let a_alone = m.logits(&m.forward_hidden(&packed.narrow(1, 0, la).unwrap(), 0).unwrap()).unwrap();
+        let a_alone = m.logits(&m.forward(&packed.narrow(1, 0, la).unwrap(), Tokens::At(0)).unwrap()).unwrap();
         assert!(max_abs_diff(&masked.narrow(1, 0, la).unwrap(), &a_alone) < 1e-4, "{imp:?}: document A");
-        let unmasked = m.logits(&m.forward_hidden(&packed, 0).unwrap()).unwrap();
+        let unmasked = m.logits(&m.forward(&packed, Tokens::At(0)).unwrap()).unwrap();
         assert!(
             max_abs_diff(&unmasked.narrow(1, la, lb).unwrap(), &b_alone) > 1e-3,
             "{imp:?}: the mask changed nothing"

@@ -2,6 +2,7 @@
 //! from fixtures written by `scripts/make_golden.py` (tiny random Llama, GQA 4q/2kv heads).
 use crate::common::ops::rel_err;
 use candle_core::{DType, Device, Tensor};
+use harpe::model::llama::Tokens;
 use harpe::model::load_model_dir;
 use std::path::PathBuf;
 
@@ -24,7 +25,7 @@ fn load(case: &str) -> Case {
 
 fn check_logits(case: &str) -> harpe::model::Llama {
     let c = load(case);
-    let logits = c.model.logits(&c.model.forward_hidden(&c.ids, 0).unwrap()).unwrap();
+    let logits = c.model.logits(&c.model.forward(&c.ids, Tokens::At(0)).unwrap()).unwrap();
     let e = rel_err(&logits, &c.fix["logits"], 0.0);
     assert!(e < 1e-4, "{case}: logits rel err {e}");
     let loss = c.model.loss_full(&c.ids).unwrap();
@@ -64,7 +65,7 @@ fn per_head_bases_match_patched_transformers() {
     let c = load("harpe");
     let mut plain = c.model.clone();
     plain.cfg.rope = harpe::model::rope::RopeScheme::Default { theta: 10000.0 };
-    let logits = plain.logits(&plain.forward_hidden(&c.ids, 0).unwrap()).unwrap();
+    let logits = plain.logits(&plain.forward(&c.ids, Tokens::At(0)).unwrap()).unwrap();
     assert!(rel_err(&logits, &c.fix["logits"], 0.0) > 1e-3);
 }
 
@@ -109,7 +110,7 @@ fn rope_parity_hf_reproduces_transformers_float32_angles() {
     let start = fix["start"].to_vec1::<i64>().unwrap()[0] as usize;
     let mut model = load_model_dir(&golden("default").join("model"), DType::F32, &Device::Cpu).unwrap();
     let err = |m: &harpe::model::Llama| {
-        rel_err(&m.logits(&m.forward_hidden(&ids, start).unwrap()).unwrap(), &fix["logits"], 0.0)
+        rel_err(&m.logits(&m.forward(&ids, Tokens::At(start)).unwrap()).unwrap(), &fix["logits"], 0.0)
     };
     model.parity = harpe::model::rope::RopeParity::Hf;
     let hf = err(&model);

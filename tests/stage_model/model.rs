@@ -4,7 +4,7 @@ use crate::common::ops::{max_abs_diff, rel_err};
 use candle_core::{DType, Device, Tensor};
 use harpe::eval::generate::{greedy_generate, GenerateOptions};
 use harpe::model::config::LlamaConfig;
-use harpe::model::llama::KvCache;
+use harpe::model::llama::{KvCache, Tokens};
 use harpe::model::rope::RopeScheme;
 use harpe::model::testing::{tiny_config, tiny_model_dir, write_random_model_dir};
 use harpe::model::weights::{init_random, save_model_dir};
@@ -59,12 +59,12 @@ fn kv_cached_decoding_equals_full_recomputation() {
     ] {
         let m = tiny(rope, false);
         let x = ids(1, 23);
-        let full = m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap(); // (1, 23, V)
-                                                                         // chunked prefill 10 + 10 + 3 single-token steps
+        let full = m.logits(&m.forward(&x, Tokens::At(0)).unwrap()).unwrap(); // (1, 23, V)
+                                                                              // chunked prefill 10 + 10 + 3 single-token steps
         let mut cache = KvCache::new(m.cfg.num_hidden_layers);
         let mut parts = vec![];
         for (s, l) in [(0, 10), (10, 10), (20, 1), (21, 1), (22, 1)] {
-            let h = m.forward_cached(&x.narrow(1, s, l).unwrap(), &mut cache).unwrap();
+            let h = m.forward(&x.narrow(1, s, l).unwrap(), Tokens::Cached(&mut cache)).unwrap();
             parts.push(m.logits(&h).unwrap());
         }
         let cached = Tensor::cat(&parts, 1).unwrap();
@@ -87,8 +87,8 @@ fn inference_layout_keeps_shapes_logits_and_generations() {
         assert_eq!(c.layers[0].q_proj.stride(), &[1, c.layers[0].q_proj.dims()[0]][..], "q_proj not column-major");
         let x = ids(2, 19);
         let (la, lb) = (
-            m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap(),
-            c.logits(&c.forward_hidden(&x, 0).unwrap()).unwrap(),
+            m.logits(&m.forward(&x, Tokens::At(0)).unwrap()).unwrap(),
+            c.logits(&c.forward(&x, Tokens::At(0)).unwrap()).unwrap(),
         );
         let e = max_abs_diff(&la, &lb);
         assert!(e < 1e-4, "tied={tied}: logits differ by {e}");
@@ -117,7 +117,7 @@ fn greedy_generation_is_prefill_chunk_invariant_and_stops() {
     let mut seq = prompt.clone();
     for &tok in &a {
         let x = Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let h = m.forward_hidden(&x, 0).unwrap();
+        let h = m.forward(&x, Tokens::At(0)).unwrap();
         let l = m.logits(&h.narrow(1, seq.len() - 1, 1).unwrap()).unwrap().flatten_all().unwrap();
         assert_eq!(l.argmax(0).unwrap().to_scalar::<u32>().unwrap(), tok);
         seq.push(tok);
@@ -160,8 +160,8 @@ fn save_load_round_trip_sharded_bf16_and_harpe_config() {
     let b16 = load_model_dir(dir2.path(), DType::BF16, &Device::Cpu).unwrap();
     assert_eq!(b16.dtype(), DType::BF16);
     let x = ids(1, 9);
-    let l16 = b16.logits(&b16.forward_hidden(&x, 0).unwrap()).unwrap().to_dtype(DType::F32).unwrap();
-    let l32 = m.logits(&m.forward_hidden(&x, 0).unwrap()).unwrap();
+    let l16 = b16.logits(&b16.forward(&x, Tokens::At(0)).unwrap()).unwrap().to_dtype(DType::F32).unwrap();
+    let l32 = m.logits(&m.forward(&x, Tokens::At(0)).unwrap()).unwrap();
     let e = rel_err(&l16, &l32, 0.0);
     assert!(e < 0.05, "bf16 logits relative error {e}");
 }

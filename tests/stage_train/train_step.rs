@@ -10,11 +10,11 @@ use harpe::flatbuf::FlatBuf;
 use harpe::grads::{flatten_params, GradAccum};
 use harpe::model::config::LlamaConfig;
 use harpe::model::layout::ParamLayout;
-use harpe::model::rope::RopeScheme;
+use harpe::model::rope::{Positions, RopeScheme};
 use harpe::model::weights::{init_random, load_tensors};
 use harpe::model::Llama;
 use harpe::optim::adamw::{AdamW, AdamWHyper};
-use harpe::train::{batch_tensors, forward_backward, rope_tables, trainable_model, Backward, LossSums, MicroBatch};
+use harpe::train::{batch_tensors, forward_backward, trainable_model, Backward, LossSums, MicroBatch, Params};
 use std::path::Path;
 
 fn tiny(layers: usize, rope: RopeScheme) -> (LlamaConfig, ParamLayout, FlatBuf) {
@@ -41,7 +41,7 @@ fn step_grads(
 ) -> (Vec<f32>, f64) {
     let (model, vars) = trainable_model(cfg, layout, flat, dtype, &Device::Cpu).unwrap();
     let t = data[0].len();
-    let tables = rope_tables(&model, t).unwrap();
+    let tables = model.rope_tables(Positions::new(0, t)).unwrap();
     let mut g = GradAccum::new(layout, &Device::Cpu).unwrap();
     let total = (data.len() * (t - 1)) as f64;
     let mut nll = 0.0;
@@ -51,7 +51,7 @@ fn step_grads(
         let seg = ck.segment_len(cfg.num_hidden_layers);
         let out = forward_backward(
             &model,
-            (&vars, layout, &mut g),
+            &mut Params::resident(&vars, layout, &mut g),
             &MicroBatch { ids: &ids, targets: &tg, tables: &tables, docs: None },
             Backward { seg, loss_chunk: 7, scale: 1.0 / total },
         )

@@ -12,11 +12,9 @@ use harpe::comms::Comm;
 use harpe::flatbuf::{FlatBuf, Placement};
 use harpe::grads::GradAccum;
 use harpe::model::config::LlamaConfig;
-use harpe::model::rope::RopeScheme;
+use harpe::model::rope::{Positions, RopeScheme};
 use harpe::model::weights::init_flat;
-use harpe::train::{
-    batch_tensors, forward_backward, forward_backward_with, rope_tables, trainable_model, Backward, MicroBatch, Params,
-};
+use harpe::train::{batch_tensors, forward_backward, trainable_model, Backward, MicroBatch, Params};
 use std::time::Duration;
 
 const LAYERS: usize = 5;
@@ -39,12 +37,18 @@ fn resident(dtype: DType, seg: usize) -> Vec<f32> {
     let cfg = config();
     let (layout, weights) = init_flat(&cfg, 3, &Placement::Host).unwrap();
     let (model, vars) = trainable_model(&cfg, &layout, &weights, dtype, &Device::Cpu).unwrap();
-    let tables = rope_tables(&model, 23).unwrap();
+    let tables = model.rope_tables(Positions::new(0, 23)).unwrap();
     let s = seq();
     let (ids, targets) = batch_tensors(&[&s], 61, &Device::Cpu).unwrap();
     let mut g = GradAccum::new(&layout, &Device::Cpu).unwrap();
     let batch = MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None };
-    forward_backward(&model, (&vars, &layout, &mut g), &batch, Backward { seg, loss_chunk: 7, scale: 1.0 }).unwrap();
+    forward_backward(
+        &model,
+        &mut Params::resident(&vars, &layout, &mut g),
+        &batch,
+        Backward { seg, loss_chunk: 7, scale: 1.0 },
+    )
+    .unwrap();
     g.buf().to_host().unwrap().to_vec()
 }
 
@@ -54,7 +58,7 @@ fn sharded(world: usize, dtype: DType, seg: usize, placement: &Placement, prefet
     let cfg = config();
     let (layout, weights) = init_flat(&cfg, 3, &Placement::Host).unwrap();
     let (model, _) = trainable_model(&cfg, &layout, &weights, dtype, &Device::Cpu).unwrap();
-    let tables = rope_tables(&model, 23).unwrap();
+    let tables = model.rope_tables(Positions::new(0, 23)).unwrap();
     let map = ShardMap::new(&layout, world, Split::Slices);
     spawn_local(world, Duration::from_secs(20), |c| {
         let comm = Comm::Local(c, 1);
@@ -74,7 +78,7 @@ fn sharded(world: usize, dtype: DType, seg: usize, placement: &Placement, prefet
         assert!(z.prefetch, "Local collectives run beside the compute (communication threads): prefetch by default");
         z.prefetch = prefetch;
         let mut params = Params::sharded(z);
-        forward_backward_with(
+        forward_backward(
             &model,
             &mut params,
             &MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None },

@@ -21,7 +21,7 @@
 //! Not done here: rolling log-likelihoods, sampling, batched generation (one prompt at a time).
 use crate::eval::generate::{greedy_generate_until, GenerateOptions};
 use crate::eval::tasks::py_isspace;
-use crate::model::llama::KvCache;
+use crate::model::llama::{KvCache, Tokens};
 use crate::model::Llama;
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Tensor, D};
@@ -105,7 +105,7 @@ impl Scorer<'_> {
         let all: Vec<u32> = ctx.iter().chain(cont).copied().collect();
         let inp = &all[all.len().saturating_sub(self.max_length + 1)..all.len() - 1];
         let x = Tensor::new(inp, self.model.device())?.unsqueeze(0)?; // (1, T)
-        let h = self.model.forward_hidden(&x, 0)?.squeeze(0)?; // (T, C)
+        let h = self.model.forward(&x, Tokens::At(0))?.squeeze(0)?; // (T, C)
         let n = cont.len().min(inp.len());
         self.score_rows(&h.narrow(0, inp.len() - n, n)?, &cont[cont.len() - n..])
     }
@@ -125,7 +125,7 @@ impl Scorer<'_> {
             let mut last = None;
             for part in ctx.chunks(PREFILL_CHUNK) {
                 let x = Tensor::new(part, &dev)?.unsqueeze(0)?; // (1, t)
-                let h = self.model.forward_cached(&x, &mut cache)?; // (1, t, C)
+                let h = self.model.forward(&x, Tokens::Cached(&mut cache))?; // (1, t, C)
                 last = Some(h.narrow(1, part.len() - 1, 1)?.squeeze(0)?); // (1, C)
             }
             let last = last.ok_or_else(|| anyhow!("internal: empty context"))?;
@@ -141,7 +141,7 @@ impl Scorer<'_> {
                     }
                     let x = Tensor::from_vec(ids, (b, t), &dev)?;
                     let mut bc = broadcast_cache(&cache, b)?;
-                    Some(self.model.forward_cached(&x, &mut bc)?) // (B, t, C)
+                    Some(self.model.forward(&x, Tokens::Cached(&mut bc))?) // (B, t, C)
                 } else {
                     None
                 };
@@ -177,7 +177,7 @@ impl Scorer<'_> {
             ids[r * t..r * t + ctx.len()].copy_from_slice(ctx);
         }
         let x = Tensor::from_vec(ids, (b, t), self.model.device())?;
-        let h = self.model.forward_hidden(&x, 0)?; // (B, T, C)
+        let h = self.model.forward(&x, Tokens::At(0))?; // (B, T, C)
         let mut out = Vec::with_capacity(b);
         for (r, (ctx, conts)) in items.iter().enumerate() {
             let last = h.get(r)?.narrow(0, ctx.len() - 1, 1)?; // (1, C)

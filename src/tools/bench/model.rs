@@ -1,5 +1,5 @@
 //! `harpe bench model`: the model-level benchmark rows on `--device` — one Llama decoder layer
-//! forward+backward (`Llama::layer_forward_with` on `Var` weights, then `sum().backward()`), and one
+//! forward+backward (`Llama::run_layers` over one layer of `Var` weights, then `sum().backward()`), and one
 //! full training step (`train::forward_backward` with every-layer checkpointing, global norm,
 //! clipping, AdamW on the fp32 master, write-back into the compute weights: the `harpe train` loop's
 //! calls, on one rank). The rows are `bench::Row`s in the same table, plus TFLOP/s from the matmul
@@ -35,11 +35,11 @@ use crate::flatbuf::Placement;
 use crate::grads::{self, GradAccum};
 use crate::model::attention::AttentionImpl;
 use crate::model::config::LlamaConfig;
-use crate::model::llama::{is_norm_param, param_shapes, LayerWeights, Llama};
-use crate::model::rope::RopeScheme;
+use crate::model::llama::{is_norm_param, param_shapes, Forward, LayerWeights, Llama, OwnWeights};
+use crate::model::rope::{Positions, RopeScheme};
 use crate::model::weights::init_flat;
 use crate::optim::adamw::{AdamW, AdamWHyper};
-use crate::train::{batch_tensors, forward_backward, rope_tables, trainable_model, Backward, MicroBatch};
+use crate::train::{batch_tensors, forward_backward, trainable_model, Backward, MicroBatch, Params};
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
@@ -272,7 +272,7 @@ fn row(kernel: &str, shape: String, s: f64, bytes: usize, flops: f64, copy_gbps:
 
 fn layer_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Row> {
     let cfg = sh.config(1);
-    let model = Llama::skeleton(cfg.clone(), sh.dtype, dev)?.with_attention(AttentionImpl::for_device(dev));
+    let mut model = Llama::skeleton(cfg.clone(), sh.dtype, dev)?.with_attention(AttentionImpl::for_device(dev));
     let vars: Vec<Var> = param_shapes(&cfg)
         .into_iter()
         .filter(|(n, _)| n.starts_with("model.layers.0."))
@@ -288,11 +288,12 @@ fn layer_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<R
         .collect::<Vec<_>>()
         .try_into()
         .map_err(|_| anyhow!("internal: a decoder layer has not 9 parameters"))?;
-    let w = LayerWeights::from_array(arr);
-    let tables = model.rope_tables(0, 0, sh.tokens)?;
+    model.layers = vec![LayerWeights::from_array(arr)]; // the one layer, without an embedding or head
+    let tables = model.rope_tables(Positions::new(0, sh.tokens))?;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, sh.tokens, sh.hidden), dev)?.to_dtype(sh.dtype)?)?;
     let s = time(dev, iters, || {
-        let y = model.layer_forward_with(0, &w, x.as_tensor(), &tables, None, None)?; // (1, T, C)
+        let run = Forward { tables: &tables, docs: None, cache: None };
+        let (y, _) = model.run_layers(&mut OwnWeights, x.as_tensor(), 0..1, run, None)?; // (1, T, C)
         let g = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
         g.get(x.as_tensor()).ok_or_else(|| anyhow!("no gradient reached the layer's input"))?;
         Ok(())
@@ -317,14 +318,14 @@ fn step_row(sh: &Shape, dev: &Device, iters: usize, copy_gbps: f64) -> Result<Ro
     let model = model.with_attention(AttentionImpl::for_device(dev));
     let comm = Comm::Single;
     let mut g = GradAccum::new(&layout, dev)?;
-    let tables = rope_tables(&model, sh.tokens)?;
+    let tables = model.rope_tables(Positions::new(0, sh.tokens))?;
     let seq: Vec<u32> = (0..sh.tokens).map(|i| ((i * 7 + i * i) % sh.vocab) as u32).collect();
     let (ids, targets) = batch_tensors(&[&seq], sh.vocab, dev)?;
     let s = time(dev, iters, || {
-        g.zero()?;
+        g.reset()?;
         let out = forward_backward(
             &model,
-            (&vars, &layout, &mut g),
+            &mut Params::resident(&vars, &layout, &mut g),
             &MicroBatch { ids: &ids, targets: &targets, tables: &tables, docs: None },
             Backward { seg: 1, loss_chunk: LOSS_CHUNK, scale: 1.0 },
         )?;
