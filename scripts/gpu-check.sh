@@ -35,7 +35,8 @@
 # `selftest --rounds 1`, tiny GPU-vs-CPU training parity (20 f32 steps), `bench attention` at 8K and 32K,
 # then PyTorch SDPA on the same shapes as a step of its own, the decoder-layer bench at 4K, then torch's
 # layer, NCCL with one process vs the single-process run (ZeRO-0 and ZeRO-3), `harpe plan` vs the measured
-# device peak at 16K (3 steps; the run is stopped once its 3rd step is logged, before its stage-end
+# reserved device peak at 32K on one 7B layer with an 8000-token vocabulary, where activations dominate (3 steps;
+# the run is stopped once its 3rd step is logged, before its stage-end
 # checkpoint, and its directory deleted). `--second`: the 7B training step at the largest T that fits,
 # attention at 32K and then at 128K with the 128K step's limit sized from the 32K rows just measured
 # (skipped with a note when the budget cannot hold it), selftest's small cases under compute-sanitizer
@@ -384,7 +385,9 @@ plan = json.load(open(sys.argv[1]))
 with open(sys.argv[2]) as f:
     recs = [json.loads(l) for l in f if l.strip() and "grad_norm" in l]
 rehearse = sys.argv[3] == "rehearse"
-key = "step_peak_bytes" if rehearse else "device_peak_bytes"
+# the pool's reserved peak (allocated + its free fragments) is what the device could not give to anything
+# else: the gate reads it, so fragmentation counts against the plan; the allocated peak is printed beside it
+key = "step_peak_bytes" if rehearse else "device_reserved_peak_bytes"
 peaks = [r.get(key) for r in recs if r.get(key)]
 if not peaks:
     sys.exit("no %s in %s" % (key, sys.argv[2]))
@@ -392,6 +395,12 @@ gib = 1 << 30
 fixed = plan["terms"].get("fixed_overhead", 0)
 measured, planned = max(peaks), plan["total_bytes"]
 print("terms (GiB): " + ", ".join("%s %.3f" % (k, v / gib) for k, v in plan["terms"].items()))
+alloc = [r.get("device_peak_bytes") for r in recs if r.get("device_peak_bytes")]
+if alloc:
+    print("allocated peak %.3f GiB; reserved peak %.3f GiB" % (max(alloc) / gib, measured / gib))
+for r in recs[-1:]:
+    for i, (a, res) in enumerate(r.get("device_peaks_by_rank", [])):
+        print("rank %d: allocated %.3f GiB, reserved %.3f GiB" % (i, a / gib, res / gib))
 print("planned %.3f GiB (%.3f without the fixed overhead, which the allocator peak does not see); measured %s %.3f GiB" % (planned / gib, (planned - fixed) / gib, key, measured / gib))
 ratio = measured / max(planned - fixed, 1)
 print("measured / planned-without-overhead = %.3f (goal: within 15%%)" % ratio)
@@ -522,9 +531,13 @@ nccl() {
 
 # harpe plan vs the measured peak for the Llama-2-7B-shaped stack (configs/gpu-plan-check.toml),
 # 3 bf16 steps, stopped before its checkpoint; a rehearsal plans and runs the tiny config on the CPU.
-plan_vs_measured() { # ID T
+# LAYERS/VOCAB (optional) shrink the stack so the activations, not the model states, are most of the peak:
+# at T = 32768 one 7B layer with an 8000-token vocabulary keeps ~6.5 GB of one layer's graph against
+# ~4.3 GB of weights, gradients and AdamW state, so an error in the activation count shows.
+plan_vs_measured() { # ID T [LAYERS VOCAB]
   local id="$1" t="$2" d="$WORK/plan$2" cfg=configs/gpu-plan-check.toml
   local sets=(--set "stage.0.seq_len=$t" --set "train.global_batch_tokens=$t") gpu=(--gpu h200)
+  [ -z "${3:-}" ] || sets+=(--set "model.init.num_hidden_layers=$3" --set "model.init.vocab_size=$4")
   if rehearse; then
     cfg=configs/tiny-cpu.toml
     sets=(--set 'train.dtype="f32"' --set log.progress=false --set log.plot=false)
@@ -592,7 +605,7 @@ first_half() {
   layer
   nccl
   [ "$MODE" = dry ] || rehearse || [ "$(gpu_count)" -ge 2 ] || needs multi "NCCL with N processes and the 128K layout on N GPUs (run --multi)" 2 "$(gpu_count)"
-  plan_vs_measured plan 16384
+  plan_vs_measured plan 32768 1 8000
 }
 
 second_half() {

@@ -244,6 +244,7 @@ fn plan_check(cfg: &RunConfig, origin: &str, force: bool, ranks: Ranks) -> Resul
     gpu.mem_bytes /= sharing as u64;
     let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: dist.sp_degree };
     let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
+    crate::train::oom::remember_plan(&plan.terms.iter().map(|t| (t.name, t.bytes)).collect::<Vec<_>>());
     if plan.fits || force {
         return Ok(());
     }

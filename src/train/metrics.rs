@@ -47,10 +47,17 @@ pub struct StepRecord {
     pub step_peak_bytes: u64,
     /// resident memory when the step started
     pub step_start_bytes: u64,
-    /// peak device memory allocated during the step (CUDA: the memory pool's high-water mark); absent
-    /// on the CPU
+    /// peak device memory allocated during the step (CUDA: the memory pool's high-water mark), the
+    /// largest over the ranks; absent on the CPU
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
+    /// peak device memory the pool reserved during the step (allocated plus its free fragments: what the
+    /// device could not give to anything else), the largest over the ranks; absent on the CPU
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_reserved_peak_bytes: Option<u64>,
+    /// every rank's (allocated, reserved) device peak of the step, in rank order; absent on the CPU
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_peaks_by_rank: Vec<(u64, u64)>,
     /// true when the step was skipped for a NaN/inf loss or gradient
     pub skipped: bool,
     /// token-mean loss per data source, when the data carries source labels
@@ -73,8 +80,14 @@ fn nan_map_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Resul
 pub fn step_line(r: &StepRecord, total_steps: u64) -> String {
     let mfu = r.mfu.map(|m| format!(" mfu {:.1}%", 100.0 * m)).unwrap_or_default();
     let skip = if r.skipped { " SKIPPED (non-finite)" } else { "" };
+    let dev = match (r.device_peak_bytes, r.device_reserved_peak_bytes) {
+        (Some(a), Some(res)) => {
+            format!(" | device peak {} (reserved {})", crate::util::human_bytes(a), crate::util::human_bytes(res))
+        }
+        _ => String::new(),
+    };
     format!(
-        "step {:>6}/{total_steps} | stage {} T={} | loss {:.4} | gnorm {:.3} | lr {:.3e} | {:.0} tok/s | {:.3} TFLOP/s{mfu} | mem {} (step peak {}){skip}",
+        "step {:>6}/{total_steps} | stage {} T={} | loss {:.4} | gnorm {:.3} | lr {:.3e} | {:.0} tok/s | {:.3} TFLOP/s{mfu} | mem {} (step peak {}){dev}{skip}",
         r.step,
         r.stage,
         r.seq_len,
@@ -400,6 +413,8 @@ mod tests {
             rss_bytes: 1 << 20,
             step_peak_bytes: 1 << 20,
             device_peak_bytes: None,
+            device_reserved_peak_bytes: None,
+            device_peaks_by_rank: vec![],
             step_start_bytes: 1 << 19,
             skipped: false,
             per_source: BTreeMap::new(),

@@ -59,6 +59,7 @@ mod eval;
 mod launch;
 mod loss_sums;
 pub mod metrics;
+pub mod oom;
 pub mod plan;
 mod run_dir;
 mod session;

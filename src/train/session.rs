@@ -80,6 +80,29 @@ pub(super) struct Run {
 }
 
 impl Run {
+
+    /// Whether this rank is the first of its process: every rank of a process group (NCCL, Gloo: one
+    /// process each), rank 0 alone among rank threads. Process-wide measures (the RSS and device peaks) are
+    /// reset by it once per step.
+    pub(super) fn leads_process(&self) -> bool {
+        !matches!(self.comm, Comm::Local(..)) || self.mesh.rank() == 0
+    }
+
+    /// Every rank's (allocated, reserved) device peak of the step in rank order, gathered by one small
+    /// all-reduce; empty off CUDA (every rank decides alike: the device kind is the run's).
+    pub(super) fn device_peaks(&self) -> Result<Vec<(u64, u64)>> {
+        let (Some(a), Some(res)) = (
+            crate::device::device_peak_bytes(&self.device)?,
+            crate::device::device_reserved_peak_bytes(&self.device)?,
+        ) else {
+            return Ok(vec![]);
+        };
+        let world = self.mesh.world();
+        let mut v = vec![0f64; 2 * world];
+        (v[2 * self.mesh.rank()], v[2 * self.mesh.rank() + 1]) = (a as f64, res as f64);
+        self.comm.all_reduce_sum_f64(&mut v)?;
+        Ok(v.chunks(2).map(|p| (p[0] as u64, p[1] as u64)).collect())
+    }
     /// Wait for a resume's `ShareCheck` and agree on it with every rank (one collective, every rank at
     /// the same point: after the session's first step, or at its end when it trains none). A damaged
     /// file stops the run on every rank before that step is logged or saved.

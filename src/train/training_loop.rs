@@ -6,6 +6,7 @@
 //! (`agree_stop`), and everything after it acts on that agreed answer only: a signal that lands on one
 //! rank after the agreement is seen by every rank at the next step's agreement, never by one rank
 //! alone (which would leave its peers waiting in the next step's collectives).
+use super::oom::{self, Phase};
 use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts};
 use super::eval::{eval_line, EvalPoint, TrainEval};
@@ -48,7 +49,7 @@ pub(super) fn run_rank(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Res
     }
     let mut end = End::Done;
     'stages: for si in r.state.stage..r.cfg.stages.len() {
-        let mut stage = Stage::open(&mut r, si)?;
+        let mut stage = Stage::open(&mut r, si).map_err(|e| oom::name(e, Phase::Weights))?;
         while r.state.stage_step < stage.steps {
             if r.state.step >= r.limit {
                 break 'stages;
@@ -100,14 +101,16 @@ struct StepOut {
     per_source: BTreeMap<String, (f64, f64)>,
     seconds: f64,
     start_bytes: u64,
+    /// every rank's device peak of the step, (allocated, reserved); empty off CUDA
+    device_peaks: Vec<(u64, u64)>,
 }
 
 /// One optimizer step: `accum` micro-batches forward/backward, gradient reduction, norm, then either
 /// a skip (non-finite loss or gradient) or clip + AdamW on this rank's shard + publish of the weights.
 fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
-    if r.mesh.rank() == 0 {
-        mem::reset_peak(); // process-wide: one reset per step (rank threads share the process)
-        crate::device::reset_device_peak(&r.device)?; // likewise per device
+    if r.leads_process() {
+        mem::reset_peak(); // process-wide: one reset per step and process (rank threads share one)
+        crate::device::reset_device_peak(&r.device)?; // likewise per device: every GPU rank resets its own
     }
     let start_bytes = mem::rss_bytes();
     let t0 = Instant::now();
@@ -115,9 +118,9 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     let mut sums = LossSums::new(s.sources.len(), &r.device)?;
     let mut targets_seen = 0f64;
     for _ in 0..s.accum {
-        targets_seen += micro_step(r, s, &mut sums)?;
+        targets_seen += micro_step(r, s, &mut sums).map_err(|e| oom::name(e, Phase::Activations))?;
     }
-    let grad_norm = r.sharding().reduce_grads(&mut s.grads)?;
+    let grad_norm = r.sharding().reduce_grads(&mut s.grads).map_err(|e| oom::name(e, Phase::Reduction))?;
     // nll sum, target count, then (nll sum, count) per source id, summed over ranks
     let (nll_sum, by_source) = sums.read()?;
     let mut reduced: Vec<f64> = [nll_sum, targets_seen].iter().chain(&by_source).copied().collect();
@@ -143,14 +146,16 @@ fn train_step(r: &mut Run, s: &mut Stage) -> Result<StepOut> {
     } else {
         r.bad_streak = 0;
         grads::clip_by_global_norm(s.grads.buf_mut(), grad_norm, r.cfg.optim.grad_clip)?;
-        r.optim.step(s.grads.buf(), lr)?;
+        r.optim.step(s.grads.buf(), lr).map_err(|e| oom::name(e, Phase::Optimizer))?;
         r.sharding().publish(&s.vars)?;
     }
     r.state.step += 1;
     r.state.stage_step += 1;
     r.state.tokens_seen += s.tokens_per_step;
     r.state.data_cursor = serde_json::to_value(s.loader.cursor())?;
-    Ok(StepOut { loss, grad_norm, lr, skipped, per_source, seconds: t0.elapsed().as_secs_f64(), start_bytes })
+    let seconds = t0.elapsed().as_secs_f64();
+    let device_peaks = r.device_peaks()?;
+    Ok(StepOut { loss, grad_norm, lr, skipped, per_source, seconds, start_bytes, device_peaks })
 }
 
 /// One micro-batch: this rank's sequences and tokens, forward and backward (gradients scaled by the
@@ -213,7 +218,9 @@ fn log_step(r: &mut Run, s: &Stage, out: &StepOut) -> Result<()> {
         mfu: (r.cfg.log.peak_tflops > 0.0).then(|| tflops / r.cfg.log.peak_tflops),
         rss_bytes: mem::rss_bytes(),
         step_peak_bytes: mem::peak_bytes(),
-        device_peak_bytes: crate::device::device_peak_bytes(&r.device)?,
+        device_peak_bytes: out.device_peaks.iter().map(|p| p.0).max(),
+        device_reserved_peak_bytes: out.device_peaks.iter().map(|p| p.1).max(),
+        device_peaks_by_rank: out.device_peaks.clone(),
         step_start_bytes: out.start_bytes,
         skipped: out.skipped,
         per_source: out.per_source.iter().map(|(k, (sum, n))| (k.clone(), sum / n.max(1.0))).collect(),
