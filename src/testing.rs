@@ -28,6 +28,9 @@ pub const SLOW_EVAL: &str = "HARPE_TEST_SLOW_EVAL";
 /// `HARPE_TEST_SLOW_BENCH_ROW=SECONDS`: `harpe bench model` sleeps SECONDS after each row it prints (a
 /// benchmark that scripts/gpu-check.sh's step limit stops half-way).
 pub const SLOW_BENCH_ROW: &str = "HARPE_TEST_SLOW_BENCH_ROW";
+/// `HARPE_SELFTEST_SMALL` (any value): `harpe selftest` skips its T = 4096 + 37 attention cases, which
+/// take minutes under compute-sanitizer (scripts/gpu-check.sh sets it there).
+pub const SELFTEST_SMALL: &str = "HARPE_SELFTEST_SMALL";
 
 /// An injected failure (`HARPE_FAULT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +50,7 @@ pub struct Hooks {
     pub checkpoint_view: Option<(usize, PathBuf)>,
     pub slow_eval: Option<Duration>,
     pub slow_bench_row: Option<Duration>,
+    pub selftest_small: bool,
     /// the first malformed hook variable: `check` reports it
     pub error: Option<String>,
 }
@@ -86,6 +90,7 @@ impl Hooks {
         h.slow_commit = seconds(SLOW_COMMIT, &mut bad);
         h.slow_eval = seconds(SLOW_EVAL, &mut bad);
         h.slow_bench_row = seconds(SLOW_BENCH_ROW, &mut bad);
+        h.selftest_small = get(SELFTEST_SMALL).is_some();
         if let Some(v) = get(CHECKPOINT_VIEW) {
             match v.split_once(':').map(|(r, d)| (r.parse(), d)) {
                 Some((Ok(r), d)) if !d.is_empty() => h.checkpoint_view = Some((r, PathBuf::from(d))),
@@ -127,6 +132,7 @@ mod tests {
         assert_eq!(of(&[]), Hooks::default());
         let h = of(&[(FAULT, "2:3:panic"), (LATE_SIGNAL, "1:2"), (SLOW_EVAL, "0.5"), (CHECKPOINT_VIEW, "1:/x/y")]);
         assert_eq!(of(&[(SLOW_BENCH_ROW, "2")]).slow_bench_row, Some(Duration::from_secs(2)));
+        assert!(of(&[(SELFTEST_SMALL, "1")]).selftest_small && !of(&[]).selftest_small);
         assert_eq!(h.fault, Some(Fault { rank: 2, step: 3, panic: true }));
         assert_eq!(h.late_signal, Some((1, 2)));
         assert_eq!(h.slow_eval, Some(Duration::from_millis(500)));
