@@ -56,10 +56,18 @@ fn measured_and_planned_once(dir: &std::path::Path, t: usize, attempt: usize) ->
     (measured, plan.total_bytes)
 }
 
+/// Whether this system can measure a step's peak memory (Linux's /proc/self/clear_refs); says so if not.
+fn peak_memory_measurable() -> bool {
+    let yes = std::path::Path::new("/proc/self/clear_refs").exists();
+    if !yes {
+        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    }
+    yes
+}
+
 #[test]
 fn cpu_plan_is_within_15_percent_of_the_measured_peak() {
-    if !std::path::Path::new("/proc/self/clear_refs").exists() {
-        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    if !peak_memory_measurable() {
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -120,8 +128,7 @@ fn local_measured_and_predicted(dir: &std::path::Path, t: usize, world: usize, z
 
 #[test]
 fn cpu_plan_of_local_ranks_is_within_15_percent_of_the_measured_peak() {
-    if !std::path::Path::new("/proc/self/clear_refs").exists() {
-        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    if !peak_memory_measurable() {
         return;
     }
     let d = tempfile::tempdir().unwrap();

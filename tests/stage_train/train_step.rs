@@ -140,13 +140,19 @@ fn worst_param_error(
     worst
 }
 
+/// tests/golden/`name`: its golden.safetensors (inputs, losses, the parameters after the steps) and its
+/// hparams.json.
+fn golden_run(name: &str) -> (std::collections::HashMap<String, Tensor>, serde_json::Value) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let hp = serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    (golden, hp)
+}
+
 #[test]
 fn one_step_matches_torch_adamw_golden() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/adamw");
     let (cfg, layout, flat) = golden_model();
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let hp: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    let (golden, hp) = golden_run("adamw");
     let f = |k: &str| hp[k].as_f64().unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
     let (g, loss) = step_grads(&cfg, &layout, &flat, &ids, 1, Checkpointing::EveryLayer, DType::F32);
@@ -171,11 +177,8 @@ fn one_step_matches_torch_adamw_golden() {
 fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
     // Five steps (bias correction no longer cancels the betas), a different lr each step, three
     // weight-decay groups (matrices, embedding, norms) and clip_grad_norm_ active at every step.
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let (cfg, layout, flat) = golden_model();
-    let golden = candle_core::safetensors::load(dir.join("adamw_steps/golden.safetensors"), &Device::Cpu).unwrap();
-    let hp: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adamw_steps/hparams.json")).unwrap()).unwrap();
+    let (golden, hp) = golden_run("adamw_steps");
     let f = |k: &str| hp[k].as_f64().unwrap() as f32;
     let h = AdamWHyper {
         beta1: f("beta1"),
