@@ -22,7 +22,7 @@ Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_en
 
 `--grid` runs GRID below, a covering design rather than the full factorial (4 hidden x 2 attention x 4
 depths x 4 T x 3 micro-batches x 2 checkpointing = 768 rows, days on 2 cores): every level of every factor
-appears at least once, the issue's reported shape (6 layers, hidden 384, 6/2 heads, intermediate 1024,
+appears at least once, the first reported shape (6 layers, hidden 384, 6/2 heads, intermediate 1024,
 micro-batch 4, T 512) appears with and without checkpointing, and the expensive levels are paired with the
 cheap ones (T 4096 with micro-batch 1, micro-batch 8 with T <= 1024) so a step stays under ~10 s. GQA 3:1
 needs heads divisible by 3 at head dim 64, so it runs at hidden 384 (6/2) and 768 (12/4); hidden 128
@@ -67,7 +67,7 @@ def shape(hidden, heads, kv, layers, seq, batch, ckpt, inter=None):
 # 4 (4, 7, 9), 6 (1, 2), 8 (5, 8); T 256 (3, 5, 8), 512 (1, 2, 10), 1024 (4, 7), 4096 (6, 9); micro-batch 1
 # (4, 5, 6, 9), 4 (1, 2, 7), 8 (3, 8, 10); checkpointing none (1, 3, 5, 7, 9), every layer (2, 4, 6, 8, 10).
 GRID = [
-    shape(384, 6, 2, 6, 512, 4, "none", inter=1024),  # the shape
+    shape(384, 6, 2, 6, 512, 4, "none", inter=1024),  # the first reported shape
     shape(384, 6, 2, 6, 512, 4, "every-layer", inter=1024),
     shape(128, 4, 4, 2, 256, 8, "none"),
     shape(128, 4, 4, 4, 1024, 1, "every-layer"),
@@ -85,7 +85,7 @@ GRID = [
 # 512 (4, 5), 768 (6, 7); GQA 3:1 (1, 6, 8), MHA (2-5, 7); layers 2 (2, 5), 4 (3, 6, 8), 6 (1), 8 (4, 7);
 # T 256 (2, 4, 7), 512 (1), 1024 (3, 6), 4096 (5, 8); prompt 32 (1, 3, 4, 7, 8), 512 (2, 5, 6).
 INFER_GRID = [
-    (shape(384, 6, 2, 6, 512, 1, "none", inter=1024), 32),  # the model
+    (shape(384, 6, 2, 6, 512, 1, "none", inter=1024), 32),  # the first reported model
     (shape(128, 4, 4, 2, 256, 1, "none"), 512),
     (shape(128, 4, 4, 4, 1024, 1, "none"), 32),
     (shape(512, 8, 8, 8, 256, 1, "none"), 32),

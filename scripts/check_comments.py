@@ -2,11 +2,21 @@
 """Comment and doc hygiene, run by scripts/check-comments.sh: comments and docs are written for a reader
 who has only this repository, so they say the why themselves and name files that exist.
 
-Two checks, each failure printed as FILE:LINE so an editor can jump to it:
+Four checks, each failure printed as FILE:LINE so an editor can jump to it:
 
   refs   an issue-tracker number (the word issue, then a number) or a section pointer into a spec or
          design note that is not in the repository (spec or DESIGN, then a section sign and a number;
          spec A, then a number). The reader can follow neither.
+  words  a tracker item named without a number: "the issue", "this issue", "that issue", "issue's",
+         the same four with "ticket", and "reviewer(s)" in any form. They point at a discussion the
+         reader cannot see; say what was asked and why instead. "issue" as a verb ("a rank issues a
+         collective", "in issue order") and after "an" ("an issue with X") passes; to mean a problem,
+         write "the problem".
+  hash   a description of what the config hash is computed from ("sha256 of the resolved TOML", "hash
+         of the resolved config", "the config hash is the sha256 of ...") anywhere but the doc comment
+         of the function that computes it (a `///` block on `fn hash(` or `fn ..._hash(`): the rule
+         has one owner, and a second description drifts from the code (the hash once changed from the
+         TOML text to the keys that differ from their defaults, and comments elsewhere still said text).
   paths  a repository path named in a comment or a doc that does not exist (a file moved or renamed
          and its mentions not updated). Only tokens that start with a top-level directory of this
          repository and end in a file extension or `/` are checked; globs and placeholders
@@ -14,8 +24,10 @@ Two checks, each failure printed as FILE:LINE so an editor can jump to it:
          `FILE:LINE` is checked without the line. URLs and `owner/repo:path` (another repository) are
          not repository paths.
 
-Which text is read: the comments of Rust/CUDA/C (`//`, `/* */`) and of shell/Python/TOML (`#`)
-files, and the whole of README.md and docs/*.md. String literals in code are not comments and
+Which text is read: `refs`, `words` and `hash` read every line of the code and prose of src kernels tests
+scripts configs benches .ci, build.rs, Cargo.toml and README.md (a user-facing message must not point at a
+tracker either); `words` and `hash` also read docs/*.md and CHANGELOG.md. `paths` reads the comments of
+Rust/CUDA/C (`//`, `/* */`) and of shell/Python/TOML (`#`) files, and the whole of README.md and docs/*.md. String literals in code are not comments and
 are skipped, so a test's file name in a string does not count. Test data (JSON, text and binary
 fixtures under tests/golden, tests/data, tests/fixtures) is not read at all.
 
@@ -29,8 +41,8 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# The checker names its own patterns; it is not a violation of them.
-SELF = {"scripts/check-comments.sh", "scripts/check_comments.py"}
+# The checker and its tests name its own patterns; they are not violations of them.
+SELF = {"scripts/check-comments.sh", "scripts/check_comments.py", "scripts/test_check_comments.py"}
 
 # Trees read by the `refs` check (README.md is added by name below).
 REFS_TREES = ("src/", "kernels/", "tests/", "scripts/", "configs/", "benches/", ".ci/")
@@ -48,6 +60,18 @@ SLASH_EXT = (".rs", ".cu", ".cuh", ".h", ".c", ".cc", ".cpp")
 HASH_EXT = (".sh", ".py", ".toml")
 
 REF_RE = re.compile(r"\bissues?[ ]+#?[0-9]+|\bissue#[0-9]+|\bspec\s*(§|A[0-9]+\b)|\bDESIGN(\.md)?\s*§", re.IGNORECASE)
+# Prose read by `words` and `hash` besides the `refs` trees.
+PROSE_FILES = {"CHANGELOG.md"}
+WORDS_RE = re.compile(r"\b(?:the|this|that)\s+(?:issue|ticket)\b|\b(?:issue|ticket)'s\b|\breviewers?\b", re.IGNORECASE)
+# What a hash is computed from, said of the config: "sha256 of the resolved TOML", "`RunConfig::hash` of
+# the resolved config", "the config hash is the sha256 of ...", "its resolved TOML text and that text's sha256".
+HASH_RE = re.compile(
+    r"\b(?:sha-?256|hash|digest)`?\s+(?:of|over)\s+(?:the\s+|its\s+|a\s+run's\s+)?resolved\s+(?:toml|config)"
+    r"|\bconfig(?:uration)?[ _]hash\b[^.;]{0,30}?\b(?:is|=)\s+(?:the\s+)?(?:sha-?256|hash|digest)\b"
+    r"|\btext's\s+(?:sha-?256|hash|digest)\b",
+    re.IGNORECASE)
+# The function that owns the rule: its `///` block may describe it.
+HASH_FN_RE = re.compile(r"^\s*(?:pub(?:\([\w:]+\))?\s+)?fn\s+(?:\w+_)?hash\s*[<(]")
 
 TOP = ("src", "tests", "kernels", "scripts", "configs", "benches", "docs", "third_party", "assets", ".ci")
 PATH_EXT = (".rs", ".cu", ".cuh", ".h", ".sh", ".py", ".toml", ".md", ".json", ".txt")
@@ -153,6 +177,45 @@ def doc_lines(text):
     return list(enumerate(text.split("\n"), 1))
 
 
+def hash_fn_docs(lines):
+    """Line numbers (1-based) of the `///` blocks that document a `fn hash(` / `fn ..._hash(`: the one
+    place a description of what a hash covers belongs."""
+    owned = set()
+    block = []
+    for no, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith("///"):
+            block.append(no)
+        elif stripped.startswith("#[") and block:
+            continue  # attributes between the doc comment and the fn
+        else:
+            if block and HASH_FN_RE.match(line):
+                owned.update(block)
+            block = []
+    return owned
+
+
+def line_problems(path, text, refs=True):
+    """(line, message) of the `words` and `hash` checks, and of `refs` when `refs`: they read whole lines."""
+    lines = text.split("\n")
+    owned = hash_fn_docs(lines) if path.endswith(".rs") else set()
+    out = []
+    for no, line in enumerate(lines, 1):
+        m = REF_RE.search(line) if refs else None
+        if m:
+            out.append((no, f"'{m.group(0)}': points to a tracker or a document outside the repository; "
+                        "say the reason itself"))
+        m = WORDS_RE.search(line)
+        if m:
+            out.append((no, f"'{m.group(0)}': names a tracker item or its discussion, which the reader cannot "
+                        "see; say what was asked and why (a problem: 'the problem')"))
+        m = HASH_RE.search(line)
+        if m and no not in owned:
+            out.append((no, f"'{m.group(0)}': describes what the config hash covers; only the doc comment of "
+                        "the function that computes it may (name it instead: `RunConfig::hash`)"))
+    return out
+
+
 def clean_token(tok):
     tok = re.sub(r":[0-9][0-9,-]*.*$", "", tok)  # FILE:LINE, FILE:12-30
     tok = tok.rstrip(".,;:)]'\"`")
@@ -202,19 +265,16 @@ def main(argv):
         # prose and code only: a data file (a word list, a table) may hold the word and a number as data
         in_refs = ((path.startswith(REFS_TREES) or path in REFS_FILES) and not path.startswith(REFS_SKIP_TREES)
                    and (k is not None or path.endswith(PROSE_EXT)))
-        if k is None and not in_refs:
+        in_words = in_refs or k == "doc" or path in PROSE_FILES
+        if k is None and not in_words:
             continue
         try:
             with open(os.path.join(ROOT, path), encoding="utf-8") as f:
                 text = f.read()
         except (UnicodeDecodeError, OSError):
             continue  # binary
-        if in_refs:
-            for no, line in enumerate(text.split("\n"), 1):
-                m = REF_RE.search(line)
-                if m:
-                    fails.append((path, no, f"'{m.group(0)}': points to a tracker or a document outside the "
-                                  "repository; say the reason itself"))
+        if in_words:
+            fails.extend((path, no, msg) for no, msg in line_problems(path, text, refs=in_refs))
         if k is None:
             continue
         chunks = slash_comments(text) if k == "slash" else hash_comments(text) if k == "hash" else doc_lines(text)

@@ -35,6 +35,9 @@ pub const FAKE_CUDA_DRIVER: &str = "HARPE_TEST_CUDA_DRIVER";
 pub const FAKE_CUDA_BUILD: &str = "HARPE_TEST_CUDA_BUILD";
 /// `HARPE_TEST_GLIBC=2.28`: the glibc version as `floors` sees it.
 pub const FAKE_GLIBC: &str = "HARPE_TEST_GLIBC";
+/// `HARPE_SELFTEST_SMALL` (any value): `harpe selftest` skips its T = 4096 + 37 attention cases, which
+/// take minutes under compute-sanitizer (scripts/gpu-check.sh sets it there).
+pub const SELFTEST_SMALL: &str = "HARPE_SELFTEST_SMALL";
 
 /// An injected failure (`HARPE_FAULT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +60,7 @@ pub struct Hooks {
     pub fake_cuda_driver: Option<u32>,
     pub fake_cuda_build: Option<u32>,
     pub fake_glibc: Option<(u32, u32)>,
+    pub selftest_small: bool,
     /// the first malformed hook variable: `check` reports it
     pub error: Option<String>,
 }
@@ -110,6 +114,7 @@ impl Hooks {
                 _ => bad(FAKE_GLIBC, &v, "MAJOR.MINOR, e.g. 2.28"),
             }
         }
+        h.selftest_small = get(SELFTEST_SMALL).is_some();
         if let Some(v) = get(CHECKPOINT_VIEW) {
             match v.split_once(':').map(|(r, d)| (r.parse(), d)) {
                 Some((Ok(r), d)) if !d.is_empty() => h.checkpoint_view = Some((r, PathBuf::from(d))),
@@ -151,6 +156,7 @@ mod tests {
         assert_eq!(of(&[]), Hooks::default());
         let h = of(&[(FAULT, "2:3:panic"), (LATE_SIGNAL, "1:2"), (SLOW_EVAL, "0.5"), (CHECKPOINT_VIEW, "1:/x/y")]);
         assert_eq!(of(&[(SLOW_BENCH_ROW, "2")]).slow_bench_row, Some(Duration::from_secs(2)));
+        assert!(of(&[(SELFTEST_SMALL, "1")]).selftest_small && !of(&[]).selftest_small);
         assert_eq!(h.fault, Some(Fault { rank: 2, step: 3, panic: true }));
         assert_eq!(h.late_signal, Some((1, 2)));
         assert_eq!(h.slow_eval, Some(Duration::from_millis(500)));

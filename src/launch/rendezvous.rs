@@ -98,7 +98,7 @@ pub struct RendezvousSpec {
     pub token: RunToken,
     /// Binary version (see `binary_version`); every rank must run the same one.
     pub version: String,
-    /// Hash of the resolved config (see `config_hash`); every rank must have the same one.
+    /// The run's config as `config_hash` sums it up; every rank must have the same one.
     pub config_hash: [u8; 32],
     /// Give up (with an error naming who is missing) after this long.
     pub timeout: Duration,

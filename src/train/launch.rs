@@ -120,89 +120,48 @@ fn run_process_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<(
     let joining =
         || format!("{origin}: joining the {} group as rank {} of {}", dist.backend.name(), env.rank, env.world_size);
     let sp = dist.sp_degree.max(1);
-    match dist.backend {
+    // each arm joins the group and gives the communicator and, with SP, the sequence-parallel group over it
+    let joined: Result<(Comm, Option<SpGroup>)> = match dist.backend {
         #[cfg(feature = "nccl")]
         Backend::Nccl => {
-            use crate::comms::nccl::NcclComm;
-            let comm =
-                Arc::new(NcclComm::join(&env, &resolved, dist.timeout(), sp, check_every).with_context(joining)?);
-            let group = (sp > 1).then(|| SpGroup::Nccl(Arc::clone(&comm)));
-            run_member(args, &*comm, Comm::Nccl(Arc::clone(&comm)), group)
+            let c = crate::comms::nccl::NcclComm::join(&env, &resolved, dist.timeout(), sp, check_every);
+            let c = Arc::new(c.with_context(joining)?);
+            Ok((Comm::Nccl(Arc::clone(&c)), (sp > 1).then(|| SpGroup::Nccl(c))))
         }
         #[cfg(feature = "gloo")]
         Backend::Gloo => {
-            use crate::comms::gloo::GlooComm;
-            let comm =
-                Arc::new(GlooComm::join(&env, &resolved, dist.timeout(), sp, check_every).with_context(joining)?);
-            let group = (sp > 1).then(|| SpGroup::Gloo(Arc::clone(&comm)));
-            run_member(args, &*comm, Comm::Gloo(Arc::clone(&comm)), group)
+            let c = crate::comms::gloo::GlooComm::join(&env, &resolved, dist.timeout(), sp, check_every);
+            let c = Arc::new(c.with_context(joining)?);
+            Ok((Comm::Gloo(Arc::clone(&c)), (sp > 1).then(|| SpGroup::Gloo(c))))
         }
         b => {
             let _ = (resolved, check_every, joining, sp);
-            bail!("{origin}: dist.backend = \"{}\" needs a build with --features {}", b.name(), b.name())
+            Err(anyhow!("{origin}: dist.backend = \"{}\" needs a build with --features {}", b.name(), b.name()))
         }
-    }
+    };
+    let (comm, group) = joined?;
+    run_member(args, comm, group)
 }
 
-/// What `run_member` asks of a process group's communicator.
-#[allow(dead_code)] // a build without nccl and gloo has no member
-trait Member {
-    fn rank(&self) -> usize;
-    fn failure(&self) -> Option<crate::launch::signature::GroupFailure>;
-    fn report_failure(&self, doing: &str, reason: &str);
-    fn finish(&self);
-}
-
-#[cfg(feature = "nccl")]
-impl Member for crate::comms::nccl::NcclComm {
-    fn rank(&self) -> usize {
-        self.rank()
-    }
-    fn failure(&self) -> Option<crate::launch::signature::GroupFailure> {
-        self.failure()
-    }
-    fn report_failure(&self, doing: &str, reason: &str) {
-        self.report_failure(doing, reason)
-    }
-    fn finish(&self) {
-        self.finish()
-    }
-}
-
-#[cfg(feature = "gloo")]
-impl Member for crate::comms::gloo::GlooComm {
-    fn rank(&self) -> usize {
-        self.rank()
-    }
-    fn failure(&self) -> Option<crate::launch::signature::GroupFailure> {
-        self.failure()
-    }
-    fn report_failure(&self, doing: &str, reason: &str) {
-        self.report_failure(doing, reason)
-    }
-    fn finish(&self) {
-        self.finish()
-    }
-}
-
-/// Run the loop as one member of a process group and tell the group how it ended — a normal end, or
-/// this rank's error or panic, so the other ranks stop naming it instead of waiting for the timeout.
-#[allow(dead_code)] // a build without nccl and gloo has no member
-fn run_member(args: &TrainArgs, member: &dyn Member, comm: Comm, group: Option<SpGroup>) -> Result<()> {
+/// Run the loop as one member of a process group (`comm` is `Comm::Nccl` or `Comm::Gloo`) and tell the
+/// group how it ended — a normal end, or this rank's error or panic, so the other ranks stop naming it
+/// instead of waiting for the timeout.
+fn run_member(args: &TrainArgs, comm: Comm, group: Option<SpGroup>) -> Result<()> {
+    let member = comm.clone();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_rank(args, comm, group)));
     match res {
         Ok(Ok(())) => {
-            member.finish();
+            tell_group(&member, None);
             Ok(())
         }
-        Ok(Err(e)) => match member.failure() {
+        Ok(Err(e)) => match group_failure(&member) {
             // another rank failed first: its failure is the cause of this error
-            Some(f) if f.rank != member.rank() => Err(e.context(format!(
+            Some(f) if f.rank != member.mesh().rank() => Err(e.context(format!(
                 "{f}\nhint: rank {} failed first; this rank stopped because of it (its own log says more)",
                 f.rank
             ))),
             _ => {
-                member.report_failure("in the training loop", &format!("{e:#}"));
+                tell_group(&member, Some(&format!("{e:#}")));
                 Err(e)
             }
         },
@@ -212,9 +171,36 @@ fn run_member(args: &TrainArgs, member: &dyn Member, comm: Comm, group: Option<S
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "a panic".into());
-            member.report_failure("in the training loop", &format!("panicked: {msg}"));
+            tell_group(&member, Some(&format!("panicked: {msg}")));
             std::panic::resume_unwind(panic)
         }
+    }
+}
+
+/// The first failure the process group of `comm` has seen (another rank's or this rank's), if any.
+fn group_failure(comm: &Comm) -> Option<crate::launch::signature::GroupFailure> {
+    match comm {
+        #[cfg(feature = "nccl")]
+        Comm::Nccl(c) => c.failure(),
+        #[cfg(feature = "gloo")]
+        Comm::Gloo(c) => c.failure(),
+        _ => None,
+    }
+}
+
+/// Tell the process group of `comm` how this rank's training loop ended: `None` normally (the peers do
+/// not take its closing connection as a failure), `Some(reason)` failed.
+fn tell_group(comm: &Comm, failed: Option<&str>) {
+    match (comm, failed) {
+        #[cfg(feature = "nccl")]
+        (Comm::Nccl(c), None) => c.finish(),
+        #[cfg(feature = "nccl")]
+        (Comm::Nccl(c), Some(reason)) => c.report_failure("in the training loop", reason),
+        #[cfg(feature = "gloo")]
+        (Comm::Gloo(c), None) => c.finish(),
+        #[cfg(feature = "gloo")]
+        (Comm::Gloo(c), Some(reason)) => c.report_failure("in the training loop", reason),
+        _ => {}
     }
 }
 

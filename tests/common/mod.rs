@@ -1,8 +1,10 @@
 //! The shared helpers of the integration tests, one of each. Every test binary includes this directory
 //! (`#[macro_use] #[path = "../common/mod.rs"] mod common;` in its main.rs):
-//! - this file: the tiny recipe (`tiny_model!`) and the CLI wrapper (`harpe`, `harpe_cmd`, `output`);
+//! - this file: the recipe's model part (`model_recipe!`, `tiny_model!`), the CLI wrapper (`harpe`,
+//!   `harpe_cmd`, `output`) and its thin variants (`harpe_text`, `train_text`, `logged_losses`);
 //! - `ops`: the op harness: deterministic inputs (`randv`, `randn`), the max-difference helpers
-//!   (`max_abs_diff`, `max_abs`, `rel_err`) and the one finite-difference checker (`fd_check`, `Fd`);
+//!   (`max_abs_diff`, `max_abs`, `rel_err`), the fused-vs-reference check (`check_op`, `fwd_bwd`, `Tol`)
+//!   and the one finite-difference checker (`fd_check`, `Fd`);
 //! - `data`: the data tests' WordLevel tokenizer and synthetic corpora;
 //! - `torchrun()`: PyTorch's launcher for the tests that run harpe under it.
 #![allow(dead_code, unused_macros)]
@@ -12,30 +14,37 @@ pub mod slurm;
 
 use std::process::Command;
 
-/// The tiny model every `harpe train` test recipe starts with: a 2-layer, 32-wide byte-level Llama
-/// on the built-in data, plain RoPE, f32, ending inside `[train]` so a recipe goes on with its own
-/// `[train]` keys: `concat!(tiny_model!(), "micro_batch_size = 4\n...")`.
+/// The model part every `harpe train` test recipe starts with: a byte-level Llama of the given shape
+/// (hidden size, intermediate size, layers, attention heads, kv heads, then any further `[model.init]`
+/// lines) on the built-in data, plain RoPE, f32, ending inside `[train]` so a recipe goes on with its own
+/// `[train]` keys: `concat!(model_recipe!(256, 512, 4, 4, 2), "micro_batch_size = 2\n...")`.
+macro_rules! model_recipe {
+    ($hidden:literal, $inter:literal, $layers:literal, $heads:literal, $kv:literal $(, $init:literal)*) => {
+        concat!(
+            "\n[model.init]\n",
+            "vocab_size = 259\n",
+            "hidden_size = ", $hidden, "\n",
+            "intermediate_size = ", $inter, "\n",
+            "num_hidden_layers = ", $layers, "\n",
+            "num_attention_heads = ", $heads, "\n",
+            "num_key_value_heads = ", $kv, "\n",
+            $($init, "\n",)*
+            "\n[data]\n",
+            "source = \"builtin\"\n",
+            "\n[rope]\n",
+            "scheme = \"default\"\n",
+            "theta = 10000.0\n",
+            "\n[train]\n",
+            "dtype = \"f32\"\n",
+        )
+    };
+}
+
+/// The tiny model most `harpe train` test recipes use: `model_recipe!` at 2 layers, 32 wide, 4 heads
+/// over 2 kv heads: `concat!(tiny_model!(), "micro_batch_size = 4\n...")`.
 macro_rules! tiny_model {
     () => {
-        r#"
-[model.init]
-vocab_size = 259
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-"#
+        model_recipe!(32, 64, 2, 4, 2)
     };
 }
 
@@ -57,6 +66,27 @@ pub fn output(cmd: &mut Command) -> (bool, String, String) {
 /// `harpe ARGS`: (success, stdout, stderr).
 pub fn harpe(args: &[&str]) -> (bool, String, String) {
     output(harpe_cmd().args(args))
+}
+
+/// `harpe ARGS`: success, and stdout followed by stderr as one text.
+pub fn harpe_text(args: &[&str]) -> (bool, String) {
+    let (ok, out, err) = harpe(args);
+    (ok, out + &err)
+}
+
+/// `harpe train --config CFG --out OUT EXTRA`: success, and stdout followed by stderr as one text.
+pub fn train_text(cfg: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> (bool, String) {
+    let (ok, o, e) = output(harpe_cmd().args(["train", "--config"]).arg(cfg).arg("--out").arg(out).args(extra));
+    (ok, o + &e)
+}
+
+/// The loss of every line of a run's metrics.jsonl (a run without `[eval]`: every line is a step).
+pub fn logged_losses(out: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
 }
 
 /// torchrun, for the tests that run harpe under PyTorch's launcher: `$HARPE_TORCHRUN`, then

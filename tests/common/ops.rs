@@ -1,8 +1,9 @@
 //! The op harness (`common::ops`; benches/attention_cpu.rs takes its inputs from here too):
 //! deterministic pseudo-random inputs, the max-difference helpers every numeric comparison of the tests
-//! uses, and the one finite-difference checker of gradients with its tolerance rule.
+//! uses, `check_op` (a fused op against its reference, forward and every input's gradient, with the one
+//! tolerance rule) and the one finite-difference checker of gradients with its tolerance rule.
 #![allow(dead_code)]
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 /// Deterministic pseudo-random f32 values in [-amp, amp) (an LCG from `seed`).
 pub fn randv(n: usize, seed: u64, amp: f32) -> Vec<f32> {
@@ -142,4 +143,136 @@ pub fn fd_check(name: &str, x0: &Tensor, loss: impl Fn(&Tensor) -> f64, analytic
             fd.rtol
         );
     }
+}
+
+/// The upstream gradient every op test backpropagates: multiples of 1/64 in [-1, 1] from a fixed seed.
+/// Random rather than ones: with the loss sum(out), a backward that ignores its upstream gradient, or
+/// mixes up which entry it belongs to, passes. Multiples of 1/64 are exact in every float dtype, so the
+/// loss sum(out * P) is the same function in bf16, f16, f32 and f64.
+pub fn projection(shape: &Shape, dtype: DType) -> Tensor {
+    let v: Vec<f32> = randv(shape.elem_count(), 0x5eed, 1.0).iter().map(|x| (x * 64.0).round() / 64.0).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+/// One run of an op: its output and, for each input, the gradient of sum(out * projection).
+pub struct FwdBwd {
+    pub out: Tensor,
+    pub grads: Vec<Tensor>,
+}
+
+/// `f` on `inputs` (each made a fresh `Var`) and the gradients of sum(out * `projection`) with respect to
+/// each of them. Panics when an input receives no gradient: an op without a backward (or with one that
+/// drops an input) stops the gradient silently, and this is where a test sees it.
+pub fn fwd_bwd(name: &str, f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>, inputs: &[Tensor]) -> FwdBwd {
+    let vars: Vec<Var> = inputs.iter().map(|x| Var::from_tensor(x).unwrap()).collect();
+    let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = f(&xs).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let loss = (&out * projection(out.shape(), out.dtype())).unwrap().sum_all().unwrap();
+    let store = loss.backward().unwrap();
+    let grads = xs
+        .iter()
+        .enumerate()
+        .map(|(i, x)| match store.get(x) {
+            Some(g) => g.clone(),
+            None => panic!("{name}: input {i} received no gradient (no backward, or one that drops it)"),
+        })
+        .collect();
+    FwdBwd { out, grads }
+}
+
+/// The bounds of `check_op`, one for the output and one for the gradients; the presets are the rule of
+/// its doc comment. A test that needs another value says so with struct update syntax
+/// (`Tol { fwd: 0.0, ..Tol::BF16 }`): tighter where it can, looser only for an ill-conditioned case
+/// (scores near 100 in a softmax), with the reason beside it.
+#[derive(Clone, Copy, Debug)]
+pub struct Tol {
+    pub fwd: f64,
+    pub grad: f64,
+}
+
+impl Tol {
+    /// f32: 1e-5 of the reference's largest entry (see `check_op`).
+    pub const F32: Tol = Tol { fwd: 1e-5, grad: 1e-5 };
+    /// bf16: one bf16 rounding (unit roundoff 2^-8) of the reference's largest entry.
+    pub const BF16: Tol = Tol { fwd: 1.0 / 256.0, grad: 1.0 / 256.0 };
+    /// f16: one f16 rounding (unit roundoff 2^-11) of the reference's largest entry.
+    pub const F16: Tol = Tol { fwd: 1.0 / 2048.0, grad: 1.0 / 2048.0 };
+
+    /// The preset of the output's dtype (f64 has f32's).
+    pub fn of(dtype: DType) -> Tol {
+        match dtype {
+            DType::BF16 => Tol::BF16,
+            DType::F16 => Tol::F16,
+            _ => Tol::F32,
+        }
+    }
+}
+
+/// The one comparison of a fused op with its reference: `fused` and `slow` (closures of the inputs whose
+/// gradients are checked; whatever else the op needs, RoPE's tables or a mask, they capture) run on the same `inputs`
+/// (`fwd_bwd`: each input a fresh Var, the loss sum(out * `projection`)); their outputs are compared, then
+/// EVERY input's gradient, and every gradient of the fused op must be finite and not all zero (a missing
+/// or dead backward cannot pass). Returns both runs, for a test's own further checks.
+///
+/// The tolerance rule, for the output and for each gradient: the error of a against its reference r is
+/// err(a, r) = max_i |a_i - r_i| / max_i |r_i| (relative to the reference's scale; a NaN fails), and
+///
+/// - f32 (and f64): the reference is `slow` in the same dtype, and err(fused, slow) <= tol, `Tol::F32` =
+///   1e-5, about 170 f32 roundings (2^-24 each) of the largest entry: the two sides sum in different
+///   orders, and the longest sums here (attention at T = 1100) reach 2e-6.
+/// - bf16 and f16: `slow` rounds at every step, so it is no exact reference. The reference is `slow` run
+///   on the same (already rounded) inputs in f64, and the fused op may be at most twice as far from it as
+///   `slow` in the half type is (the ggml / flash-attention criterion), or one rounding of the half type
+///   at the reference's largest entry (its unit roundoff), whichever is larger: err(fused, exact) <=
+///   max(2 err(slow, exact), tol), `Tol::BF16` = 2^-8, `Tol::F16` = 2^-11. `slow` must accept f64 inputs
+///   (a closure casts what it captures to its inputs' dtype).
+pub fn check_op(
+    name: &str,
+    fused: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    slow: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    tol: Tol,
+) -> [FwdBwd; 2] {
+    let f = fwd_bwd(name, &fused, inputs);
+    let s = fwd_bwd(name, &slow, inputs);
+    assert_eq!(f.out.dims(), s.out.dims(), "{name}: output shapes differ");
+    assert_eq!(f.out.dtype(), s.out.dtype(), "{name}: output dtypes differ");
+    let half = matches!(s.out.dtype(), DType::BF16 | DType::F16);
+    let exact = half.then(|| {
+        let wide: Vec<Tensor> = inputs.iter().map(|x| x.to_dtype(DType::F64).unwrap()).collect();
+        fwd_bwd(name, &slow, &wide)
+    });
+    let compare = |what: &str, a: &Tensor, r: &Tensor, exact: Option<&Tensor>, bound: f64| {
+        let floor = f64::MIN_POSITIVE;
+        match exact {
+            None => {
+                let e = rel_err(a, r, floor);
+                assert!(
+                    e <= bound,
+                    "{name}: {what} differs from the slow version by {e:e} of its largest entry (> {bound:e})"
+                );
+            }
+            Some(x) => {
+                let (ea, er) = (rel_err(a, x, floor), rel_err(r, x, floor));
+                let limit = (2.0 * er).max(bound);
+                assert!(
+                    ea <= limit,
+                    "{name}: {what} is {ea:e} of its largest entry from the f64 reference, the slow version {er:e} (> max(2 x slow, {bound:e}))"
+                );
+            }
+        }
+    };
+    compare("the output", &f.out, &s.out, exact.as_ref().map(|x| &x.out), tol.fwd);
+    for (i, x) in inputs.iter().enumerate() {
+        let (gf, gs) = (&f.grads[i], &s.grads[i]);
+        assert_eq!((gf.dims(), gf.dtype()), (x.dims(), x.dtype()), "{name}: gradient of input {i}: shape or dtype");
+        let mag = max_abs(gf);
+        assert!(
+            mag.is_finite() && mag > 0.0,
+            "{name}: the gradient of input {i} is {mag} at its largest (zero or not finite)"
+        );
+        let what = format!("the gradient of input {i}");
+        compare(&what, gf, gs, exact.as_ref().map(|x| &x.grads[i]), tol.grad);
+    }
+    [f, s]
 }

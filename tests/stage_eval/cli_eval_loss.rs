@@ -1,7 +1,7 @@
 //! `harpe eval-loss` through the binary: on a dataset prepared from tests/golden/text.txt (BOS, 12-token
 //! sequences = transformers' first three disjoint 12-token windows), the total loss and the --buckets
 //! losses equal transformers' per-position NLLs (`default/ppl_disjoint.json`, from make_golden.py).
-use crate::common::harpe_cmd;
+use crate::common::{harpe_cmd, output};
 use std::path::PathBuf;
 
 fn golden() -> PathBuf {
@@ -12,25 +12,21 @@ fn golden() -> PathBuf {
 fn total_and_bucket_losses_match_transformers() {
     let d = tempfile::tempdir().unwrap();
     let data = d.path().join("ds");
-    let o = harpe_cmd()
-        .args(["prepare-data", "--quiet", "--strategy", "original", "--seq-len", "12", "--input"])
-        .arg(golden().join("text.txt"))
-        .arg("--tokenizer")
-        .arg(golden().join("tokenizer.json"))
-        .arg("--out")
-        .arg(&data)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = harpe_cmd()
-        .args(["eval-loss", "--json", "--buckets", "4,8", "--model"])
-        .arg(golden().join("default/model"))
-        .arg("--data")
-        .arg(&data)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let prepare = ["prepare-data", "--quiet", "--strategy", "original", "--seq-len", "12", "--input"];
+    let (ok, _, err) = output(
+        harpe_cmd()
+            .args(prepare)
+            .arg(golden().join("text.txt"))
+            .arg("--tokenizer")
+            .arg(golden().join("tokenizer.json"))
+            .arg("--out")
+            .arg(&data),
+    );
+    assert!(ok, "{err}");
+    let eval = ["eval-loss", "--json", "--buckets", "4,8", "--model"];
+    let (ok, out, err) = output(harpe_cmd().args(eval).arg(golden().join("default/model")).arg("--data").arg(&data));
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
 
     let g: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(golden().join("default/ppl_disjoint.json")).unwrap()).unwrap();

@@ -11,16 +11,29 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `harpe eval-ppl` of the default golden model on `input` with `--json` and `args` (the window, the
+/// stride and any other flag): the JSON it prints.
+fn eval_ppl(input: &Path, args: &[&str]) -> serde_json::Value {
+    let model = golden().join("default/model");
+    let mut all = vec!["eval-ppl", "--model", s(&model), "--input", s(input), "--json"];
+    all.extend_from_slice(args);
+    let (ok, out, err) = harpe(&all);
+    assert!(ok, "{args:?}: {err}");
+    serde_json::from_str(out.trim()).unwrap()
+}
+
+/// transformers' values for the default golden model on tests/golden/text.txt (window 12, stride 5).
+fn transformers_ppl() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(golden().join("default/ppl.json")).unwrap()).unwrap()
+}
+
+const WINDOW_12_STRIDE_5: [&str; 4] = ["--window", "12", "--stride", "5"];
+
 #[test]
 fn json_output_and_multiple_documents() {
-    let model = golden().join("default/model");
     let text = golden().join("text.txt");
-    let (ok, out, err) =
-        harpe(&["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "12", "--stride", "5", "--json"]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let want: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden().join("default/ppl.json")).unwrap()).unwrap();
+    let v = eval_ppl(&text, &WINDOW_12_STRIDE_5);
+    let want = transformers_ppl();
     assert!((v["nll"].as_f64().unwrap() - want["nll"].as_f64().unwrap()).abs() < 1e-4);
     assert!((v["ppl"].as_f64().unwrap() - v["nll"].as_f64().unwrap().exp()).abs() < 1e-9);
     assert_eq!(v["tokens"], want["tokens"]);
@@ -31,62 +44,17 @@ fn json_output_and_multiple_documents() {
     let body = std::fs::read_to_string(&text).unwrap();
     std::fs::write(tmp.path().join("a.txt"), &body).unwrap();
     std::fs::write(tmp.path().join("b.jsonl"), format!("{}\n", serde_json::json!({"text": body}))).unwrap();
-    let (ok, out, err) = harpe(&[
-        "eval-ppl",
-        "--model",
-        s(&model),
-        "--input",
-        s(tmp.path()),
-        "--window",
-        "12",
-        "--stride",
-        "5",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let v = eval_ppl(tmp.path(), &WINDOW_12_STRIDE_5);
     assert_eq!(v["documents"].as_array().unwrap().len(), 2);
     assert_eq!(v["tokens"].as_u64().unwrap(), 2 * want["tokens"].as_u64().unwrap());
     assert!((v["nll"].as_f64().unwrap() - want["nll"].as_f64().unwrap()).abs() < 1e-4);
 
-    // --max-tokens cuts each document; --aggregate window-mean reports YaRN's mean of window means
-    let (ok, out, _) = harpe(&[
-        "eval-ppl",
-        "--model",
-        s(&model),
-        "--input",
-        s(&text),
-        "--window",
-        "12",
-        "--stride",
-        "5",
-        "--json",
-        "--max-tokens",
-        "20",
-        "--aggregate",
-        "window-mean",
-    ]);
-    assert!(ok);
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    // --max-tokens cuts each document
+    let v = eval_ppl(&text, &[&WINDOW_12_STRIDE_5[..], &["--max-tokens", "20", "--aggregate", "window-mean"]].concat());
     assert_eq!(v["tokens"], 19, "20 tokens (BOS included) leave 19 targets");
 
     // --aggregate window-mean reports YaRN's mean of window means: transformers' value, not the token mean.
-    let (ok, out, err) = harpe(&[
-        "eval-ppl",
-        "--model",
-        s(&model),
-        "--input",
-        s(&text),
-        "--window",
-        "12",
-        "--stride",
-        "5",
-        "--json",
-        "--aggregate",
-        "window-mean",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let v = eval_ppl(&text, &[&WINDOW_12_STRIDE_5[..], &["--aggregate", "window-mean"]].concat());
     let wm = want["window_mean_nll"].as_f64().unwrap();
     assert!((v["nll"].as_f64().unwrap() - wm).abs() < 1e-4, "window mean {} vs transformers {wm}", v["nll"]);
     // the scoring's own time (the inference benchmark reads it): positive, and tokens_per_s = tokens / seconds
@@ -101,20 +69,7 @@ fn json_output_and_multiple_documents() {
     let warm = v["warm_tokens_per_s"].as_f64().expect("warm_tokens_per_s with several windows");
     assert!(warm > 0.0 && warm.is_finite(), "warm_tokens_per_s {warm}");
     // one window (the whole document fits): nothing is warm
-    let (ok, out, err) = harpe(&[
-        "eval-ppl",
-        "--model",
-        s(&model),
-        "--input",
-        s(&text),
-        "--window",
-        "4096",
-        "--stride",
-        "256",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let v = eval_ppl(&text, &["--window", "4096", "--stride", "256"]);
     assert_eq!(v["windows"], 1);
     assert!(v["warm_tokens_per_s"].is_null(), "one window has no warm rate: {}", v["warm_tokens_per_s"]);
     assert!((wm - want["nll"].as_f64().unwrap()).abs() > 1e-3, "the fixture must tell the aggregates apart");
@@ -122,17 +77,8 @@ fn json_output_and_multiple_documents() {
 
 /// eval-ppl's nll with extra flags, against transformers' f32 value for the default model.
 fn ppl_with(extra: &[&str]) -> (f64, f64) {
-    let model = golden().join("default/model");
-    let text = golden().join("text.txt");
-    let mut args =
-        vec!["eval-ppl", "--model", s(&model), "--input", s(&text), "--window", "12", "--stride", "5", "--json"];
-    args.extend_from_slice(extra);
-    let (ok, out, err) = harpe(&args);
-    assert!(ok, "{extra:?}: {err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let want: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden().join("default/ppl.json")).unwrap()).unwrap();
-    (v["nll"].as_f64().unwrap(), want["nll"].as_f64().unwrap())
+    let v = eval_ppl(&golden().join("text.txt"), &[&WINDOW_12_STRIDE_5[..], extra].concat());
+    (v["nll"].as_f64().unwrap(), transformers_ppl()["nll"].as_f64().unwrap())
 }
 
 #[test]

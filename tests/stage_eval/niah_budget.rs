@@ -28,6 +28,20 @@ fn essay_task(t: &str) -> bool {
     !["niah_single_1", "niah_multikey_2", "niah_multikey_3", "passkey", "needle_grid"].contains(&t)
 }
 
+/// RULER sampling of `tasks` at one `length`, no needle grid, seed 42.
+fn one_length(tasks: &str, length: usize, samples: usize, sizing: Sizing) -> NiahSampleOptions {
+    NiahSampleOptions {
+        tasks: parse_tasks(tasks).unwrap(),
+        lengths: vec![length],
+        grid_lengths: vec![],
+        grid_depths: 0,
+        passkey_depths: 1,
+        samples,
+        seed: 42,
+        sizing,
+    }
+}
+
 fn essays(sentences: usize) -> Essays {
     let text = (0..sentences)
         .map(|i| format!("Essay sentence {i} tells how founders of startups learn to write.\n"))
@@ -80,16 +94,7 @@ fn every_prompt_fits_its_budget_for_two_tokenizers() {
 fn linear_sizing_also_fits() {
     let tok = byte_bpe();
     let dir = tempfile::tempdir().unwrap();
-    let opts = NiahSampleOptions {
-        tasks: parse_tasks("noise").unwrap(),
-        lengths: vec![2048],
-        grid_lengths: vec![],
-        grid_depths: 0,
-        passkey_depths: 1,
-        samples: 2,
-        seed: 42,
-        sizing: Sizing::Linear,
-    };
+    let opts = one_length("noise", 2048, 2, Sizing::Linear);
     for c in prepare_cells(&opts, &tok, "bytes", None, dir.path()).unwrap() {
         for r in &c.records {
             let n = count_tokens(&tok, &r.input).unwrap();
@@ -103,16 +108,7 @@ fn linear_sizing_also_fits() {
 fn short_essays_say_how_long_they_must_be() {
     let tok = byte_bpe();
     let dir = tempfile::tempdir().unwrap();
-    let opts = NiahSampleOptions {
-        tasks: parse_tasks("niah_single_2").unwrap(),
-        lengths: vec![8192],
-        grid_lengths: vec![],
-        grid_depths: 0,
-        passkey_depths: 1,
-        samples: 1,
-        seed: 42,
-        sizing: Sizing::Binary,
-    };
+    let opts = one_length("niah_single_2", 8192, 1, Sizing::Binary);
     let e = format!("{:#}", prepare_cells(&opts, &tok, "bytes", Some(&essays(40)), dir.path()).unwrap_err());
     assert!(e.contains("too short for length 8192") && e.contains("words") && e.contains("hint:"), "{e}");
     let e = format!("{:#}", prepare_cells(&opts, &tok, "bytes", None, dir.path()).unwrap_err());

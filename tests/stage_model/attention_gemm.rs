@@ -3,9 +3,10 @@
 //! its query (64) and key (128) block edges: ragged, GQA / MQA / MHA, training (Tq = Tk), chunked
 //! prefill and single-token decode (Tq < Tk), full attention, large logits, and the backward's split
 //! over key ranges when threads outnumber B * Hkv.
-//! Errors are `rel_err(.., 1.0)`: scaled by the reference's largest entry, at least 1.
-use crate::common::ops::{max_abs, randn, rel_err};
-use candle_core::{Device, Tensor, Var};
+//! Forward and backward through `common::ops::check_op` (its f32 rule); the other comparisons are
+//! `rel_err(.., 1.0)`: scaled by the reference's largest entry, at least 1.
+use crate::common::ops::{check_op, fwd_bwd, max_abs, randn, rel_err, Tol};
+use candle_core::{Device, Tensor};
 use harpe::model::attention::AttentionImpl;
 use harpe::ops::attention::{attention, attention_slow, attention_with, CpuKernel};
 
@@ -17,24 +18,20 @@ fn case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: 
     compare(&q, &k, &v, causal, &format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} d{d} causal {causal} amp {amp}"));
 }
 
-/// The fast op against the reference loops on these inputs: forward, and dq, dk, dv of sum(out * w).
+/// The fast op against the reference loops on these inputs, forward and dq, dk, dv (`check_op`).
 fn compare(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, tag: &str) {
-    let (q, k, v) = (Var::from_tensor(q).unwrap(), Var::from_tensor(k).unwrap(), Var::from_tensor(v).unwrap());
-    let w = randn(q.dims(), 34, 1.0);
+    compare_within(q, k, v, causal, tag, Tol::F32);
+}
+
+fn compare_within(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, tag: &str, tol: Tol) {
     let scale = 1.0 / (q.dim(3).unwrap() as f32).sqrt();
-    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-    let fast = attention(qt, kt, vt, scale, causal, None).unwrap();
-    let reference = attention_with(qt, kt, vt, scale, causal, None, CpuKernel::Reference).unwrap();
-    let e = rel_err(&fast, &reference, 1.0);
-    assert!(e < 1e-5, "{tag}: forward differs by {e}");
-    let gf = (fast * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let gr = (reference * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
-        let (a, r) = (gf.get(var.as_tensor()).unwrap(), gr.get(var.as_tensor()).unwrap());
-        let e = rel_err(a, r, 1.0);
-        assert!(e < 2e-5, "{tag}: {n} differs by {e}");
-        assert!(max_abs(r) > 0.0, "{tag}: reference {n} is zero");
-    }
+    check_op(
+        tag,
+        |x| attention(&x[0], &x[1], &x[2], scale, causal, None),
+        |x| attention_with(&x[0], &x[1], &x[2], scale, causal, None, CpuKernel::Reference),
+        &[q.clone(), k.clone(), v.clone()],
+        tol,
+    );
 }
 
 #[test]
@@ -76,8 +73,11 @@ fn gemm_attention_matches_reference_when_scores_climb_across_key_blocks() {
     for (name, k) in [("climbing", climbing), ("falling", falling)] {
         let top = max_abs(&k) * max_abs(&q) * d as f64 / (d as f64).sqrt();
         assert!(top > 80.0, "{name}: scores reach {top}: no block rises 16 above the one before");
-        compare(&q, &k, &v, true, name);
-        compare(&q, &k, &v, false, name);
+        // scores near 100: exp(s - m) carries s's rounding (100 x 2^-24), which the two summation orders
+        // meet differently; full attention measured 1.9e-5 of the largest output
+        let tol = Tol { fwd: 3e-5, grad: 3e-5 };
+        compare_within(&q, &k, &v, true, name, tol);
+        compare_within(&q, &k, &v, false, name, tol);
     }
 }
 
@@ -122,12 +122,12 @@ fn gemm_attention_backward_is_the_same_on_every_run() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
     let grads = || {
         pool.install(|| {
-            let (qv, kv, vv) =
-                (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
-            let o = harpe::ops::attention::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), 0.35, true, None)
-                .unwrap();
-            let g = (o.sqr().unwrap().sum_all().unwrap()).backward().unwrap();
-            [&qv, &kv, &vv].map(|x| g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            let g = fwd_bwd(
+                "attention",
+                |x| attention(&x[0], &x[1], &x[2], 0.35, true, None),
+                &[q.clone(), k.clone(), v.clone()],
+            );
+            g.grads.iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect::<Vec<_>>()
         })
     };
     let first = grads();

@@ -3,8 +3,8 @@
 //! (the `selftest` cases, which `harpe selftest` runs on a GPU); plus the cross-entropy kernel against
 //! `model::loss::chunked_cross_entropy` end to end (nll and both gradients through the matmuls), in-place
 //! dlogits, the RMSNorm kernels against the op's autograd, and the emulator's collectives.
-use crate::common::ops::{max_abs_diff, randv};
-use candle_core::{DType, Device, Tensor, Var};
+use crate::common::ops::{fwd_bwd, max_abs_diff, projection, randn, randv};
+use candle_core::{DType, Device, Tensor};
 use harpe::model::loss::chunked_cross_entropy;
 use harpe::ops::cross_entropy_chunk::IGNORE_INDEX;
 use harpe::ops::emu::{self as emu, Dims};
@@ -58,24 +58,22 @@ fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
     // exactly the GPU path's chunk loop; against loss.rs's op and its autograd.
     let (n, c, v) = (11, 7, 53);
     let dev = Device::Cpu;
-    let h = Var::from_vec(randv(n * c, 1, 1.0), (n, c), &dev).unwrap();
-    let w = Var::from_vec(randv(v * c, 2, 1.0), (v, c), &dev).unwrap();
+    let (h, w) = (randn(&[n, c], 1, 1.0), randn(&[v, c], 2, 1.0));
     let mut ys: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % v as u32).collect();
     ys[4] = IGNORE_INDEX;
     let t = Tensor::from_vec(ys.clone(), n, &dev).unwrap();
-    let up: Vec<f32> = (0..n).map(|i| 0.2 + 0.07 * i as f32).collect();
-    let nll_ref = chunked_cross_entropy(&h, &w, &t, 4).unwrap();
-    let grads =
-        (&nll_ref * Tensor::from_vec(up.clone(), n, &dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
-    let dh_ref = grads.get(h.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let dw_ref = grads.get(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // the op's nll and, through its autograd, dh and dW of sum(nll * up), `up` the harness's projection
+    let r = fwd_bwd("chunked_cross_entropy", |x| chunked_cross_entropy(&x[0], &x[1], &t, 4), &[h.clone(), w.clone()]);
+    let (nll_ref, dh_ref, dw_ref) = (vals(&r.out), vals(&r.grads[0]), vals(&r.grads[1]));
+    let up = vals(&projection(r.out.shape(), DType::F32));
 
     let mut dh = vec![0f32; n * c];
     let mut dw = Tensor::zeros((v, c), DType::F32, &dev).unwrap();
     let mut nll = Vec::new();
     for (start, len) in [(0usize, 4usize), (4, 4), (8, 3)] {
-        let hc = h.as_tensor().narrow(0, start, len).unwrap();
-        let logits = hc.matmul(&w.as_tensor().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let hc = h.narrow(0, start, len).unwrap();
+        let logits = hc.matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let out = emu::cross_entropy::<f32>(
             &logits,
             &ys[start..start + len],
@@ -87,11 +85,11 @@ fn cross_entropy_kernel_reproduces_chunked_cross_entropy_and_its_gradients() {
         .unwrap();
         nll.extend(out.nll);
         let dl = Tensor::from_vec(out.dlogits.unwrap(), (len, v), &dev).unwrap();
-        let dhc = dl.matmul(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let dhc = dl.matmul(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         dh[start * c..(start + len) * c].copy_from_slice(&dhc);
         dw = (dw + dl.t().unwrap().matmul(&hc).unwrap()).unwrap();
     }
-    assert!(max_abs_diff(&nll, &nll_ref.to_vec1::<f32>().unwrap()) < 1e-5);
+    assert!(max_abs_diff(&nll, &nll_ref) < 1e-5);
     assert_eq!(nll[4], 0.0, "the ignored token has no loss");
     assert!(max_abs_diff(&dh, &dh_ref) < 1e-5);
     assert!(dh[4 * c..5 * c].iter().all(|&x| x == 0.0), "the ignored token gets no gradient");
@@ -131,20 +129,16 @@ fn cross_entropy_in_place_equals_out_of_place_and_forward_only_skips_dlogits() {
 fn rms_norm_kernels_match_the_ops_autograd() {
     // the op's backward (RmsNormBwd) and the slow plain-op version's autograd against the kernels
     let (n, c) = (6, 45);
-    let dev = Device::Cpu;
-    let x = Var::from_vec(randv(n * c, 4, 2.0), (n, c), &dev).unwrap();
-    let w = Var::from_vec(randv(c, 5, 1.0), c, &dev).unwrap();
-    let dy = randv(n * c, 6, 1.0);
-    let y = harpe::ops::rms_norm::rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-6).unwrap();
-    let g = (&y * Tensor::from_vec(dy.clone(), (n, c), &dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
-    let xs = x.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let ws = w.as_tensor().to_vec1::<f32>().unwrap();
+    let (x, w) = (randn(&[n, c], 4, 2.0), randn(&[c], 5, 1.0));
+    let slow = |t: &[Tensor]| harpe::ops::rms_norm::rms_norm_slow(&t[0], &t[1], 1e-6);
+    let r = fwd_bwd("rms_norm_slow", slow, &[x.clone(), w.clone()]);
+    let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (xs, ws, dy) = (vals(&x), vals(&w), vals(&projection(r.out.shape(), DType::F32)));
     let d = Dims { grid: 4, block: 64 };
     let (yk, rstd) = emu::rms_norm_fwd::<f32>(&xs, &ws, (n, c), 1e-6, d).unwrap();
     let (dx, dw) = emu::rms_norm_bwd::<f32>(&dy, &xs, &ws, Some(&rstd), (n, c), 1e-6, d).unwrap();
-    assert!(max_abs_diff(&yk, &y.flatten_all().unwrap().to_vec1::<f32>().unwrap()) < 1e-5);
-    let dx_ref = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let dw_ref = g.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+    assert!(max_abs_diff(&yk, &vals(&r.out)) < 1e-5);
+    let (dx_ref, dw_ref) = (vals(&r.grads[0]), vals(&r.grads[1]));
     assert!(max_abs_diff(&dx, &dx_ref) < 1e-5, "{}", max_abs_diff(&dx, &dx_ref));
     assert!(max_abs_diff(&dw, &dw_ref) < 1e-4, "{}", max_abs_diff(&dw, &dw_ref));
 }

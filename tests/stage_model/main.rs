@@ -11,6 +11,7 @@ mod model;
 mod ops;
 mod ops_rms_norm;
 mod ops_swiglu;
+mod ops_harness;
 mod loss;
 mod attention_docs;
 mod attention_emu;

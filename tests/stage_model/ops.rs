@@ -1,7 +1,8 @@
-//! Rotary and attention ops: fused CPU op vs the slow plain-candle version, forward and backward,
-//! and finite-difference gradient checks of the fused ops in f32 on tiny shapes (`common::ops::fd_check`, `Fd::F32`).
-use crate::common::ops::{fd_check, max_abs_diff, randn, Fd};
-use candle_core::{DType, Device, Tensor, Var};
+//! Rotary and attention ops: fused CPU op vs the slow plain-candle version, forward and backward
+//! (`common::ops::check_op`), and finite-difference gradient checks of the fused ops in f32 on tiny shapes
+//! (`common::ops::fd_check`, `Fd::F32`).
+use crate::common::ops::{check_op, fd_check, fwd_bwd, max_abs_diff, projection, randn, Fd, Tol};
+use candle_core::{DType, Device, Tensor};
 use harpe::model::rope::{Positions, RopeParity, RopeScheme};
 use harpe::ops::attention::{attention, attention_slow};
 use harpe::ops::rotary::{rope, rope_slow};
@@ -20,16 +21,14 @@ fn tables(htab_bases: &[f64], d: usize, t: usize, start: usize) -> (Tensor, Tens
 fn rotary_matches_slow_forward_and_backward() {
     for (h, bases) in [(4usize, vec![10000.0]), (4, vec![1e4, 5e5]), (2, vec![1e4, 5e5]), (3, vec![1e4, 2e4, 3e4])] {
         let (b, t, d) = (2, 7, 8);
-        let x = Var::from_tensor(&randn(&[b, h, t, d], 1, 1.0)).unwrap();
         let (cos, sin) = tables(&bases, d, t, 100);
-        let w = randn(&[b, h, t, d], 2, 1.0);
-        let y = rope(x.as_tensor(), &cos, &sin).unwrap();
-        let y_slow = rope_slow(x.as_tensor(), &cos, &sin).unwrap();
-        assert!(max_abs_diff(&y, &y_slow) < 1e-6);
-        let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g_slow = (y_slow * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let (ga, gb) = (g.get(x.as_tensor()).unwrap(), g_slow.get(x.as_tensor()).unwrap());
-        assert!(max_abs_diff(ga, gb) < 1e-6, "h {h} tables {}", bases.len());
+        check_op(
+            &format!("rope h {h} tables {}", bases.len()),
+            |x| rope(&x[0], &cos, &sin),
+            |x| rope_slow(&x[0], &cos, &sin),
+            &[randn(&[b, h, t, d], 1, 1.0)],
+            Tol::F32,
+        );
     }
 }
 
@@ -39,21 +38,24 @@ fn rotary_reads_strided_rows_like_the_reference_forward_and_backward() {
     use harpe::ops::rotary::{rotary_cpu, rotary_par};
     let (b, t, h, d) = (2, 9, 4, 8);
     let (cos, sin) = tables(&[1e4, 5e5], d, t, 3);
-    let x = Var::from_tensor(&randn(&[b, t, h, d], 7, 1.0)).unwrap();
-    let xt = x.as_tensor().transpose(1, 2).unwrap(); // (B, H, T, D), strided
-    assert!(!xt.is_contiguous());
-    let w = randn(&[b, h, t, d], 8, 1.0);
-    let y = rope(&xt, &cos, &sin).unwrap();
-    let y_slow = rope_slow(&xt.contiguous().unwrap(), &cos, &sin).unwrap();
-    assert!(max_abs_diff(&y, &y_slow) < 1e-6);
-    let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let g_slow = (rope_slow(&xt, &cos, &sin).unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let (ga, gb) = (g.get(x.as_tensor()).unwrap(), g_slow.get(x.as_tensor()).unwrap());
-    assert!(max_abs_diff(ga, gb) < 1e-6);
+    let x = randn(&[b, t, h, d], 7, 1.0);
+    let strided = |x: &Tensor| {
+        let xt = x.transpose(1, 2).unwrap(); // (B, H, T, D), strided
+        assert!(!xt.is_contiguous());
+        xt
+    };
+    check_op(
+        "rope of strided rows",
+        |x| rope(&strided(&x[0]), &cos, &sin),
+        |x| rope_slow(&strided(&x[0]).contiguous()?, &cos, &sin),
+        std::slice::from_ref(&x),
+        Tol::F32,
+    );
     // the parallel strided loops against the readable reference loops, bit for bit
+    let xt = strided(&x);
     let vals = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (c, s) = (vals(&cos), vals(&sin));
-    let xs = vals(x.as_tensor());
+    let xs = vals(&x);
     let reference = rotary_cpu(&vals(&xt.contiguous().unwrap()), &c, &s, (b, h, t, d), 2);
     assert_eq!(rotary_par(&xs, [t * h * d, d, h * d], &c, &s, (b, h, t, d), 2), reference);
 }
@@ -82,35 +84,23 @@ fn rotary_preserves_norm_and_relative_position() {
 #[test]
 fn rotary_finite_differences() {
     let (cos, sin) = tables(&[1e4, 1e6], 8, 5, 3);
-    let x = Var::from_tensor(&randn(&[1, 4, 5, 8], 5, 1.0)).unwrap();
-    let w = randn(&[1, 4, 5, 8], 6, 1.0);
-    let f = |x: &Tensor| (rope(x, &cos, &sin).unwrap() * &w).unwrap().sum_all().unwrap();
-    let g = f(x.as_tensor()).backward().unwrap();
-    fd_check(
-        "rotary",
-        x.as_tensor(),
-        |x| f(x).to_scalar::<f32>().unwrap() as f64,
-        g.get(x.as_tensor()).unwrap(),
-        Fd::F32,
-    );
+    let x = randn(&[1, 4, 5, 8], 5, 1.0);
+    let g = fwd_bwd("rotary", |x| rope(&x[0], &cos, &sin), std::slice::from_ref(&x));
+    let w = projection(g.out.shape(), DType::F32);
+    let loss = |x: &Tensor| (rope(x, &cos, &sin).unwrap() * &w).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    fd_check("rotary", &x, |x| loss(x) as f64, &g.grads[0], Fd::F32);
 }
 
 fn attn_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool) {
-    let q = Var::from_tensor(&randn(&[b, h, tq, d], 11, 1.0)).unwrap();
-    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 12, 1.0)).unwrap();
-    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 13, 1.0)).unwrap();
-    let w = randn(&[b, h, tq, d], 14, 1.0);
+    let qkv = [randn(&[b, h, tq, d], 11, 1.0), randn(&[b, hkv, tk, d], 12, 1.0), randn(&[b, hkv, tk, d], 13, 1.0)];
     let scale = 1.0 / (d as f32).sqrt() * 2.0;
-    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
-    let ys = attention_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, causal, None).unwrap();
-    let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal}");
-    assert!(max_abs_diff(&y, &ys) < 1e-5, "{tag}: forward {}", max_abs_diff(&y, &ys));
-    let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let gs = (ys * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
-        let e = max_abs_diff(g.get(var.as_tensor()).unwrap(), gs.get(var.as_tensor()).unwrap());
-        assert!(e < 1e-5, "{tag}: {n} differs by {e}");
-    }
+    check_op(
+        &format!("attention b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal}"),
+        |x| attention(&x[0], &x[1], &x[2], scale, causal, None),
+        |x| attention_slow(&x[0], &x[1], &x[2], scale, causal, None),
+        &qkv,
+        Tol::F32,
+    );
 }
 
 #[test]
@@ -124,17 +114,19 @@ fn attention_matches_slow_forward_and_backward() {
 
 #[test]
 fn attention_finite_differences() {
-    let (q0, k0, v0) = (randn(&[1, 2, 6, 4], 21, 1.0), randn(&[1, 1, 6, 4], 22, 1.0), randn(&[1, 1, 6, 4], 23, 1.0));
-    let w = randn(&[1, 2, 6, 4], 24, 1.0);
-    let (q, k, v) = (Var::from_tensor(&q0).unwrap(), Var::from_tensor(&k0).unwrap(), Var::from_tensor(&v0).unwrap());
-    let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.7, true, None).unwrap();
-    let g = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let fq = |x: &Tensor| (attention(x, &k0, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
-    let fk = |x: &Tensor| (attention(&q0, x, &v0, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
-    let fv = |x: &Tensor| (attention(&q0, &k0, x, 0.7, true, None).unwrap() * &w).unwrap().sum_all().unwrap();
-    fd_check("dq", &q0, |x| fq(x).to_scalar::<f32>().unwrap() as f64, g.get(q.as_tensor()).unwrap(), Fd::F32);
-    fd_check("dk", &k0, |x| fk(x).to_scalar::<f32>().unwrap() as f64, g.get(k.as_tensor()).unwrap(), Fd::F32);
-    fd_check("dv", &v0, |x| fv(x).to_scalar::<f32>().unwrap() as f64, g.get(v.as_tensor()).unwrap(), Fd::F32);
+    let qkv = [randn(&[1, 2, 6, 4], 21, 1.0), randn(&[1, 1, 6, 4], 22, 1.0), randn(&[1, 1, 6, 4], 23, 1.0)];
+    let g = fwd_bwd("attention", |x| attention(&x[0], &x[1], &x[2], 0.7, true, None), &qkv);
+    let w = projection(g.out.shape(), DType::F32);
+    // the loss with input `i` replaced by `x`
+    let loss = |i: usize, x: &Tensor| {
+        let mut a = qkv.clone();
+        a[i] = x.clone();
+        let y = attention(&a[0], &a[1], &a[2], 0.7, true, None).unwrap();
+        (y * &w).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64
+    };
+    for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+        fd_check(name, &qkv[i], |x| loss(i, x), &g.grads[i], Fd::F32);
+    }
 }
 
 #[test]
@@ -173,38 +165,42 @@ fn bf16_inputs_are_computed_in_f32_and_cast_back() {
     assert!(e <= 2e-2 && e > 0.0, "rope bf16 error {e} (one bf16 rounding of values up to ~4)");
 }
 
+/// bf16 backward too: the fused ops compute in f32 and round once, so under `check_op`'s half-precision
+/// rule they must be within twice the error of the slow versions differentiated in bf16.
+#[test]
+fn bf16_forward_and_backward_match_the_slow_versions() {
+    let qkv = [41, 42, 43].map(|seed| randn(&[1, 2, 5, 8], seed, 1.0).to_dtype(DType::BF16).unwrap());
+    check_op(
+        "attention bf16",
+        |x| attention(&x[0], &x[1], &x[2], 0.3, true, None),
+        |x| attention_slow(&x[0], &x[1], &x[2], 0.3, true, None),
+        &qkv,
+        Tol::BF16,
+    );
+    let (cos, sin) = tables(&[1e4, 5e5], 8, 5, 7);
+    check_op(
+        "rope bf16",
+        |x| rope(&x[0], &cos, &sin),
+        |x| rope_slow(&x[0], &cos.to_dtype(x[0].dtype())?, &sin.to_dtype(x[0].dtype())?),
+        &qkv[..1],
+        Tol::BF16,
+    );
+}
+
 /// Forward and backward of the three attention implementations on one case: the CPU op (with its
-/// own backward op), the blocked reference (query blocks, autograd) and the slow full-matrix one.
+/// own backward op) and the blocked reference (query blocks, autograd), each against the slow
+/// full-matrix one.
 #[allow(clippy::too_many_arguments)]
 fn three_way_case(b: usize, h: usize, hkv: usize, tq: usize, tk: usize, d: usize, causal: bool, block: usize) {
     use harpe::ops::attention::attention_blocked;
-    let q = Var::from_tensor(&randn(&[b, h, tq, d], 51, 1.0)).unwrap();
-    let k = Var::from_tensor(&randn(&[b, hkv, tk, d], 52, 1.0)).unwrap();
-    let v = Var::from_tensor(&randn(&[b, hkv, tk, d], 53, 1.0)).unwrap();
-    let w = randn(&[b, h, tq, d], 54, 1.0);
+    let qkv = [randn(&[b, h, tq, d], 51, 1.0), randn(&[b, hkv, tk, d], 52, 1.0), randn(&[b, hkv, tk, d], 53, 1.0)];
     let scale = 0.9;
-    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-    let outs = [
-        ("op", attention(qt, kt, vt, scale, causal, None).unwrap()),
-        ("blocked", attention_blocked(qt, kt, vt, scale, causal, None, block).unwrap()),
-        ("slow", attention_slow(qt, kt, vt, scale, causal, None).unwrap()),
-    ];
     let tag = format!("b{b} h{h} hkv{hkv} tq{tq} tk{tk} causal {causal} block {block}");
-    let grads: Vec<_> = outs.iter().map(|(_, y)| (y * &w).unwrap().sum_all().unwrap().backward().unwrap()).collect();
-    for i in 0..3 {
-        for j in i + 1..3 {
-            let (ni, nj) = (outs[i].0, outs[j].0);
-            let e = max_abs_diff(&outs[i].1, &outs[j].1);
-            assert!(e < 1e-5, "{tag}: forward {ni} vs {nj} differs by {e}");
-            for (n, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
-                let (gi, gj) = (grads[i].get(var.as_tensor()).unwrap(), grads[j].get(var.as_tensor()).unwrap());
-                let e = max_abs_diff(gi, gj);
-                assert!(e < 1e-5, "{tag}: {n} {ni} vs {nj} differs by {e}");
-                let norm = gi.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
-                assert!(norm > 0.0, "{tag}: {n} of {ni} is zero");
-            }
-        }
-    }
+    let slow = |x: &[Tensor]| attention_slow(&x[0], &x[1], &x[2], scale, causal, None);
+    let op = |x: &[Tensor]| attention(&x[0], &x[1], &x[2], scale, causal, None);
+    check_op(&format!("op {tag}"), op, slow, &qkv, Tol::F32);
+    let blocked = |x: &[Tensor]| attention_blocked(&x[0], &x[1], &x[2], scale, causal, None, block);
+    check_op(&format!("blocked {tag}"), blocked, slow, &qkv, Tol::F32);
 }
 
 #[test]

@@ -1,28 +1,21 @@
 //! The fused RMSNorm op (`ops::rms_norm`): CPU reference loops vs the plain-op `rms_norm_slow` (the
-//! model's formula), forward and backward, f32 and bf16, finite differences of the backward, and the
-//! op's parallel row loops against the sequential reference loops.
-use crate::common::ops::{fd_check, max_abs, max_abs_diff, randn, Fd};
-use candle_core::{DType, Tensor, Var};
+//! model's formula), forward and backward (`common::ops::check_op`), f32 and bf16, finite differences of
+//! the backward, and the op's parallel row loops against the sequential reference loops.
+use crate::common::ops::{check_op, fd_check, fwd_bwd, max_abs, max_abs_diff, projection, randn, Fd, Tol};
+use candle_core::{DType, Tensor};
 use harpe::ops::rms_norm::{rms_norm, rms_norm_slow};
 
 #[test]
 fn forward_and_backward_match_the_slow_version() {
     for shape in [vec![3usize, 37], vec![2, 5, 19]] {
         let c = *shape.last().unwrap();
-        let x = Var::from_tensor(&randn(&shape, 1, 2.0)).unwrap();
-        let w = Var::from_tensor(&randn(&[c], 2, 1.0)).unwrap();
-        let up = randn(&shape, 3, 1.0);
-        let y = rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap();
-        let ys = rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-6).unwrap();
-        assert!(max_abs_diff(&y, &ys) < 1e-6, "{shape:?}: {}", max_abs_diff(&y, &ys));
-        let g = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let gs = (ys * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        for (name, v) in [("x", &x), ("w", &w)] {
-            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
-            assert!(max_abs_diff(a, b) < 1e-5, "{shape:?} d{name}: {}", max_abs_diff(a, b));
-            let mag = a.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(mag > 0.0, "d{name} is zero");
-        }
+        check_op(
+            &format!("rms_norm {shape:?}"),
+            |x| rms_norm(&x[0], &x[1], 1e-6),
+            |x| rms_norm_slow(&x[0], &x[1], 1e-6),
+            &[randn(&shape, 1, 2.0), randn(&[c], 2, 1.0)],
+            Tol::F32,
+        );
     }
 }
 
@@ -37,31 +30,29 @@ fn bf16_matches_the_slow_version_within_bf16_rounding() {
     let ulp = ys.to_dtype(DType::F32).unwrap().abs().unwrap().max_keepdim(1).unwrap().max(0).unwrap();
     let bound = (ulp.to_vec1::<f32>().unwrap()[0] / 128.0) as f64;
     assert!(max_abs_diff(&y, &ys) <= bound, "{} > {bound}", max_abs_diff(&y, &ys));
-    // the backward runs in bf16 too and gives gradients of the right dtype
-    let xv = Var::from_tensor(&x).unwrap();
-    let wv = Var::from_tensor(&w).unwrap();
-    let g = rms_norm(xv.as_tensor(), wv.as_tensor(), 1e-5).unwrap().sum_all().unwrap().backward().unwrap();
-    assert_eq!(g.get(xv.as_tensor()).unwrap().dtype(), DType::BF16);
-    assert_eq!(g.get(wv.as_tensor()).unwrap().dims(), &[29]);
+    // the backward runs in bf16 too: gradients of the inputs' dtype, against the slow version in f64
+    check_op(
+        "rms_norm bf16",
+        |x| rms_norm(&x[0], &x[1], 1e-5),
+        |x| rms_norm_slow(&x[0], &x[1], 1e-5),
+        &[x, w],
+        Tol::BF16,
+    );
 }
 
 #[test]
 fn finite_differences_agree_with_backward() {
     let (n, c) = (3, 11);
-    let x0 = randn(&[n, c], 6, 1.5);
-    let w0 = randn(&[c], 7, 1.0);
-    let up = randn(&[n, c], 8, 1.0);
-    let x = Var::from_tensor(&x0).unwrap();
-    let w = Var::from_tensor(&w0).unwrap();
-    let g =
-        (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (x0, w0) = (randn(&[n, c], 6, 1.5), randn(&[c], 7, 1.0));
+    let g = fwd_bwd("rms_norm", |x| rms_norm(&x[0], &x[1], 1e-6), &[x0.clone(), w0.clone()]);
+    let up = projection(g.out.shape(), DType::F64);
     let f = |xt: &Tensor, wt: &Tensor| -> f64 {
         // in f64 through the slow version, so the difference quotient is accurate
         let y = rms_norm_slow(&xt.to_dtype(DType::F64).unwrap(), &wt.to_dtype(DType::F64).unwrap(), 1e-6).unwrap();
-        (y * up.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+        (y * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
-    fd_check("dx", &x0, |xt| f(xt, &w0), g.get(x.as_tensor()).unwrap(), Fd::F64);
-    fd_check("dw", &w0, |wt| f(&x0, wt), g.get(w.as_tensor()).unwrap(), Fd::F64);
+    fd_check("dx", &x0, |xt| f(xt, &w0), &g.grads[0], Fd::F64);
+    fd_check("dw", &w0, |wt| f(&x0, wt), &g.grads[1], Fd::F64);
 }
 
 #[test]

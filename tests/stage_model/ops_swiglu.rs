@@ -1,51 +1,42 @@
 //! The fused SwiGLU op (`ops::swiglu`): silu(gate) * up forward and backward against the plain-op
-//! `swiglu_slow` (the model's former formula) in f32 and in f64, every input receiving a gradient, and the
-//! op's vectorised parallel loops against the scalar reference loops (`f32::exp`), tails and large
-//! magnitudes included.
-use crate::common::ops::{fd_check, max_abs_diff, randn, Fd};
-use candle_core::{DType, Tensor, Var};
+//! `swiglu_slow` (the model's former formula) in f32, bf16 and f16 (`common::ops::check_op`), the f32
+//! forward also against f64, and the op's vectorised parallel loops against the scalar reference loops
+//! (`f32::exp`), tails and large magnitudes included.
+use crate::common::ops::{check_op, fd_check, fwd_bwd, max_abs_diff, projection, randn, Fd, Tol};
+use candle_core::{DType, Tensor};
 use harpe::ops::swiglu::{swiglu, swiglu_bwd_cpu, swiglu_bwd_par, swiglu_cpu, swiglu_par, swiglu_slow};
 
 #[test]
 fn forward_and_backward_match_the_slow_version() {
     // 2*5*37 = 370 elements: not a multiple of the 16 lanes, so the loops' tails run too
     for (shape, amp) in [(vec![2usize, 5, 37], 3.0), (vec![4, 1000], 12.0)] {
-        let g = Var::from_tensor(&randn(&shape, 1, amp)).unwrap();
-        let u = Var::from_tensor(&randn(&shape, 2, 1.0)).unwrap();
-        let up = randn(&shape, 3, 1.0);
-        let y = swiglu(g.as_tensor(), u.as_tensor()).unwrap();
-        let ys = swiglu_slow(g.as_tensor(), u.as_tensor()).unwrap();
+        let (g, u) = (randn(&shape, 1, amp), randn(&shape, 2, 1.0));
+        let [fused, _] = check_op(
+            &format!("swiglu {shape:?}"),
+            |x| swiglu(&x[0], &x[1]),
+            |x| swiglu_slow(&x[0], &x[1]),
+            &[g.clone(), u.clone()],
+            Tol::F32,
+        );
         // f64 through the slow version: the exact values both f32 paths approximate
-        let y64 =
-            swiglu_slow(&g.as_tensor().to_dtype(DType::F64).unwrap(), &u.as_tensor().to_dtype(DType::F64).unwrap())
-                .unwrap();
-        let tol = 1e-5 * amp as f64;
-        assert!(max_abs_diff(&y, &ys) < tol, "{shape:?}: {}", max_abs_diff(&y, &ys));
-        assert!(max_abs_diff(&y, &y64) < tol, "{shape:?}: {}", max_abs_diff(&y, &y64));
-        let gf = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let gs = (ys * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        for (name, v) in [("gate", &g), ("up", &u)] {
-            let (a, b) = (gf.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
-            assert_eq!(a.dims(), v.as_tensor().dims());
-            assert!(max_abs_diff(a, b) < tol, "{shape:?} d{name}: {}", max_abs_diff(a, b));
-            let mag = a.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(mag > 0.0, "d{name} is zero");
-        }
+        let y64 = swiglu_slow(&g.to_dtype(DType::F64).unwrap(), &u.to_dtype(DType::F64).unwrap()).unwrap();
+        let e = max_abs_diff(&fused.out, &y64);
+        assert!(e < 1e-5 * amp as f64, "{shape:?}: {e}");
     }
 }
 
 #[test]
 fn backward_agrees_with_finite_differences() {
-    let (g0, u0, up) = (randn(&[3, 7], 4, 2.0), randn(&[3, 7], 5, 1.0), randn(&[3, 7], 6, 1.0));
-    let (g, u) = (Var::from_tensor(&g0).unwrap(), Var::from_tensor(&u0).unwrap());
-    let grads = (swiglu(g.as_tensor(), u.as_tensor()).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (g0, u0) = (randn(&[3, 7], 4, 2.0), randn(&[3, 7], 5, 1.0));
+    let g = fwd_bwd("swiglu", |x| swiglu(&x[0], &x[1]), &[g0.clone(), u0.clone()]);
+    let up = projection(g.out.shape(), DType::F64);
     // the loss in f64 through the slow version, so the difference quotient is accurate
     let f = |gt: &Tensor, ut: &Tensor| -> f64 {
         let y = swiglu_slow(&gt.to_dtype(DType::F64).unwrap(), &ut.to_dtype(DType::F64).unwrap()).unwrap();
-        (y * up.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+        (y * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
-    fd_check("dgate", &g0, |gt| f(gt, &u0), grads.get(g.as_tensor()).unwrap(), Fd::F64);
-    fd_check("dup", &u0, |ut| f(&g0, ut), grads.get(u.as_tensor()).unwrap(), Fd::F64);
+    fd_check("dgate", &g0, |gt| f(gt, &u0), &g.grads[0], Fd::F64);
+    fd_check("dup", &u0, |ut| f(&g0, ut), &g.grads[1], Fd::F64);
 }
 
 #[test]
@@ -76,42 +67,20 @@ fn shapes_and_dtypes_are_checked() {
 
 /// bf16 and f16 (the GPU's dtypes; on CUDA the same code runs candle's kernels): the forward is
 /// `swiglu_slow`'s values exactly (the same silu and product kernels), the backward (f32 blocks of rows,
-/// here two blocks and a ragged one) within one rounding of the half type of the f64 gradient, at most 2x
-/// the slow version's own error (which differentiates in the half type), and every input gets a gradient.
+/// here two blocks and a ragged one) under `check_op`'s half-precision rule (against the slow version in
+/// f64, at most 2x the slow version's own error in the half type, or one rounding of it).
 #[test]
 fn half_precision_matches_the_slow_version_forward_and_backward() {
     let shape = [2usize, 4100, 3];
     for dt in [DType::BF16, DType::F16] {
-        let (g0, u0, up) = (randn(&shape, 7, 3.0), randn(&shape, 8, 1.0), randn(&shape, 9, 1.0));
-        let (g, u) = (
-            Var::from_tensor(&g0.to_dtype(dt).unwrap()).unwrap(),
-            Var::from_tensor(&u0.to_dtype(dt).unwrap()).unwrap(),
+        let inputs = [randn(&shape, 7, 3.0), randn(&shape, 8, 1.0)].map(|x| x.to_dtype(dt).unwrap());
+        let [fused, slow] = check_op(
+            &format!("swiglu {dt:?}"),
+            |x| swiglu(&x[0], &x[1]),
+            |x| swiglu_slow(&x[0], &x[1]),
+            &inputs,
+            Tol::of(dt),
         );
-        let y = swiglu(g.as_tensor(), u.as_tensor()).unwrap();
-        let ys = swiglu_slow(g.as_tensor(), u.as_tensor()).unwrap();
-        assert_eq!(y.dtype(), dt);
-        assert_eq!(max_abs_diff(&y, &ys), 0.0, "{dt:?}: forward differs from the slow version");
-        let upd = up.to_dtype(dt).unwrap();
-        let gf = (y * &upd).unwrap().sum_all().unwrap().backward().unwrap();
-        let gs = (ys * &upd).unwrap().sum_all().unwrap().backward().unwrap();
-        // the exact gradient from f64 of the same (rounded) inputs
-        let [g64, u64v, up64] = [g.as_tensor(), u.as_tensor(), &upd].map(|t| t.to_dtype(DType::F64).unwrap());
-        let (g64v, u64t) = (Var::from_tensor(&g64).unwrap(), Var::from_tensor(&u64v).unwrap());
-        let ge = (swiglu_slow(g64v.as_tensor(), u64t.as_tensor()).unwrap() * &up64)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        for (name, v, v64) in [("gate", &g, &g64v), ("up", &u, &u64t)] {
-            let exact = ge.get(v64.as_tensor()).unwrap().to_dtype(DType::F32).unwrap();
-            let (a, b) = (gf.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
-            assert_eq!((a.dims(), a.dtype()), (v.as_tensor().dims(), dt));
-            let ea = max_abs_diff(&a.to_dtype(DType::F32).unwrap(), &exact);
-            let eb = max_abs_diff(&b.to_dtype(DType::F32).unwrap(), &exact);
-            assert!(ea <= 2.0 * eb.max(1e-3), "{dt:?} d{name}: fused error {ea}, slow error {eb}");
-            let mag = a.to_dtype(DType::F32).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(mag > 0.0, "{dt:?} d{name} is zero");
-        }
+        assert_eq!(max_abs_diff(&fused.out, &slow.out), 0.0, "{dt:?}: forward differs from the slow version");
     }
 }

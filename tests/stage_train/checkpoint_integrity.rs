@@ -4,20 +4,8 @@
 //! only one rank of a 2-rank run reads is found by that rank; a damaged model file that one rank checks
 //! stops every rank before the first step is logged or saved; a checkpoint without checksums (an older
 //! harpe's) still resumes, saying so.
+use crate::common::{harpe_text as harpe, train_text as train};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn harpe(args: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe")).args(args).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    (o.status.success(), text)
-}
-
-fn train(cfg: &Path, out: &Path, more: &[&str]) -> (bool, String) {
-    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    a.extend_from_slice(more);
-    harpe(&a)
-}
 
 /// Flip `mask` in byte `at` of `path`.
 fn flip(path: &Path, at: usize, mask: u8) {
@@ -84,25 +72,9 @@ fn a_flipped_weight_bit_is_refused_at_resume_and_found_by_verify() {
 }
 
 /// A model whose optimizer shards (2 ranks, ZeRO-1) span two checksum blocks each (8 MiB).
-const WIDE: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 256
-intermediate_size = 512
-num_hidden_layers = 4
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 2
+const WIDE: &str = concat!(
+    model_recipe!(256, 512, 4, 4, 2),
+    r#"micro_batch_size = 2
 global_batch_tokens = 128
 loss_chunk_tokens = 64
 
@@ -116,7 +88,8 @@ plot = false
 [[stage]]
 seq_len = 32
 steps = 4
-"#;
+"#
+);
 
 #[test]
 fn a_flip_in_an_optimizer_block_only_rank_1_reads_is_found_by_rank_1() {

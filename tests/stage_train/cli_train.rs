@@ -1,7 +1,6 @@
 //! `harpe train` paths no other test touches, through the binary: `--force` over a run directory of
 //! another config, SIGINT (finish the step, checkpoint, exit 0), a bf16 run, and `reset_optimizer`.
-use crate::common::{harpe_cmd, output};
-use std::path::Path;
+use crate::common::{harpe_cmd, logged_losses, train_text};
 use std::process::{Command, Stdio};
 
 const TINY: &str = concat!(
@@ -30,21 +29,6 @@ steps = 3
 "#
 );
 
-/// `harpe train --config CFG --out OUT ARGS` with stdout discarded: success and stderr.
-fn harpe_train(args: &[&str], cfg: &Path, out: &Path) -> (bool, String) {
-    let (ok, _, err) =
-        output(harpe_cmd().args(["train", "--config"]).arg(cfg).arg("--out").arg(out).args(args).stdout(Stdio::null()));
-    (ok, err)
-}
-
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
-}
-
 fn setup(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let d = tempfile::tempdir().unwrap();
     let cfg = d.path().join("run.toml");
@@ -56,16 +40,16 @@ fn setup(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
 fn force_reuses_a_directory_of_another_config() {
     let (d, cfg) = setup(TINY);
     let out = d.path().join("r");
-    let (ok, err) = harpe_train(&["--steps", "1"], &cfg, &out);
+    let (ok, err) = train_text(&cfg, &out, &["--steps", "1"]);
     assert!(ok, "{err}");
-    let (ok, err) = harpe_train(&["--resume", "--set", "optim.lr=1e-4"], &cfg, &out);
+    let (ok, err) = train_text(&cfg, &out, &["--resume", "--set", "optim.lr=1e-4"]);
     assert!(!ok && err.contains("different config") && err.contains("--force"), "{err}");
-    let (ok, err) = harpe_train(&["--resume", "--force", "--set", "optim.lr=1e-4", "--steps", "2"], &cfg, &out);
+    let (ok, err) = train_text(&cfg, &out, &["--resume", "--force", "--set", "optim.lr=1e-4", "--steps", "2"]);
     assert!(ok, "{err}");
     let saved = std::fs::read_to_string(out.join("config.toml")).unwrap();
     let t: toml::Table = toml::from_str(&saved).unwrap();
     assert_eq!(t["optim"]["lr"].as_float(), Some(1e-4), "the directory now holds the new config");
-    assert_eq!(losses(&out).len(), 2, "resumed after step 1, ran step 2");
+    assert_eq!(logged_losses(&out).len(), 2, "resumed after step 1, ran step 2");
 }
 
 #[test]
@@ -92,38 +76,38 @@ fn sigint_finishes_the_step_checkpoints_and_exits_0() {
     assert!(status.success(), "exit status {status:?}");
     let last =
         harpe::train::checkpoint::latest_complete(&out.join("checkpoints")).unwrap().expect("a checkpoint on SIGINT");
-    let steps = losses(&out).len() as u64;
+    let steps = logged_losses(&out).len() as u64;
     assert!(last.ends_with(format!("step_{steps:06}")), "{} after {steps} logged steps", last.display());
+}
+
+/// The logged losses of TINY trained as it is and with `extra`, and the directory of both runs (the
+/// second's is `changed`).
+fn as_is_and_with(extra: &[&str]) -> (Vec<f64>, Vec<f64>, tempfile::TempDir) {
+    let (d, cfg) = setup(TINY);
+    let (as_is, changed) = (d.path().join("as-is"), d.path().join("changed"));
+    for (out, args) in [(&as_is, &[][..]), (&changed, extra)] {
+        let (ok, err) = train_text(&cfg, out, args);
+        assert!(ok, "{args:?}: {err}");
+    }
+    (logged_losses(&as_is), logged_losses(&changed), d)
 }
 
 #[test]
 fn a_bf16_run_trains_close_to_f32_but_not_identically() {
-    let (d, cfg) = setup(TINY);
-    let (f32_out, bf_out) = (d.path().join("f32"), d.path().join("bf16"));
-    let (ok, err) = harpe_train(&[], &cfg, &f32_out);
-    assert!(ok, "{err}");
-    let (ok, err) = harpe_train(&["--set", "train.dtype=\"bf16\""], &cfg, &bf_out);
-    assert!(ok, "{err}");
-    let (a, b) = (losses(&f32_out), losses(&bf_out));
+    let (a, b, d) = as_is_and_with(&["--set", "train.dtype=\"bf16\""]);
     assert_eq!(a.len(), 6);
     assert_eq!(b.len(), 6);
     for (x, y) in a.iter().zip(&b) {
         assert!(y.is_finite() && (x - y).abs() < 0.1, "bf16 loss {y} vs f32 {x}");
     }
     assert!(a.iter().zip(&b).any(|(x, y)| x != y), "bf16 gave the f32 losses exactly: dtype ignored");
-    let saved = std::fs::read_to_string(bf_out.join("config.toml")).unwrap();
+    let saved = std::fs::read_to_string(d.path().join("changed/config.toml")).unwrap();
     assert!(saved.contains("dtype = \"bf16\""), "{saved}");
 }
 
 #[test]
 fn reset_optimizer_changes_the_run_only_after_the_stage_boundary() {
-    let (d, cfg) = setup(TINY);
-    let (keep, reset) = (d.path().join("keep"), d.path().join("reset"));
-    let (ok, err) = harpe_train(&[], &cfg, &keep);
-    assert!(ok, "{err}");
-    let (ok, err) = harpe_train(&["--set", "stage.1.reset_optimizer=true"], &cfg, &reset);
-    assert!(ok, "{err}");
-    let (a, b) = (losses(&keep), losses(&reset));
+    let (a, b, _d) = as_is_and_with(&["--set", "stage.1.reset_optimizer=true"]);
     // Steps 1..=4 (stage 0 and the first step of stage 1, whose loss is taken before its update) match
     // bit for bit; from step 5 on the fresh moments (and bias correction) change the trajectory.
     assert_eq!(a[..4], b[..4]);

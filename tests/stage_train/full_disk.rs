@@ -5,17 +5,11 @@
 use crate::tmpfs::Tmpfs;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn train(out: &Path, more: &[&str]) -> (bool, String) {
     let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-cpu.toml");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .args(more)
-        .args(["--set", "log.plot=false", "--set", "log.tensorboard=true"])
-        .output()
-        .unwrap();
-    (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    let logs = ["--set", "log.plot=false", "--set", "log.tensorboard=true"];
+    crate::common::train_text(&cfg, out, &[more, &logs[..]].concat())
 }
 
 /// Every file under `dir` with its bytes.
@@ -54,11 +48,8 @@ fn a_checkpoint_that_fills_the_disk_keeps_the_previous_one_and_resume_completes(
     fs.resize(64 << 20);
     let (ok, text) = train(&out, &["--steps", "20", "--resume"]);
     assert!(ok && text.contains("resuming from") && text.contains("step_000010"), "{text}");
-    let o = Command::new(env!("CARGO_BIN_EXE_harpe"))
-        .args(["verify", out.join("checkpoints/step_000020").to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success());
+    let (ok, text) = crate::common::harpe_text(&["verify", out.join("checkpoints/step_000020").to_str().unwrap()]);
+    assert!(ok, "{text}");
 }
 
 #[test]

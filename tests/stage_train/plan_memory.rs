@@ -6,31 +6,15 @@
 //! Under `Local` ranks (threads of one process) the process holds every rank's memory once and the
 //! fixed overhead once, so the prediction is `ranks x (total - fixed_overhead) + fixed_overhead`, less
 //! half of every rank's backward temporaries but one (see `local_measured_and_predicted`).
-use crate::common::harpe_cmd;
+use crate::common::train_text;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
 use harpe::train::metrics::read_records;
 use harpe::train::plan::{backward_temporaries, plan_for, Arch, Gpu, GpuKind, LayerPath, World};
 
-const CFG: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 192
-intermediate_size = 768
-num_hidden_layers = 3
-num_attention_heads = 6
-num_key_value_heads = 2
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-device = "cpu"
-dtype = "f32"
+const CFG: &str = concat!(
+    model_recipe!(192, 768, 3, 6, 2),
+    r#"device = "cpu"
 micro_batch_size = 1
 activation_checkpointing = "every-layer"
 loss_chunk_tokens = 128
@@ -42,7 +26,8 @@ plot = false
 [[stage]]
 seq_len = SEQ
 steps = 2
-"#;
+"#
+);
 
 /// (measured peak RSS, planned total bytes) at sequence length `t`: the smaller peak of two runs, as
 /// `scripts/calibrate_cpu_plan.py` keeps the smallest of its repeats. The same binary's peak at T 1024
@@ -59,15 +44,8 @@ fn measured_and_planned_once(dir: &std::path::Path, t: usize, attempt: usize) ->
     let cfg = dir.join(format!("p{t}.toml"));
     std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
     let out = dir.join(format!("r{t}-{attempt}"));
-    let st = harpe_cmd()
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let (ok, text) = train_text(&cfg, &out, &[]);
+    assert!(ok, "{text}");
     let recs = read_records(&out.join("metrics.jsonl")).unwrap();
     let measured = recs.iter().map(|r| r.step_peak_bytes).max().unwrap();
     let (run, _) = load_config(&cfg, &[]).unwrap();
@@ -78,10 +56,18 @@ fn measured_and_planned_once(dir: &std::path::Path, t: usize, attempt: usize) ->
     (measured, plan.total_bytes)
 }
 
+/// Whether this system can measure a step's peak memory (Linux's /proc/self/clear_refs); says so if not.
+fn peak_memory_measurable() -> bool {
+    let yes = std::path::Path::new("/proc/self/clear_refs").exists();
+    if !yes {
+        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    }
+    yes
+}
+
 #[test]
 fn cpu_plan_is_within_15_percent_of_the_measured_peak() {
-    if !std::path::Path::new("/proc/self/clear_refs").exists() {
-        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    if !peak_memory_measurable() {
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -121,16 +107,9 @@ fn local_measured_and_predicted(dir: &std::path::Path, t: usize, world: usize, z
         // SP 4 needs kv heads divisible by 4
         sets.extend(["model.init.num_attention_heads=8".into(), "model.init.num_key_value_heads=4".into()]);
     }
-    let st = harpe_cmd()
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&out)
-        .args(sets.iter().flat_map(|s| ["--set", s.as_str()]))
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success(), "{}", out.display());
+    let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let (ok, text) = train_text(&cfg, &out, &set_args);
+    assert!(ok, "{}: {text}", out.display());
     let recs = read_records(&out.join("metrics.jsonl")).unwrap();
     let measured = recs.iter().map(|r| r.step_peak_bytes).max().unwrap();
     let (run, keys) = load_config(&cfg, &sets).unwrap();
@@ -149,8 +128,7 @@ fn local_measured_and_predicted(dir: &std::path::Path, t: usize, world: usize, z
 
 #[test]
 fn cpu_plan_of_local_ranks_is_within_15_percent_of_the_measured_peak() {
-    if !std::path::Path::new("/proc/self/clear_refs").exists() {
-        eprintln!("skipped: needs Linux /proc/self/clear_refs to measure peak memory");
+    if !peak_memory_measurable() {
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -211,7 +189,7 @@ fn gloo_measured_and_planned(dir: &std::path::Path, t: usize, world: usize, zero
     let port = harpe::launch::env::free_port("127.0.0.1").unwrap();
     let mut ranks: Vec<std::process::Child> = (0..world)
         .map(|r| {
-            harpe_cmd()
+            crate::common::harpe_cmd()
                 .args(["train", "--config"])
                 .arg(&cfg)
                 .arg("--out")

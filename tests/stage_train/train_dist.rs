@@ -40,11 +40,7 @@ rope = { scheme = "harpe", head_bases = [10000.0, 80000.0] }
 "#
 );
 
-/// `harpe ARGS`: success, and stdout followed by stderr as one text.
-pub(super) fn harpe_text(args: &[&str]) -> (bool, String) {
-    let (ok, out, err) = common::harpe(args);
-    (ok, out + &err)
-}
+pub(super) use crate::common::harpe_text;
 
 pub(super) fn write_cfg(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.toml");
@@ -54,10 +50,8 @@ pub(super) fn write_cfg(dir: &Path) -> PathBuf {
 
 /// Train `cfg` into `out` with extra `--set`s (and other flags); panics with the output on failure.
 pub(super) fn train(cfg: &Path, out: &Path, extra: &[&str]) {
-    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    a.extend_from_slice(extra);
-    let (ok, text) = harpe_text(&a);
-    assert!(ok, "harpe {a:?} failed:\n{text}");
+    let (ok, text) = common::train_text(cfg, out, extra);
+    assert!(ok, "harpe train --config {} --out {} {extra:?} failed:\n{text}", cfg.display(), out.display());
 }
 
 /// `train` with `n` `Local` ranks at ZeRO stage `z`, then `extra`.
@@ -408,19 +402,7 @@ fn sequence_parallel_ranks_equal_one_rank() {
     train(&cfg, &one4, &mha);
     for z in [1, 3] {
         let out = d.path().join(format!("w4sp4z{z}"));
-        let zs = format!("dist.zero_stage={z}");
-        let mut a = mha.to_vec();
-        a.extend([
-            "--set",
-            "dist.backend=local",
-            "--set",
-            "dist.world_size=4",
-            "--set",
-            "dist.sp_degree=4",
-            "--set",
-            &zs,
-        ]);
-        train(&cfg, &out, &a);
+        train_ranks(&cfg, &out, (4, z), &[&mha[..], &["--set", "dist.sp_degree=4"]].concat());
         let what = format!("4 ranks, SP 4, ZeRO-{z}");
         assert_same_losses(&one4, &out, &what);
         assert_same_tensors(&model(&one4), &model(&out), &what, tol);
@@ -428,22 +410,10 @@ fn sequence_parallel_ranks_equal_one_rank() {
     // checkpoint and resume under SP: stopped after step 2 (inside stage 0), resumed with SP 4 x ZeRO-3
     // from the SP 2 x DP 2 checkpoint, it ends where one rank ends
     let run = d.path().join("sp-resume");
-    let mut a = mha.to_vec();
-    a.extend([
-        "--set",
-        "dist.backend=local",
-        "--set",
-        "dist.world_size=4",
-        "--set",
-        "dist.sp_degree=2",
-        "--steps",
-        "2",
-    ]);
-    train(&cfg, &run, &a);
-    let mut a = mha.to_vec();
-    a.extend(["--set", "dist.backend=local", "--set", "dist.world_size=4", "--set", "dist.sp_degree=4"]);
-    a.extend(["--set", "dist.zero_stage=3", "--resume"]);
-    train(&cfg, &run, &a);
+    let local4 = ["--set", "dist.backend=local", "--set", "dist.world_size=4"];
+    train(&cfg, &run, &[&mha[..], &local4, &["--set", "dist.sp_degree=2", "--steps", "2"]].concat());
+    let resume = ["--set", "dist.sp_degree=4", "--set", "dist.zero_stage=3", "--resume"];
+    train(&cfg, &run, &[&mha[..], &local4, &resume].concat());
     assert_same_losses(&one4, &run, "SP 2 x DP 2 -> SP 4 resume");
     assert_same_tensors(&model(&one4), &model(&run), "SP 2 x DP 2 -> SP 4 resume", tol);
 }

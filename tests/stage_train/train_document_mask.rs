@@ -4,7 +4,7 @@
 //! Ulysses SP 2 (each rank holds half of every sequence; the mask must be the whole sequence's) give the
 //! one-rank masked losses; the resolved config records the key; a bad value names the key.
 use crate::common::ops::max_abs_diff;
-use crate::common::{harpe_cmd, output};
+use crate::common::{logged_losses, train_text};
 use std::path::{Path, PathBuf};
 
 const TINY: &str = concat!(
@@ -30,24 +30,10 @@ steps = 4
 "#
 );
 
-/// `harpe train --config CFG --out OUT EXTRA`: success, and stdout followed by stderr as one text.
-fn harpe_train(cfg: &Path, out: &Path, extra: &[&str]) -> (bool, String) {
-    let (ok, o, e) = output(harpe_cmd().args(["train", "--config"]).arg(cfg).arg("--out").arg(out).args(extra));
-    (ok, o + &e)
-}
-
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
-}
-
 fn train(cfg: &Path, out: &Path, extra: &[&str]) -> Vec<f64> {
-    let (ok, log) = harpe_train(cfg, out, extra);
+    let (ok, log) = train_text(cfg, out, extra);
     assert!(ok, "harpe train {extra:?} failed:\n{log}");
-    losses(out)
+    logged_losses(out)
 }
 
 fn setup() -> (tempfile::TempDir, PathBuf) {
@@ -99,7 +85,7 @@ fn document_mask_trains_and_equals_one_rank_under_zero3_and_ulysses() {
 #[test]
 fn a_bad_document_mask_value_names_the_key() {
     let (d, cfg) = setup();
-    let (ok, log) = harpe_train(&cfg, &d.path().join("r"), &["--set", "train.document_mask=3"]);
+    let (ok, log) = train_text(&cfg, &d.path().join("r"), &["--set", "train.document_mask=3"]);
     assert!(!ok);
     assert!(log.contains("document_mask"), "{log}");
 }

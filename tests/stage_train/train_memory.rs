@@ -1,27 +1,12 @@
 //! With activation checkpointing, a step's peak memory grows linearly in T: doubling T at most
 //! doubles it (tolerance 2.2x). Measured, not computed: each run is a fresh `harpe train` process and
 //! the step's peak resident memory comes from /proc (VmHWM after a reset at the step start).
-use crate::common::harpe_cmd;
+use crate::common::train_text;
 use harpe::train::metrics::read_records;
 
-const CFG: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 256
-intermediate_size = 1024
-num_hidden_layers = 4
-num_attention_heads = 4
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-dtype = "f32"
-micro_batch_size = 1
+const CFG: &str = concat!(
+    model_recipe!(256, 1024, 4, 4, 4),
+    r#"micro_batch_size = 1
 activation_checkpointing = "every-layer"
 loss_chunk_tokens = 256
 
@@ -32,22 +17,16 @@ plot = false
 [[stage]]
 seq_len = SEQ
 steps = 1
-"#;
+"#
+);
 
 /// Extra resident bytes of the first optimizer step at sequence length `t`.
 fn step_bytes(dir: &std::path::Path, t: usize) -> u64 {
     let cfg = dir.join(format!("m{t}.toml"));
     std::fs::write(&cfg, CFG.replace("SEQ", &t.to_string())).unwrap();
     let out = dir.join(format!("r{t}"));
-    let st = harpe_cmd()
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let (ok, text) = train_text(&cfg, &out, &[]);
+    assert!(ok, "{text}");
     let r = &read_records(&out.join("metrics.jsonl")).unwrap()[0];
     assert!(r.step_peak_bytes > r.step_start_bytes, "no memory measurement on this system");
     r.step_peak_bytes - r.step_start_bytes

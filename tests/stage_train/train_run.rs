@@ -122,45 +122,22 @@ fn loss_falls_on_builtin_text() {
 fn bad_input_is_refused_with_a_hint() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_cfg(d.path(), TINY);
-    // a dataset whose sequence length does not match the stage
-    let tok = d.path().join("tokenizer.json");
-    std::fs::write(&tok, harpe::model::testing::byte_tokenizer_json()).unwrap();
-    let ds = d.path().join("ds48");
-    harpe::data::prepare_from_texts(&harpe::data::builtin_texts(1), &tok, &harpe::data::PrepareOptions::new(48), &ds)
-        .unwrap();
     let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let e = format!(
-        "{:#}",
-        run(TrainArgs {
-            set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds.display())]),
-            ..args(&cfg, &d.path().join("o1"))
-        })
-        .unwrap_err()
-    );
+    // the error of a run on a dataset of the built-in texts prepared at `seq_len` with tokenizer `tok_json`
+    let on_dataset = |name: &str, tok_json: &str, seq_len: usize| {
+        let (tok, ds) = (d.path().join(format!("{name}.json")), d.path().join(name));
+        std::fs::write(&tok, tok_json).unwrap();
+        let texts = harpe::data::builtin_texts(1);
+        harpe::data::prepare_from_texts(&texts, &tok, &harpe::data::PrepareOptions::new(seq_len), &ds).unwrap();
+        let data = set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds.display())]);
+        format!("{:#}", run(TrainArgs { set: data, ..args(&cfg, &d.path().join(format!("{name}-run"))) }).unwrap_err())
+    };
+    let bytes = harpe::model::testing::byte_tokenizer_json();
+    // a dataset whose sequence length does not match the stage
+    let e = on_dataset("ds48", &bytes, 48);
     assert!(e.contains("seq_len") && e.contains("hint:"), "{e}");
     // a dataset made with another tokenizer
-    let tok2 = d.path().join("tok2.json");
-    std::fs::write(
-        &tok2,
-        harpe::model::testing::byte_tokenizer_json().replace("\"dropout\":null", "\"dropout\": null"),
-    )
-    .unwrap();
-    let ds32 = d.path().join("ds32");
-    harpe::data::prepare_from_texts(
-        &harpe::data::builtin_texts(1),
-        &tok2,
-        &harpe::data::PrepareOptions::new(32),
-        &ds32,
-    )
-    .unwrap();
-    let e = format!(
-        "{:#}",
-        run(TrainArgs {
-            set: set(&["data.source=\"prepared\"", &format!("data.path=\"{}\"", ds32.display())]),
-            ..args(&cfg, &d.path().join("o2"))
-        })
-        .unwrap_err()
-    );
+    let e = on_dataset("ds32", &bytes.replace("\"dropout\":null", "\"dropout\": null"), 32);
     assert!(e.contains("another tokenizer") && e.contains("hint:"), "{e}");
     // an output directory that cannot be created (its parent is a file)
     let file = d.path().join("plainfile");

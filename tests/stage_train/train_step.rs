@@ -106,19 +106,53 @@ fn bf16_compute_with_fp32_master_tracks_f32() {
     assert!(cos > 0.99, "bf16 gradient direction: cos {cos}");
 }
 
-#[test]
-fn one_step_matches_torch_adamw_golden() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/adamw");
-    let cfg = LlamaConfig::from_file(&dir.join("model/config.json")).unwrap();
-    let mut w = load_tensors(&dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+/// The model of the AdamW goldens (tests/golden/adamw/model) as training holds it: its config and its
+/// parameters flattened in HF order.
+fn golden_model() -> (LlamaConfig, ParamLayout, FlatBuf) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/adamw/model");
+    let cfg = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+    let mut w = load_tensors(&dir, DType::F32, &Device::Cpu).unwrap();
     if cfg.tie_word_embeddings {
         w.remove("lm_head.weight");
     }
     let model = Llama::from_tensors(cfg.clone(), w, "golden").unwrap();
     let (layout, flat) = flatten_params(&model.tensors()).unwrap();
+    (cfg, layout, flat)
+}
+
+/// The largest relative error (|a - b| / max(|b|, 1e-3)) of the optimizer's master weights against the
+/// golden's `param.NAME` tensors, and the parameter it is in.
+fn worst_param_error(
+    layout: &ParamLayout,
+    opt: &AdamW,
+    golden: &std::collections::HashMap<String, Tensor>,
+) -> (f32, String) {
+    let mut worst = (0f32, String::new());
+    for p in &layout.params {
+        let want = golden[&format!("param.{}", p.name)].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (a, b) in opt.master().host().unwrap()[p.range.clone()].iter().zip(&want) {
+            let rel = (a - b).abs() / b.abs().max(1e-3);
+            if rel > worst.0 {
+                worst = (rel, p.name.clone());
+            }
+        }
+    }
+    worst
+}
+
+/// tests/golden/`name`: its golden.safetensors (inputs, losses, the parameters after the steps) and its
+/// hparams.json.
+fn golden_run(name: &str) -> (std::collections::HashMap<String, Tensor>, serde_json::Value) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name);
     let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let hp: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    let hp = serde_json::from_str(&std::fs::read_to_string(dir.join("hparams.json")).unwrap()).unwrap();
+    (golden, hp)
+}
+
+#[test]
+fn one_step_matches_torch_adamw_golden() {
+    let (cfg, layout, flat) = golden_model();
+    let (golden, hp) = golden_run("adamw");
     let f = |k: &str| hp[k].as_f64().unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
     let (g, loss) = step_grads(&cfg, &layout, &flat, &ids, 1, Checkpointing::EveryLayer, DType::F32);
@@ -135,16 +169,7 @@ fn one_step_matches_torch_adamw_golden() {
     };
     let mut opt = AdamW::new(&layout, &flat, &ShardMap::new(&layout, 1, Split::Slices), 0, h).unwrap();
     opt.step(&FlatBuf::from_vec(g), f("lr")).unwrap();
-    let mut worst = (0f32, String::new());
-    for p in &layout.params {
-        let want = golden[&format!("param.{}", p.name)].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for (a, b) in opt.master().host().unwrap()[p.range.clone()].iter().zip(&want) {
-            let rel = (a - b).abs() / b.abs().max(1e-3);
-            if rel > worst.0 {
-                worst = (rel, p.name.clone());
-            }
-        }
-    }
+    let worst = worst_param_error(&layout, &opt, &golden);
     assert!(worst.0 < 1e-5, "worst relative error {} in {}", worst.0, worst.1);
 }
 
@@ -152,17 +177,8 @@ fn one_step_matches_torch_adamw_golden() {
 fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
     // Five steps (bias correction no longer cancels the betas), a different lr each step, three
     // weight-decay groups (matrices, embedding, norms) and clip_grad_norm_ active at every step.
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
-    let cfg = LlamaConfig::from_file(&dir.join("adamw/model/config.json")).unwrap();
-    let mut w = load_tensors(&dir.join("adamw/model"), DType::F32, &Device::Cpu).unwrap();
-    if cfg.tie_word_embeddings {
-        w.remove("lm_head.weight");
-    }
-    let model = Llama::from_tensors(cfg.clone(), w, "golden").unwrap();
-    let (layout, flat) = flatten_params(&model.tensors()).unwrap();
-    let golden = candle_core::safetensors::load(dir.join("adamw_steps/golden.safetensors"), &Device::Cpu).unwrap();
-    let hp: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adamw_steps/hparams.json")).unwrap()).unwrap();
+    let (cfg, layout, flat) = golden_model();
+    let (golden, hp) = golden_run("adamw_steps");
     let f = |k: &str| hp[k].as_f64().unwrap() as f32;
     let h = AdamWHyper {
         beta1: f("beta1"),
@@ -191,16 +207,7 @@ fn several_steps_match_torch_adamw_with_decay_groups_and_clipping() {
         assert!(scale < 1.0, "step {k}: clipping must be active");
         opt.step(&g, lr).unwrap();
     }
-    let mut worst = (0f32, String::new());
-    for p in &layout.params {
-        let want = golden[&format!("param.{}", p.name)].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for (a, b) in opt.master().host().unwrap()[p.range.clone()].iter().zip(&want) {
-            let rel = (a - b).abs() / b.abs().max(1e-3);
-            if rel > worst.0 {
-                worst = (rel, p.name.clone());
-            }
-        }
-    }
+    let worst = worst_param_error(&layout, &opt, &golden);
     // 2e-4: f32 summation order alone moves this. The worst element (layer 0's k_proj) is 5.0e-5 off
     // with one thread or one GEMM over all rows, 1.0e-4 when the linear op cuts the rows into one
     // single-threaded GEMM per thread (`ops::linear`: a band's k-blocking follows its own row count);

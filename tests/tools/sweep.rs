@@ -7,26 +7,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub(super) const BASE: &str = r#"
-[model.init]
-vocab_size = 259
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 2
-max_position_embeddings = 64
-
-[data]
-source = "builtin"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-seed = 0
-dtype = "f32"
+pub(super) const BASE: &str = concat!(
+    model_recipe!(16, 32, 2, 2, 2, "max_position_embeddings = 64"),
+    r#"seed = 0
 micro_batch_size = 2
 global_batch_tokens = 64
 activation_checkpointing = "none"
@@ -50,7 +33,8 @@ plot = false
 [[stage]]
 seq_len = 32
 steps = 40
-"#;
+"#
+);
 
 pub(super) fn sweep_toml(extra: &str) -> String {
     format!(

@@ -20,185 +20,102 @@ use crate::ops::attention_shape::{
 use candle_core::{bail, Result};
 use half::{bf16, f16};
 
-type FwdFn<T> = unsafe extern "C" fn(
-    u32,
-    u32,
-    usize,
-    *const T,
-    *const T,
-    *const T,
-    *mut T,
-    *mut f32,
-    *const u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    f32,
-    i32,
-    u32,
-    u32,
-);
-type BwdFn<T> = unsafe extern "C" fn(
-    u32,
-    u32,
-    usize,
-    *const T,
-    *const T,
-    *const T,
-    *const T,
-    *const f32,
-    *const f32,
-    *const u32,
-    *mut f32,
-    *mut T,
-    *mut T,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    f32,
-    i32,
-    u32,
-    u32,
-);
-type DeltaFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *mut f32, u32, u32, u32);
-type ConvFn<T> = unsafe extern "C" fn(u32, u32, usize, *const f32, *mut T, u64);
-type ProbeFn<T> = unsafe extern "C" fn(u32, u32, usize, *const T, *const T, *const T, *mut f32);
+use ffi::{BwdFn, ConvFn, DeltaFn, FwdFn, ProbeFn};
 
 mod ffi {
     use super::{bf16, f16};
-    macro_rules! decl {
-        ($t:ty, $($fwd:ident, $bwd:ident),*) => {$(
-            pub fn $fwd(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                q: *const $t,
-                k: *const $t,
-                v: *const $t,
-                o: *mut $t,
-                lse: *mut f32,
-                docs: *const u32,
-                nb: u32,
-                h: u32,
-                hkv: u32,
-                tq: u32,
-                tk: u32,
-                scale: f32,
-                causal: i32,
-                ldo: u32,
-                ldl: u32,
-            );
-            pub fn $bwd(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                q: *const $t,
-                k: *const $t,
-                v: *const $t,
-                dout: *const $t,
-                lse: *const f32,
-                delta: *const f32,
-                docs: *const u32,
-                dq_acc: *mut f32,
-                dk: *mut $t,
-                dv: *mut $t,
-                nb: u32,
-                h: u32,
-                hkv: u32,
-                tq: u32,
-                tk: u32,
-                scale: f32,
-                causal: i32,
-                ldq: u32,
-                ldl: u32,
-            );
-        )*};
-    }
-    macro_rules! decl_rows {
-        ($t:ty, $delta:ident, $conv:ident) => {
-            pub fn $delta(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                o: *const $t,
-                dout: *const $t,
-                delta: *mut f32,
-                rows: u32,
-                d: u32,
-                ld: u32,
-            );
-            pub fn $conv(gx: u32, bx: u32, smem: usize, acc: *const f32, dq: *mut $t, n: u64);
-        };
-    }
-    #[link(name = "harpe_kernels_emu", kind = "static")]
-    extern "C" {
-        decl!(
-            f32,
-            emu_attn_fwd_f32_d16,
-            emu_attn_bwd_f32_d16,
-            emu_attn_fwd_f32_d32,
-            emu_attn_bwd_f32_d32,
-            emu_attn_fwd_f32_d64,
-            emu_attn_bwd_f32_d64,
-            emu_attn_fwd_f32_d128,
-            emu_attn_bwd_f32_d128
-        );
-        decl!(
-            bf16,
-            emu_attn_fwd_bf16_d16,
-            emu_attn_bwd_bf16_d16,
-            emu_attn_fwd_bf16_d32,
-            emu_attn_bwd_bf16_d32,
-            emu_attn_fwd_bf16_d64,
-            emu_attn_bwd_bf16_d64,
-            emu_attn_fwd_bf16_d128,
-            emu_attn_bwd_bf16_d128,
-            emu_attn_fwd_tc_bf16_d64,
-            emu_attn_bwd_tc_bf16_d64,
-            emu_attn_fwd_tc_bf16_d128,
-            emu_attn_bwd_tc_bf16_d128
-        );
-        decl!(
-            f16,
-            emu_attn_fwd_f16_d16,
-            emu_attn_bwd_f16_d16,
-            emu_attn_fwd_f16_d32,
-            emu_attn_bwd_f16_d32,
-            emu_attn_fwd_f16_d64,
-            emu_attn_bwd_f16_d64,
-            emu_attn_fwd_f16_d128,
-            emu_attn_bwd_f16_d128,
-            emu_attn_fwd_tc_f16_d64,
-            emu_attn_bwd_tc_f16_d64,
-            emu_attn_fwd_tc_f16_d128,
-            emu_attn_bwd_tc_f16_d128
-        );
-        decl!(bf16, emu_attn_fwd_tc_early_bf16_d64, emu_attn_bwd_tc_early_bf16_d64);
-        decl_rows!(f32, emu_attn_bwd_delta_f32, emu_attn_dq_convert_f32);
-        decl_rows!(bf16, emu_attn_bwd_delta_bf16, emu_attn_dq_convert_bf16);
-        decl_rows!(f16, emu_attn_bwd_delta_f16, emu_attn_dq_convert_f16);
-        pub fn emu_mma_probe_bf16(
+    emu_kernels! {
+        /// The forward: O and lse rows `ldo` / `ldl` apart.
+        FwdFn<T>(
             gx: u32,
             bx: u32,
             smem: usize,
-            a: *const bf16,
-            b: *const bf16,
-            bt: *const bf16,
-            out: *mut f32,
-        );
-        pub fn emu_mma_probe_f16(
+            q: *const T,
+            k: *const T,
+            v: *const T,
+            o: *mut T,
+            lse: *mut f32,
+            docs: *const u32,
+            nb: u32,
+            h: u32,
+            hkv: u32,
+            tq: u32,
+            tk: u32,
+            scale: f32,
+            causal: i32,
+            ldo: u32,
+            ldl: u32,
+        ) for {
+            emu_attn_fwd_f32_d16: f32,
+            emu_attn_fwd_f32_d32: f32,
+            emu_attn_fwd_f32_d64: f32,
+            emu_attn_fwd_f32_d128: f32,
+            emu_attn_fwd_bf16_d16: bf16,
+            emu_attn_fwd_bf16_d32: bf16,
+            emu_attn_fwd_bf16_d64: bf16,
+            emu_attn_fwd_bf16_d128: bf16,
+            emu_attn_fwd_tc_bf16_d64: bf16,
+            emu_attn_fwd_tc_bf16_d128: bf16,
+            emu_attn_fwd_tc_early_bf16_d64: bf16,
+            emu_attn_fwd_f16_d16: f16,
+            emu_attn_fwd_f16_d32: f16,
+            emu_attn_fwd_f16_d64: f16,
+            emu_attn_fwd_f16_d128: f16,
+            emu_attn_fwd_tc_f16_d64: f16,
+            emu_attn_fwd_tc_f16_d128: f16,
+        }
+        /// The backward: dK, dV and dQ accumulated in f32 rows `ldq` apart.
+        BwdFn<T>(
             gx: u32,
             bx: u32,
             smem: usize,
-            a: *const f16,
-            b: *const f16,
-            bt: *const f16,
-            out: *mut f32,
-        );
+            q: *const T,
+            k: *const T,
+            v: *const T,
+            dout: *const T,
+            lse: *const f32,
+            delta: *const f32,
+            docs: *const u32,
+            dq_acc: *mut f32,
+            dk: *mut T,
+            dv: *mut T,
+            nb: u32,
+            h: u32,
+            hkv: u32,
+            tq: u32,
+            tk: u32,
+            scale: f32,
+            causal: i32,
+            ldq: u32,
+            ldl: u32,
+        ) for {
+            emu_attn_bwd_f32_d16: f32,
+            emu_attn_bwd_f32_d32: f32,
+            emu_attn_bwd_f32_d64: f32,
+            emu_attn_bwd_f32_d128: f32,
+            emu_attn_bwd_bf16_d16: bf16,
+            emu_attn_bwd_bf16_d32: bf16,
+            emu_attn_bwd_bf16_d64: bf16,
+            emu_attn_bwd_bf16_d128: bf16,
+            emu_attn_bwd_tc_bf16_d64: bf16,
+            emu_attn_bwd_tc_bf16_d128: bf16,
+            emu_attn_bwd_tc_early_bf16_d64: bf16,
+            emu_attn_bwd_f16_d16: f16,
+            emu_attn_bwd_f16_d32: f16,
+            emu_attn_bwd_f16_d64: f16,
+            emu_attn_bwd_f16_d128: f16,
+            emu_attn_bwd_tc_f16_d64: f16,
+            emu_attn_bwd_tc_f16_d128: f16,
+        }
+        /// The backward's pre-kernel: delta_i = dO_i . O_i per query row.
+        DeltaFn<T>(gx: u32, bx: u32, smem: usize, o: *const T, dout: *const T, delta: *mut f32, rows: u32, d: u32, ld: u32)
+            for { emu_attn_bwd_delta_f32: f32, emu_attn_bwd_delta_bf16: bf16, emu_attn_bwd_delta_f16: f16 }
+        /// dQ from its f32 accumulator to the storage type.
+        ConvFn<T>(gx: u32, bx: u32, smem: usize, acc: *const f32, dq: *mut T, n: u64)
+            for { emu_attn_dq_convert_f32: f32, emu_attn_dq_convert_bf16: bf16, emu_attn_dq_convert_f16: f16 }
+        /// kernels/mma_probe.cu: one 16x16x16 product through the fragments.
+        ProbeFn<T>(gx: u32, bx: u32, smem: usize, a: *const T, b: *const T, bt: *const T, out: *mut f32)
+            for { emu_mma_probe_bf16: bf16, emu_mma_probe_f16: f16 }
     }
 }
 

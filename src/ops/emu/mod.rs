@@ -10,6 +10,29 @@
 use candle_core::{bail, Result};
 use half::bf16;
 
+/// Declares each kernel entry point's signature once: as the pointer type `$alias<T>` that the
+/// storage-type traits (`EmuFloat`, `attention::AttnFloat`) hold, and as one extern function per listed
+/// instantiation, with `T` the listed type. Rust has no generic extern functions, so each instantiation
+/// is declared in a module of its own where `T` is a type alias, and re-exported under its C name.
+macro_rules! emu_kernels {
+    ($($(#[$doc:meta])* $alias:ident<$T:ident> $args:tt for { $($name:ident: $t:ty),* $(,)? })*) => {$(
+        $(#[$doc])*
+        pub type $alias<$T> = unsafe extern "C" fn $args;
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+                type $T = $t;
+                #[link(name = "harpe_kernels_emu", kind = "static")]
+                extern "C" {
+                    pub fn $name $args;
+                }
+            }
+            pub use $name::$name;
+        )*
+    )*};
+}
+
 pub mod attention;
 pub mod perturb;
 pub mod profile;
@@ -23,109 +46,105 @@ pub struct Dims {
 
 mod ffi {
     use half::bf16;
-    macro_rules! rope_decl {
-        ($name:ident, $t:ty) => {
-            pub fn $name(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                x: *const $t,
-                cos: *const f32,
-                sin: *const f32,
-                y: *mut $t,
-                rows: u32,
-                h: u32,
-                t: u32,
-                half: u32,
-                htab: u32,
-                sin_sign: f32,
-            );
-        };
-    }
-    macro_rules! rms_decl {
-        ($fwd:ident, $bwd:ident, $dw:ident, $t:ty) => {
-            pub fn $fwd(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                x: *const $t,
-                w: *const $t,
-                y: *mut $t,
-                rstd: *mut f32,
-                n: u32,
-                c: u32,
-                eps: f32,
-            );
-            pub fn $bwd(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                dy: *const $t,
-                x: *const $t,
-                w: *const $t,
-                rstd: *const f32,
-                dx: *mut $t,
-                dw_partial: *mut f32,
-                n: u32,
-                c: u32,
-                eps: f32,
-            );
-            pub fn $dw(gx: u32, bx: u32, smem: usize, dw_partial: *const f32, dw: *mut $t, parts: u32, c: u32);
-        };
-    }
-    macro_rules! ce_decl {
-        ($name:ident, $t:ty) => {
-            pub fn $name(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                logits: *const $t,
-                targets: *const u32,
-                gout: *const f32,
-                nll: *mut f32,
-                lse: *mut f32,
-                dlogits: *mut $t,
-                n: u32,
-                v: u32,
-            );
-        };
-    }
-    macro_rules! adamw_decl {
-        ($name:ident, $t:ty) => {
-            pub fn $name(
-                gx: u32,
-                bx: u32,
-                smem: usize,
-                master: *mut f32,
-                m: *mut f32,
-                v: *mut f32,
-                grad: *const f32,
-                out: *mut $t,
-                n: u64,
-                lr: f32,
-                beta1: f32,
-                beta2: f32,
-                eps: f32,
-                wd: f32,
-                step_size: f32,
-                bc2_sqrt: f32,
-                grad_scale: f32,
-            );
-        };
+    emu_kernels! {
+        /// kernels/rope.cu
+        RopeFn<T>(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            x: *const T,
+            cos: *const f32,
+            sin: *const f32,
+            y: *mut T,
+            rows: u32,
+            h: u32,
+            t: u32,
+            half: u32,
+            htab: u32,
+            sin_sign: f32,
+        ) for { emu_rope_f32: f32, emu_rope_bf16: bf16 }
+        /// kernels/rms_norm.cu, forward
+        RmsFwdFn<T>(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            x: *const T,
+            w: *const T,
+            y: *mut T,
+            rstd: *mut f32,
+            n: u32,
+            c: u32,
+            eps: f32,
+        ) for { emu_rms_norm_fwd_f32: f32, emu_rms_norm_fwd_bf16: bf16 }
+        /// kernels/rms_norm.cu, dx and per-block dw partials
+        RmsBwdFn<T>(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            dy: *const T,
+            x: *const T,
+            w: *const T,
+            rstd: *const f32,
+            dx: *mut T,
+            dw_partial: *mut f32,
+            n: u32,
+            c: u32,
+            eps: f32,
+        ) for { emu_rms_norm_bwd_f32: f32, emu_rms_norm_bwd_bf16: bf16 }
+        /// kernels/rms_norm.cu, dw from the partials in a fixed order
+        RmsDwFn<T>(gx: u32, bx: u32, smem: usize, dw_partial: *const f32, dw: *mut T, parts: u32, c: u32)
+            for { emu_rms_norm_dw_f32: f32, emu_rms_norm_dw_bf16: bf16 }
+        /// kernels/cross_entropy.cu
+        CeFn<T>(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            logits: *const T,
+            targets: *const u32,
+            gout: *const f32,
+            nll: *mut f32,
+            lse: *mut f32,
+            dlogits: *mut T,
+            n: u32,
+            v: u32,
+        ) for { emu_cross_entropy_f32: f32, emu_cross_entropy_bf16: bf16 }
+        /// kernels/adamw.cu, the fused step
+        AdamWFn<T>(
+            gx: u32,
+            bx: u32,
+            smem: usize,
+            master: *mut f32,
+            m: *mut f32,
+            v: *mut f32,
+            grad: *const f32,
+            out: *mut T,
+            n: u64,
+            lr: f32,
+            beta1: f32,
+            beta2: f32,
+            eps: f32,
+            wd: f32,
+            step_size: f32,
+            bc2_sqrt: f32,
+            grad_scale: f32,
+        ) for { emu_adamw_f32: f32, emu_adamw_bf16: bf16 }
     }
     #[link(name = "harpe_kernels_emu", kind = "static")]
     extern "C" {
-        rope_decl!(emu_rope_f32, f32);
-        rope_decl!(emu_rope_bf16, bf16);
-        rms_decl!(emu_rms_norm_fwd_f32, emu_rms_norm_bwd_f32, emu_rms_norm_dw_f32, f32);
-        rms_decl!(emu_rms_norm_fwd_bf16, emu_rms_norm_bwd_bf16, emu_rms_norm_dw_bf16, bf16);
-        ce_decl!(emu_cross_entropy_f32, f32);
-        ce_decl!(emu_cross_entropy_bf16, bf16);
-        adamw_decl!(emu_adamw_f32, f32);
-        adamw_decl!(emu_adamw_bf16, bf16);
         pub fn emu_grad_sumsq_partial(gx: u32, bx: u32, smem: usize, g: *const f32, n: u64, partial: *mut f64);
         pub fn emu_grad_sumsq_finish(gx: u32, bx: u32, smem: usize, partial: *const f64, parts: u32, out: *mut f64);
     }
+}
+
+/// The entry points of the row kernels for one storage type `T`.
+#[doc(hidden)]
+pub struct Kernels<T> {
+    rope: ffi::RopeFn<T>,
+    rms_fwd: ffi::RmsFwdFn<T>,
+    rms_bwd: ffi::RmsBwdFn<T>,
+    rms_dw: ffi::RmsDwFn<T>,
+    ce: ffi::CeFn<T>,
+    adamw: ffi::AdamWFn<T>,
 }
 
 /// A storage type the kernels are instantiated for (f32, bf16), with its entry points.
@@ -133,74 +152,7 @@ pub trait EmuFloat: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
     #[doc(hidden)]
-    const ROPE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u32,
-        u32,
-        u32,
-        u32,
-        u32,
-        f32,
-    );
-    #[doc(hidden)]
-    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32);
-    #[doc(hidden)]
-    const RMS_BWD: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const f32,
-        *mut Self,
-        *mut f32,
-        u32,
-        u32,
-        f32,
-    );
-    #[doc(hidden)]
-    const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32);
-    #[doc(hidden)]
-    const CE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const u32,
-        *const f32,
-        *mut f32,
-        *mut f32,
-        *mut Self,
-        u32,
-        u32,
-    );
-    #[doc(hidden)]
-    const ADAMW: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *mut f32,
-        *mut f32,
-        *mut f32,
-        *const f32,
-        *mut Self,
-        u64,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-    );
+    const KERNELS: Kernels<Self>;
 }
 
 impl EmuFloat for f32 {
@@ -210,70 +162,14 @@ impl EmuFloat for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
-    const ROPE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u32,
-        u32,
-        u32,
-        u32,
-        u32,
-        f32,
-    ) = ffi::emu_rope_f32;
-    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) =
-        ffi::emu_rms_norm_fwd_f32;
-    const RMS_BWD: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const f32,
-        *mut Self,
-        *mut f32,
-        u32,
-        u32,
-        f32,
-    ) = ffi::emu_rms_norm_bwd_f32;
-    const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_f32;
-    const CE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const u32,
-        *const f32,
-        *mut f32,
-        *mut f32,
-        *mut Self,
-        u32,
-        u32,
-    ) = ffi::emu_cross_entropy_f32;
-    const ADAMW: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *mut f32,
-        *mut f32,
-        *mut f32,
-        *const f32,
-        *mut Self,
-        u64,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-    ) = ffi::emu_adamw_f32;
+    const KERNELS: Kernels<f32> = Kernels {
+        rope: ffi::emu_rope_f32,
+        rms_fwd: ffi::emu_rms_norm_fwd_f32,
+        rms_bwd: ffi::emu_rms_norm_bwd_f32,
+        rms_dw: ffi::emu_rms_norm_dw_f32,
+        ce: ffi::emu_cross_entropy_f32,
+        adamw: ffi::emu_adamw_f32,
+    };
 }
 
 impl EmuFloat for bf16 {
@@ -283,70 +179,14 @@ impl EmuFloat for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
-    const ROPE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u32,
-        u32,
-        u32,
-        u32,
-        u32,
-        f32,
-    ) = ffi::emu_rope_bf16;
-    const RMS_FWD: unsafe extern "C" fn(u32, u32, usize, *const Self, *const Self, *mut Self, *mut f32, u32, u32, f32) =
-        ffi::emu_rms_norm_fwd_bf16;
-    const RMS_BWD: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const f32,
-        *mut Self,
-        *mut f32,
-        u32,
-        u32,
-        f32,
-    ) = ffi::emu_rms_norm_bwd_bf16;
-    const RMS_DW: unsafe extern "C" fn(u32, u32, usize, *const f32, *mut Self, u32, u32) = ffi::emu_rms_norm_dw_bf16;
-    const CE: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *const Self,
-        *const u32,
-        *const f32,
-        *mut f32,
-        *mut f32,
-        *mut Self,
-        u32,
-        u32,
-    ) = ffi::emu_cross_entropy_bf16;
-    const ADAMW: unsafe extern "C" fn(
-        u32,
-        u32,
-        usize,
-        *mut f32,
-        *mut f32,
-        *mut f32,
-        *const f32,
-        *mut Self,
-        u64,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-        f32,
-    ) = ffi::emu_adamw_bf16;
+    const KERNELS: Kernels<bf16> = Kernels {
+        rope: ffi::emu_rope_bf16,
+        rms_fwd: ffi::emu_rms_norm_fwd_bf16,
+        rms_bwd: ffi::emu_rms_norm_bwd_bf16,
+        rms_dw: ffi::emu_rms_norm_dw_bf16,
+        ce: ffi::emu_cross_entropy_bf16,
+        adamw: ffi::emu_adamw_bf16,
+    };
 }
 
 fn check_dims(d: Dims) -> Result<()> {
@@ -389,7 +229,7 @@ pub fn rope<T: EmuFloat>(
         (u32_of("B*H*T", b * h * t)?, u32_of("H", h)?, u32_of("T", t)?, u32_of("D/2", d / 2)?, u32_of("Htab", htab)?);
     // SAFETY: every pointer covers the element counts checked above; the call returns after the launch.
     unsafe {
-        T::ROPE(
+        (T::KERNELS.rope)(
             dims.grid,
             dims.block,
             0,
@@ -424,7 +264,7 @@ pub fn rms_norm_fwd<T: EmuFloat>(
     let mut rstd = vec![0f32; n];
     // SAFETY: lengths checked above.
     unsafe {
-        T::RMS_FWD(
+        (T::KERNELS.rms_fwd)(
             dims.grid,
             dims.block,
             0,
@@ -466,7 +306,7 @@ pub fn rms_norm_bwd<T: EmuFloat>(
     let (n32, c32) = (u32_of("N", n)?, u32_of("C", c)?);
     // SAFETY: lengths checked above; `partial` has grid rows of C as the kernel indexes it.
     unsafe {
-        T::RMS_BWD(
+        (T::KERNELS.rms_bwd)(
             dims.grid,
             dims.block,
             0,
@@ -480,7 +320,15 @@ pub fn rms_norm_bwd<T: EmuFloat>(
             c32,
             eps,
         );
-        T::RMS_DW(c32.div_ceil(dims.block).max(1), dims.block, 0, partial.as_ptr(), dw.as_mut_ptr(), dims.grid, c32);
+        (T::KERNELS.rms_dw)(
+            c32.div_ceil(dims.block).max(1),
+            dims.block,
+            0,
+            partial.as_ptr(),
+            dw.as_mut_ptr(),
+            dims.grid,
+            c32,
+        );
     }
     perturb::scale("rms_norm_bwd", &mut dx, T::to_f32, T::from_f32);
     Ok((dx, dw))
@@ -523,7 +371,7 @@ pub fn cross_entropy<T: EmuFloat>(
     // SAFETY: lengths checked above; in place, logits and dlogits are the same buffer, which the kernel
     // allows (each element is rewritten only by the thread that read it).
     unsafe {
-        T::CE(
+        (T::KERNELS.ce)(
             dims.grid,
             dims.block,
             0,
@@ -583,7 +431,7 @@ pub fn adamw<T: EmuFloat>(
     };
     // SAFETY: lengths checked above; `out` may be null (the kernel skips it).
     unsafe {
-        T::ADAMW(
+        (T::KERNELS.adamw)(
             dims.grid,
             dims.block,
             0,

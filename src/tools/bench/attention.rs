@@ -17,7 +17,7 @@
 //! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
 //! `--target emulated --profile` (`run_emulated`) runs no GPU: it measures the tensor-core kernels on the host
 //! emulation (`ops::emu::profile`: sectors, bank conflicts, barriers, atomics, mma) with a roofline bound.
-//! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the benchmark is bf16, D = 128).
+//! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the training case it measures is bf16 at Llama-2-7B's D = 128).
 use super::BenchArgs;
 use anyhow::Result;
 use serde::Serialize;

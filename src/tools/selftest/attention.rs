@@ -1,8 +1,8 @@
 //! `harpe selftest` rows for flash attention (kernels/attention.cu, FMA and tensor-core tiles) and for the
 //! tensor-core fragment probe (kernels/mma_probe.cu): forward (O and lse) and backward (dQ, dK, dV).
 //!
-//! Reference: flash-attention's tests and the issue's shapes: ragged T, GQA 1/4/8, D 64 and 128, Tq < Tk,
-//! a document mask (packed sequences, random document starts), and on a GPU T = 4096 + 37.
+//! Reference: flash-attention's tests and the shapes training meets: ragged T, GQA 1/4/8, D 64 and 128,
+//! Tq < Tk, a document mask (packed sequences, random document starts), and on a GPU T = 4096 + 37.
 //! f32 rows compare with the f32 CPU op (`ops::attention::{attention_fwd_cpu, attention_bwd_cpu}`,
 //! f32 tolerance); 16-bit rows with [`exact16`], dense attention in f64 from the kernel's own rounded
 //! inputs under the bound derived in `selftest`'s header: M is sum_j p_j |v_j| for O (the operands the
@@ -16,7 +16,8 @@
 //! launch of the same tiles), the FMA rows through the launchers with the FMA tiles asked for by name; on
 //! the emulated target both through `ops::emu::attention`. The probe's rows check the emulated
 //! mma/ldmatrix layouts against the hardware's when run on a GPU.
-//! `HARPE_SELFTEST_SMALL` (set by scripts/gpu-check.sh around compute-sanitizer) drops the T = 4133 case.
+//! `HARPE_SELFTEST_SMALL` (a `testing::Hooks` hook; scripts/gpu-check.sh sets it around compute-sanitizer)
+//! drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
 use super::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
 use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
@@ -69,8 +70,8 @@ pub fn checks_each(target: &Target, r: &mut ChaCha8Rng, sink: &mut dyn FnMut(&[C
         let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
         sink(&case(target, dt, kernel, dims, true, Some(docs.host()), r)?);
     }
-    if big && std::env::var_os("HARPE_SELFTEST_SMALL").is_none() {
-        // the long ragged case of the issue on the tensor-core tiles (skipped under compute-sanitizer)
+    if big && !crate::testing::hooks().selftest_small {
+        // the long ragged case on the tensor-core tiles (skipped under compute-sanitizer)
         // (two kv heads: the references run one task per row, then one per key)
         let dims = AttnDims { b: 1, h: 2, hkv: 2, tq: 4096 + 37, tk: 4096 + 37, d: 128 };
         sink(&case(target, Dt::Bf16, AttnKernel::TensorCore, dims, true, None, r)?);

@@ -44,7 +44,7 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
     // Tq < Tk: a prefill chunk or a decode step against a longer cache, f16
     let tq = if r.random_bool(0.5) { 1 } else { ragged(r, 2, t) };
     out.extend(case(dev, Dt::F16, AttnDims { tq, tk: t + ragged(r, 1, 100), ..gqa }, None, r)?);
-    if std::env::var_os("HARPE_SELFTEST_SMALL").is_none() {
+    if !crate::testing::hooks().selftest_small {
         let long = AttnDims { b: 1, h: 2, hkv: 1, tq: 4096 + 37, tk: 4096 + 37, d: 128 };
         out.extend(case(dev, Dt::Bf16, long, None, r)?);
     }
