@@ -10,7 +10,8 @@
 //! the reference code (both start at the beginning and may cut a word).
 //! Not here: running the model; scoring beyond "first integer equals the key".
 
-use crate::eval::niah::{count_tokens, NOISE};
+use crate::eval::niah::NOISE;
+use crate::eval::niah_sizing::count_tokens;
 use crate::eval::niah_io::Record;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Result};
