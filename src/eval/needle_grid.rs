@@ -13,8 +13,8 @@
 //! Not here: ROUGE (F's stored JSON score), the LLM judge of G.
 
 use crate::eval::niah::Essays;
-use crate::eval::niah_sizing::count_tokens;
 use crate::eval::niah_io::Record;
+use crate::eval::niah_sizing::count_tokens;
 use anyhow::{bail, Result};
 use std::collections::HashSet;
 use tokenizers::Tokenizer;

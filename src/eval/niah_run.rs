@@ -516,10 +516,13 @@ pub struct EvalNiahArgs {
     pub bos: crate::data::tokenize::PromptBos,
 }
 
-/// `predict(prompt, max_new_tokens) -> generated text`, and under which key its predictions are stored.
+/// `predict(prompt, max_new_tokens) -> generated text`.
+pub type PredictFn = dyn FnMut(&str, usize) -> Result<String>;
+
+/// The model's `PredictFn`, and under which key its predictions are stored.
 pub struct Predictor {
     /// run the model on a prompt
-    pub predict: Box<dyn FnMut(&str, usize) -> Result<String>>,
+    pub predict: Box<PredictFn>,
     /// whether the model is shown BOS before every prompt (see `PromptKey`)
     pub key: PromptKey,
 }

@@ -2,7 +2,7 @@
 //! the samples made at that size (`generate_samples` of `niah.py`).
 //!
 //! Reference: `NVIDIA/RULER:scripts/data/synthetic/niah.py` (R-Dec24's linear search, R-HEAD's binary
-//! search), `scripts/data/tokenizer.py` (`text_to_tokens`: no special tokens).
+//! search), `NVIDIA/RULER:scripts/data/tokenizer.py` (`text_to_tokens`: no special tokens).
 //!
 //! The non-obvious decisions: every trial prompt draws from the task's one RNG, as RULER's global
 //! `random` does, so the samples after sizing are RULER's bit for bit given the same token counts; token

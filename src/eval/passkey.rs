@@ -11,8 +11,8 @@
 //! Not here: running the model; scoring beyond "first integer equals the key".
 
 use crate::eval::niah::NOISE;
-use crate::eval::niah_sizing::count_tokens;
 use crate::eval::niah_io::Record;
+use crate::eval::niah_sizing::count_tokens;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Result};
 use tokenizers::Tokenizer;
@@ -46,7 +46,8 @@ fn garbage(n: usize) -> String {
     vec![NOISE; reps].join(" ")
 }
 
-/// Tokens the model sees for a prompt: BOS + prompt.
+/// Tokens the model may see for a prompt: the prompt and a BOS slot, whether or not the BOS rule
+/// (`PromptBos`) adds one, so the prompts are the same under every rule.
 fn prompt_tokens(tok: &Tokenizer, prompt: &str) -> Result<usize> {
     Ok(count_tokens(tok, prompt)? + 1)
 }

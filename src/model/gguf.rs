@@ -122,7 +122,10 @@ impl Gguf {
             Some(v) => v,
             None => match self.meta("tokenizer.ggml.tokens") {
                 Some(Value::Array(a)) => a.len(),
-                _ => bail!("{origin}: neither `{}` nor `tokenizer.ggml.tokens`\nhint: the file has no vocabulary", key("vocab_size")),
+                _ => bail!(
+                    "{origin}: neither `{}` nor `tokenizer.ggml.tokens`\nhint: the file has no vocabulary",
+                    key("vocab_size")
+                ),
             },
         };
         // transformers' LlamaConfig defaults for what the file leaves out

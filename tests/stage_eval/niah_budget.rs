@@ -2,8 +2,8 @@
 //! (a whitespace WordLevel and the byte-level BPE of `model::testing`), and essays that are too short
 //! are refused with the length they would need.
 use harpe::eval::niah::{Essays, NIAH_TOKENS_TO_GENERATE};
-use harpe::eval::niah_sizing::{count_tokens, Sizing};
 use harpe::eval::niah_run::{data_path, parse_tasks, prepare_cells, NiahSampleOptions};
+use harpe::eval::niah_sizing::{count_tokens, Sizing};
 use tokenizers::Tokenizer;
 
 fn word_level() -> Tokenizer {

@@ -3,7 +3,7 @@
 //! can be trained and evaluated like any other.
 //!
 //! Reference: transformers' `from_pretrained(..., gguf_file=...)`, whose config, weights and tokenizer
-//! the directory reproduces (tests/stage_eval/real_model.rs checks it tensor for tensor on SmolLM2-135M).
+//! the directory reproduces (tests/real_model/convert.rs checks it tensor for tensor on SmolLM2-135M).
 //!
 //! The non-obvious decision: quantized weights are dequantized once, here, to the dtype asked for (f32 by
 //! default: a Q4 value is exact in f32, and training keeps fp32 master weights anyway); the precision
@@ -67,7 +67,10 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     let json = tok.to_string(false).map_err(|e| anyhow::anyhow!("cannot serialise the tokenizer: {e}"))?;
     crate::util::write_atomic(&args.out.join("tokenizer.json"), json.as_bytes())?;
     let tcfg = tokenizer_config(&g, &vocab);
-    crate::util::write_atomic(&args.out.join("tokenizer_config.json"), serde_json::to_string_pretty(&tcfg)?.as_bytes())?;
+    crate::util::write_atomic(
+        &args.out.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tcfg)?.as_bytes(),
+    )?;
     let (add_bos, add_eos) = vocab.adds();
     let params: usize = weights.iter().map(|(_, t)| t.elem_count()).sum();
     println!(

@@ -78,11 +78,15 @@ impl GgufVocab {
                     .iter()
                     .map(|v| match v {
                         Value::String(s) => Ok(s.clone()),
-                        other => Err(anyhow!("{origin}: `{k}` holds {other:?}, not a string\nhint: the file is damaged")),
+                        other => {
+                            Err(anyhow!("{origin}: `{k}` holds {other:?}, not a string\nhint: the file is damaged"))
+                        }
                     })
                     .collect::<Result<Vec<_>>>()
                     .map(Some),
-                Some(other) => bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type()),
+                Some(other) => {
+                    bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
+                }
             }
         };
         let numbers = |k: &str| -> Result<Option<Vec<f64>>> {
@@ -94,18 +98,23 @@ impl GgufVocab {
                         Value::F32(x) => Ok(f64::from(*x)),
                         Value::F64(x) => Ok(*x),
                         Value::I32(x) => Ok(f64::from(*x)),
-                        other => Err(anyhow!("{origin}: `{k}` holds {other:?}, not a number\nhint: the file is damaged")),
+                        other => {
+                            Err(anyhow!("{origin}: `{k}` holds {other:?}, not a number\nhint: the file is damaged"))
+                        }
                     })
                     .collect::<Result<Vec<_>>>()
                     .map(Some),
-                Some(other) => bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type()),
+                Some(other) => {
+                    bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
+                }
             }
         };
         let tokens = strings("tokenizer.ggml.tokens")?
             .ok_or_else(|| anyhow!("{origin}: no `tokenizer.ggml.tokens`\nhint: the file carries no vocabulary"))?;
         let id = |k: &str| -> Result<Option<u32>> {
             let Some(v) = g.meta(k) else { return Ok(None) };
-            let n = as_u64(v).ok_or_else(|| anyhow!("{origin}: `{k}` is {v:?}, not a token id\nhint: the file is damaged"))?;
+            let n = as_u64(v)
+                .ok_or_else(|| anyhow!("{origin}: `{k}` is {v:?}, not a token id\nhint: the file is damaged"))?;
             if n as usize >= tokens.len() {
                 bail!("{origin}: `{k}` = {n} is past the {} tokens\nhint: the file is damaged", tokens.len());
             }
@@ -166,12 +175,20 @@ impl GgufVocab {
         };
         let vocab: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let merges = self.merges_for(&tokens, &vocab)?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab.iter().map(|(t, &i)| (t.clone(), i)).collect::<tokenizers::models::bpe::Vocab>(), merges)
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(
+                vocab.iter().map(|(t, &i)| (t.clone(), i)).collect::<tokenizers::models::bpe::Vocab>(),
+                merges,
+            )
             .fuse_unk(!self.byte_level())
-            .byte_fallback(!self.byte_level())
-            .build()
-            .map_err(|e| anyhow!("the GGUF vocabulary does not make a BPE model: {e}\nhint: the file's merges name tokens it lacks"))?;
+            .byte_fallback(!self.byte_level());
+        if self.byte_level() {
+            // GPT2Tokenizer spells out the empty affixes (the file then equals transformers' byte for byte)
+            bpe = bpe.continuing_subword_prefix(String::new()).end_of_word_suffix(String::new());
+        }
+        let bpe = bpe.build().map_err(|e| {
+            anyhow!("the GGUF vocabulary does not make a BPE model: {e}\nhint: the file's merges name tokens it lacks")
+        })?;
         let mut tok = Tokenizer::new(bpe);
         if self.byte_level() {
             let pre = match self.pre.as_deref().and_then(split_regex) {
@@ -186,7 +203,11 @@ impl GgufVocab {
             tok.with_pre_tokenizer(Some(pre));
             tok.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
         } else {
-            tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(Metaspace::new('▁', PrependScheme::First, false))));
+            tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(Metaspace::new(
+                '▁',
+                PrependScheme::First,
+                false,
+            ))));
             let replace = Replace::new("▁", " ").map_err(|e| anyhow!("decoder: {e}"))?;
             tok.with_decoder(Some(DecoderWrapper::Sequence(DecoderSequence::new(vec![
                 DecoderWrapper::Replace(replace),
@@ -195,8 +216,9 @@ impl GgufVocab {
                 DecoderWrapper::Strip(Strip::new(' ', 1, 0)),
             ]))));
         }
-        self.add_special_tokens(&mut tok, &tokens);
-        tok.with_post_processor(Some(self.post_processor(&tokens)?));
+        // added tokens and the post-processor name tokens as the file spells them, as transformers does
+        self.add_special_tokens(&mut tok, &self.tokens);
+        tok.with_post_processor(Some(self.post_processor(&self.tokens)?));
         Ok(tok)
     }
 
@@ -226,12 +248,8 @@ impl GgufVocab {
             self.byte_level().then(|| bytes_to_unicode().into_iter().collect());
         let spelled = |t: &str| alphabet.as_ref().is_none_or(|a| t.chars().all(|c| a.contains(&c)));
         let special = |t: &str| AddedToken::from(t.to_string(), true).normalized(false);
-        let control: Vec<AddedToken> = tokens
-            .iter()
-            .zip(types)
-            .filter(|(t, &ty)| ty == CONTROL && spelled(t))
-            .map(|(t, _)| special(t))
-            .collect();
+        let control: Vec<AddedToken> =
+            tokens.iter().zip(types).filter(|(t, &ty)| ty == CONTROL && spelled(t)).map(|(t, _)| special(t)).collect();
         tok.add_special_tokens(&control);
         let user: Vec<AddedToken> = tokens
             .iter()
@@ -240,8 +258,11 @@ impl GgufVocab {
             .map(|(t, _)| AddedToken::from(t.to_string(), false).normalized(false))
             .collect();
         tok.add_tokens(&user);
-        let named: Vec<AddedToken> =
-            [self.bos, self.eos, self.unk, self.pad].into_iter().flatten().map(|i| special(&tokens[i as usize])).collect();
+        let named: Vec<AddedToken> = [self.bos, self.eos, self.unk, self.pad]
+            .into_iter()
+            .flatten()
+            .map(|i| special(&tokens[i as usize]))
+            .collect();
         tok.add_special_tokens(&named);
     }
 
@@ -252,11 +273,7 @@ impl GgufVocab {
         let (bos, eos) = (name(self.bos), name(self.eos));
         let opt = |add: bool, text: String| if add { text } else { String::new() };
         let single = format!("{}$A:0{}", opt(add_bos, format!("{bos}:0 ")), opt(add_eos, format!(" {eos}:0")));
-        let pair = format!(
-            "{single}{} $B:1{}",
-            opt(add_bos, format!(" {bos}:1")),
-            opt(add_eos, format!(" {eos}:1"))
-        );
+        let pair = format!("{single}{} $B:1{}", opt(add_bos, format!(" {bos}:1")), opt(add_eos, format!(" {eos}:1")));
         let mut specials = vec![];
         if add_bos {
             specials.push((bos.clone(), self.bos.unwrap_or(0)));
