@@ -54,7 +54,7 @@ impl SepTokens {
                 None => names.iter().find_map(|n| tok.token_to_id(n)).ok_or_else(|| match own_separator(tok) {
                     Some(sep) if what == "BOS" => anyhow!(
                         "the tokenizer has no BOS token (none of {names:?}); its document separator is {sep:?}\nhint: \
-                         pass --separator eos --eos-token {sep:?} (documents end with {sep:?}, as the model was trained)"
+                         pass --separator eos --eos-token {sep:?} (each document then ends with {sep:?})"
                     ),
                     _ => anyhow!(
                         "the tokenizer has none of the usual {what} tokens {names:?}\nhint: pass {flag} NAME, or \
