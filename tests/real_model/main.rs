@@ -4,7 +4,7 @@
 //! one-GPU recipe on the CPU.
 //!
 //! Not part of `cargo test` (`test = false` in Cargo.toml: it needs the 93 MB download and minutes of CPU);
-//! .ci/run fetches the model and runs it: `cargo test --release --test real_model`. The GGUF comes from
+//! .ci/run fetches the model and runs it: `cargo test --test real_model`. The GGUF comes from
 //! `$HARPE_SMOLLM2_GGUF`, else `target/smollm2/` where `scripts/fetch-smollm2.sh target/smollm2` puts it;
 //! without it a test says so and passes, except under CI (`HARPE_CI`), where that is a failure.
 #[macro_use]
