@@ -89,6 +89,8 @@ enum Cmd {
     Verify(harpe::tools::verify::VerifyArgs),
     /// A plain HF model plus one optimizer state file from a sharded (multi-rank) checkpoint
     Consolidate(harpe::train::checkpoint::consolidate::ConsolidateArgs),
+    /// An HF model directory (config, safetensors, tokenizer.json) from a llama.cpp GGUF file
+    Convert(harpe::tools::convert::ConvertArgs),
     /// Per-GPU memory by term, step time and tokens/s of a run before it starts; whether it fits
     Plan(harpe::tools::plan::PlanArgs),
     /// Train and evaluate many runs (arms x grid x seeds) as one resumable sweep, in parallel processes
@@ -122,6 +124,7 @@ fn main() {
         Cmd::Inspect(a) => harpe::model::inspect::run(a),
         Cmd::Verify(a) => harpe::tools::verify::run(a),
         Cmd::Consolidate(a) => harpe::train::checkpoint::consolidate::run(a),
+        Cmd::Convert(a) => harpe::tools::convert::run(a),
         Cmd::Plan(a) => harpe::tools::plan::run(a),
         Cmd::Sweep(a) => harpe::research::sweep::run(a),
         Cmd::Report(a) => harpe::research::report::run(a),

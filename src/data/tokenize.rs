@@ -51,11 +51,15 @@ impl SepTokens {
                 Some(n) => tok.token_to_id(n).ok_or_else(|| {
                     anyhow!("the tokenizer has no token {n:?} (given as {flag})\nhint: check the spelling in tokenizer.json")
                 }),
-                None => names.iter().find_map(|n| tok.token_to_id(n)).ok_or_else(|| {
-                    anyhow!(
+                None => names.iter().find_map(|n| tok.token_to_id(n)).ok_or_else(|| match own_separator(tok) {
+                    Some(sep) if what == "BOS" => anyhow!(
+                        "the tokenizer has no BOS token (none of {names:?}); its document separator is {sep:?}\nhint: \
+                         pass --separator eos --eos-token {sep:?} (each document then ends with {sep:?})"
+                    ),
+                    _ => anyhow!(
                         "the tokenizer has none of the usual {what} tokens {names:?}\nhint: pass {flag} NAME, or \
                          --separator none"
-                    )
+                    ),
                 }),
             }
         };
@@ -82,6 +86,65 @@ impl SepTokens {
         out.extend_from_slice(piece);
         out.extend(self.eos);
     }
+}
+
+/// Whether a prompt the model is asked to continue starts with BOS (eval-niah's `--bos`, `[eval] passkey_bos`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptBos {
+    /// the tokenizer's own encoding (`add_special_tokens = true`): BOS only where its post-processor adds
+    /// one, as RULER's HF runner tokenizes (Llama-2: BOS; SmolLM2, GPT-2: none)
+    #[default]
+    Auto,
+    /// the model's `bos_token_id`, then the text without special tokens (harpe's rule before RULER's)
+    Always,
+    /// the text without special tokens
+    Never,
+}
+
+impl PromptBos {
+    /// True for the default (a config omits it).
+    pub fn is_auto(&self) -> bool {
+        *self == PromptBos::Auto
+    }
+
+    /// The ids the model sees for `text` under this rule; `bos` is the model's `bos_token_id`.
+    pub fn encode(self, tok: &Tokenizer, text: &str, bos: Option<u32>) -> Result<Vec<u32>> {
+        let special = self == PromptBos::Auto;
+        let enc = tok.encode_fast(text, special).map_err(|e| anyhow!("tokenizer failed on a prompt: {e}"))?;
+        let ids = enc.get_ids();
+        match self {
+            PromptBos::Always => {
+                let Some(b) = bos else {
+                    bail!("--bos always: the model's config.json has no bos_token_id\nhint: use --bos auto (the tokenizer's own rule)");
+                };
+                Ok(std::iter::once(b).chain(ids.iter().copied()).collect())
+            }
+            PromptBos::Auto | PromptBos::Never => Ok(ids.to_vec()),
+        }
+    }
+
+    /// Whether every prompt encoded under this rule starts with `bos` (the model's BOS id).
+    pub fn starts_with_bos(self, tok: &Tokenizer, bos: Option<u32>) -> Result<bool> {
+        Ok(bos.is_some() && self.encode(tok, "", bos)?.first().copied() == bos)
+    }
+}
+
+/// The tokenizer's own end-of-document token: the first of the usual EOS spellings it has, else a
+/// special token whose name says "end of text" (`<|endoftext|>`, `<|end_of_text|>`), for the hint of a
+/// tokenizer without BOS.
+fn own_separator(tok: &Tokenizer) -> Option<String> {
+    if let Some(n) = EOS_NAMES.iter().find(|n| tok.token_to_id(n).is_some()) {
+        return Some(n.to_string());
+    }
+    let mut specials: Vec<String> = tok
+        .get_added_tokens_decoder()
+        .values()
+        .filter(|t| t.special && t.content.replace('_', "").to_lowercase().contains("endoftext"))
+        .map(|t| t.content.clone())
+        .collect();
+    specials.sort();
+    specials.into_iter().next()
 }
 
 /// Load a `tokenizer.json` (a file, or a directory holding one): the one tokenizer loader.

@@ -6,11 +6,13 @@
 //! NTK rebuilds frequencies per call from the current length, as HF does, so cached keys of a dynamic
 //! model keep the base they were written with (HF behaves the same). `harpe generate` runs it on token
 //! ids and times it (the decode benchmark against transformers' `generate`). Not done here: sampling, beams.
+use crate::data::tokenize::PromptBos;
 use crate::eval::ppl::ScoringModel;
 use crate::model::llama::{KvCache, Llama, Tokens};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor, D};
 use std::time::Instant;
+use tokenizers::Tokenizer;
 
 /// `harpe generate`: greedy continuation of token ids under a model directory, timed.
 #[derive(clap::Args, Debug)]
@@ -110,4 +112,25 @@ pub fn greedy_generate_until(
         h = model.forward(&x, Tokens::Cached(&mut cache))?;
     }
     Ok(out)
+}
+
+/// The prediction rule of base-model evaluation: the prompt encoded under `bos` (`PromptBos::Auto`: the
+/// tokenizer's own special tokens, as RULER's HF runner), greedy, stop at EOS (dropped), the new tokens
+/// decoded with special tokens skipped. Shared by `eval-niah` and the passkey check during training.
+pub fn predict_text(
+    model: &Llama,
+    tok: &Tokenizer,
+    prompt: &str,
+    max_new_tokens: usize,
+    prefill_chunk: usize,
+    bos: PromptBos,
+) -> Result<String> {
+    let eos = &model.cfg.eos_token_id;
+    let ids = bos.encode(tok, prompt, model.cfg.bos_token_id)?;
+    let opts = GenerateOptions { max_new_tokens, stop_tokens: eos.clone(), prefill_chunk: prefill_chunk.max(1) };
+    let mut new = greedy_generate(model, &ids, &opts)?;
+    if new.last().is_some_and(|t| eos.contains(t)) {
+        new.pop();
+    }
+    tok.decode(&new, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the generation: {e}"))
 }

@@ -12,8 +12,9 @@
 //! recall, at most 11/12) and a clean exact-phrase score are reported.
 //! Not here: ROUGE (F's stored JSON score), the LLM judge of G.
 
-use crate::eval::niah::{count_tokens, Essays};
+use crate::eval::niah::Essays;
 use crate::eval::niah_io::Record;
+use crate::eval::niah_sizing::count_tokens;
 use anyhow::{bail, Result};
 use std::collections::HashSet;
 use tokenizers::Tokenizer;

@@ -5,21 +5,18 @@
 //! generation consumes a CPython-compatible MT19937 in RULER's call order, so all eight tasks are
 //! bit-exact given the same token counts (and, for the essay tasks, the same essay text).
 //!
-//! The non-obvious decisions: the 6.2M-word key list `sorted(set(adj-noun))` is never materialised,
-//! an index is mapped to its word through blocks of adjectives (only the few adjectives that are
-//! prefixes of others need an explicit sorted block); essays are split into sentences by a port of
-//! NLTK's Punkt with its English model (`punkt.rs`), as RULER's `sent_tokenize`, and needle positions
-//! use RULER's float arithmetic `int(len(sents) * (depth / 100))`, so the essay tasks are bit-exact too
-//! (`tests/data/niah_essay_golden.json`); an essay haystack too short for a length is an error instead
-//! of RULER's silent cap (R-Dec24) or tiling (R-HEAD).
-//! Not here: running the model (see `niah_run.rs`), the needle grid (`needle_grid.rs`), passkey (`passkey.rs`).
+//! The non-obvious decisions: essays are split into sentences by a port of NLTK's Punkt with its
+//! English model (`punkt.rs`), as RULER's `sent_tokenize`, and needle positions use RULER's float
+//! arithmetic `int(len(sents) * (depth / 100))`, so the essay tasks are bit-exact too
+//! (`tests/data/niah_essay_golden.json`).
+//! Not here: the word keys (`niah_words.rs`), sizing a haystack to a length (`niah_sizing.rs`), running
+//! the model (`niah_run.rs`), the needle grid (`needle_grid.rs`), passkey (`passkey.rs`).
 
+use crate::eval::niah_words::WordList;
 use crate::eval::punkt::Punkt;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use tokenizers::Tokenizer;
 
 /// RULER's token budget for the answer (`tokens_to_generate` of the `niah` base task).
 pub const NIAH_TOKENS_TO_GENERATE: usize = 128;
@@ -41,92 +38,6 @@ pub const DEPTHS: [u32; 40] = [
 
 /// RULER's default `SEQ_LENGTHS`, ascending.
 pub const DEFAULT_LENGTHS: [usize; 6] = [4096, 8192, 16384, 32768, 65536, 131072];
-
-// ------------------------------------------------------------------------------------------------
-// Word keys (wonderwords 2.2.0)
-
-const ADJECTIVES: &str = include_str!("words/adjectivelist.txt");
-const NOUNS: &str = include_str!("words/nounlist.txt");
-
-enum WordBlock {
-    /// An adjective that is no prefix of another: its words are `adj-noun` in noun order.
-    Plain(&'static str),
-    /// Adjectives sharing a root prefix (`high`, `high-pitched`, `highfalutin`): sorted explicitly.
-    Family(Vec<String>),
-}
-
-/// `sorted(set(f"{adj}-{noun}"))` over the embedded wonderwords lists, indexed without materialising.
-pub struct WordList {
-    nouns: Vec<&'static str>,
-    blocks: Vec<WordBlock>,
-    /// Start index of each block in the sorted list; `starts[blocks.len()]` is the total.
-    starts: Vec<usize>,
-}
-
-impl WordList {
-    /// The process-wide list built from the embedded files.
-    pub fn get() -> &'static WordList {
-        static WORDS: OnceLock<WordList> = OnceLock::new();
-        WORDS.get_or_init(|| WordList::build(ADJECTIVES, NOUNS))
-    }
-
-    fn build(adj_text: &'static str, noun_text: &'static str) -> WordList {
-        let mut adjs: Vec<&str> = adj_text.lines().map(str::trim_end).collect();
-        let mut nouns: Vec<&str> = noun_text.lines().map(str::trim_end).collect();
-        adjs.sort_unstable();
-        adjs.dedup();
-        nouns.sort_unstable();
-        nouns.dedup();
-        let mut blocks = Vec::new();
-        let mut starts = vec![0];
-        let mut i = 0;
-        while i < adjs.len() {
-            let root = adjs[i];
-            let mut j = i + 1;
-            // Sorted order keeps every adjective that starts with `root` right after it.
-            while j < adjs.len() && adjs[j].starts_with(root) {
-                j += 1;
-            }
-            let block = if j == i + 1 {
-                WordBlock::Plain(root)
-            } else {
-                let mut words: Vec<String> =
-                    adjs[i..j].iter().flat_map(|a| nouns.iter().map(move |n| format!("{a}-{n}"))).collect();
-                words.sort_unstable();
-                words.dedup();
-                WordBlock::Family(words)
-            };
-            let len = match &block {
-                WordBlock::Plain(_) => nouns.len(),
-                WordBlock::Family(w) => w.len(),
-            };
-            starts.push(starts[starts.len() - 1] + len);
-            blocks.push(block);
-            i = j;
-        }
-        WordList { nouns, blocks, starts }
-    }
-
-    /// Number of distinct words (6,175,260 for wonderwords 2.2.0).
-    pub fn len(&self) -> usize {
-        self.starts[self.blocks.len()]
-    }
-
-    /// Always false (the embedded lists are not empty); present for clippy's `len_without_is_empty`.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The `i`-th word of the sorted list.
-    pub fn word(&self, i: usize) -> String {
-        let b = self.starts.partition_point(|&s| s <= i) - 1;
-        let off = i - self.starts[b];
-        match &self.blocks[b] {
-            WordBlock::Plain(adj) => format!("{adj}-{}", self.nouns[off]),
-            WordBlock::Family(words) => words[off].clone(),
-        }
-    }
-}
 
 // ------------------------------------------------------------------------------------------------
 // Tasks
@@ -436,6 +347,11 @@ impl<'a> NiahGenerator<'a> {
         self.spec.haystack
     }
 
+    /// Where the essays came from (empty without essays), for messages.
+    pub fn essays_origin(&self) -> &str {
+        self.essays.map_or("", |e| e.origin.as_str())
+    }
+
     fn needle(&self, key: &str, value: &str) -> String {
         format_named(NEEDLE, &[("type_needle_v", self.spec.value.plural()), ("key", key), ("value", value)])
     }
@@ -518,169 +434,6 @@ impl<'a> NiahGenerator<'a> {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Sizing
-
-/// How the haystack size is searched for a target length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Sizing {
-    /// RULER since 2025-06 (R-HEAD): binary search, about log2(T) trial prompts.
-    Binary,
-    /// RULER R-Dec24 (the code HARPE could have used): linear search in increments; slow at 128K.
-    Linear,
-}
-
-/// Token count without BOS/EOS (RULER's `text_to_tokens`).
-pub fn count_tokens(tok: &Tokenizer, text: &str) -> Result<usize> {
-    let enc = tok
-        .encode_fast(text, false)
-        .map_err(|e| anyhow::anyhow!("tokenizer failed on a {}-byte prompt: {e}", text.len()))?;
-    Ok(enc.len())
-}
-
-/// A sized sample as RULER writes it.
-#[derive(Clone, Debug)]
-pub struct SizedSample {
-    /// The prompt (answer prefix included).
-    pub input: String,
-    /// Gold answers.
-    pub outputs: Vec<String>,
-    /// `tok(input) + tokens_to_generate`.
-    pub length: usize,
-    /// Needle depths in percent.
-    pub depths: Vec<f64>,
-}
-
-/// `generate_samples`: size the haystack to `max_len` and make `num_samples` samples.
-pub fn generate_samples(
-    generator: &mut NiahGenerator,
-    tok: &Tokenizer,
-    max_len: usize,
-    num_samples: usize,
-    sizing: Sizing,
-    task_name: &str,
-) -> Result<Vec<SizedSample>> {
-    let inc = match generator.haystack() {
-        HaystackKind::Essay => 500,
-        _ if max_len < 4096 => 5,
-        _ => 25,
-    };
-    let n = match sizing {
-        Sizing::Binary => size_binary(generator, tok, max_len, inc)?,
-        Sizing::Linear => size_linear(generator, tok, max_len, inc)?,
-    };
-    let n = cap_to_essays(generator, tok, max_len, n)?;
-    let mut out = Vec::with_capacity(num_samples);
-    for _ in 0..num_samples {
-        out.push(fitted_sample(generator, tok, max_len, n, inc, task_name)?);
-    }
-    Ok(out)
-}
-
-/// RULER R-HEAD's sizing: binary search for the largest haystack whose prompt fits `max_len`.
-fn size_binary(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, inc: usize) -> Result<usize> {
-    let g = NIAH_TOKENS_TO_GENERATE;
-    let limit = generator.haystack_limit();
-    let probe = generator.generate(limit.map_or(inc, |l| inc.min(l)));
-    let est = count_tokens(tok, &probe.input)? as f64 / inc as f64;
-    let mut lo = inc;
-    let mut hi = ((max_len as f64 / est * 3.0) as usize).max(2 * inc);
-    if let Some(l) = limit {
-        hi = hi.min(l);
-    }
-    let mut best = None;
-    while lo <= hi {
-        let mid = (lo + hi) / 2;
-        let s = generator.generate(mid);
-        if count_tokens(tok, &s.input)? + g <= max_len {
-            best = Some(mid);
-            lo = mid + 1;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    Ok(best.unwrap_or(inc))
-}
-
-/// RULER R-Dec24's sizing: grow the haystack by `inc` until prompt and answers pass `max_len`.
-fn size_linear(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, inc: usize) -> Result<usize> {
-    let g = NIAH_TOKENS_TO_GENERATE;
-    let limit = generator.haystack_limit();
-    let cap = |n: usize| limit.map_or(n, |l| n.min(l));
-    let mut n = inc;
-    let mut total = 0;
-    while total + g < max_len {
-        let s = generator.generate(cap(n));
-        total = count_tokens(tok, &format!("{} {}", s.input, s.answers.join(" ")))?;
-        if total + g > max_len {
-            n -= inc;
-            break;
-        }
-        if limit.is_some_and(|l| n > l) {
-            n = cap(n);
-            break;
-        }
-        n += inc;
-    }
-    Ok(n.max(inc))
-}
-
-/// A haystack size at or past the essays' word count becomes that count, or an error when the whole
-/// corpus is still shorter than `max_len`.
-fn cap_to_essays(generator: &mut NiahGenerator, tok: &Tokenizer, max_len: usize, n: usize) -> Result<usize> {
-    let g = NIAH_TOKENS_TO_GENERATE;
-    let Some(l) = generator.haystack_limit() else { return Ok(n) };
-    if n < l {
-        return Ok(n);
-    }
-    let probe = generator.generate(l);
-    let have = count_tokens(tok, &probe.input)?;
-    if have + g < max_len {
-        let per_word = have as f64 / l as f64;
-        let need = ((max_len - g) as f64 / per_word).ceil() as usize;
-        bail!(
-            "the essay haystack {} is too short for length {max_len}: it has {l} words (a prompt of {have} \
-             tokens), and {max_len} tokens need about {need} words\nhint: pass a longer --essays corpus, or \
-             drop lengths above {}",
-            generator.essays.map_or("", |e| e.origin.as_str()),
-            have + g
-        );
-    }
-    Ok(l)
-}
-
-/// One sample of haystack size `n`, shrunk by `inc` until its prompt fits `max_len` (as RULER does).
-fn fitted_sample(
-    generator: &mut NiahGenerator,
-    tok: &Tokenizer,
-    max_len: usize,
-    n: usize,
-    inc: usize,
-    task_name: &str,
-) -> Result<SizedSample> {
-    let g = NIAH_TOKENS_TO_GENERATE;
-    let mut used = n;
-    let mut tries_at_floor = 0;
-    loop {
-        let s = generator.generate(used);
-        let length = count_tokens(tok, &s.input)? + g;
-        if length <= max_len {
-            return Ok(SizedSample { input: s.input, outputs: s.answers, length, depths: s.depths });
-        }
-        if used > inc {
-            used -= inc;
-        } else {
-            // RULER retries forever at the smallest step; new keys can change the length a little.
-            tries_at_floor += 1;
-            if tries_at_floor > 20 {
-                bail!(
-                    "length {max_len} is too short for task {task_name}: a haystack of {used} units (the smallest \
-                     RULER step) already gives a prompt over {max_len} - {g} tokens\nhint: use a larger --lengths value"
-                );
-            }
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------------------------
 // Scoring
 

@@ -1,5 +1,5 @@
 //! `harpe eval-niah`: build the RULER / passkey / needle-grid prompts, run the model on them, score,
-//! and write RULER-compatible predictions, `results.json`, `summary.csv` and heatmaps.
+//! and write RULER-compatible predictions (the reports: `niah_report.rs`).
 //!
 //! Reference: `NVIDIA/RULER:scripts/run.sh` (directory layout).
 //!
@@ -7,13 +7,18 @@
 //! loop runs and resumes them all; a prediction is reused on a re-run only when the prompt hash
 //! stored beside it matches the prompt of today (changed settings recompute, never mix); prepared
 //! data are cached per cell under a settings key, because sizing a 128K haystack costs minutes of
-//! tokenization. Running the model is one closure (`predict(prompt, max_new_tokens) -> text`).
-//! Not here: the generators (`niah.rs`, `passkey.rs`, `needle_grid.rs`), decoding (`generate.rs`).
+//! tokenization. Running the model is one closure (`predict(prompt, max_new_tokens) -> text`); the model
+//! sees each prompt as the tokenizer encodes it with its own special tokens (`--bos auto`, RULER's HF
+//! rule), and the stored hash records whether a BOS came first, so predictions under another rule are
+//! recomputed (`PromptKey`).
+//! Not here: the generators (`niah.rs`, `passkey.rs`, `needle_grid.rs`), decoding and the prompt's
+//! encoding (`generate::predict_text`), the reports (`niah_report.rs`).
 
-use crate::eval::heatmap::{self, Heatmap};
 use crate::eval::needle_grid;
-use crate::eval::niah::{self, Essays, Metric, NiahGenerator, NiahTask, Sizing};
+use crate::eval::niah::{self, Essays, Metric, NiahGenerator, NiahTask};
 use crate::eval::niah_io::{self, Record};
+use crate::eval::niah_report;
+use crate::eval::niah_sizing::{self, Sizing};
 use crate::eval::passkey;
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -227,7 +232,7 @@ fn generate_records(
     Ok(match task {
         TaskSel::Niah(t) => {
             let mut g = NiahGenerator::new(t, opts.seed, essays)?;
-            niah::generate_samples(&mut g, tok, length, opts.samples, opts.sizing, task.name())?
+            niah_sizing::generate_samples(&mut g, tok, length, opts.samples, opts.sizing, task.name())?
                 .into_iter()
                 .enumerate()
                 .map(|(i, s)| Record {
@@ -317,10 +322,11 @@ pub struct CellResult {
 /// as it goes), then score all cells.
 pub fn run_cells(cells: &[Cell], out: &Path, predict: &mut Predictor) -> Result<Vec<CellResult>> {
     // Pass 1: what is already done (and still matches today's prompt).
+    let key = predict.key;
     let mut done: Vec<BTreeMap<usize, String>> = Vec::with_capacity(cells.len());
     let mut todo = 0usize;
     for cell in cells {
-        let valid = valid_predictions(cell, out)?;
+        let valid = valid_predictions(cell, out, key)?;
         todo += cell.records.len() - valid.len();
         done.push(valid);
     }
@@ -344,18 +350,18 @@ pub fn run_cells(cells: &[Cell], out: &Path, predict: &mut Predictor) -> Result<
     }
     bar.finish_and_clear();
     // Pass 3: score.
-    Ok(cells.iter().zip(&done).map(|(cell, valid)| score_cell(cell, valid)).collect())
+    Ok(cells.iter().zip(&done).map(|(cell, valid)| score_cell(cell, valid, key)).collect())
 }
 
 /// A cell's stored predictions whose prompt hash matches today's prompt, by line; the prediction file is
 /// rewritten to hold only those when it held stale or foreign lines.
-fn valid_predictions(cell: &Cell, out: &Path) -> Result<BTreeMap<usize, String>> {
+fn valid_predictions(cell: &Cell, out: &Path, key: PromptKey) -> Result<BTreeMap<usize, String>> {
     let path = pred_path(out, cell.length, &cell.task);
     let existing = niah_io::read_pred_file(&path)?;
     let mut valid = BTreeMap::new();
     for r in &cell.records {
         if let Some(p) = existing.get(&r.line) {
-            let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+            let sha = key.sha256(&r.prompt());
             if p.prompt_sha256.as_deref().is_none_or(|h| h == sha) {
                 valid.insert(r.line, p.pred.clone());
             }
@@ -365,7 +371,7 @@ fn valid_predictions(cell: &Cell, out: &Path) -> Result<BTreeMap<usize, String>>
     if valid.len() != existing.len() {
         let mut s = String::new();
         for r in cell.records.iter().filter(|r| valid.contains_key(&r.line)) {
-            let sha = crate::util::sha256_hex(r.prompt().as_bytes());
+            let sha = key.sha256(&r.prompt());
             s.push_str(&niah_io::pred_line(r, &valid[&r.line], &sha));
             s.push('\n');
         }
@@ -397,9 +403,9 @@ fn predict_missing(
     let missing: Vec<&Record> = cell.records.iter().filter(|r| !valid.contains_key(&r.line)).collect();
     for r in missing {
         let prompt = r.prompt();
-        let pred = predict(&prompt, cell.max_new_tokens)
+        let pred = (predict.predict)(&prompt, cell.max_new_tokens)
             .with_context(|| format!("generation failed on {} @ {} line {}", cell.task, cell.length, r.line + 1))?;
-        let sha = crate::util::sha256_hex(prompt.as_bytes());
+        let sha = predict.key.sha256(&prompt);
         writeln!(f, "{}", niah_io::pred_line(r, &pred, &sha))
             .and_then(|_| f.flush())
             .with_context(|| format!("cannot write {}\nhint: is the disk full?", path.display()))?;
@@ -410,7 +416,7 @@ fn predict_missing(
 }
 
 /// Score a cell's predictions (a missing one scores as empty).
-fn score_cell(cell: &Cell, valid: &BTreeMap<usize, String>) -> CellResult {
+fn score_cell(cell: &Cell, valid: &BTreeMap<usize, String>, key: PromptKey) -> CellResult {
     let mut samples = Vec::with_capacity(cell.records.len());
     for r in &cell.records {
         let pred = valid.get(&r.line).cloned().unwrap_or_default();
@@ -418,7 +424,7 @@ fn score_cell(cell: &Cell, valid: &BTreeMap<usize, String>) -> CellResult {
             line: r.line,
             index: r.index,
             depth: r.depth,
-            prompt_sha256: crate::util::sha256_hex(r.prompt().as_bytes()),
+            prompt_sha256: key.sha256(&r.prompt()),
             score: cell.scorer.score(&pred, &r.outputs),
             exact: (cell.scorer == Scorer::NeedleGrid).then(|| needle_grid::exact_phrase(&pred)),
             outputs: r.outputs.clone(),
@@ -434,199 +440,6 @@ fn score_cell(cell: &Cell, valid: &BTreeMap<usize, String>) -> CellResult {
         nulls: niah::count_nulls(&preds),
         samples,
     }
-}
-
-fn is_ruler_task(task: &str) -> bool {
-    task != PASSKEY && task != NEEDLE_GRID
-}
-
-/// The overall `summary.csv`: one row per task, one column per length, then the mean; plus a
-/// `niah_average` row (unweighted mean of the NIAH tasks at each length, as HARPE's table).
-pub fn summary_csv(results: &[CellResult]) -> String {
-    let lengths: BTreeSet<usize> = results.iter().map(|r| r.length).collect();
-    let mut tasks: Vec<&str> = Vec::new();
-    for r in results {
-        if !tasks.contains(&r.task.as_str()) {
-            tasks.push(&r.task);
-        }
-    }
-    let get = |t: &str, l: usize| results.iter().find(|r| r.task == t && r.length == l).map(|r| r.score);
-    let mut s = format!("task,{},mean\n", lengths.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
-    let mut row = |name: &str, vals: Vec<Option<f64>>| {
-        let present: Vec<f64> = vals.iter().flatten().copied().collect();
-        let mean = if present.is_empty() {
-            String::new()
-        } else {
-            format!("{:.2}", present.iter().sum::<f64>() / present.len() as f64)
-        };
-        let cols: Vec<String> = vals.iter().map(|v| v.map_or(String::new(), |x| format!("{x:.2}"))).collect();
-        s.push_str(&format!("{name},{},{mean}\n", cols.join(",")));
-    };
-    for t in &tasks {
-        row(t, lengths.iter().map(|&l| get(t, l)).collect());
-    }
-    let niah: Vec<&str> = tasks.iter().copied().filter(|t| t.starts_with("niah_")).collect();
-    if niah.len() > 1 {
-        let avg = lengths
-            .iter()
-            .map(|&l| {
-                let v: Vec<f64> = niah.iter().filter_map(|t| get(t, l)).collect();
-                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-            })
-            .collect();
-        row("niah_average", avg);
-    }
-    s
-}
-
-/// Write `results.json`, `summary.csv`, RULER's per-length `pred/summary.csv` and the heatmaps.
-/// Returns the paths written.
-pub fn write_reports(results: &[CellResult], out: &Path, model_name: &str) -> Result<Vec<PathBuf>> {
-    let mut written = Vec::new();
-    let results_path = out.join("results.json");
-    let json = serde_json::json!({
-        "format": "harpe-eval-niah-v1",
-        "model": model_name,
-        "cells": results,
-    });
-    let text = serde_json::to_string_pretty(&json).context("cannot serialise results")?;
-    crate::util::write_atomic(&results_path, text.as_bytes())?;
-    written.push(results_path);
-    let summary = out.join("summary.csv");
-    crate::util::write_atomic(&summary, summary_csv(results).as_bytes())?;
-    written.push(summary);
-    written.extend(write_ruler_summaries(results, out)?);
-    written.extend(write_ruler_heatmap(results, out, model_name)?);
-    for (task, title, file) in [
-        (
-            NEEDLE_GRID,
-            format!("Pressure Testing {model_name}\nFact Retrieval Across Context Lengths (\"Needle In A HayStack\")"),
-            "needle_grid.png",
-        ),
-        (PASSKEY, format!("Passkey retrieval: {model_name}"), "passkey.png"),
-    ] {
-        let cells: Vec<&CellResult> = results.iter().filter(|r| r.task == task).collect();
-        if cells.is_empty() {
-            continue;
-        }
-        let p = out.join(file);
-        draw_depth_heatmap(&cells, title, &p)?;
-        written.push(p);
-    }
-    Ok(written)
-}
-
-/// RULER's own summary per length (RULER tasks only), beside the predictions; the paths written.
-fn write_ruler_summaries(results: &[CellResult], out: &Path) -> Result<Vec<PathBuf>> {
-    let mut written = Vec::new();
-    let lengths: BTreeSet<usize> = results.iter().map(|r| r.length).collect();
-    for &l in &lengths {
-        let rows: Vec<(String, f64, usize, usize)> = results
-            .iter()
-            .filter(|r| r.length == l && is_ruler_task(&r.task))
-            .map(|r| (r.task.clone(), r.score, r.nulls, r.samples.len()))
-            .collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let name = if rows.len() > 1 { "summary.csv".to_string() } else { format!("summary-{}.csv", rows[0].0) };
-        let p = out.join(l.to_string()).join("pred").join(name);
-        crate::util::write_atomic(&p, niah_io::ruler_summary_csv(&rows).as_bytes())?;
-        written.push(p);
-    }
-    Ok(written)
-}
-
-/// `ruler_heatmap.png`: RULER task x length scores, when there are RULER cells; the path written.
-fn write_ruler_heatmap(results: &[CellResult], out: &Path, model_name: &str) -> Result<Option<PathBuf>> {
-    let ruler: Vec<&CellResult> = results.iter().filter(|r| is_ruler_task(&r.task)).collect();
-    if ruler.is_empty() {
-        return Ok(None);
-    }
-    let lens: Vec<usize> = ruler.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
-    let mut tasks: Vec<&str> = Vec::new();
-    for r in &ruler {
-        if !tasks.contains(&r.task.as_str()) {
-            tasks.push(&r.task);
-        }
-    }
-    let values = tasks
-        .iter()
-        .map(|t| {
-            lens.iter()
-                .map(|&l| ruler.iter().find(|r| r.task == *t && r.length == l).map(|r| r.score / 100.0))
-                .collect()
-        })
-        .collect();
-    let p = out.join("ruler_heatmap.png");
-    heatmap::draw(
-        &Heatmap {
-            title: format!("RULER needle tasks: {model_name}"),
-            x_label: "Token Limit".into(),
-            y_label: "Task".into(),
-            x_ticks: lens.iter().map(usize::to_string).collect(),
-            y_ticks: tasks.iter().map(|t| t.to_string()).collect(),
-            values,
-            marker_col: None,
-        },
-        &p,
-    )?;
-    Ok(Some(p))
-}
-
-/// A depth x length heatmap of one suite's cells (needle grid, passkey): the mean score per depth and length.
-fn draw_depth_heatmap(cells: &[&CellResult], title: String, p: &Path) -> Result<()> {
-    let lens: Vec<usize> = cells.iter().map(|r| r.length).collect::<BTreeSet<_>>().into_iter().collect();
-    let mut depths: Vec<f64> = cells.iter().flat_map(|c| c.samples.iter().filter_map(|s| s.depth)).collect();
-    depths.sort_by(f64::total_cmp);
-    depths.dedup();
-    let values = depths
-        .iter()
-        .map(|&d| {
-            lens.iter()
-                .map(|&l| {
-                    let v: Vec<f64> = cells
-                        .iter()
-                        .filter(|c| c.length == l)
-                        .flat_map(|c| c.samples.iter().filter(|s| s.depth == Some(d)).map(|s| s.score))
-                        .collect();
-                    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-                })
-                .collect()
-        })
-        .collect();
-    heatmap::draw(
-        &Heatmap {
-            title,
-            x_label: "Token Limit".into(),
-            y_label: "Depth Percent".into(),
-            x_ticks: lens.iter().map(usize::to_string).collect(),
-            y_ticks: depths.iter().map(|d| format!("{d:.0}")).collect(),
-            values,
-            marker_col: None,
-        },
-        p,
-    )
-}
-
-/// A plain-text table of the summary for the terminal.
-pub fn summary_table(results: &[CellResult]) -> String {
-    let csv = summary_csv(results);
-    let rows: Vec<Vec<&str>> = csv.lines().map(|l| l.split(',').collect()).collect();
-    let ncol = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> =
-        (0..ncol).map(|c| rows.iter().map(|r| r.get(c).map_or(0, |x| x.len())).max().unwrap_or(0)).collect();
-    let mut s = String::new();
-    for r in &rows {
-        let cols: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(c, x)| if c == 0 { format!("{x:<w$}", w = widths[c]) } else { format!("{x:>w$}", w = widths[c]) })
-            .collect();
-        s.push_str(cols.join("  ").trim_end());
-        s.push('\n');
-    }
-    s
 }
 
 /// Evaluate long-context retrieval: RULER's 8 needle tasks, passkey, the needle grid.
@@ -697,14 +510,46 @@ pub struct EvalNiahArgs {
     /// head dim 64/128) [default: candle-flash where built and the model fits it, else harpe]
     #[arg(long, value_enum)]
     pub attention: Option<crate::model::attention::AttentionChoice>,
+    /// BOS before each prompt: auto = the tokenizer's own encoding (BOS only where its post-processor adds
+    /// one, RULER's rule), always = the model's bos_token_id first, never = none
+    #[arg(long, value_enum, default_value = "auto")]
+    pub bos: crate::data::tokenize::PromptBos,
 }
 
 /// `predict(prompt, max_new_tokens) -> generated text`.
-pub type Predictor = dyn FnMut(&str, usize) -> Result<String>;
+pub type PredictFn = dyn FnMut(&str, usize) -> Result<String>;
 
-/// Load the model and return the `predict` closure: BOS + prompt, greedy, stop at EOS (dropped),
-/// decode the new tokens with special tokens skipped.
-fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Box<Predictor>> {
+/// The model's `PredictFn`, and under which key its predictions are stored.
+pub struct Predictor {
+    /// run the model on a prompt
+    pub predict: Box<PredictFn>,
+    /// whether the model is shown BOS before every prompt (see `PromptKey`)
+    pub key: PromptKey,
+}
+
+/// What a stored prediction's `prompt_sha256` hashes: the prompt text when the model saw BOS first (the
+/// one rule harpe had before `--bos`, so those predictions stay valid), the text and a marker otherwise, so
+/// that a prediction made under another BOS rule is recomputed, never mixed in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptKey {
+    /// the model sees BOS before the prompt
+    pub bos_first: bool,
+}
+
+impl PromptKey {
+    /// The hash stored beside a prediction of `prompt`.
+    pub fn sha256(self, prompt: &str) -> String {
+        if self.bos_first {
+            crate::util::sha256_hex(prompt.as_bytes())
+        } else {
+            crate::util::sha256_hex(format!("{prompt}\u{0}no BOS").as_bytes())
+        }
+    }
+}
+
+/// Load the model and return its predictor: the prompt encoded under `--bos`, greedy, stop at EOS
+/// (dropped), the new tokens decoded with special tokens skipped (`generate::predict_text`).
+fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: usize) -> Result<Predictor> {
     let device = args.device.open("--device")?;
     let model = crate::model::load_model_dir(dir, args.dtype.dtype(), &device)?.with_inference_layout()?;
     let attention = crate::model::attention::AttentionImpl::for_eval(
@@ -726,32 +571,12 @@ fn model_predictor(dir: &Path, tok: Tokenizer, args: &EvalNiahArgs, max_length: 
         eprintln!("warning: {msg}; running anyway (--force)");
     }
     let chunk = args.prefill_chunk.max(1);
-    Ok(Box::new(move |prompt: &str, max_new_tokens: usize| predict_text(&model, &tok, prompt, max_new_tokens, chunk)))
-}
-
-/// The prediction rule of base-model evaluation: BOS + prompt, greedy, stop at EOS (dropped), decode the
-/// new tokens with special tokens skipped. Shared by `eval-niah` and the passkey check during training.
-pub fn predict_text(
-    model: &crate::model::Llama,
-    tok: &Tokenizer,
-    prompt: &str,
-    max_new_tokens: usize,
-    prefill_chunk: usize,
-) -> Result<String> {
-    let bos = model.cfg.bos_token_id;
-    let eos = &model.cfg.eos_token_id;
-    let enc = tok.encode_fast(prompt, false).map_err(|e| anyhow::anyhow!("tokenizer failed: {e}"))?;
-    let ids: Vec<u32> = bos.into_iter().chain(enc.get_ids().iter().copied()).collect();
-    let opts = crate::eval::generate::GenerateOptions {
-        max_new_tokens,
-        stop_tokens: eos.clone(),
-        prefill_chunk: prefill_chunk.max(1),
-    };
-    let mut new = crate::eval::generate::greedy_generate(model, &ids, &opts)?;
-    if new.last().is_some_and(|t| eos.contains(t)) {
-        new.pop();
-    }
-    tok.decode(&new, true).map_err(|e| anyhow::anyhow!("tokenizer cannot decode the generation: {e}"))
+    let bos = args.bos;
+    let key = PromptKey { bos_first: bos.starts_with_bos(&tok, model.cfg.bos_token_id)? };
+    let predict = Box::new(move |prompt: &str, max_new_tokens: usize| {
+        crate::eval::generate::predict_text(&model, &tok, prompt, max_new_tokens, chunk, bos)
+    });
+    Ok(Predictor { predict, key })
 }
 
 /// `harpe eval-niah`.
@@ -824,10 +649,10 @@ pub fn run(args: EvalNiahArgs) -> Result<()> {
         println!("wrote {n} prompts in {} cells under {}", cells.len(), out.display());
         return Ok(());
     };
-    let results = run_cells(&cells, &out, &mut **predict)?;
+    let results = run_cells(&cells, &out, predict)?;
     let name = model_dir.file_name().map_or(model_dir.display().to_string(), |n| n.to_string_lossy().to_string());
-    let written = write_reports(&results, &out, &name)?;
-    print!("{}", summary_table(&results));
+    let written = niah_report::write_reports(&results, &out, &name)?;
+    print!("{}", niah_report::summary_table(&results));
     for p in written {
         println!("wrote {}", p.display());
     }

@@ -10,8 +10,9 @@
 //! the reference code (both start at the beginning and may cut a word).
 //! Not here: running the model; scoring beyond "first integer equals the key".
 
-use crate::eval::niah::{count_tokens, NOISE};
+use crate::eval::niah::NOISE;
 use crate::eval::niah_io::Record;
+use crate::eval::niah_sizing::count_tokens;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Result};
 use tokenizers::Tokenizer;
@@ -45,7 +46,8 @@ fn garbage(n: usize) -> String {
     vec![NOISE; reps].join(" ")
 }
 
-/// Tokens the model sees for a prompt: BOS + prompt.
+/// Tokens the model may see for a prompt: the prompt and a BOS slot, whether or not the BOS rule
+/// (`PromptBos`) adds one, so the prompts are the same under every rule.
 fn prompt_tokens(tok: &Tokenizer, prompt: &str) -> Result<usize> {
     Ok(count_tokens(tok, prompt)? + 1)
 }

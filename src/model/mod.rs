@@ -4,6 +4,7 @@
 //! D head dim, V vocab, L layers, I intermediate (MLP) size.
 pub mod attention;
 pub mod config;
+pub mod gguf;
 pub mod inspect;
 pub mod layout;
 pub mod llama;

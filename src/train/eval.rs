@@ -2,7 +2,7 @@
 //! training weights, every `every` optimizer steps, at each stage's end and at the end of the run.
 //!
 //! Reference: the scoring rules are the eval commands' own
-//! (`ppl::score_documents`, `passkey::make_samples` + `niah_run::predict_text` + `niah::task_score`,
+//! (`ppl::score_documents`, `passkey::make_samples` + `generate::predict_text` + `niah::task_score`,
 //! `eval_loss::sequence_nlls` + `LossTally`, `tasks::run::respond_group`): this file only prepares their
 //! inputs once, splits them over the ranks and packs their results into one `metrics.jsonl` line.
 //! The non-obvious decisions: the model evaluated is the stage's training model itself (its `Var`s, on
@@ -23,7 +23,7 @@ use crate::config::EvalSection;
 use crate::data::{Loader, LoaderConfig, Manifest};
 use crate::eval::niah_io::Record;
 use crate::eval::share::{response_row, row_response, test_delay, Share};
-use crate::eval::{eval_loss, niah, niah_run, passkey, ppl, tasks};
+use crate::eval::{eval_loss, generate, niah, niah_run, passkey, ppl, tasks};
 use crate::model::Llama;
 use crate::train::metrics::{EvalRecord, EvalResults, PplSummary};
 use anyhow::{anyhow, bail, Context, Result};
@@ -177,9 +177,9 @@ impl TrainEval {
             self.passkey.iter().flat_map(|(len, recs)| recs.iter().map(move |r| (*len, r))).collect();
         let mut rows = vec![None; items.len()];
         for (i, (len, r)) in items.iter().enumerate().filter(|(i, _)| share.mine(*i)) {
-            let pred =
-                niah_run::predict_text(model, &self.tok, &r.prompt(), passkey::PASSKEY_MAX_NEW_TOKENS, PREFILL_CHUNK)
-                    .with_context(|| format!("[eval] passkey at length {len}"))?;
+            let (max_new, bos) = (passkey::PASSKEY_MAX_NEW_TOKENS, self.cfg.passkey_bos);
+            let pred = generate::predict_text(model, &self.tok, &r.prompt(), max_new, PREFILL_CHUNK, bos)
+                .with_context(|| format!("[eval] passkey at length {len}"))?;
             rows[i] = Some(vec![niah_run::Scorer::Passkey.score(&pred, &r.outputs)]);
             test_delay(1);
         }

@@ -98,6 +98,8 @@ const PINNED: &[(&str, &str)] = &[
     ("harpe-uniform-asc-128k.toml", "929381f98fcd80cc8e0aca35c0040a85ca884f321ec1b688f324e4c9c07a3e55"),
     ("harpe-uniform-desc-128k.toml", "fd1d1685d44400f82540f6cf593100340817b42dc15e60b2bcd8ad2ae572f3ef"),
     ("pi-128k.toml", "a9ede14d157638e79993c4726ebe8eaf66b150450a98be8a53f55bcbf99b8799"),
+    ("smollm2-abf-multistage-32k.toml", "d2e53641e83417e08417526957731cebd8b64a67be41fc66e6b33660e6c690c9"),
+    ("smollm2-harpe-32k.toml", "5935069c9270001d4971ed34acc346856922a1c5c815f8ee0b621566d738080a"),
     ("tiny-cpu-eval.toml", "004f7b7e5638ea93a2511196d0ab45ec5e779a93ed958107ce8f472471ea265d"),
     ("tiny-cpu.toml", "ce2ce78e127439b2a9ed4afcbb19775ee13a395348ded492958a04be7a4503dc"),
     ("yarn-128k.toml", "5165a073efc98acf9138134ee8231e55bd1f217493cae94521956047a6821cdb"),

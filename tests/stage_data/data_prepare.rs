@@ -378,3 +378,24 @@ fn reading_stops_once_known_budgets_are_full() {
     assert_eq!(m.num_sequences, 25);
     assert_eq!(m.sources["RedPajamaBook"].docs_in, 40);
 }
+
+/// A tokenizer without BOS (SmolLM2's, GPT-2's): the default separator's error names the tokenizer's own
+/// end-of-document token and the flags that use it, and those flags then work.
+#[test]
+fn a_tokenizer_without_bos_is_told_its_own_separator() {
+    use harpe::data::tokenize::{SepTokens, Separator};
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write_tokenizer(tmp.path());
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for (i, name) in [(1, "<|endoftext|>"), (2, "<|im_end|>")] {
+        let vocab = json["model"]["vocab"].as_object_mut().unwrap();
+        vocab.retain(|_, v| v.as_u64() != Some(i));
+        vocab.insert(name.into(), i.into());
+        json["added_tokens"][i as usize]["content"] = name.into();
+    }
+    let tok: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    let e = SepTokens::resolve(&tok, Separator::Bos, None, None).unwrap_err().to_string();
+    assert!(e.contains("no BOS token") && e.contains("--separator eos --eos-token \"<|endoftext|>\""), "{e}");
+    let eos = SepTokens::resolve(&tok, Separator::Eos, None, Some("<|endoftext|>")).unwrap();
+    assert_eq!(eos.eos, Some(1));
+}

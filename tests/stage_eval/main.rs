@@ -9,6 +9,7 @@ mod common;
 
 mod eval_loss;
 mod eval_tasks;
+mod niah_bos;
 mod niah_budget;
 mod niah_e2e;
 mod niah_generators;

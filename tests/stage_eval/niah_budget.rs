@@ -1,8 +1,9 @@
 //! Every prepared prompt stays within its token budget, for two different tokenizers built here
 //! (a whitespace WordLevel and the byte-level BPE of `model::testing`), and essays that are too short
 //! are refused with the length they would need.
-use harpe::eval::niah::{count_tokens, Essays, Sizing, NIAH_TOKENS_TO_GENERATE};
+use harpe::eval::niah::{Essays, NIAH_TOKENS_TO_GENERATE};
 use harpe::eval::niah_run::{data_path, parse_tasks, prepare_cells, NiahSampleOptions};
+use harpe::eval::niah_sizing::{count_tokens, Sizing};
 use tokenizers::Tokenizer;
 
 fn word_level() -> Tokenizer {

@@ -2,7 +2,8 @@
 //! (`tests/data/niah_golden.py`, CPython `random`, wonderwords 2.2.0), plus hand-checked structure
 //! of the essay tasks, the passkey prompt and the needle grid.
 use harpe::eval::needle_grid;
-use harpe::eval::niah::{Essays, HaystackKind, NeedleType, NiahGenerator, NiahTask, TaskSpec, WordList, DEPTHS};
+use harpe::eval::niah::{Essays, HaystackKind, NeedleType, NiahGenerator, NiahTask, TaskSpec, DEPTHS};
+use harpe::eval::niah_words::WordList;
 use harpe::eval::passkey;
 use serde_json::Value;
 

@@ -2,7 +2,8 @@
 use harpe::eval::needle_grid::{exact_phrase, fu_recall};
 use harpe::eval::niah::{length_averages, postprocess, score_sample, task_score, Metric};
 use harpe::eval::niah_io::{self, py_json_str, read_data_file, read_pred_file, Record};
-use harpe::eval::niah_run::{summary_csv, CellResult};
+use harpe::eval::niah_report::summary_csv;
+use harpe::eval::niah_run::CellResult;
 use harpe::eval::passkey::passkey_score;
 use std::path::Path;
 

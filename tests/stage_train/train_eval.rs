@@ -162,7 +162,8 @@ fn eval_during_training_is_in_place_bit_neutral_and_resumable() {
     let scores: Vec<f64> = recs
         .iter()
         .map(|r| {
-            let pred = harpe::eval::niah_run::predict_text(&model, &t, &r.prompt(), 10, 2048).unwrap();
+            let pred =
+                harpe::eval::generate::predict_text(&model, &t, &r.prompt(), 10, 2048, Default::default()).unwrap();
             harpe::eval::passkey::passkey_score(&pred, &r.outputs[0])
         })
         .collect();

@@ -10,6 +10,7 @@ mod common;
 
 mod allocator;
 mod cli_bench;
+mod convert_gguf;
 mod demo;
 mod gpu_check;
 mod import_cycles;
