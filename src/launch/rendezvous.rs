@@ -122,7 +122,8 @@ pub fn binary_version() -> String {
     format!("harpe {} [{}]", env!("CARGO_PKG_VERSION"), feats.join(","))
 }
 
-/// SHA-256 of the resolved config text (the `config.toml` a run writes).
+/// SHA-256 of the resolved config text (the `config.toml` a run writes: every key, `[dist]` included), so
+/// the ranks agree on all of it; not the config hash of `RunConfig::hash`, which guards resume.
 pub fn config_hash(resolved_config: &str) -> [u8; 32] {
     Sha256::digest(resolved_config.as_bytes()).into()
 }
