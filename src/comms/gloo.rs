@@ -31,7 +31,8 @@
 //!   cannot reach the store says so.
 //!
 //! What it does not do: device memory (a CUDA buffer travels through the host), or abort a collective
-//! under way (Gloo has no abort: the peer's closed connection or the timeout ends it).//!
+//! under way (Gloo has no abort: the peer's closed connection or the timeout ends it).
+//!
 //! The files: `gloo/context.rs` (the C interface, the store callbacks, one context's collectives),
 //! `gloo/failure.rs` (naming the cause of a failure: the watch, the roll call, the timeout); this file
 //! joins the group and runs the collectives on the communication thread.

@@ -32,7 +32,8 @@
 //! longer than the timeout.
 //!
 //! What it does not do: device (CUDA) buffers or cross-process transport; it is a correctness backend
-//! for one process (the NCCL backend is the fast one).//!
+//! for one process (the NCCL backend is the fast one).
+//!
 //! The files: `local/elem.rs` (element types, `ReduceOp`), `local/round.rs` (the exchange round, the group
 //! and the handle's state); this file holds the collectives every rank calls and `spawn_local`.
 mod elem;
