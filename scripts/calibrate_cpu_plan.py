@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Calibrate the CPU plan's backward-temporaries constants (src/train/plan.rs CPU_BWD_PER_I, CPU_BWD_PER_C).
+"""Calibrate the CPU plan's backward-temporaries constants (src/train/plan/memory.rs CPU_BWD_PER_I, CPU_BWD_PER_C).
 
 Runs 2-step `harpe train` on CPU (f32, one rank, every-layer checkpointing) over the MHA grid
 C 128/256 x I 512/1024 x L 4/8 x T 512/1024, reads each run's measured peak (metrics.jsonl
@@ -66,7 +66,7 @@ def main():
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="harpe-calib-")
     os.makedirs(out, exist_ok=True)
-    per_i, per_c = plan_constants("src/train/plan.rs")
+    per_i, per_c = plan_constants("src/train/plan/memory.rs")
     rows = []
     for c, i, l, t in itertools.product((128, 256), (512, 1024), (4, 8), (512, 1024)):
         name = f"c{c}-i{i}-l{l}-t{t}"

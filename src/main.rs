@@ -66,7 +66,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Read a SlimPajama-style corpus, tokenize, apply a length/mixture strategy, pack into shards
-    PrepareData(Box<harpe::data::prepare::PrepareDataArgs>),
+    PrepareData(Box<harpe::data::prepare_args::PrepareDataArgs>),
     /// Summarise a prepared dataset: mixture table, length histogram, decode a sequence
     InspectData(harpe::data::inspect::InspectDataArgs),
     /// Train (continual pretraining, single- or multi-stage) from a TOML recipe; checkpoint, resume, log
@@ -112,7 +112,7 @@ fn main() {
     harpe::device::init_cpu_runtime();
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::PrepareData(a) => harpe::data::prepare::run(*a),
+        Cmd::PrepareData(a) => harpe::data::prepare_args::run(*a),
         Cmd::InspectData(a) => harpe::data::inspect::run(a),
         Cmd::Train(a) => harpe::train::run(a),
         Cmd::EvalPpl(a) => as_pool_worker(|| harpe::eval::ppl::run(a)),

@@ -1,5 +1,6 @@
-//! Small shared helpers: atomic file writes, sha256, human-readable sizes, one-writer directory locks.
-use anyhow::{Context, Result};
+//! Small shared helpers: atomic file writes, sha256, human-readable and parsed sizes, one-writer directory
+//! locks, the host's name and memory, the edit distance that names the nearest valid word.
+use anyhow::{anyhow, bail, Context, Result};
 use std::io::Write;
 use std::path::Path;
 
@@ -86,6 +87,49 @@ pub fn human_count(n: u64) -> String {
     }
 }
 
+/// Parse a memory size: `80GiB`, `80GB`, `81920MiB`, `141e9B`, or a bare number of GiB (the syntax of
+/// `harpe plan --gpu-mem`, which its errors name).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "gib" | "g" => (1u64 << 30) as f64,
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => (1u64 << 20) as f64,
+        "tib" => (1u64 << 40) as f64,
+        u => bail!("--gpu-mem `{s}`: unknown unit `{u}`\nhint: write e.g. 80GiB, 80GB or 81920MiB"),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| anyhow!("--gpu-mem `{s}`: `{}` is not a number\nhint: write e.g. 80GiB", num.trim()))?;
+    if !(v.is_finite() && v > 0.0) {
+        bail!("--gpu-mem `{s}` must be positive\nhint: write e.g. 80GiB");
+    }
+    Ok((v * mult) as u64)
+}
+
+/// Levenshtein distance of two words (insertions, deletions, substitutions), for naming the nearest valid
+/// one in an error.
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur.push((prev[j] + (ca != *cb) as usize).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// An exclusive advisory lock (`flock`) on `DIR/.lock`, held until dropped.
 ///
 /// One writer per directory: `train` (run directory), `prepare-data --out`, `eval-niah --out` and
@@ -115,6 +159,13 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "unknown-host".to_string())
 }
 
+/// This machine's total memory (`MemTotal` of `/proc/meminfo`); None where it cannot be read.
+pub fn host_memory_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
 /// Take the lock on `dir` (created if missing) for `command` (e.g. "harpe train"), or fail at once,
 /// naming the holder, when another process holds it.
 pub fn lock_dir(dir: &Path, command: &str) -> Result<DirLock> {
@@ -139,7 +190,7 @@ pub fn lock_dir(dir: &Path, command: &str) -> Result<DirLock> {
                     .map(str::to_string)
                     .unwrap_or_else(|| "?".into())
             };
-            anyhow::bail!(
+            bail!(
                 "{} is in use: `{}` (pid {} on host {}, started at unix time {}) holds {}\nhint: only one process may write a \
                  directory at a time; wait for that process to finish or stop it (a killed process releases the \
                  lock at once), or choose another directory",

@@ -3,6 +3,5 @@
 //! intervals and plots.
 pub mod bases;
 pub mod report;
-pub mod slurm;
 pub mod stats;
 pub mod sweep;

@@ -3,8 +3,8 @@
 //! per-length retrieval curves, the loss curves of all runs, and the cost of each arm.
 //! Markdown + CSV + PNG + JSON.
 //!
-//! Why: a single run per arm cannot separate a schedule's effect from seed noise, so reviewers asked for
-//! several schedules and seeds with means and deviations;
+//! Why: a single run per arm cannot separate a schedule's effect from seed noise, so a fair comparison
+//! needs several schedules and seeds with means and deviations;
 //! statistics in `stats.rs`.
 //! The non-obvious decisions:
 //! - Differences are paired by seed (run k of an arm against run k of the baseline: same data order and

@@ -7,6 +7,7 @@
 use crate::config::{apply_override, RunConfig, ZeroStage};
 use crate::device::DeviceSpec;
 use crate::train::plan::*;
+use crate::util::parse_bytes;
 use anyhow::{anyhow, bail, Context, Result};
 use std::fmt::Write;
 use std::path::PathBuf;

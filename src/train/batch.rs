@@ -1,7 +1,9 @@
 //! A batch's tensors: ids and shifted targets, document starts.
 //!
 //! A sequence of T tokens trains T - 1 targets (`config::targets_in`, the one count): `batch_tensors`
-//! marks the last position `IGNORE_INDEX`.
+//! marks the last position `IGNORE_INDEX`. The batch arithmetic (tokens, micro-batches and targets per
+//! step, each rank's share) is src/config/batch.rs: config validation applies it, and config imports
+//! nothing above it.
 use crate::data::Sequence;
 use crate::model::attention::AttentionImpl;
 use crate::ops::attention::DocStarts;

@@ -4,7 +4,7 @@
 //! ```text
 //! RUN_DIR/
 //!   .lock               exclusive flock of the process that trains into it (util::lock_dir)
-//!   config.toml         the resolved config; its hash (without [dist]) guards resume
+//!   config.toml         the resolved config; its config hash (`RunConfig::hash`, without [dist]) guards resume
 //!   tokenizer.json      the built-in byte tokenizer, when the config names none
 //!   metrics.jsonl       one line per step and per evaluation
 //!   loss.png eval.png   plots of metrics.jsonl

@@ -80,7 +80,6 @@ pub(super) struct Run {
 }
 
 impl Run {
-
     /// Whether this rank is the first of its process: every rank of a process group (NCCL, Gloo: one
     /// process each), rank 0 alone among rank threads. Process-wide measures (the RSS and device peaks) are
     /// reset by it once per step.
@@ -91,10 +90,9 @@ impl Run {
     /// Every rank's (allocated, reserved) device peak of the step in rank order, gathered by one small
     /// all-reduce; empty off CUDA (every rank decides alike: the device kind is the run's).
     pub(super) fn device_peaks(&self) -> Result<Vec<(u64, u64)>> {
-        let (Some(a), Some(res)) = (
-            crate::device::device_peak_bytes(&self.device)?,
-            crate::device::device_reserved_peak_bytes(&self.device)?,
-        ) else {
+        let (Some(a), Some(res)) =
+            (crate::device::device_peak_bytes(&self.device)?, crate::device::device_reserved_peak_bytes(&self.device)?)
+        else {
             return Ok(vec![]);
         };
         let world = self.mesh.world();

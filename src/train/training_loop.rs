@@ -6,11 +6,11 @@
 //! (`agree_stop`), and everything after it acts on that agreed answer only: a signal that lands on one
 //! rank after the agreement is seen by every rank at the next step's agreement, never by one rank
 //! alone (which would leave its peers waiting in the next step's collectives).
-use super::oom::{self, Phase};
 use super::args::TrainArgs;
 use super::batch::{batch_tensors, doc_starts};
 use super::eval::{eval_line, EvalPoint, TrainEval};
 use super::loss_sums::LossSums;
+use super::oom::{self, Phase};
 use super::session::Run;
 use super::stage::Stage;
 use super::step::{forward_backward, Backward, MicroBatch};

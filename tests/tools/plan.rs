@@ -7,7 +7,8 @@
 use crate::common::harpe_cmd;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
-use harpe::train::plan::{parse_bytes, plan_for, Gpu, GpuKind, Plan, World};
+use harpe::train::plan::{plan_for, Gpu, GpuKind, Plan, World};
+use harpe::util::parse_bytes;
 use std::path::Path;
 
 const MISSION: &str = "configs/harpe-128k.toml";

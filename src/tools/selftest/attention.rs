@@ -19,7 +19,7 @@
 //! `HARPE_SELFTEST_SMALL` (a `testing::Hooks` hook; scripts/gpu-check.sh sets it around compute-sanitizer)
 //! drops the T = 4133 case.
 //! Does not: time anything (`harpe bench attention`), or test Hopper-specific tiles (there are none yet).
-use super::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
+use super::check::{as_dt, check, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
 use crate::ops::attention::{attention_bwd_cpu, attention_fwd_cpu, DocStarts};
 use crate::ops::attention_shape::{AttnDims, AttnKernel, AttnMask};
 use crate::ops::emu::attention::{self as ka, AttnFloat};
@@ -373,7 +373,7 @@ mod cuda_run {
     use anyhow::{anyhow, bail, Result};
     use candle_core::{Device, Storage, Tensor, Var};
 
-    use crate::tools::selftest::cuda_run::{down, up};
+    use crate::tools::selftest::kernels::cuda_run::{down, up};
 
     pub fn probe(dev: &Device, dt: Dt, a: &[f32], b: &[f32], bt: &[f32]) -> Result<Vec<f32>> {
         Ok(attention_cuda::mma_probe(dev.as_cuda_device()?, dt.dtype(), a, b, bt)?)

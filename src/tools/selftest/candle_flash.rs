@@ -15,7 +15,7 @@
 //! Does not: compare backward (the crate has none), f32 (the crate takes none), or time anything
 //! (`harpe bench attention` has a candle-flash-attn column).
 use super::attention::{exact16, Inputs};
-use super::{as_dt, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
+use super::check::{as_dt, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
 use crate::ops::attention::DocStarts;
 use crate::ops::attention_shape::AttnDims;
 use anyhow::Result;
@@ -116,7 +116,7 @@ mod cuda_run {
     use super::{AttnDims, Dt};
     use crate::ops::attention::DocStarts;
     use crate::ops::{attention, candle_flash};
-    use crate::tools::selftest::cuda_run::{down, up};
+    use crate::tools::selftest::kernels::cuda_run::{down, up};
     use anyhow::Result;
     use candle_core::Device;
 

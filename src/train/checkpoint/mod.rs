@@ -70,7 +70,7 @@ pub struct TrainState {
     pub data_cursor: serde_json::Value,
     /// the run's seed; after initialization the only randomness is the data order, held by the cursor
     pub seed: u64,
-    /// the run's `session::results_hash`, which a resume checks
+    /// the config hash without `[dist]` (`RunConfig::hash`, via `session::results_hash`)
     pub config_hash: String,
     /// RoPE scheme the weights were trained with at this point
     pub rope: RopeScheme,

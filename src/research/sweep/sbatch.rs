@@ -1,29 +1,11 @@
-//! `harpe sweep --executor slurm`: a sweep's runs as the tasks of `sbatch --array` jobs, one job per
-//! distinct resource shape, and `harpe sweep --status DIR`, where each run stands.
+//! What `--executor slurm` hands to Slurm and reads back, apart from when it does so (`slurm.rs`): the
+//! `[slurm]` table (`#SBATCH` options, an arm's keys over the sweep's), the `sbatch --array` script of
+//! each resource shape, the record of submitted jobs (`slurm-jobs.json`), and `sbatch` / `squeue` /
+//! `sacct` themselves.
 //!
-//! Reference: Slurm's job arrays (`--array`, `SLURM_ARRAY_TASK_ID`), `--requeue`, `--signal`; the
-//! local executor (`sweep.rs`) for what a run is and when it is finished.
-//! The non-obvious decisions:
-//! - The array index of a run is its position in the sweep's full run list, so `%a` in a log name and
-//!   the index in `squeue` mean the same run in every submission, and a resubmission lists only the
-//!   indices still to do (`--array=1,3`). The script maps the index to the run with a `case`, each run's
-//!   `harpe train` line written out with its own `--set` overrides, so the printed script (`--dry-run`)
-//!   is exactly what runs.
-//! - A task trains with `srun harpe train ... --resume` (one process per task of the allocation, the
-//!   launcher environment harpe reads), then evaluates on one process with `harpe sweep --task RUN`,
-//!   which marks the run in sweep.json under a lock (array tasks end at the same time) — so
-//!   `harpe report` reads the result as it reads a local sweep. A task stopped by its time limit or a
-//!   requeue resumes from its newest checkpoint; a second `harpe sweep --executor slurm` resubmits
-//!   exactly the runs that are neither complete nor still queued.
-//! - Which job ran which run is harpe's own record, `slurm-jobs.json` in the sweep directory, written at
-//!   submission: a cluster without accounting (no slurmdbd, `sacct` disabled) still answers
-//!   `--status` from that record, `squeue` and the run directories; `sacct` adds the final state of
-//!   finished tasks where it works.
-//! - Every path in the script is absolute (binary, recipes, sweep directory, working directory), since
-//!   a task starts wherever Slurm starts it.
-//!
-//! Not here: what a run is and its evaluation (`sweep.rs`), the statistics (`report.rs`).
-use crate::train::RunDir;
+//! The non-obvious decision: the script maps the array index to its run with a `case`, each run's
+//! `harpe train` line written out with its own `--set` overrides and absolute paths, so the printed
+//! script (`--dry-run`) is exactly what runs, wherever Slurm starts it.
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -456,89 +438,6 @@ pub fn record_job(out: &Path, rec: JobRecord) -> Result<()> {
     crate::util::write_atomic(&out.join(JOBS_FILE), serde_json::to_string_pretty(&f)?.as_bytes())
 }
 
-/// The last step `metrics.jsonl` of a run logged (0 when none).
-pub fn last_step(run: &Path) -> u64 {
-    let text = std::fs::read_to_string(RunDir::new(run).metrics()).unwrap_or_default();
-    text.lines()
-        .rev()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("step").and_then(|s| s.as_u64()).filter(|_| v.get("loss").is_some()))
-        .unwrap_or(0)
-}
-
-/// One row of `--status`.
-#[derive(Clone, Debug, Serialize)]
-pub struct RunStatus {
-    pub id: String,
-    /// pending, running, done, failed; for a run no Slurm task ran, sweep.json's state (a local sweep's)
-    /// or unsubmitted
-    pub state: String,
-    /// `JOB_INDEX` of the newest submission
-    pub slurm: Option<String>,
-    /// Slurm's own state of that task, when squeue or sacct knows it
-    pub slurm_state: Option<String>,
-    pub last_step: u64,
-}
-
-/// Where each run stands: done from its run directory, pending/running from squeue, failed when its
-/// newest task ended (or left the queue) without finishing it. `runs`: id, directory and sweep.json's
-/// state (what a local executor wrote; "pending" there for a Slurm sweep's unsubmitted run).
-pub fn status_rows(
-    out: &Path,
-    runs: &[(String, PathBuf, String)],
-    jobs: &JobsFile,
-    queue: &BTreeMap<String, String>,
-    sacct: &BTreeMap<String, String>,
-) -> Vec<RunStatus> {
-    let tasks = latest_tasks(jobs);
-    runs.iter()
-        .map(|(id, dir, local)| {
-            let run = out.join(dir);
-            let slurm = tasks.get(id).cloned();
-            let slurm_state = slurm.as_ref().and_then(|t| queue.get(t).or_else(|| sacct.get(t)).cloned());
-            let state = if RunDir::new(&run).eval_summary().exists() {
-                "done"
-            } else {
-                match (&slurm, slurm_state.as_deref()) {
-                    (None, _) if local != "pending" => local.as_str(),
-                    (None, _) => "unsubmitted",
-                    (Some(_), Some(s)) if s == "RUNNING" || s == "COMPLETING" => "running",
-                    (Some(_), Some(s)) if is_queued(s) => "pending",
-                    _ => "failed",
-                }
-            };
-            RunStatus { id: id.clone(), state: state.into(), slurm, slurm_state, last_step: last_step(&run) }
-        })
-        .collect()
-}
-
-/// `--status` as a table.
-pub fn render_status(rows: &[RunStatus], notes: &[String]) -> String {
-    let mut s =
-        format!("{:<40} {:<12} {:<14} {:<12} {:>10}\n", "run", "state", "slurm task", "slurm state", "last step");
-    for r in rows {
-        let _ = writeln!(
-            s,
-            "{:<40} {:<12} {:<14} {:<12} {:>10}",
-            r.id,
-            r.state,
-            r.slurm.as_deref().unwrap_or("-"),
-            r.slurm_state.as_deref().unwrap_or("-"),
-            r.last_step
-        );
-    }
-    let mut count: BTreeMap<&str, usize> = BTreeMap::new();
-    for r in rows {
-        *count.entry(r.state.as_str()).or_default() += 1;
-    }
-    let summary: Vec<String> = count.iter().map(|(k, v)| format!("{v} {k}")).collect();
-    let _ = writeln!(s, "{} runs: {}", rows.len(), summary.join(", "));
-    for n in notes {
-        let _ = writeln!(s, "note: {n}");
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -621,45 +520,5 @@ mod tests {
         assert!(!s.contains("a__seed0"), "only the runs submitted: {s}");
         let all = array_jobs("s", &runs, &[0, 1]);
         assert!(array_script("s", &all[0], &p).contains("  0) RUN=a__seed0; CONFIG=/w/r.toml;"));
-    }
-
-    #[test]
-    fn status_reads_squeue_then_the_run_directories() {
-        let d = tempfile::tempdir().unwrap();
-        for id in ["a", "b", "c", "e"] {
-            std::fs::create_dir_all(d.path().join(id)).unwrap();
-        }
-        std::fs::create_dir_all(d.path().join("e/eval")).unwrap();
-        std::fs::write(RunDir::new(d.path().join("e")).eval_summary(), "{}").unwrap();
-        std::fs::write(d.path().join("b/metrics.jsonl"), "{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":1.5}\n")
-            .unwrap();
-        let tasks = ["a", "b", "c", "e"].iter().enumerate().map(|(i, r)| (i, r.to_string())).collect();
-        let jobs = JobsFile {
-            format: JOBS_FORMAT.into(),
-            jobs: vec![JobRecord { job_id: "7".into(), script: "s".into(), submitted: 0, tasks }],
-        };
-        let queue: BTreeMap<String, String> = [("7_0", "PENDING"), ("7_1", "RUNNING"), ("7_2", "TIMEOUT")]
-            .iter()
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .collect();
-        let mut runs: Vec<(String, PathBuf, String)> =
-            ["a", "b", "c", "e", "f"].iter().map(|r| (r.to_string(), PathBuf::from(r), "pending".into())).collect();
-        // a run of a local sweep: sweep.json's word
-        runs.push(("g".into(), "g".into(), "training".into()));
-        let rows = status_rows(d.path(), &runs, &jobs, &queue, &BTreeMap::new());
-        let got: Vec<(&str, &str, u64)> = rows.iter().map(|r| (r.id.as_str(), r.state.as_str(), r.last_step)).collect();
-        assert_eq!(
-            got,
-            [
-                ("a", "pending", 0),
-                ("b", "running", 2),
-                ("c", "failed", 0),
-                ("e", "done", 0),
-                ("f", "unsubmitted", 0),
-                ("g", "training", 0)
-            ]
-        );
-        assert!(render_status(&rows, &[])
-            .contains("6 runs: 1 done, 1 failed, 1 pending, 1 running, 1 training, 1 unsubmitted"));
     }
 }
