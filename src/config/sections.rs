@@ -446,6 +446,9 @@ pub struct EvalSection {
     /// passkey samples per length
     #[serde(default = "d_passkey_samples")]
     pub passkey_samples: usize,
+    /// BOS before each passkey prompt, as `eval-niah --bos` (auto: the tokenizer's own encoding)
+    #[serde(default, skip_serializing_if = "crate::data::tokenize::PromptBos::is_auto")]
+    pub passkey_bos: crate::data::tokenize::PromptBos,
     /// prepared dataset (from `harpe prepare-data`) for the loss by position bucket
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_data: Option<PathBuf>,
@@ -480,6 +483,7 @@ impl Default for EvalSection {
             ppl_max_tokens: None,
             passkey_lengths: vec![],
             passkey_samples: d_passkey_samples(),
+            passkey_bos: Default::default(),
             loss_data: None,
             loss_buckets: d_loss_buckets(),
             loss_max_sequences: None,
