@@ -433,11 +433,13 @@ impl NcclComm {
             e
         };
 
-        let device = Device::new_cuda(env.local_rank)
+        // cuda:LOCAL_RANK, or the only device when the launcher bound one GPU to this task (floors::rank_gpu)
+        let gpu = crate::floors::rank_gpu(env.local_rank).map_err(|e| failed("choosing its GPU", e))?;
+        let device = Device::new_cuda(gpu)
             .with_context(|| {
                 format!(
-                    "rank {rank}: opening cuda:{} (LOCAL_RANK)\nhint: NCCL needs one GPU per rank on each node; check \
-                     CUDA_VISIBLE_DEVICES and --nproc-per-node",
+                    "rank {rank}: opening cuda:{gpu} (LOCAL_RANK {})\nhint: NCCL needs one GPU per rank on each node; \
+                     check CUDA_VISIBLE_DEVICES and --nproc-per-node",
                     env.local_rank
                 )
             })
