@@ -63,7 +63,7 @@ fn four_harpe_steps_start_at_the_models_loss_and_lower_it() {
 }
 
 /// The one-GPU recipe's 2 steps on the CPU at a reduced length and batch (`--set`), then the passkey at the
-/// lengths `HARPE_RECIPE_PASSKEY` names (default 4096; .ci/run's choice and its timing: benches/results).
+/// lengths `HARPE_RECIPE_PASSKEY` names (default 4096; .ci/run asks 4096,8192, timed in benches/results/README.md).
 #[test]
 fn the_one_gpu_recipe_runs_two_steps_on_cpu_then_passkey() {
     let Some(dir) = model() else { return };
