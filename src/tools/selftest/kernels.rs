@@ -375,8 +375,12 @@ mod cuda_run {
     }
 }
 
+// The CUDA rows' upload and download helpers, which the attention rows use too.
 #[cfg(feature = "cuda")]
-pub(super) mod cuda_run {
+pub(super) use cuda_run::{down, up};
+
+#[cfg(feature = "cuda")]
+mod cuda_run {
     //! The same cases through the ops the model calls (rope, rms_norm with autograd, the CE chunk ops)
     //! and the optimizer's flat-buffer launchers.
     use super::{adamw_scalars, AdamwOut, AdamwRun, Dt};
@@ -385,7 +389,12 @@ pub(super) mod cuda_run {
     use candle_core::{DType, Device, Tensor, Var};
 
     /// Host values as a tensor of `dt` on `dev` (the GPU rows' inputs; `selftest::attention` too).
-    pub(in crate::tools::selftest) fn up<S: Into<candle_core::Shape>>(v: &[f32], shape: S, dt: Dt, dev: &Device) -> Result<Tensor> {
+    pub(in crate::tools::selftest) fn up<S: Into<candle_core::Shape>>(
+        v: &[f32],
+        shape: S,
+        dt: Dt,
+        dev: &Device,
+    ) -> Result<Tensor> {
         Ok(Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dt.dtype())?.to_device(dev)?)
     }
     /// A device tensor's values as host f32.
