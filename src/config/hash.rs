@@ -15,8 +15,7 @@ enum Seg {
 /// `cfg` as a TOML table of only the keys that matter: a key is left out when the value its absence
 /// gives (serde's default) is the value it has. Found by trial, deepest keys first, so a section left
 /// with no keys is left out too where the section has a default (each section's `Default` is its empty
-/// table, a test holds it); what serde cannot default stays. The basis of the config hash: a defaulted
-/// key added to a section later does not change it.
+/// table, a test holds it); what serde cannot default stays. What `RunConfig::hash` hashes.
 pub fn without_defaults<T: Serialize + serde::de::DeserializeOwned + PartialEq>(cfg: &T) -> Result<toml::Table> {
     let full = toml::Table::try_from(cfg).context("cannot serialize the config")?;
     let same = |t: &toml::Table| toml::Value::Table(t.clone()).try_into::<T>().is_ok_and(|c| &c == cfg);

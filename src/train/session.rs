@@ -311,9 +311,10 @@ pub(super) fn prepare_run_dir(run_dir: &RunDir, toml: &str, hash: &str, force: b
     crate::util::write_atomic(&cfg_path, toml.as_bytes())
 }
 
-/// The hash that guards a run directory and its resume: `RunConfig::hash` of the resolved TOML without
-/// its `[dist]` table, whose keys (backend, world size, ZeRO stage, buckets, timeout) change how the run
-/// is computed, never its results, so a checkpoint continues on another world size.
+/// The hash that guards a run directory and its resume: `RunConfig::hash(true)` of the config read back
+/// from the resolved TOML, so without its `[dist]` table, whose keys (backend, world size, ZeRO stage,
+/// buckets, timeout) change how the run is computed, never its results: a checkpoint continues on another
+/// world size.
 pub fn results_hash(toml_text: &str) -> Result<String> {
     let cfg: RunConfig = toml::from_str(toml_text).map_err(|e: toml::de::Error| {
         anyhow!("config.toml: {}\nhint: the run directory's config.toml is damaged", e.to_string().trim_end())

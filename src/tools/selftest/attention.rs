@@ -373,7 +373,7 @@ mod cuda_run {
     use anyhow::{anyhow, bail, Result};
     use candle_core::{Device, Storage, Tensor, Var};
 
-    use crate::tools::selftest::kernels::cuda_run::{down, up};
+    use crate::tools::selftest::kernels::{down, up};
 
     pub fn probe(dev: &Device, dt: Dt, a: &[f32], b: &[f32], bt: &[f32]) -> Result<Vec<f32>> {
         Ok(attention_cuda::mma_probe(dev.as_cuda_device()?, dt.dtype(), a, b, bt)?)

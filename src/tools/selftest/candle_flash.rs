@@ -116,7 +116,7 @@ mod cuda_run {
     use super::{AttnDims, Dt};
     use crate::ops::attention::DocStarts;
     use crate::ops::{attention, candle_flash};
-    use crate::tools::selftest::kernels::cuda_run::{down, up};
+    use crate::tools::selftest::kernels::{down, up};
     use anyhow::Result;
     use candle_core::Device;
 

@@ -375,8 +375,12 @@ mod cuda_run {
     }
 }
 
+// The CUDA rows' upload and download helpers, which the attention rows use too.
 #[cfg(feature = "cuda")]
-pub(super) mod cuda_run {
+pub(super) use cuda_run::{down, up};
+
+#[cfg(feature = "cuda")]
+mod cuda_run {
     //! The same cases through the ops the model calls (rope, rms_norm with autograd, the CE chunk ops)
     //! and the optimizer's flat-buffer launchers.
     use super::{adamw_scalars, AdamwOut, AdamwRun, Dt};
