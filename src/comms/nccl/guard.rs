@@ -174,11 +174,12 @@ impl Guard {
     /// `world_comm`, registered for abort.
     pub(super) fn split_sp(&self, world_comm: &Raw, sp: usize) -> Result<Arc<Raw>> {
         let rank = self.rank;
+        let mut config = split_share_config()?;
         let mut sub: ns::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: a live parent; color = data-parallel rank, key = place in the group; NULL config
-        // inherits the parent's.
+        // SAFETY: a live parent; color = data-parallel rank, key = place in the group; `config` is a complete
+        // ncclConfig_t (magic, size and version set) that lives across the call.
         let r = self.timed("ncclCommSplit", || unsafe {
-            ns::ncclCommSplit(world_comm.comm, (rank / sp) as i32, (rank % sp) as i32, &mut sub, std::ptr::null_mut())
+            ns::ncclCommSplit(world_comm.comm, (rank / sp) as i32, (rank % sp) as i32, &mut sub, &mut config)
         });
         if r != ns::ncclResult_t::ncclSuccess {
             bail!("rank {rank}: ncclCommSplit for sequence parallelism (P = {sp}) failed: {}", nccl_err(r));
@@ -257,4 +258,44 @@ pub(super) fn start_watchdog(
         }
     })?;
     Ok(())
+}
+
+/// The config of the sequence-parallel split: NCCL_CONFIG_INITIALIZER with `splitShare = 1`. Why: split
+/// without it, the SP communicator sets up transport buffers of its own (per peer and channel, with
+/// cudaMalloc outside candle's memory pool) beside the world communicator's, on every rank; shared, it
+/// reuses the parent's. Sharing asks that the two never run at once, which holds here: every collective
+/// of both is enqueued on the one collective stream, in order.
+/// `version` is the running library's (`ncclGetVersion`), not the one cudarc's layout was made from, so an
+/// older NCCL (the CUDA 12 build ships 2.21.5) reads the struct as its own: it copies min(`size`, its own
+/// size) bytes, and its fields sit at the same offsets (NCCL only appends; `splitShare` has been where it is
+/// since 2.18). A struct literal, so a change of cudarc's layout fails to compile here.
+fn split_share_config() -> Result<ns::ncclConfig_t> {
+    use std::ffi::{c_int, c_uint};
+    // NCCL_CONFIG_UNDEF_INT and NCCL_CONFIG_UNDEF_PTR: "not set, take the default"
+    const UNDEF: c_int = c_int::MIN;
+    let undef_ptr = std::ptr::null();
+    let version =
+        cudarc::nccl::result::get_nccl_version().map_err(|e| anyhow::anyhow!("ncclGetVersion: {}", nccl_err(e.0)))?;
+    Ok(ns::ncclConfig_t {
+        size: std::mem::size_of::<ns::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: version as c_uint,
+        blocking: UNDEF,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: undef_ptr,
+        splitShare: 1,
+        trafficClass: UNDEF,
+        commName: undef_ptr,
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    })
 }
