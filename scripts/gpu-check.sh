@@ -385,7 +385,7 @@ plan = json.load(open(sys.argv[1]))
 with open(sys.argv[2]) as f:
     recs = [json.loads(l) for l in f if l.strip() and "grad_norm" in l]
 rehearse = sys.argv[3] == "rehearse"
-# the pool's reserved peak (allocated + its free fragments) is what the device could not give to anything
+# the reserved peak of the pool (allocated + its free fragments) is what the device could not give to anything
 # else: the gate reads it, so fragmentation counts against the plan; the allocated peak is printed beside it
 key = "step_peak_bytes" if rehearse else "device_reserved_peak_bytes"
 peaks = [r.get(key) for r in recs if r.get(key)]

@@ -9,10 +9,51 @@
 //! Not here: scoring (`niah_run::score_cell`) or the heatmap drawing itself (`heatmap.rs`).
 use crate::eval::heatmap::{self, Heatmap};
 use crate::eval::niah_io;
-use crate::eval::niah_run::{CellResult, NEEDLE_GRID, PASSKEY};
 use anyhow::{Context, Result};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+
+/// Task name of the passkey suite.
+pub const PASSKEY: &str = "passkey";
+/// Task name of the needle-grid suite.
+pub const NEEDLE_GRID: &str = "needle_grid";
+
+/// One scored sample.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SampleResult {
+    /// Line in the data file.
+    pub line: usize,
+    /// The data file's `index`.
+    pub index: i64,
+    /// Needle depth in percent, when the suite has one.
+    pub depth: Option<f64>,
+    /// sha256 of the prompt.
+    pub prompt_sha256: String,
+    /// Raw prediction.
+    pub pred: String,
+    /// Gold answers.
+    pub outputs: Vec<String>,
+    /// Score in [0, 1].
+    pub score: f64,
+    /// Needle grid only: the exact-phrase score.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exact: Option<f64>,
+}
+
+/// One scored cell.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CellResult {
+    /// Task name.
+    pub task: String,
+    /// Length.
+    pub length: usize,
+    /// RULER-style score: `round(100 * mean, 2)`.
+    pub score: f64,
+    /// Predictions that are empty after postprocessing.
+    pub nulls: usize,
+    /// The samples.
+    pub samples: Vec<SampleResult>,
+}
 
 fn is_ruler_task(task: &str) -> bool {
     task != PASSKEY && task != NEEDLE_GRID

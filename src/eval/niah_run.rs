@@ -18,6 +18,7 @@ use crate::eval::needle_grid;
 use crate::eval::niah::{self, Essays, Metric, NiahGenerator, NiahTask};
 use crate::eval::niah_io::{self, Record};
 use crate::eval::niah_report;
+pub use crate::eval::niah_report::{CellResult, SampleResult, NEEDLE_GRID, PASSKEY};
 use crate::eval::niah_sizing::{self, Sizing};
 use crate::eval::passkey;
 use anyhow::{bail, Context, Result};
@@ -25,11 +26,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
-
-/// Task name of the passkey suite.
-pub const PASSKEY: &str = "passkey";
-/// Task name of the needle-grid suite.
-pub const NEEDLE_GRID: &str = "needle_grid";
 
 /// What one selected task is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -279,43 +275,6 @@ pub fn ruler_cells(root: &Path, tasks: Option<&[String]>, lengths: Option<&[usiz
         );
     }
     Ok(cells)
-}
-
-/// One scored sample.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct SampleResult {
-    /// Line in the data file.
-    pub line: usize,
-    /// The data file's `index`.
-    pub index: i64,
-    /// Needle depth in percent, when the suite has one.
-    pub depth: Option<f64>,
-    /// sha256 of the prompt.
-    pub prompt_sha256: String,
-    /// Raw prediction.
-    pub pred: String,
-    /// Gold answers.
-    pub outputs: Vec<String>,
-    /// Score in [0, 1].
-    pub score: f64,
-    /// Needle grid only: the exact-phrase score.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub exact: Option<f64>,
-}
-
-/// One scored cell.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct CellResult {
-    /// Task name.
-    pub task: String,
-    /// Length.
-    pub length: usize,
-    /// RULER-style score: `round(100 * mean, 2)`.
-    pub score: f64,
-    /// Predictions that are empty after postprocessing.
-    pub nulls: usize,
-    /// The samples.
-    pub samples: Vec<SampleResult>,
 }
 
 /// Run every sample that has no valid prediction yet (appending to `DIR/<length>/pred/<task>.jsonl`
