@@ -46,8 +46,12 @@
 //! refuses two ranks on one GPU; the thread backend `Local` shares one). Compiled with `--features nccl`
 //! only; not run in CI (no GPU there).
 //!
-//! The files: `nccl/guard.rs` (abortable handles, the failure state, the watchdog); this file joins the
-//! group and enqueues the collectives.
+//! The files: `nccl/guard.rs` (abortable handles, the failure state, the watchdog),
+//! `nccl/collectives.rs` (each collective's NCCL calls), `nccl/buffers.rs` (the device addresses handed
+//! to NCCL, with cudarc's read / write guards held until the call is enqueued); this file joins the group
+//! and enqueues the collectives.
+mod buffers;
+mod collectives;
 mod guard;
 
 use crate::launch::env::LaunchEnv;
@@ -56,43 +60,18 @@ use crate::launch::signature::GroupFailure;
 use crate::launch::signature::{CollOp, SigLog};
 use crate::launch::watch::Watch;
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{DType, Device, Storage, Tensor};
-use cudarc::driver::{CudaEvent, CudaStream, DevicePtr};
+use candle_core::{DType, Device};
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result as nr, sys as ns};
 use guard::{check_nccl, nccl_err, start_watchdog, Guard, Pending, Raw};
 use std::collections::VecDeque;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Bytes of an `ncclUniqueId`.
 const ID_BYTES: usize = 128;
-
-/// The NCCL element type of a tensor dtype.
-fn nccl_type(dt: DType, what: &str) -> Result<ns::ncclDataType_t> {
-    Ok(match dt {
-        DType::F32 => ns::ncclDataType_t::ncclFloat32,
-        DType::F64 => ns::ncclDataType_t::ncclFloat64,
-        DType::BF16 => ns::ncclDataType_t::ncclBfloat16,
-        DType::F16 => ns::ncclDataType_t::ncclFloat16,
-        d => bail!("{what}: NCCL collectives take f32, f64, bf16 or f16 tensors, not {d:?}"),
-    })
-}
-
-/// Exclusive prefix sums of `counts` (the offsets of the ragged slices).
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let o = *at;
-            *at += c;
-            Some(o)
-        })
-        .collect()
-}
 
 /// One rank's NCCL communicator(s), device and collective stream.
 pub struct NcclComm {
@@ -283,29 +262,6 @@ impl NcclComm {
         }
     }
 
-    /// Device address of the first element of a contiguous tensor on this rank's device.
-    fn ptr(&self, t: &Tensor, what: &str) -> Result<u64> {
-        let (st, l) = t.storage_and_layout();
-        let Storage::Cuda(cs) = &*st else { bail!("{what}: the tensor is not on a CUDA device") };
-        let Some((lo, _)) = l.contiguous_offsets() else { bail!("{what}: the tensor must be contiguous") };
-        self.storage_ptr(cs, lo, what)
-    }
-
-    /// Device address of element `lo` of a CUDA storage on this rank's device.
-    fn storage_ptr(&self, cs: &candle_core::CudaStorage, lo: usize, what: &str) -> Result<u64> {
-        if cs.device().id() != self.dev.id() {
-            bail!("{what}: the tensor is on another CUDA device than this rank's");
-        }
-        let base = match cs.dtype() {
-            DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&self.stream).0,
-            DType::F64 => cs.as_cuda_slice::<f64>()?.device_ptr(&self.stream).0,
-            DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&self.stream).0,
-            DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&self.stream).0,
-            d => bail!("{what}: NCCL collectives take f32, f64, bf16 or f16 tensors, not {d:?}"),
-        };
-        Ok(base + (lo * cs.dtype().size_in_bytes()) as u64)
-    }
-
     /// Enqueue the NCCL calls of `f` as one group on the collective stream, ordered after the compute
     /// stream's work so far and before its work from now on; returns the completion event.
     /// `sig`: the collective's (op, whole element count, dtype), for the signature check.
@@ -390,261 +346,9 @@ impl NcclComm {
         Ok(c.comm)
     }
 
-    /// In-place sum over all ranks of a contiguous device tensor (a `FlatBuf::Device` buffer: never
-    /// shared, so the in-place write is seen by nobody else).
-    pub fn all_reduce_sum_inplace(&self, t: &Tensor, label: &str) -> Result<()> {
-        let what = format!("all_reduce \"{label}\"");
-        if t.elem_count() == 0 {
-            return Ok(());
-        }
-        let (p, n, ty) = (self.ptr(t, &what)?, t.elem_count(), nccl_type(t.dtype(), &what)?);
-        let comm = self.raw(false)?;
-        self.enqueue(&what, (CollOp::AllReduce, n, t.dtype()), |s| {
-            // SAFETY: `p` addresses `n` elements of type `ty` on this rank's device (checked by `ptr`).
-            let r = unsafe {
-                ns::ncclAllReduce(p as *const c_void, p as *mut c_void, n, ty, ns::ncclRedOp_t::ncclSum, comm, s)
-            };
-            ok(r)
-        })?;
-        Ok(())
-    }
-
-    /// Sum a few f64 scalars over all ranks (through a small device buffer; waits on the host).
-    pub fn all_reduce_sum_f64(&self, vals: &mut [f64]) -> Result<()> {
-        if vals.is_empty() {
-            return Ok(());
-        }
-        let t = Tensor::from_slice(vals, vals.len(), &self.device)?;
-        let what = "all_reduce \"scalars\"";
-        let (p, n) = (self.ptr(&t, what)?, vals.len());
-        let comm = self.raw(false)?;
-        let done = self.enqueue(what, (CollOp::AllReduce, n, DType::F64), |s| {
-            // SAFETY: `p` addresses `n` f64 of `t`, alive until the copy back below.
-            ok(unsafe {
-                ns::ncclAllReduce(
-                    p as *const c_void,
-                    p as *mut c_void,
-                    n,
-                    ns::ncclDataType_t::ncclFloat64,
-                    ns::ncclRedOp_t::ncclSum,
-                    comm,
-                    s,
-                )
-            })
-        })?;
-        self.wait(&done, what)?;
-        vals.copy_from_slice(&t.to_vec1::<f64>()?);
-        Ok(())
-    }
-
-    /// Wait until every rank has arrived (a one-value all-reduce, waited for on the host).
-    pub fn barrier(&self, label: &str) -> Result<()> {
-        let mut one = [0.0f64];
-        self.all_reduce_sum_f64(&mut one).with_context(|| format!("barrier \"{label}\""))
-    }
-
-    /// In place: on entry rank r's slice `offsets[r]..+counts[r]` of `t` is valid, on exit all of it.
-    pub fn all_gather_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
-        // SAFETY (each call): the slice lies inside `t` (check_counts); in-place broadcast from its owner.
-        let what = (CollOp::AllGather, format!("all_gather \"{label}\""));
-        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
-            ns::ncclBroadcast(p, p, c, ty, root, comm, s)
-        })
-    }
-
-    /// In-place reduce-scatter-v (sum) over a flat buffer split into consecutive slices of `counts`:
-    /// slice r of `t` on rank r becomes the sum over ranks; the other slices keep their values.
-    pub fn reduce_scatter_v_inplace(&self, t: &Tensor, counts: &[usize], label: &str) -> Result<()> {
-        // SAFETY (each call): the slice lies inside `t` (check_counts); in-place reduce into its owner.
-        let what = (CollOp::ReduceScatter, format!("reduce_scatter \"{label}\""));
-        self.per_owner_in_place(t, counts, what, |p, c, ty, root, comm, s| unsafe {
-            ns::ncclReduce(p, p, c, ty, ns::ncclRedOp_t::ncclSum, root, comm, s)
-        })
-    }
-
-    /// One grouped NCCL call per owner on its slice of the flat buffer `t` (consecutive slices of
-    /// `counts`, rank order): `call(slice, count, dtype, owner, comm, stream)`; `op` names it for the
-    /// signature check.
-    fn per_owner_in_place(
-        &self,
-        t: &Tensor,
-        counts: &[usize],
-        (op, what): (CollOp, String),
-        call: impl Fn(*mut c_void, usize, ns::ncclDataType_t, i32, ns::ncclComm_t, ns::cudaStream_t) -> ns::ncclResult_t,
-    ) -> Result<()> {
-        let what = what.as_str();
-        self.check_counts(counts, t.elem_count(), what)?;
-        if t.elem_count() == 0 {
-            return Ok(());
-        }
-        let (base, ty) = (self.ptr(t, what)?, nccl_type(t.dtype(), what)?);
-        let es = t.dtype().size_in_bytes() as u64;
-        let offs = offsets(counts);
-        let comm = self.raw(false)?;
-        self.enqueue(what, (op, t.elem_count(), t.dtype()), |s| {
-            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                ok(call((base + o as u64 * es) as *mut c_void, c, ty, root as i32, comm, s))?;
-            }
-            Ok(())
-        })?;
-        Ok(())
-    }
-
-    /// All-gather-v into a new tensor: this rank contributes `input` (`counts[rank]` elements).
-    pub fn all_gather_v(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
-        self.joined(self.all_gather_v_start(input, counts, label)?)
-    }
-
-    /// `all_gather_v` without the compute stream waiting for it: the result may be used only after
-    /// `join_compute(done)`, and `input` must stay alive until then (None: nothing was queued).
-    pub fn all_gather_v_start(
-        &self,
-        input: &Tensor,
-        counts: &[usize],
-        label: &str,
-    ) -> Result<(Tensor, Option<Arc<CudaEvent>>)> {
-        let what = format!("all_gather \"{label}\"");
-        let total: usize = counts.iter().sum();
-        if counts.len() != self.world || input.elem_count() != counts[self.rank] {
-            bail!("internal: {what} of {} values with counts {counts:?} at rank {}", input.elem_count(), self.rank);
-        }
-        let out = crate::device::zeros_1d(total, input.dtype(), &self.device)?;
-        if total == 0 {
-            return Ok((out, None));
-        }
-        let ip = if counts[self.rank] > 0 { self.ptr(input, &what)? } else { 0 };
-        let (op, ty) = (self.ptr(&out, &what)?, nccl_type(input.dtype(), &what)?);
-        let es = input.dtype().size_in_bytes() as u64;
-        let offs = offsets(counts);
-        let (me, comm) = (self.rank, self.raw(false)?);
-        let done = self.enqueue_with(&what, (CollOp::AllGather, total, input.dtype()), false, |s| {
-            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                let send = if root == me { ip } else { op + o as u64 * es };
-                // SAFETY: `out` holds `total` elements; the root's send buffer holds `c`.
-                ok(unsafe {
-                    ns::ncclBroadcast(
-                        send as *const c_void,
-                        (op + o as u64 * es) as *mut c_void,
-                        c,
-                        ty,
-                        root as i32,
-                        comm,
-                        s,
-                    )
-                })?;
-            }
-            Ok(())
-        })?;
-        Ok((out, Some(done)))
-    }
-
     /// Make the compute stream wait for a collective started without joining it.
     pub fn join_compute(&self, done: &CudaEvent) -> Result<()> {
         Ok(self.dev.cuda_stream().wait(done)?)
-    }
-
-    /// The result of a `*_start` collective, joined at once (the blocking form).
-    fn joined(&self, (out, done): (Tensor, Option<Arc<CudaEvent>>)) -> Result<Tensor> {
-        if let Some(d) = done {
-            self.join_compute(&d)?;
-        }
-        Ok(out)
-    }
-
-    /// Reduce-scatter-v (sum): `input` is the concatenation of slices of `counts`; this rank gets slice
-    /// `rank` summed over ranks as a new tensor.
-    pub fn reduce_scatter_v_sum(&self, input: &Tensor, counts: &[usize], label: &str) -> Result<Tensor> {
-        self.joined(self.reduce_scatter_v_sum_start(input, counts, label)?)
-    }
-
-    /// `reduce_scatter_v_sum` without the compute stream waiting for it: the result may be used only
-    /// after `join_compute(done)`, and `input` must stay alive until then (None: nothing was queued).
-    pub fn reduce_scatter_v_sum_start(
-        &self,
-        input: &Tensor,
-        counts: &[usize],
-        label: &str,
-    ) -> Result<(Tensor, Option<Arc<CudaEvent>>)> {
-        let what = format!("reduce_scatter \"{label}\"");
-        self.check_counts(counts, input.elem_count(), &what)?;
-        let out = crate::device::zeros_1d(counts[self.rank], input.dtype(), &self.device)?;
-        if input.elem_count() == 0 {
-            return Ok((out, None));
-        }
-        let (ip, ty) = (self.ptr(input, &what)?, nccl_type(input.dtype(), &what)?);
-        let op = if counts[self.rank] > 0 { self.ptr(&out, &what)? } else { ip };
-        let es = input.dtype().size_in_bytes() as u64;
-        let offs = offsets(counts);
-        let (me, comm) = (self.rank, self.raw(false)?);
-        let sig = (CollOp::ReduceScatter, input.elem_count(), input.dtype());
-        let done = self.enqueue_with(&what, sig, false, |s| {
-            for (root, (&o, &c)) in offs.iter().zip(counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-                // off the root the receive buffer is ignored
-                let recv = if root == me { op } else { ip + o as u64 * es };
-                // SAFETY: the slice lies inside `input`; the root's `out` holds `c` elements.
-                ok(unsafe {
-                    ns::ncclReduce(
-                        (ip + o as u64 * es) as *const c_void,
-                        recv as *mut c_void,
-                        c,
-                        ty,
-                        ns::ncclRedOp_t::ncclSum,
-                        root as i32,
-                        comm,
-                        s,
-                    )
-                })?;
-            }
-            Ok(())
-        })?;
-        Ok((out, Some(done)))
-    }
-
-    /// Equal-chunk all-to-all inside this rank's sequence-parallel group, on the storage of a custom
-    /// op (`sequence::AllToAll`): P chunks of the contiguous input, chunk j to group rank j; chunk i of
-    /// the new storage came from group rank i.
-    pub fn sp_all_to_all_storage(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &candle_core::Layout,
-        label: &str,
-    ) -> Result<candle_core::CudaStorage> {
-        use candle_core::CudaStorage;
-        let what = format!("all_to_all \"{label}\"");
-        let p = self.sp;
-        let Some((lo, hi)) = l.contiguous_offsets() else { bail!("{what}: the input must be contiguous") };
-        let n = hi - lo;
-        if !n.is_multiple_of(p) {
-            bail!("internal: {what} of {n} values over {p} ranks");
-        }
-        let chunk = n / p;
-        let ty = nccl_type(s.dtype(), &what)?;
-        let es = s.dtype().size_in_bytes() as u64;
-        let out = match s.dtype() {
-            DType::F32 => CudaStorage::wrap_cuda_slice(self.dev.alloc_zeros::<f32>(n)?, self.dev.clone()),
-            DType::BF16 => CudaStorage::wrap_cuda_slice(self.dev.alloc_zeros::<half::bf16>(n)?, self.dev.clone()),
-            d => bail!("{what}: sequence parallelism exchanges f32 or bf16, not {d:?}"),
-        };
-        let (ip, op) = (self.storage_ptr(s, lo, &what)?, self.storage_ptr(&out, 0, &what)?);
-        let bytes = chunk as u64 * es;
-        let comm = self.raw(true)?;
-        self.enqueue(&what, (CollOp::AllToAll, n, s.dtype()), |st| {
-            for peer in 0..p {
-                let at = peer as u64 * bytes;
-                // SAFETY: chunk `peer` of the input and of the new buffer each hold `chunk` elements.
-                ok(unsafe { ns::ncclSend((ip + at) as *const c_void, chunk, ty, peer as i32, comm, st) })?;
-                ok(unsafe { ns::ncclRecv((op + at) as *mut c_void, chunk, ty, peer as i32, comm, st) })?;
-            }
-            Ok(())
-        })?;
-        Ok(out)
-    }
-
-    fn check_counts(&self, counts: &[usize], n: usize, what: &str) -> Result<()> {
-        if counts.len() != self.world || counts.iter().sum::<usize>() != n {
-            bail!("internal: {what} over {n} values with counts {counts:?} for {} ranks", self.world);
-        }
-        Ok(())
     }
 }
 
@@ -655,20 +359,9 @@ impl Drop for NcclComm {
     }
 }
 
-fn ok(r: ns::ncclResult_t) -> std::result::Result<(), ns::ncclResult_t> {
+pub(super) fn ok(r: ns::ncclResult_t) -> std::result::Result<(), ns::ncclResult_t> {
     match r {
         ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => Ok(()),
         e => Err(e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::offsets;
-
-    #[test]
-    fn ragged_offsets_are_exclusive_prefix_sums() {
-        assert_eq!(offsets(&[3, 0, 5, 1]), vec![0, 3, 3, 8]);
-        assert!(offsets(&[]).is_empty());
     }
 }

@@ -4,10 +4,11 @@
 use crate::common::harpe;
 use harpe::config::RunConfig;
 use harpe::device::DeviceSpec;
-use std::path::PathBuf;
 
-fn golden() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+// the two tests that read it run in a CPU build only
+#[cfg(not(feature = "cuda"))]
+fn golden() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
 }
 
 const CFG: &str = r#"
