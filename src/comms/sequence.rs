@@ -165,30 +165,66 @@ impl CustomOp1 for AllToAll {
     }
 }
 
+/// Copies of each exchanged tensor (q, k, v on the way in, the output on the way out) that
+/// `heads_to_seq` and `seq_to_heads` make and autograd keeps until the layer's backward: the
+/// all-to-all's result and, of the two re-layouts around it, the one that moves a head or token
+/// dimension of size > 1; the other only moves the batch dimension, a view with one sequence per
+/// micro-batch. The memory plan counts these (`train::plan`); the test below holds the code to them.
+pub fn saved_copies(micro_batch: usize) -> usize {
+    if micro_batch > 1 {
+        3
+    } else {
+        2
+    }
+}
+
+/// (B, Hx, T/P, D) -> the all-to-all's contiguous input (P, B, Hx/P, T/P, D): chunk j holds the heads
+/// rank j takes.
+fn chunks_by_head(x: &Tensor, p: usize) -> Result<Tensor> {
+    let (b, hx, tl, d) = x.dims4()?;
+    x.reshape((b, p, hx / p, tl, d))?.transpose(0, 1)?.contiguous()
+}
+
+/// The all-to-all's result (P, B, Hx/P, T/P, D), chunk i from rank i -> (B, Hx/P, T, D).
+fn seq_from_chunks(got: &Tensor) -> Result<Tensor> {
+    let (p, b, hp, tl, d) = got.dims5()?;
+    got.permute((1, 2, 0, 3, 4))?.reshape((b, hp, p * tl, d))
+}
+
+/// (B, H/P, T, D) -> the all-to-all's contiguous input (P, B, H/P, T/P, D): chunk j holds rank j's
+/// tokens.
+fn chunks_by_seq(o: &Tensor, p: usize) -> Result<Tensor> {
+    let (b, hp, t, d) = o.dims4()?;
+    o.reshape((b, hp, p, t / p, d))?.permute((2, 0, 1, 3, 4))?.contiguous()
+}
+
+/// The all-to-all's result (P, B, H/P, T/P, D), chunk i with rank i's heads -> (B, H, T/P, D).
+fn heads_from_chunks(got: &Tensor) -> Result<Tensor> {
+    let (p, b, hp, tl, d) = got.dims5()?;
+    got.transpose(0, 1)?.reshape((b, p * hp, tl, d))
+}
+
 /// q/k/v of this rank's tokens, all heads (B, Hx, T/P, D) -> all tokens of its Hx/P heads (B, Hx/P, T, D).
 pub fn heads_to_seq(group: &SpGroup, x: &Tensor, label: &'static str) -> Result<Tensor> {
     let p = group.size();
-    let (b, hx, tl, d) = x.dims4()?;
+    let hx = x.dims4()?.1;
     if !hx.is_multiple_of(p) {
         return Err(Error::Msg(format!("sequence parallelism: {hx} heads do not split over {p} ranks")));
     }
-    let chunks = x.reshape((b, p, hx / p, tl, d))?.transpose(0, 1)?.contiguous()?; // (P, B, Hx/P, T/P, D)
-    let got = chunks.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's tokens
-    got.permute((1, 2, 0, 3, 4))?.reshape((b, hx / p, p * tl, d)) // (B, Hx/P, T, D)
+    let got = chunks_by_head(x, p)?.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's tokens
+    seq_from_chunks(&got)
 }
 
 /// The attention output of this rank's heads over all tokens (B, H/P, T, D) -> its own tokens with
 /// every head (B, H, T/P, D): the inverse of `heads_to_seq`.
 pub fn seq_to_heads(group: &SpGroup, o: &Tensor, label: &'static str) -> Result<Tensor> {
     let p = group.size();
-    let (b, hp, t, d) = o.dims4()?;
+    let t = o.dims4()?.2;
     if !t.is_multiple_of(p) {
         return Err(Error::Msg(format!("sequence parallelism: {t} tokens do not split over {p} ranks")));
     }
-    let tl = t / p;
-    let chunks = o.reshape((b, hp, p, tl, d))?.permute((2, 0, 1, 3, 4))?.contiguous()?; // (P, B, H/P, T/P, D)
-    let got = chunks.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's heads
-    got.transpose(0, 1)?.reshape((b, p * hp, tl, d)) // (B, H, T/P, D)
+    let got = chunks_by_seq(o, p)?.apply_op1(AllToAll { group: group.clone(), label })?; // chunk i = rank i's heads
+    heads_from_chunks(&got)
 }
 
 /// Attention under Ulysses: exchange, the device's attention over all T tokens, exchange back.
@@ -318,6 +354,38 @@ mod tests {
         };
         let whole = |q: &Tensor, k: &Tensor, v: &Tensor| AttentionImpl::CpuReference.attend_doc(q, k, v, scale, &docs);
         ulysses_equals_one_rank((&q, &k, &v, &w), 2, &whole, AttentionImpl::Cpu, &attend);
+    }
+
+    /// Whether `b` is a view of `a`'s storage (CPU tensors).
+    fn shares_storage(a: &Tensor, b: &Tensor) -> bool {
+        let ptr = |t: &Tensor| match &*t.storage_and_layout().0 {
+            candle_core::Storage::Cpu(c) => c.as_slice::<f32>().unwrap().as_ptr(),
+            _ => unreachable!("CPU tensors only"),
+        };
+        ptr(a) == ptr(b)
+    }
+
+    #[test]
+    fn the_exchange_makes_the_copies_the_plan_counts() {
+        // P = 2, 4 heads, 6 tokens per rank; the all-to-all's result is always a new buffer (a
+        // stand-in of the right shape here: the re-layouts after it are what is measured)
+        let (p, h, tl, d) = (2, 4, 6, 8);
+        for b in [1usize, 2] {
+            let copy = |new: bool| usize::from(new);
+            let x = make(b, h, tl, d, 0.3);
+            let chunks = chunks_by_head(&x, p).unwrap();
+            let got = chunks.copy().unwrap();
+            let q = seq_from_chunks(&got).unwrap();
+            let q_copies = copy(!shares_storage(&x, &chunks)) + 1 + copy(!shares_storage(&got, &q));
+            assert_eq!(q_copies, saved_copies(b), "q at micro-batch {b}");
+            let o = make(b, h / p, tl * p, d, 0.5);
+            let chunks = chunks_by_seq(&o, p).unwrap();
+            let got = chunks.copy().unwrap();
+            let back = heads_from_chunks(&got).unwrap();
+            let o_copies = copy(!shares_storage(&o, &chunks)) + 1 + copy(!shares_storage(&got, &back));
+            assert_eq!(o_copies, saved_copies(b), "o at micro-batch {b}");
+            assert_eq!(back.dims4().unwrap(), (b, h, tl, d));
+        }
     }
 
     #[test]

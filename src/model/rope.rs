@@ -342,6 +342,16 @@ impl RopeScheme {
         }
     }
 
+    /// Rows of one cos/sin table (`tables`) in a model with `kv_heads` kv heads: one per kv head's base
+    /// under HARPE (the bases are reduced to one per kv head when the config is validated), else one
+    /// row all heads share.
+    pub fn table_rows(&self, kv_heads: usize) -> usize {
+        match self {
+            RopeScheme::Harpe { .. } => kv_heads,
+            _ => 1,
+        }
+    }
+
     /// True when different layers use different frequencies (tables must be rebuilt per layer).
     pub fn per_layer(&self) -> bool {
         matches!(self, RopeScheme::Harpe { layer_head_bases: Some(_), .. })

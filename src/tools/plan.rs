@@ -147,7 +147,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         if si >= cfg.stages.len() {
             bail!("--stage {si}: the config has {} stage(s)\nhint: stages count from 0", cfg.stages.len());
         }
-        let arch = Arch::of_run(&cfg, "[model]")?;
+        let arch = Arch::of_run(&cfg, "[model]")?.for_stage(&cfg, si);
         let run_hours = plan.run_hours;
         plan = plan_stage(&arch, &stage_shape(&cfg, si, &gpu), &world, &gpu);
         plan.stage = si;

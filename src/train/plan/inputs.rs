@@ -3,6 +3,7 @@
 //! arithmetic (`memory.rs`, `time.rs`), which reads these and nothing else.
 use crate::config::{Checkpointing, DistSection, RunConfig, ZeroStage};
 use crate::model::config::LlamaConfig;
+use crate::model::rope::RopeScheme;
 use crate::util::edit_distance;
 use anyhow::{anyhow, bail, Result};
 use serde::Serialize;
@@ -121,6 +122,10 @@ pub struct Arch {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub tied: bool,
+    /// the RoPE cos/sin tables a step holds on the device: rows per table (1, or one per kv head under
+    /// HARPE) and tables (1, or one per layer with per-layer bases); `Llama::rope_tables`
+    pub rope_rows: usize,
+    pub rope_tables: usize,
 }
 
 impl Arch {
@@ -136,7 +141,30 @@ impl Arch {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
             tied: c.tie_word_embeddings,
+            rope_rows: 1,
+            rope_tables: 1,
         }
+        .with_rope(&c.rope)
+    }
+
+    /// The same model under RoPE scheme `rope` (a run's `[rope]` or a stage's replaces the model's).
+    pub fn with_rope(mut self, rope: &RopeScheme) -> Arch {
+        self.rope_rows = rope.table_rows(self.kv_heads);
+        self.rope_tables = if rope.per_layer() { self.layers } else { 1 };
+        self
+    }
+
+    /// The model as stage `i` of `cfg` trains it (the stage's RoPE scheme, when it sets one).
+    pub fn for_stage(&self, cfg: &RunConfig, i: usize) -> Arch {
+        match cfg.stage_rope(i) {
+            Some(r) => self.clone().with_rope(&r),
+            None => self.clone(),
+        }
+    }
+
+    /// Device bytes of the RoPE tables of `tokens` positions: cos and sin, f32, head_dim / 2 columns.
+    pub fn rope_table_bytes(&self, tokens: f64) -> f64 {
+        (self.rope_tables * self.rope_rows * self.head_dim / 2) as f64 * tokens * 2.0 * 4.0
     }
 
     /// The architecture of a run: `[model] path`/config.json, or `[model.init]`.

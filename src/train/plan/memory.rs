@@ -149,9 +149,10 @@ pub(super) fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, term
     let (tl, wb) = (sz.tl, sz.wb);
     let gib = |b: f64| b / GIB;
     let path = if sz.cpu { LayerPath::CpuF32 } else { LayerPath::Cuda };
-    // Ulysses keeps three copies of q, k, v and of o per layer (the exchange's input and output and the
-    // re-laid-out result)
-    let sp_copies = if sz.p > 1 { 3.0 * (2.0 * sz.hd + 2.0 * sz.kvd) * wb } else { 0.0 };
+    // Ulysses' copies of q, k, v and o per layer, as `comms::sequence` makes them (two with one sequence
+    // per micro-batch, where one re-layout of each exchange is a view; three with more)
+    let copies = crate::comms::sequence::saved_copies(shape.micro_batch) as f64;
+    let sp_copies = if sz.p > 1 { copies * (2.0 * sz.hd + 2.0 * sz.kvd) * wb } else { 0.0 };
     let act = activations(arch, shape, path, (sz.n_seg, sz.seg, sz.last_seg), tl, sp_copies);
     let (inputs, recompute, loss) = (act.inputs, act.recompute, act.loss);
     let ws_note = format!(
@@ -164,6 +165,20 @@ pub(super) fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, term
         "layer_inputs",
         inputs,
         format!("{} saved segment inputs x {tl} tokens x {} x {wb} B", sz.n_seg, arch.hidden),
+    );
+    // the step's cos/sin tables stay on the device from the forward to the last layer's recompute; one
+    // table serves every sequence of the micro-batch (the same positions)
+    let rope_tokens = shape.seq_len.div_ceil(sz.p);
+    add_term(
+        terms,
+        "rope_tables",
+        arch.rope_table_bytes(rope_tokens as f64),
+        format!(
+            "cos + sin, f32: {} table(s) x {} row(s) x {rope_tokens} positions x {} columns",
+            arch.rope_tables,
+            arch.rope_rows,
+            arch.head_dim / 2
+        ),
     );
     let (ws, which) = if recompute >= loss { (recompute, "recompute") } else { (loss, "loss") };
     add_term(

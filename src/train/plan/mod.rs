@@ -156,17 +156,17 @@ pub fn plan_for(cfg: &RunConfig, world: &World, gpu: &Gpu) -> Result<Plan> {
     }
     world.dist().validate("[dist]", world.gpus, Some(arch.kv_heads), &cfg.stage_batches())?;
     let si = peak_stage(cfg);
-    let mut plan = plan_stage(&arch, &stage_shape(cfg, si, gpu), world, gpu);
+    let mut plan = plan_stage(&arch.for_stage(cfg, si), &stage_shape(cfg, si, gpu), world, gpu);
     plan.stage = si;
     plan.run_hours = (0..cfg.stages.len())
         .map(|i| {
-            let p = plan_stage(&arch, &stage_shape(cfg, i, gpu), world, gpu);
+            let p = plan_stage(&arch.for_stage(cfg, i), &stage_shape(cfg, i, gpu), world, gpu);
             let (steps, per_step) = cfg.stage_steps(i);
             steps as f64 * per_step as f64 / p.tokens_per_s / 3600.0
         })
         .sum();
     if !plan.fits {
-        plan.suggestion = suggest(&arch, &plan.shape, world, gpu);
+        plan.suggestion = suggest(&plan.arch, &plan.shape, world, gpu);
     }
     Ok(plan)
 }
