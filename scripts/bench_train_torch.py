@@ -11,12 +11,13 @@ and greedy decode, `harpe generate` against transformers' `generate` with its KV
 Both sides run full optimizer steps (forward, backward, clip, AdamW) in f32 on random-init weights; torch
 reads random ids (the tokens do not change the speed). harpe's tokens/s is the median over steps after the
 first (warm-up) from its metrics.jsonl; torch's is the median over the same number of timed steps after one
-warm-up step. Each side of each row runs in its own fresh process (torch: this script with `--torch-row`),
-back to back, torch first, and the 1-minute load average is recorded before each side: the machine may be
-shared. `--repeats R` runs R processes per side and row, alternating torch and harpe, and takes each side's
-median: on a VM whose speed drifts by 10-20% from minute to minute (benches/results/train-cpu-grid.md, its
-note on the VM), one process per side is a coin flip for rows within that of 1.0x. torch uses transformers'
-default attention (SDPA; `--attn eager` for the old comparison).
+warm-up step. Each side of each row runs in its own fresh process (torch: this script with `--torch-row`).
+The method, for every CPU speed figure in benches/: `--repeats R` (default 5) rounds per row, each round torch
+(every `--attn` in turn: `--attn sdpa eager` times both) then harpe, so a slow spell of the machine falls on
+both sides; each side's median over its R processes and their min-max spread; the CPU model and its vector
+ISA (AVX-512, or AVX2 only) in the header; the 1-minute load average before and after each row, and a row
+above 1.5 at either end marked loaded (on 2 cores: another process held a core; not evidence of a speed).
+torch's default attention is transformers' default, SDPA.
 Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_enable`
 (torch.utils.checkpoint around every decoder layer, use_reentrant=False); "none" against plain autograd.
 
@@ -77,6 +78,9 @@ GRID = [
     shape(768, 12, 12, 8, 256, 8, "every-layer"),
     shape(384, 6, 2, 4, 4096, 1, "none", inter=1024),
     shape(768, 12, 4, 2, 512, 8, "every-layer"),
+    # beyond the covering design: GQA 4:1 (8 heads over 2 kv heads) at T 2048, both checkpointing modes
+    shape(512, 8, 2, 4, 2048, 2, "none"),
+    shape(512, 8, 2, 4, 2048, 2, "every-layer"),
 ]
 
 
@@ -327,9 +331,9 @@ def infer_rows(a):
             continue
         load_p = os.getloadavg()[0]
         reps = max(3, a.repeats)
-        pt, ph, nt, nh, count, n_params, pts, phs = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn, reps)
+        pt, ph, nt, nh, count, n_params, pts, phs = ppl_tokens_per_s(a.harpe, a.threads, s, a.attn[0], reps)
         load_d = os.getloadavg()[0]
-        dt, dh, same, dts, dhs = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn, reps)
+        dt, dh, same, dts, dhs = decode_tokens_per_s(a.harpe, a.threads, s, prompt, DECODE_NEW, a.attn[0], reps)
         lines.append(f"| {i} | {s['hidden']} | {s['heads']}/{s['kv']} | {s['layers']} | {s['inter']} | "
                      f"{n_params / 1e6:.1f}M | {s['seq']} | {load_p:.2f} | {pt:.0f} | {ph:.0f} | {ph / pt:.2f} | "
                      f"{nt:.4f} / {nh:.4f} | {prompt} | {load_d:.2f} | {dt:.1f} | {dh:.1f} | {dh / dt:.2f} | {same} |")
@@ -349,11 +353,11 @@ def infer_report(a, lines, raw, load_before):
         "# Inference throughput on CPU: harpe vs PyTorch (perplexity scoring and KV-cached decoding)",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_train_torch.py --infer` on "
-        f"`{os.uname().nodename}` ({cpu_model()}, {os.cpu_count()} logical CPUs; 1-minute load average "
+        f"`{os.uname().nodename}` ({cpu_model()}; {cpu_isa()}; {os.cpu_count()} logical CPUs; 1-minute load average "
         f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
         f"sides, f32, vocab {VOCAB}, random-init weights saved by transformers and loaded by harpe "
         f"(--rope-parity hf). torch {torch.__version__}, transformers LlamaForCausalLM, attn_implementation="
-        f"\"{a.attn}\"; harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
+        f"\"{a.attn[0]}\"; harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Perplexity: one document of max(4, 8192/T) disjoint windows of T tokens; transformers "
         f"`model(w, labels=w)` per window (no_grad; median of {max(3, a.repeats)} passes after a warm-up) vs `harpe eval-ppl "
         f"--window T --stride T --json` (median of {max(3, a.repeats)} processes of its `warm_tokens_per_s`: scoring time of the windows after the first, "
         f"not loading; the torch side is timed after a warm-up pass; torch passes and harpe processes alternate); "
@@ -386,32 +390,58 @@ def cpu_model():
     return "unknown CPU"
 
 
+def cpu_isa():
+    """The vector ISA harpe's CPU kernels and torch can use here: AVX-512 or AVX2 only (from /proc/cpuinfo's
+    flags; the figures of one do not stand for the other)."""
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown ISA"
+    if "avx512f" in flags:
+        return "AVX-512 (" + ", ".join(f for f in ("avx512f", "avx512bw", "avx512_bf16") if f in flags) + ")"
+    if "avx2" in flags:
+        return "AVX2" + (" + FMA" if "fma" in flags else "") + ", no AVX-512"
+    return "no AVX2"
+
+
+# a row measured above this 1-minute load average is marked: on 2 cores it means another process had a core
+QUIET_LOAD = 1.5
+
+
+def spread(xs):
+    """'min-max' of a side's per-process figures."""
+    return f"{min(xs):.0f}-{max(xs):.0f}"
+
+
 def describe(s):
     return (f"C={s['hidden']} H={s['heads']}/{s['kv']} L={s['layers']} I={s['inter']} T={s['seq']} "
             f"mb={s['batch']} ckpt={s['ckpt']}")
 
 
 def run_rows(a, shapes):
-    """Both sides of every (number, shape), torch then harpe back to back; returns row dicts and raw lines."""
+    """Every (number, shape): `a.repeats` rounds of torch (each `--attn` in turn) then harpe, each side in a
+    fresh process, so a slow spell of the machine falls on both sides; each side's median and spread, and
+    the 1-minute load average before and after the row. Returns row dicts and raw lines."""
     rows, raw, meta = [], [], {}
     for i, s in shapes:
-        # --repeats R: torch, harpe, torch, harpe, ... (R processes each, alternating so a slow spell of the
-        # machine falls on both sides); each side's tok/s is the median over its R processes
-        ts, hs = [], []
-        load_t = os.getloadavg()[0]
+        ts = {at: [] for at in a.attn}
+        hs = []
+        load_before = os.getloadavg()[0]
         for _ in range(a.repeats):
-            t, meta["torch"], params = torch_row_subprocess(s, a.steps, a.threads, a.attn)
-            ts.append(t)
-            if not hs:
-                load_h = os.getloadavg()[0]
+            for at in a.attn:
+                t, meta["torch"], params = torch_row_subprocess(s, a.steps, a.threads, at)
+                ts[at].append(t)
             hs.append(harpe_tokens_per_s(a.harpe, s, a.steps, a.threads))
-        t, h = statistics.median(ts), statistics.median(hs)
-        rows.append(dict(s, i=i, load_t=load_t, load_h=load_h, torch=t, harpe=h, params=params))
-        line = (f"row {i} {describe(s)} params={params / 1e6:.1f}M load={load_t:.2f}/{load_h:.2f}: "
-                f"torch {t:.0f} harpe {h:.0f} tok/s (x{h / t:.2f})")
-        if a.repeats > 1:
-            line += (f" over {a.repeats} processes each: torch {' '.join(f'{x:.0f}' for x in ts)}, "
-                     f"harpe {' '.join(f'{x:.0f}' for x in hs)}")
+        load_after = os.getloadavg()[0]
+        h = statistics.median(hs)
+        torch_med = {at: statistics.median(v) for at, v in ts.items()}
+        loaded = max(load_before, load_after) > QUIET_LOAD
+        rows.append(dict(s, i=i, load_before=load_before, load_after=load_after, loaded=loaded, torch=torch_med,
+                         torch_runs=ts, harpe=h, harpe_runs=hs, params=params))
+        ratios = ", ".join(f"x{h / t:.2f} vs {at}" for at, t in torch_med.items())
+        line = (f"row {i} {describe(s)} params={params / 1e6:.1f}M load={load_before:.2f}->{load_after:.2f}"
+                f"{' LOADED' if loaded else ''}: harpe {h:.0f} tok/s ({ratios}); runs: harpe {' '.join(f'{x:.0f}' for x in hs)}"
+                + "".join(f"; torch {at} {' '.join(f'{x:.0f}' for x in v)}" for at, v in ts.items()))
         raw.append(line)
         print(line, file=sys.stderr, flush=True)
     return rows, raw, meta
@@ -420,12 +450,12 @@ def run_rows(a, shapes):
 def profile_rows(a, rows):
     """perf top symbols of both sides of the `a.profile` rows with the lowest ratio."""
     out = []
-    worst = sorted(rows, key=lambda r: r["harpe"] / r["torch"])[: a.profile]
+    worst = sorted(rows, key=lambda r: r["harpe"] / r["torch"][a.attn[0]])[: a.profile]
     with tempfile.TemporaryDirectory() as d:
         for r in worst:
             s = {k: r[k] for k in ("hidden", "heads", "kv", "layers", "inter", "seq", "batch", "ckpt")}
             pt, ph = os.path.join(d, "torch.data"), os.path.join(d, "harpe.data")
-            torch_row_subprocess(s, a.steps, a.threads, a.attn, perf_out=pt)
+            torch_row_subprocess(s, a.steps, a.threads, a.attn[0], perf_out=pt)
             harpe_tokens_per_s(a.harpe, s, a.steps, a.threads, perf_out=ph)
             out += ["", f"Row {r['i']} ({describe(s)}), `perf record -F 499`, whole process (setup included), "
                     f"self time by shared object and symbol, load {os.getloadavg()[0]:.2f}:", ""]
@@ -435,27 +465,32 @@ def profile_rows(a, rows):
 
 
 def report(a, rows, raw, meta, load_before, drows):
+    torch_cols = " | ".join(f"torch {at} tok/s (spread) | ratio vs {at}" for at in a.attn)
     lines = [
         "# Training throughput on CPU: harpe vs PyTorch",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_train_torch.py` on "
-        f"`{os.uname().nodename}` ({cpu_model()}, {os.cpu_count()} logical CPUs; 1-minute load average "
+        f"`{os.uname().nodename}` ({cpu_model()}; {cpu_isa()}; {os.cpu_count()} logical CPUs; 1-minute load average "
         f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
         f"sides, f32, vocab {VOCAB}, median of {a.steps} steps after one warm-up step, each side in its own "
-        f"process" + (f" ({a.repeats} processes per side and row, torch and harpe alternating; the median of "
-                      f"them; each process's tok/s in the raw lines)" if a.repeats > 1 else "") + f". torch {meta.get('torch', '?')} (transformers LlamaForCausalLM, attn_implementation="
-        f"\"{a.attn}\", torch.optim.AdamW; checkpointed rows: gradient_checkpointing_enable, "
-        f"torch.utils.checkpoint per layer); harpe binary `{a.harpe}`: `{harpe_version(a.harpe)}`. Load: 1-minute average before the torch "
-        f"side / before the harpe side.",
+        f"process, {a.repeats} processes per side and row, interleaved (torch {' then torch '.join(a.attn)}, then "
+        f"harpe, {a.repeats} times); each side's figure is the median over its processes, the spread their "
+        f"min-max (each process's tok/s in the raw lines). torch {meta.get('torch', '?')} (transformers "
+        f"LlamaForCausalLM, attn_implementation {' and '.join(a.attn)}, torch.optim.AdamW; checkpointed rows: "
+        f"gradient_checkpointing_enable, torch.utils.checkpoint per layer); harpe binary `{a.harpe}`: "
+        f"`{harpe_version(a.harpe)}`. Load: the 1-minute average before -> after the row; a row above "
+        f"{QUIET_LOAD} at either end is marked **loaded** and is not evidence of a speed.",
         "",
-        "| # | hidden | heads/kv | layers | inter | T | mb | ckpt | params | load | torch tok/s | harpe tok/s | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| # | hidden | heads/kv | layers | inter | T | mb | ckpt | params | load | harpe tok/s (spread) | {torch_cols} |",
+        "|" + "---|" * (11 + 2 * len(a.attn)),
     ]
     for r in rows:
+        torch_cells = " | ".join(f"{r['torch'][at]:.0f} ({spread(r['torch_runs'][at])}) | "
+                                 f"{r['harpe'] / r['torch'][at]:.2f}" for at in a.attn)
+        load = f"{r['load_before']:.2f} -> {r['load_after']:.2f}" + (" **loaded**" if r["loaded"] else "")
         lines.append(f"| {r['i']} | {r['hidden']} | {r['heads']}/{r['kv']} | {r['layers']} | {r['inter']} | "
-                     f"{r['seq']} | {r['batch']} | {r['ckpt']} | {r['params'] / 1e6:.1f}M | "
-                     f"{r['load_t']:.2f}/{r['load_h']:.2f} | {r['torch']:.0f} | {r['harpe']:.0f} | "
-                     f"{r['harpe'] / r['torch']:.2f} |")
+                     f"{r['seq']} | {r['batch']} | {r['ckpt']} | {r['params'] / 1e6:.1f}M | {load} | "
+                     f"{r['harpe']:.0f} ({spread(r['harpe_runs'])}) | {torch_cells} |")
     if drows:
         lines += ["", f"Greedy decode, {a.decode} new tokens after a {a.prompt}-token prompt, batch 1 "
                   "(transformers `generate`, KV cache, vs `harpe generate`):", "",
@@ -478,14 +513,15 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", help="only these GRID (or INFER_GRID) rows (1-based)")
     ap.add_argument("--infer", action="store_true",
                     help="run INFER_GRID (eval-ppl and decode vs transformers) instead of the training grid")
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers' attention")
+    ap.add_argument("--attn", nargs="+", default=["sdpa"], choices=["sdpa", "eager"],
+                    help="transformers' attention(s): each is timed in every round (--attn sdpa eager: both)")
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="sequence lengths (without --grid)")
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[4],
                     help="kv heads of the 8 attention heads (4: GQA, 8: MHA; without --grid)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (without --grid)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="processes per side and row, alternating torch and harpe; each side's median is taken")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="processes per side and row, interleaved torch and harpe; each side's median is taken")
     ap.add_argument("--no-ckpt-rows", action="store_true", help="skip the checkpointed rows (without --grid)")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="perf profiles of the K lowest-ratio rows")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also time greedy decode of N tokens")
@@ -494,7 +530,7 @@ def main():
     ap.add_argument("--torch-row", help=argparse.SUPPRESS)  # internal: one torch side, JSON shape
     a = ap.parse_args()
     if a.torch_row:
-        print(json.dumps(torch_tokens_per_s(json.loads(a.torch_row), a.steps, a.threads, a.attn)))
+        print(json.dumps(torch_tokens_per_s(json.loads(a.torch_row), a.steps, a.threads, a.attn[0])))
         return
     if a.infer:
         load_before = os.getloadavg()[0]
@@ -514,7 +550,7 @@ def main():
     if a.decode:
         s = shapes[0][1]
         load = os.getloadavg()[0]
-        t, h, same, _, _ = decode_tokens_per_s(a.harpe, a.threads, s, a.prompt, a.decode, a.attn)
+        t, h, same, _, _ = decode_tokens_per_s(a.harpe, a.threads, s, a.prompt, a.decode, a.attn[0])
         d = f"C={s['hidden']} H={s['heads']}/{s['kv']} L={s['layers']}"
         drows.append((d, load, t, h, same))
         line = f"decode {a.decode} after {a.prompt} {d} load={load:.2f}: torch {t:.1f} harpe {h:.1f} tok/s (x{h / t:.2f}), same: {same}"
