@@ -17,7 +17,10 @@ The method, for every CPU speed figure in benches/: `--repeats R` (default 5) ro
 both sides; each side's median over its R processes and their min-max spread; the CPU model and its vector
 ISA (AVX-512, or AVX2 only) in the header; the 1-minute load average before and after each row, and a row
 above 1.5 at either end marked loaded (on 2 cores: another process held a core; not evidence of a speed).
-torch's default attention is transformers' default, SDPA.
+torch's default attention is transformers' default, SDPA. `--isa avx2` measures the AVX2-only case on an
+AVX-512 machine: torch with ATEN_CPU_CAPABILITY=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2, harpe a build
+without its `avx512` feature (`cargo build --release --no-default-features`; the script checks that
+`harpe --version` says its CPU kernels take AVX2).
 Activation checkpointing: harpe "every-layer" against `gradient_checkpointing_enable`
 (torch.utils.checkpoint around every decoder layer, use_reentrant=False); "none" against plain autograd.
 
@@ -197,6 +200,10 @@ def harpe_tokens_per_s(binary, s, steps, threads, perf_out=None):
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         recs = [json.loads(l) for l in open(os.path.join(d, "run", "metrics.jsonl"))]
     return statistics.median(r["tokens_per_s"] for r in recs[1:])
+
+
+# --isa avx2: what keeps torch's own kernels (ATen's dispatch) and MKL's GEMMs off AVX-512
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def torch_row_subprocess(s, steps, threads, attn, perf_out=None):
@@ -470,7 +477,10 @@ def report(a, rows, raw, meta, load_before, drows):
         "# Training throughput on CPU: harpe vs PyTorch",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_train_torch.py` on "
-        f"`{os.uname().nodename}` ({cpu_model()}; {cpu_isa()}; {os.cpu_count()} logical CPUs; 1-minute load average "
+        f"`{os.uname().nodename}` ({cpu_model()}; {cpu_isa()}"
+        + ("; both sides kept to AVX2 (--isa avx2: torch " + ", ".join(f"{k}={v}" for k, v in TORCH_AVX2_ENV.items())
+           + "; harpe built without its avx512 feature)" if a.isa == "avx2" else "")
+        + f"; {os.cpu_count()} logical CPUs; 1-minute load average "
         f"{load_before:.2f} before the run and {os.getloadavg()[0]:.2f} after it), {a.threads} threads on both "
         f"sides, f32, vocab {VOCAB}, median of {a.steps} steps after one warm-up step, each side in its own "
         f"process, {a.repeats} processes per side and row, interleaved (torch {' then torch '.join(a.attn)}, then "
@@ -526,12 +536,21 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="perf profiles of the K lowest-ratio rows")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also time greedy decode of N tokens")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens of the decode rows")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="avx2: keep both sides off AVX-512 (torch by its env switches; harpe must be a "
+                         "--no-default-features build)")
     ap.add_argument("--out", help="write the markdown table here (default: stdout only)")
     ap.add_argument("--torch-row", help=argparse.SUPPRESS)  # internal: one torch side, JSON shape
     a = ap.parse_args()
     if a.torch_row:
         print(json.dumps(torch_tokens_per_s(json.loads(a.torch_row), a.steps, a.threads, a.attn[0])))
         return
+    if a.isa == "avx2":
+        # set before torch is first imported (the --infer rows run torch in this process; harpe ignores them)
+        os.environ.update(TORCH_AVX2_ENV)
+        if "CPU kernels: AVX-512" in harpe_version(a.harpe):
+            raise SystemExit(f"--isa avx2: {a.harpe} takes AVX-512 on this CPU (`harpe --version`)\n"
+                             "hint: cargo build --release --no-default-features, and pass that binary")
     if a.infer:
         load_before = os.getloadavg()[0]
         lines, raw = infer_rows(a)

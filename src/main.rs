@@ -27,8 +27,8 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 pub static malloc_conf: &[u8] = b"dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0,thp:always,narenas:1\0";
 
 /// `harpe --version`: the package version, the cargo features the binary was built with, the CUDA release it
-/// was built for with the oldest driver branch that runs it (a CUDA build), and its CPU GEMM backend
-/// (benchmark records name the build they measured: scripts/bench_train_torch.py reads this line).
+/// was built for with the oldest driver branch that runs it (a CUDA build), its CPU GEMM backend and the
+/// vector ISA its CPU kernels take on this CPU (benchmark records name the build they measured: scripts/bench_train_torch.py reads this line).
 fn version() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| {
@@ -37,6 +37,7 @@ fn version() -> &'static str {
             ("nccl", cfg!(feature = "nccl")),
             ("flash-attn", cfg!(feature = "flash-attn")),
             ("mkl", cfg!(feature = "mkl")),
+            ("avx512", cfg!(feature = "avx512")),
         ];
         let on: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
         let on = if on.is_empty() { "none".to_string() } else { on.join(", ") };
@@ -48,7 +49,12 @@ fn version() -> &'static str {
             ),
             None => String::new(),
         };
-        format!("{} (features: {on}{cuda}; CPU GEMM: {})", env!("CARGO_PKG_VERSION"), harpe::ops::cpu_gemm::backend())
+        format!(
+            "{} (features: {on}{cuda}; CPU GEMM: {}; CPU kernels: {})",
+            env!("CARGO_PKG_VERSION"),
+            harpe::ops::cpu_gemm::backend(),
+            harpe::ops::cpu_vec::isa()
+        )
     })
 }
 

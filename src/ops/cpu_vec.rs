@@ -33,16 +33,27 @@ fn have_avx2() -> bool {
     }
 }
 
-/// True when the AVX-512 copies can run.
+/// True when the AVX-512 copies can run: built with them (feature `avx512`) and on a CPU that has them.
 #[inline]
 fn have_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && have_avx2()
+        cfg!(feature = "avx512") && std::is_x86_feature_detected!("avx512f") && have_avx2()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// The vector ISA the CPU kernels run with on this CPU (`harpe --version`; benchmark records name it).
+pub fn isa() -> &'static str {
+    if have_avx512() {
+        "AVX-512"
+    } else if have_avx2() {
+        "AVX2 + FMA"
+    } else {
+        "baseline"
     }
 }
 

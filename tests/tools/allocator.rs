@@ -23,8 +23,8 @@ fn the_binary_runs_on_jemalloc_with_the_step_reuse_options() {
     }
 }
 
-/// `harpe --version` names the build's features and its CPU GEMM backend (benchmark records copy this
-/// line to say which build they measured).
+/// `harpe --version` names the build's features, its CPU GEMM backend and the vector ISA of its CPU
+/// kernels (benchmark records copy this line to say which build they measured).
 #[test]
 fn version_names_the_features_and_the_cpu_gemm_backend() {
     let out = harpe_cmd().arg("--version").output().expect("harpe runs");
@@ -35,9 +35,26 @@ fn version_names_the_features_and_the_cpu_gemm_backend() {
     assert!(v.contains(gemm), "{v}");
     let features: Vec<&str> =
         v.split("features: ").nth(1).and_then(|r| r.split(';').next()).expect("features").split(", ").collect();
-    for (f, on) in [("mkl", cfg!(feature = "mkl")), ("cuda", cfg!(feature = "cuda")), ("nccl", cfg!(feature = "nccl"))]
-    {
+    let built = [
+        ("mkl", cfg!(feature = "mkl")),
+        ("cuda", cfg!(feature = "cuda")),
+        ("nccl", cfg!(feature = "nccl")),
+        ("avx512", cfg!(feature = "avx512")),
+    ];
+    for (f, on) in built {
         assert_eq!(features.contains(&f), on, "{f}: {v}");
     }
-    assert_eq!(features == ["none"], !cfg!(any(feature = "mkl", feature = "cuda")), "{v}");
+    assert_eq!(features == ["none"], !built.iter().any(|f| f.1), "{v}");
+    // the ISA the CPU kernels take here: AVX-512 only when built with it and the CPU has it
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = if cfg!(feature = "avx512") && std::is_x86_feature_detected!("avx512f") {
+            "CPU kernels: AVX-512"
+        } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            "CPU kernels: AVX2 + FMA"
+        } else {
+            "CPU kernels: baseline"
+        };
+        assert!(v.contains(isa), "{isa}: {v}");
+    }
 }
