@@ -42,6 +42,11 @@ pub fn doc_text(doc: usize, len: usize) -> String {
     doc_ids(doc, len).iter().map(|i| format!("w{}", i - 3)).collect::<Vec<_>>().join(" ")
 }
 
+/// `n` documents of `len` tokens each (`doc_text(0, len)`, ...), all of source "a".
+pub fn one_source_docs(n: usize, len: usize) -> Vec<(String, String)> {
+    (0..n).map(|d| ("a".to_string(), doc_text(d, len))).collect()
+}
+
 /// A SlimPajama-style jsonl line.
 pub fn slimpajama_line(text: &str, source: &str) -> String {
     serde_json::json!({"text": text, "meta": {"redpajama_set_name": source}}).to_string()

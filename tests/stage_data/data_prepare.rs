@@ -159,7 +159,7 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 fn cut_strategy_splits_documents() {
     let tmp = tempfile::tempdir().unwrap();
     let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..6).map(|d| ("a".to_string(), doc_text(d, 100))).collect();
+    let texts = one_source_docs(6, 100);
     let mut o = PrepareOptions::new(32);
     o.strategy.name = StrategyKind::Cut;
     o.strategy.cut_len = 30;
@@ -181,7 +181,7 @@ fn cut_strategy_splits_documents() {
 fn budget_cuts_original_and_separator_policies() {
     let tmp = tempfile::tempdir().unwrap();
     let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..20).map(|d| ("a".to_string(), doc_text(d, 50))).collect();
+    let texts = one_source_docs(20, 50);
     let mut o = PrepareOptions::new(16);
     o.strategy.budget = Some(100);
     o.separator = harpe::data::tokenize::Separator::BosEos;
