@@ -32,6 +32,13 @@ pub fn write_tokenizer(dir: &Path) -> PathBuf {
     p
 }
 
+/// A temporary directory (removed when the first value drops) holding the test tokenizer, and its path.
+pub fn tempdir_with_tokenizer() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = write_tokenizer(tmp.path());
+    (tmp, tok)
+}
+
 /// Token ids of document `doc` of length `len` (deterministic content).
 pub fn doc_ids(doc: usize, len: usize) -> Vec<u32> {
     (0..len).map(|j| 3 + ((doc * 7919 + j * 31) % VOCAB) as u32).collect()

@@ -131,8 +131,7 @@ fn open_validates_seq_len_rank_and_shard_size() {
 
 #[test]
 fn cli_prepare_then_inspect() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let input = tmp.path().join("in.jsonl");
     let lines: Vec<String> = (0..40)
         .map(|d| {

@@ -55,6 +55,25 @@ pub struct GgufVocab {
     pub add_eos: Option<bool>,
 }
 
+/// The array at metadata key `k` of `g` (None when absent), each element through `elem` (None: not an
+/// element of the kind the array must hold, named by `kind`).
+fn meta_array<T>(g: &Gguf, k: &str, kind: &str, elem: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>> {
+    let origin = g.path.display();
+    match g.meta(k) {
+        None => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                elem(v).ok_or_else(|| anyhow!("{origin}: `{k}` holds {v:?}, not {kind}\nhint: the file is damaged"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        Some(other) => {
+            bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
+        }
+    }
+}
+
 impl GgufVocab {
     /// Read the vocabulary from the file's metadata; an absent or foreign tokenizer model is an error
     /// naming `tokenizer.ggml.model`.
@@ -71,34 +90,14 @@ impl GgufVocab {
                  (\"gpt2\") and SentencePiece BPE (\"llama\") tokenizers; pass the model's tokenizer.json with --tokenizer"
             );
         }
-        // The array at key `k` (None when absent), each element through `elem` (None: not an element
-        // of the kind the array must hold, named by `kind`).
-        fn array<T>(g: &Gguf, k: &str, kind: &str, elem: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>> {
-            let origin = g.path.display();
-            match g.meta(k) {
-                None => Ok(None),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|v| {
-                        elem(v).ok_or_else(|| {
-                            anyhow!("{origin}: `{k}` holds {v:?}, not {kind}\nhint: the file is damaged")
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(Some),
-                Some(other) => {
-                    bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
-                }
-            }
-        }
         let strings = |k: &str| {
-            array(g, k, "a string", |v| match v {
+            meta_array(g, k, "a string", |v| match v {
                 Value::String(s) => Some(s.clone()),
                 _ => None,
             })
         };
         let numbers = |k: &str| {
-            array(g, k, "a number", |v| match v {
+            meta_array(g, k, "a number", |v| match v {
                 Value::F32(x) => Some(f64::from(*x)),
                 Value::F64(x) => Some(*x),
                 Value::I32(x) => Some(f64::from(*x)),
