@@ -253,10 +253,7 @@ impl FlatBuf {
 
     /// Add the values of `t` (any shape, `range.len()` elements) to `range`, in fp32.
     pub fn add_tensor(&mut self, range: Range<usize>, t: &Tensor) -> Result<()> {
-        self.check_range(&range, "add_tensor")?;
-        if t.elem_count() != range.len() {
-            bail!("internal: adding {} values into a range of {}", t.elem_count(), range.len());
-        }
+        self.check_fits(&range, t, "add_tensor")?;
         match self {
             FlatBuf::Host(v) => {
                 let dst = &mut v[range];
@@ -285,10 +282,7 @@ impl FlatBuf {
 
     /// Overwrite `range` with the values of `t` (any shape and float dtype, `range.len()` elements).
     pub fn set_tensor(&mut self, range: Range<usize>, t: &Tensor) -> Result<()> {
-        self.check_range(&range, "set_tensor")?;
-        if t.elem_count() != range.len() {
-            bail!("internal: writing {} values into a range of {}", t.elem_count(), range.len());
-        }
+        self.check_fits(&range, t, "set_tensor")?;
         match self {
             FlatBuf::Host(v) => {
                 let x = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().context("reading a tensor")?;
@@ -418,6 +412,15 @@ impl FlatBuf {
     fn check_range(&self, r: &Range<usize>, what: &str) -> Result<()> {
         if r.start > r.end || r.end > self.len() {
             bail!("internal: FlatBuf::{what}: range {r:?} outside a buffer of {}", self.len());
+        }
+        Ok(())
+    }
+
+    /// `check_range`, and `t` holds exactly `r.len()` values.
+    fn check_fits(&self, r: &Range<usize>, t: &Tensor, what: &str) -> Result<()> {
+        self.check_range(r, what)?;
+        if t.elem_count() != r.len() {
+            bail!("internal: FlatBuf::{what}: {} values for a range of {}", t.elem_count(), r.len());
         }
         Ok(())
     }

@@ -1,12 +1,62 @@
-//! Small shared helpers: atomic file writes, sha256, human-readable and parsed sizes, one-writer directory
+//! Small shared helpers: atomic file writes, append-only record files, sha256, human-readable and parsed sizes, one-writer directory
 //! locks, the host's name and memory, the edit distance that names the nearest valid word.
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Write `bytes` to `path` atomically: temporary file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, |f| Ok(f.write_all(bytes)?))
+}
+
+/// The JSON file `path` as a `T`; a file that does not parse is named with `hint` (what to do about it).
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path, hint: &str) -> Result<T> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: {hint}", path.display()))
+}
+
+/// A file that whole records are appended to, each flushed. A failed write (a full disk, a quota) does
+/// not stop the writer's caller: it is reported once, the file is cut back to its last whole record, and
+/// nothing more is written to it (train/metrics.rs says why a training log may fail quietly).
+pub struct AppendFile {
+    file: std::fs::File,
+    path: PathBuf,
+    /// bytes of whole records written so far (a failed write is cut back to this)
+    len: u64,
+    /// a write failed: no more records
+    failed: bool,
+}
+
+impl AppendFile {
+    /// `file`, open for appending at `path`, which holds `len` bytes of whole records.
+    pub fn new(file: std::fs::File, path: PathBuf, len: u64) -> AppendFile {
+        AppendFile { file, path, len, failed: false }
+    }
+
+    /// Append `rec` and flush it; a failure is reported as "writing PATH failed (ERROR); `then`".
+    pub fn append(&mut self, rec: &[u8], then: &str) {
+        if self.failed {
+            return;
+        }
+        match self.file.write_all(rec).and_then(|_| self.file.flush()) {
+            Ok(()) => self.len += rec.len() as u64,
+            Err(e) => {
+                self.failed = true;
+                let _ = self.file.set_len(self.len);
+                eprintln!("warning: writing {} failed ({e}); {then}", self.path.display());
+            }
+        }
+    }
+
+    /// Whether a write failed (nothing more is written).
+    pub fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// Write `path` atomically through `write` (given the temporary file): fsync, then rename; on an
@@ -28,6 +78,18 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> 
     }
     std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
     Ok(())
+}
+
+/// The paths in `dir` that `keep` accepts, in name order; a directory that cannot be listed is reported
+/// with `hint` (a `hint: ...` line).
+pub fn sorted_entries(dir: &Path, hint: &str, keep: impl Fn(&Path) -> bool) -> Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}\n{hint}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| keep(p))
+        .collect();
+    v.sort();
+    Ok(v)
 }
 
 /// Remove the temporary files `write_atomic` leaves in `dir` when its process is killed mid-write

@@ -382,7 +382,7 @@ impl Drop for GlooComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::env::{free_port, LaunchSource, RunToken};
+    use crate::launch::env::{rank_threads, LaunchSource, RunToken};
 
     /// `world` ranks of one Gloo group as threads of this test (each its own contexts, as processes
     /// would be), each running `f`; the results in rank order.
@@ -391,30 +391,22 @@ mod tests {
         sp: usize,
         f: impl Fn(&GlooComm) -> Result<R> + Send + Sync + 'static,
     ) -> Vec<R> {
-        let port = free_port("127.0.0.1").unwrap();
-        let f = Arc::new(f);
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let f = Arc::clone(&f);
-                std::thread::spawn(move || {
-                    let env = LaunchEnv {
-                        source: LaunchSource::Torchrun,
-                        rank,
-                        world_size: world,
-                        local_rank: rank,
-                        local_world_size: Some(world),
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        run_token: RunToken::from(format!("unit-{port}").as_str()),
-                    };
-                    let c = GlooComm::join(&env, "config", Duration::from_secs(30), sp, 1).unwrap();
-                    let r = f(&c).unwrap();
-                    c.finish();
-                    r
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        rank_threads(world, move |rank, port| {
+            let env = LaunchEnv {
+                source: LaunchSource::Torchrun,
+                rank,
+                world_size: world,
+                local_rank: rank,
+                local_world_size: Some(world),
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+                run_token: RunToken::from(format!("unit-{port}").as_str()),
+            };
+            let c = GlooComm::join(&env, "config", Duration::from_secs(30), sp, 1).unwrap();
+            let r = f(&c).unwrap();
+            c.finish();
+            r
+        })
     }
 
     #[test]

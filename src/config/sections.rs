@@ -567,50 +567,31 @@ pub struct StageSection {
     pub reset_optimizer: Option<bool>,
 }
 
-fn d_true() -> bool {
-    true
+/// The values serde fills in for absent keys (`#[serde(default = "d_...")]`), one function each as
+/// serde asks.
+macro_rules! defaults {
+    ($($name:ident: $t:ty = $v:expr;)*) => {
+        $(fn $name() -> $t {
+            $v
+        })*
+    };
 }
-fn d_one() -> usize {
-    1
-}
-fn d_one_u64() -> u64 {
-    1
-}
-fn d_max_pos() -> usize {
-    4096
-}
-fn d_rms_eps() -> f64 {
-    1e-5
-}
-fn d_init_range() -> f64 {
-    0.02
-}
-fn d_loss_chunk() -> usize {
-    4096
-}
-fn d_bad_steps() -> u32 {
-    5
-}
-fn d_lr() -> f64 {
-    2e-5
-}
-fn d_beta1() -> f64 {
-    0.9
-}
-fn d_beta2() -> f64 {
-    0.95
-}
-fn d_eps() -> f64 {
-    1e-8
-}
-fn d_clip() -> f64 {
-    1.0
-}
-fn d_keep() -> usize {
-    3
-}
-fn d_shard() -> usize {
-    crate::model::weights::DEFAULT_MAX_SHARD_BYTES
+defaults! {
+    d_true: bool = true;
+    d_one: usize = 1;
+    d_one_u64: u64 = 1;
+    d_max_pos: usize = 4096;
+    d_rms_eps: f64 = 1e-5;
+    d_init_range: f64 = 0.02;
+    d_loss_chunk: usize = 4096;
+    d_bad_steps: u32 = 5;
+    d_lr: f64 = 2e-5;
+    d_beta1: f64 = 0.9;
+    d_beta2: f64 = 0.95;
+    d_eps: f64 = 1e-8;
+    d_clip: f64 = 1.0;
+    d_keep: usize = 3;
+    d_shard: usize = crate::model::weights::DEFAULT_MAX_SHARD_BYTES;
 }
 
 impl RunConfig {

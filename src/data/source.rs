@@ -192,20 +192,12 @@ pub fn read_batches(
     };
     match &input.kind {
         InputKind::Memory(docs) => {
-            let mut batch = Vec::new();
-            let mut size = 0;
+            let mut batches = Batcher::new(batch_bytes, sink);
             for (i, (source, text)) in docs.iter().enumerate() {
-                size += text.len();
-                batch.push(Raw::Doc { line: i as u64 + 1, source: source.clone(), text: text.clone() });
-                if size >= batch_bytes {
-                    sink(std::mem::take(&mut batch))?;
-                    size = 0;
-                }
+                let doc = Raw::Doc { line: i as u64 + 1, source: source.clone(), text: text.clone() };
+                batches.push(doc, text.len())?;
             }
-            if !batch.is_empty() {
-                sink(batch)?;
-            }
-            Ok(())
+            batches.finish()
         }
         InputKind::Text => {
             let mut bytes = Vec::new();
@@ -240,8 +232,7 @@ fn read_lines(
     batch_bytes: usize,
     sink: &mut impl FnMut(Vec<Raw>) -> Result<()>,
 ) -> Result<()> {
-    let mut batch = Vec::new();
-    let mut size = 0usize;
+    let mut batches = Batcher::new(batch_bytes, sink);
     let mut line = 0u64;
     loop {
         let mut buf = Vec::new();
@@ -255,25 +246,51 @@ fn read_lines(
                 if buf.iter().all(|b| b.is_ascii_whitespace()) {
                     continue; // blank lines (e.g. a trailing newline) are not records
                 }
-                size += buf.len();
-                batch.push(Raw::Line { line, bytes: buf });
+                let n = buf.len();
+                batches.push(Raw::Line { line, bytes: buf }, n)?;
             }
             Err(e) => {
                 // a truncated or corrupt .zst ends the file here; everything before it is kept
-                batch
-                    .push(Raw::Bad { line: line + 1, reason: format!("read error (truncated or corrupt file?): {e}") });
+                let reason = format!("read error (truncated or corrupt file?): {e}");
+                batches.push(Raw::Bad { line: line + 1, reason }, 0)?;
                 break;
             }
         }
-        if size >= batch_bytes {
-            sink(std::mem::take(&mut batch))?;
-            size = 0;
+    }
+    batches.finish()
+}
+
+/// Records gathered into batches of about `limit` bytes: each batch goes to `sink` once it holds
+/// `limit` bytes, the last one (if any) at `finish`.
+struct Batcher<F: FnMut(Vec<Raw>) -> Result<()>> {
+    batch: Vec<Raw>,
+    bytes: usize,
+    limit: usize,
+    sink: F,
+}
+
+impl<F: FnMut(Vec<Raw>) -> Result<()>> Batcher<F> {
+    fn new(limit: usize, sink: F) -> Self {
+        Batcher { batch: Vec::new(), bytes: 0, limit, sink }
+    }
+
+    /// Add `rec`, which counts `bytes` towards the batch's size.
+    fn push(&mut self, rec: Raw, bytes: usize) -> Result<()> {
+        self.bytes += bytes;
+        self.batch.push(rec);
+        if self.bytes >= self.limit {
+            (self.sink)(std::mem::take(&mut self.batch))?;
+            self.bytes = 0;
         }
+        Ok(())
     }
-    if !batch.is_empty() {
-        sink(batch)?;
+
+    fn finish(mut self) -> Result<()> {
+        if !self.batch.is_empty() {
+            (self.sink)(self.batch)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Which JSON fields hold the text and the source.

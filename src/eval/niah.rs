@@ -16,7 +16,7 @@ use crate::eval::niah_words::WordList;
 use crate::eval::punkt::Punkt;
 use crate::eval::pyrandom::PyRandom;
 use anyhow::{bail, Context, Result};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// RULER's token budget for the answer (`tokens_to_generate` of the `niah` base task).
 pub const NIAH_TOKENS_TO_GENERATE: usize = 128;
@@ -251,12 +251,7 @@ impl Essays {
     pub fn load(path: &Path) -> Result<Essays> {
         let hint = "hint: --essays takes a .txt file, a directory of .txt files, or RULER's PaulGrahamEssays.json";
         let text = if path.is_dir() {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-                .with_context(|| format!("cannot list {}\n{hint}", path.display()))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "txt"))
-                .collect();
-            files.sort();
+            let files = crate::util::sorted_entries(path, hint, |p| p.extension().is_some_and(|e| e == "txt"))?;
             if files.is_empty() {
                 bail!("{} holds no .txt files\n{hint}", path.display());
             }

@@ -291,12 +291,9 @@ pub fn read_documents(inputs: &[PathBuf]) -> Result<Vec<(String, String)>> {
     let mut files = vec![];
     for p in inputs {
         if p.is_dir() {
-            let mut v: Vec<PathBuf> = std::fs::read_dir(p)
-                .with_context(|| format!("cannot list {}", p.display()))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|f| matches!(f.extension().and_then(|e| e.to_str()), Some("txt" | "jsonl")))
-                .collect();
-            v.sort();
+            let v = crate::util::sorted_entries(p, "hint: pass text files or a directory of them", |f| {
+                matches!(f.extension().and_then(|e| e.to_str()), Some("txt" | "jsonl"))
+            })?;
             if v.is_empty() {
                 bail!(
                     "{}: no .txt or .jsonl files in this directory\nhint: pass text files or a directory of them",

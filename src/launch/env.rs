@@ -424,3 +424,21 @@ pub fn free_port(addr: &str) -> Result<u16> {
         .with_context(|| format!("binding {addr}:0 to find a free port\nhint: is {addr} an address of this host?"))?;
     Ok(l.local_addr()?.port())
 }
+
+/// `world` threads standing in for the ranks of a group, thread r running `f(r, port)` with one port of
+/// 127.0.0.1 that was free for their group to meet at; the results in rank order.
+#[cfg(test)]
+pub(crate) fn rank_threads<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, u16) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let port = free_port("127.0.0.1").unwrap();
+    let f = std::sync::Arc::new(f);
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let f = std::sync::Arc::clone(&f);
+            std::thread::spawn(move || f(rank, port))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}

@@ -338,7 +338,7 @@ impl Drop for Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::env::free_port;
+    use crate::launch::env::rank_threads;
     use crate::launch::rendezvous::{rendezvous, Meeting, RendezvousSpec};
     use std::sync::atomic::AtomicUsize;
     use std::time::Instant;
@@ -348,39 +348,31 @@ mod tests {
         world: usize,
         f: impl Fn(usize, Watch, Arc<AtomicUsize>) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
-        let port = free_port("127.0.0.1").unwrap();
-        let f = Arc::new(f);
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let f = Arc::clone(&f);
-                std::thread::spawn(move || {
-                    let spec = RendezvousSpec {
-                        addr: "127.0.0.1".into(),
-                        port,
-                        meet: Meeting::Listen,
-                        rank,
-                        world,
-                        token: "t".into(),
-                        version: "v".into(),
-                        config_hash: [0; 32],
-                        timeout: Duration::from_secs(20),
-                        spans_hosts: false,
-                    };
-                    let rv = rendezvous(&spec, || vec![1, 2, 3]).unwrap();
-                    let hooks = Arc::new(AtomicUsize::new(0));
-                    let h = Arc::clone(&hooks);
-                    let w = Watch::start(
-                        rv,
-                        Box::new(move |_| {
-                            h.fetch_add(1, Ordering::SeqCst);
-                        }),
-                    )
-                    .unwrap();
-                    f(rank, w, hooks)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        rank_threads(world, move |rank, port| {
+            let spec = RendezvousSpec {
+                addr: "127.0.0.1".into(),
+                port,
+                meet: Meeting::Listen,
+                rank,
+                world,
+                token: "t".into(),
+                version: "v".into(),
+                config_hash: [0; 32],
+                timeout: Duration::from_secs(20),
+                spans_hosts: false,
+            };
+            let rv = rendezvous(&spec, || vec![1, 2, 3]).unwrap();
+            let hooks = Arc::new(AtomicUsize::new(0));
+            let h = Arc::clone(&hooks);
+            let w = Watch::start(
+                rv,
+                Box::new(move |_| {
+                    h.fetch_add(1, Ordering::SeqCst);
+                }),
+            )
+            .unwrap();
+            f(rank, w, hooks)
+        })
     }
 
     #[test]

@@ -91,8 +91,16 @@ pub fn visit_safetensors(file: &Path, device: &Device, mut f: impl FnMut(String,
 
 /// Read every tensor of one safetensors file, converted to `dtype` on `device`.
 pub fn read_safetensors(file: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    collect_as(dtype, |f| visit_safetensors(file, device, f))
+}
+
+/// The callback a visitor (`visit_safetensors`, `visit_model_tensors`) hands each tensor to.
+type Visit<'a> = &'a mut dyn FnMut(String, Tensor) -> Result<()>;
+
+/// Every tensor `visit` hands out, converted to `dtype`.
+fn collect_as(dtype: DType, visit: impl FnOnce(Visit) -> Result<()>) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
-    visit_safetensors(file, device, |name, t| {
+    visit(&mut |name, t| {
         out.insert(name, t.to_dtype(dtype)?);
         Ok(())
     })?;
@@ -208,12 +216,7 @@ pub fn visit_model_tensors(dir: &Path, device: &Device, mut f: impl FnMut(String
 
 /// Load all tensors of a model directory in `dtype` on `device` (`visit_model_tensors`' checks).
 pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
-    let mut all = HashMap::new();
-    visit_model_tensors(dir, device, |name, t| {
-        all.insert(name, t.to_dtype(dtype)?);
-        Ok(())
-    })?;
-    Ok(all)
+    collect_as(dtype, |f| visit_model_tensors(dir, device, f))
 }
 
 /// The training state's fp32 weights of a model directory, streamed into one flat buffer with

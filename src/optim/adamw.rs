@@ -345,20 +345,12 @@ mod tests {
                 // host state restored into device state and the reverse, then one more equal step
                 let mut d2 = AdamW::new(&l, &dev_p, &map, rank, hp(0.1)).unwrap();
                 let mut h2 = AdamW::new(&l, &host_p, &map, rank, hp(0.1)).unwrap();
-                d2.restore(
-                    h.master().try_clone().unwrap(),
-                    h.m().try_clone().unwrap(),
-                    h.v().try_clone().unwrap(),
-                    h.t(),
-                )
-                .unwrap();
-                h2.restore(
-                    d.master().try_clone().unwrap(),
-                    d.m().try_clone().unwrap(),
-                    d.v().try_clone().unwrap(),
-                    d.t(),
-                )
-                .unwrap();
+                let restore = |to: &mut AdamW, from: &AdamW| {
+                    let copy = |b: &FlatBuf| b.try_clone().unwrap();
+                    to.restore(copy(from.master()), copy(from.m()), copy(from.v()), from.t()).unwrap()
+                };
+                restore(&mut d2, &h);
+                restore(&mut h2, &d);
                 assert!(matches!(d2.master(), FlatBuf::Device(_)) && matches!(h2.master(), FlatBuf::Host(_)));
                 let g = FlatBuf::from_vec(vec![0.2; l.total]);
                 d2.step(&g.try_clone().unwrap().placed(&dp).unwrap(), 1e-2).unwrap();

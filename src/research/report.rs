@@ -137,9 +137,7 @@ pub fn eval_task_metrics(dir: &Path) -> Result<BTreeMap<String, f64>> {
     let mut by_task: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
     let rj = RunDir::new(dir).eval_tasks_results();
     if rj.exists() {
-        let text = std::fs::read_to_string(&rj).with_context(|| format!("cannot read {}", rj.display()))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: rerun harpe eval-tasks", rj.display()))?;
+        let v: serde_json::Value = crate::util::read_json(&rj, "rerun harpe eval-tasks")?;
         for (task, r) in v["results"].as_object().into_iter().flatten() {
             let m = r.as_object().into_iter().flatten().filter_map(|(k, x)| x.as_f64().map(|x| (k.clone(), x)));
             by_task.insert(task.clone(), m.collect());
@@ -171,9 +169,7 @@ pub fn collect_runs(dirs: &[PathBuf]) -> Result<Vec<RunData>> {
     for d in dirs {
         let ix = d.join("sweep.json");
         if ix.exists() {
-            let text = std::fs::read_to_string(&ix).with_context(|| format!("cannot read {}", ix.display()))?;
-            let ix: SweepIndex =
-                serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged", ix.display()))?;
+            let ix: SweepIndex = crate::util::read_json(&ix, "the file is damaged")?;
             let mut skipped = vec![];
             for r in &ix.runs {
                 if r.state == RunState::Done {

@@ -16,7 +16,7 @@
 use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::path::Path;
 
 /// One optimizer step as written to `metrics.jsonl`.
@@ -103,12 +103,7 @@ pub fn step_line(r: &StepRecord, total_steps: u64) -> String {
 
 /// Appends records to `metrics.jsonl`, one line each, flushed per step.
 pub struct MetricsLog {
-    file: std::fs::File,
-    path: std::path::PathBuf,
-    /// bytes of whole lines written so far (a failed write is cut back to this)
-    len: u64,
-    /// a write failed: no more lines this session
-    failed: bool,
+    out: crate::util::AppendFile,
 }
 
 impl MetricsLog {
@@ -135,7 +130,7 @@ impl MetricsLog {
         let file = std::fs::OpenOptions::new().append(true).open(path).with_context(|| {
             format!("cannot open {} for appending\nhint: check that the run directory is writable", path.display())
         })?;
-        Ok(MetricsLog { file, path: path.to_path_buf(), len: text.len() as u64, failed: false })
+        Ok(MetricsLog { out: crate::util::AppendFile::new(file, path.to_path_buf(), text.len() as u64) })
     }
 
     /// Append one step record.
@@ -149,27 +144,16 @@ impl MetricsLog {
     }
 
     fn write_line(&mut self, line: &str) -> Result<()> {
-        if self.failed {
-            return Ok(());
-        }
-        let text = format!("{line}\n");
-        match self.file.write_all(text.as_bytes()).and_then(|_| self.file.flush()) {
-            Ok(()) => self.len += text.len() as u64,
-            Err(e) => {
-                self.failed = true;
-                let _ = self.file.set_len(self.len);
-                eprintln!(
-                    "warning: writing {} failed ({e}); training goes on, with no more metrics lines this session\nhint: free disk space; a later --resume rewrites the file from the lines up to its checkpoint",
-                    self.path.display()
-                );
-            }
-        }
+        self.out.append(
+            format!("{line}\n").as_bytes(),
+            "training goes on, with no more metrics lines this session\nhint: free disk space; a later --resume rewrites the file from the lines up to its checkpoint",
+        );
         Ok(())
     }
 
     /// Whether a write failed (no more lines are written this session).
     pub fn failed(&self) -> bool {
-        self.failed
+        self.out.failed()
     }
 }
 

@@ -17,8 +17,7 @@
 use crate::train::metrics::{EvalRecord, StepRecord};
 use anyhow::{anyhow, bail, Context, Result};
 use prost::Message;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// `tensorflow.Event` (the fields harpe writes).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -92,12 +91,7 @@ fn masked_crc(bytes: &[u8]) -> u32 {
 /// A failed write (a full disk) does not stop training: it is reported once, the file is cut back to its
 /// last whole record, and no more events are written this session (metrics.rs states the rule).
 pub struct TbWriter {
-    file: std::fs::File,
-    path: PathBuf,
-    /// bytes of whole records written so far
-    len: u64,
-    /// a write failed: no more events this session
-    failed: bool,
+    out: crate::util::AppendFile,
 }
 
 fn wall_time() -> f64 {
@@ -126,7 +120,7 @@ impl TbWriter {
         let file = std::fs::OpenOptions::new().create_new(true).append(true).open(&path).with_context(|| {
             format!("cannot create {}\nhint: check that the run directory is writable", path.display())
         })?;
-        let mut w = TbWriter { file, path, len: 0, failed: false };
+        let mut w = TbWriter { out: crate::util::AppendFile::new(file, path, 0) };
         w.write_event(&Event {
             wall_time: wall_time(),
             step: 0,
@@ -143,7 +137,7 @@ impl TbWriter {
 
     /// The file being written.
     pub fn path(&self) -> &Path {
-        &self.path
+        self.out.path()
     }
 
     /// Append one framed event and flush it.
@@ -155,20 +149,10 @@ impl TbWriter {
         rec.extend_from_slice(&masked_crc(&len).to_le_bytes());
         rec.extend_from_slice(&data);
         rec.extend_from_slice(&masked_crc(&data).to_le_bytes());
-        if self.failed {
-            return Ok(());
-        }
-        match self.file.write_all(&rec).and_then(|_| self.file.flush()) {
-            Ok(()) => self.len += rec.len() as u64,
-            Err(e) => {
-                self.failed = true;
-                let _ = self.file.set_len(self.len);
-                eprintln!(
-                    "warning: writing {} failed ({e}); training goes on, with no more TensorBoard events this session\nhint: free disk space; metrics.jsonl holds the same numbers",
-                    self.path.display()
-                );
-            }
-        }
+        self.out.append(
+            &rec,
+            "training goes on, with no more TensorBoard events this session\nhint: free disk space; metrics.jsonl holds the same numbers",
+        );
         Ok(())
     }
 
@@ -259,12 +243,9 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>> {
 /// The scalars TensorBoard shows for `dir`: every event file in name order (TensorBoard's order), a
 /// `SessionLog` START at step s dropping the scalars read so far with step >= s; (step, tag, value).
 pub fn read_scalars(dir: &Path) -> Result<Vec<(i64, String, f32)>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("events.out.tfevents.")))
-        .collect();
-    files.sort();
+    let files = crate::util::sorted_entries(dir, "hint: pass a run's TensorBoard directory (RUN_DIR/tb)", |p| {
+        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("events.out.tfevents."))
+    })?;
     let mut out: Vec<(i64, String, f32)> = vec![];
     for f in files {
         for e in read_events(&f)? {

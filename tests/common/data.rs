@@ -32,6 +32,13 @@ pub fn write_tokenizer(dir: &Path) -> PathBuf {
     p
 }
 
+/// A temporary directory (removed when the first value drops) holding the test tokenizer, and its path.
+pub fn tempdir_with_tokenizer() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = write_tokenizer(tmp.path());
+    (tmp, tok)
+}
+
 /// Token ids of document `doc` of length `len` (deterministic content).
 pub fn doc_ids(doc: usize, len: usize) -> Vec<u32> {
     (0..len).map(|j| 3 + ((doc * 7919 + j * 31) % VOCAB) as u32).collect()
@@ -40,6 +47,11 @@ pub fn doc_ids(doc: usize, len: usize) -> Vec<u32> {
 /// Text whose test-tokenizer encoding is `doc_ids(doc, len)`.
 pub fn doc_text(doc: usize, len: usize) -> String {
     doc_ids(doc, len).iter().map(|i| format!("w{}", i - 3)).collect::<Vec<_>>().join(" ")
+}
+
+/// `n` documents of `len` tokens each (`doc_text(0, len)`, ...), all of source "a".
+pub fn one_source_docs(n: usize, len: usize) -> Vec<(String, String)> {
+    (0..n).map(|d| ("a".to_string(), doc_text(d, len))).collect()
 }
 
 /// A SlimPajama-style jsonl line.

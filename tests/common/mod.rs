@@ -48,6 +48,24 @@ macro_rules! tiny_model {
     };
 }
 
+/// SIGKILLs `child` at a moment drawn from `frac` of `full` (an uninterrupted run's time), unless it has
+/// ended by then, and reaps it: (whether it was killed, the moment).
+pub fn kill_at_random_moment(
+    child: &mut std::process::Child,
+    rng: &mut impl rand::Rng,
+    frac: std::ops::Range<f64>,
+    full: std::time::Duration,
+) -> (bool, std::time::Duration) {
+    let at = std::time::Duration::from_secs_f64(rng.random_range(frac) * full.as_secs_f64());
+    std::thread::sleep(at);
+    let killed = child.try_wait().unwrap().is_none();
+    if killed {
+        child.kill().unwrap();
+    }
+    let _ = child.wait();
+    (killed, at)
+}
+
 /// The `harpe` binary of this build, as a command to add arguments, environment or stdio to.
 pub fn harpe_cmd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_harpe"))

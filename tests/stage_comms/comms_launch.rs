@@ -382,7 +382,8 @@ fn ranks_meet_through_an_agent_store_despite_a_stale_address_and_disagreeing_res
     let server = StoreServer::bind("127.0.0.1").unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut c = StoreClient::connect("127.0.0.1", server.port(), deadline).unwrap();
-    let dead = free_port("127.0.0.1").unwrap();
+    let (_held, dead) = closed_port();
+    assert!(std::net::TcpStream::connect(("127.0.0.1", dead)).is_err(), "nothing listens at the stale address");
     c.set(STORE_KEY, format!("127.0.0.1:{dead}\n").as_bytes()).unwrap();
     let spec_of = |r: usize| {
         let mut s = spec(server.port(), r, 3, 20_000);
@@ -403,6 +404,31 @@ fn ranks_meet_through_an_agent_store_despite_a_stale_address_and_disagreeing_res
         assert_eq!(at, rv0.rank0_addr(), "rank {} met rank 0 where it listens", r + 1);
         assert!(!at.ends_with(&format!(":{dead}")), "rank {} took the stale address", r + 1);
     }
+}
+
+/// A port on 127.0.0.1 where connections are refused for as long as the returned socket lives: it is bound
+/// but never listens. A port released after binding (`free_port`) could be handed straight back to the next
+/// listener on port 0, and then the "stale" address would be live.
+fn closed_port() -> (std::os::fd::OwnedFd, u16) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a plain socket call; its result is checked before it is used as a descriptor.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let held = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_in is plain data, valid when zeroed.
+    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    sa.sin_family = libc::AF_INET as libc::sa_family_t;
+    sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // Port 0 and no SO_REUSEADDR: the kernel picks a port that no other socket may bind while this one holds it.
+    // SAFETY: `sa` and `len` describe a sockaddr_in that outlives both calls.
+    let rc = unsafe { libc::bind(fd, (&raw const sa).cast(), len) };
+    assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+    // SAFETY: as above; getsockname writes at most `len` bytes into `sa`.
+    let rc = unsafe { libc::getsockname(fd, (&raw mut sa).cast(), &mut len) };
+    assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+    (held, u16::from_be(sa.sin_port))
 }
 
 #[test]

@@ -7,9 +7,8 @@ use std::process::Command;
 
 #[test]
 fn a_flipped_shard_byte_is_refused_by_the_loader_and_found_by_verify() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..40).map(|d| ("a".to_string(), doc_text(d, 15))).collect();
+    let (tmp, tok) = tempdir_with_tokenizer();
+    let texts = one_source_docs(40, 15);
     let mut o = PrepareOptions::new(16);
     o.shard_tokens = 16 * 10;
     let dir = tmp.path().join("ds");

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 /// A dataset of 50 sequences of 16 tokens.
 fn dataset(tmp: &Path) -> PathBuf {
     let tok = write_tokenizer(tmp);
-    let texts: Vec<(String, String)> = (0..50).map(|d| ("a".to_string(), doc_text(d, 15))).collect();
+    let texts = one_source_docs(50, 15);
     let mut o = PrepareOptions::new(16);
     o.shard_tokens = 16 * 7;
     let out = tmp.join("ds");
@@ -131,8 +131,7 @@ fn open_validates_seq_len_rank_and_shard_size() {
 
 #[test]
 fn cli_prepare_then_inspect() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let input = tmp.path().join("in.jsonl");
     let lines: Vec<String> = (0..40)
         .map(|d| {

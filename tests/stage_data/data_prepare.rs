@@ -11,8 +11,7 @@ fn loader(dir: &Path, seq_len: usize) -> Loader {
 
 #[test]
 fn original_round_trips_documents_in_order() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let lens = [5usize, 130, 1, 64, 63, 200, 17, 90, 33, 8, 250];
     let texts: Vec<(String, String)> =
         lens.iter().enumerate().map(|(d, &l)| (["a", "b", "c"][d % 3].to_string(), doc_text(d, l))).collect();
@@ -85,8 +84,7 @@ fn mixed_corpus(spec: &[(&str, usize, usize)]) -> Vec<(String, String)> {
 
 #[test]
 fn per_source_upsample_meets_budgets_and_raises_long_share() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     // a: 30% long tokens, b: 70% long tokens, c: short only (will need a top-up)
     let texts = mixed_corpus(&[("a", 20, 700), ("b", 40, 250), ("c", 0, 800)]);
     let mut o = PrepareOptions::new(128);
@@ -119,8 +117,7 @@ fn per_source_upsample_meets_budgets_and_raises_long_share() {
 
 #[test]
 fn source_weights_and_shortfall_are_reported() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let texts = mixed_corpus(&[("a", 10, 100), ("b", 2, 10)]);
     let mut o = PrepareOptions::new(64);
     o.strategy.name = StrategyKind::PerSourceUpsample;
@@ -138,8 +135,7 @@ fn source_weights_and_shortfall_are_reported() {
 
 #[test]
 fn same_seed_same_bytes_other_seed_other_bytes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let texts = mixed_corpus(&[("a", 10, 300), ("b", 10, 300)]);
     let run = |seed: u64, name: &str, threads: usize| {
         let mut o = PrepareOptions::new(64);
@@ -157,9 +153,8 @@ fn same_seed_same_bytes_other_seed_other_bytes() {
 
 #[test]
 fn cut_strategy_splits_documents() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..6).map(|d| ("a".to_string(), doc_text(d, 100))).collect();
+    let (tmp, tok) = tempdir_with_tokenizer();
+    let texts = one_source_docs(6, 100);
     let mut o = PrepareOptions::new(32);
     o.strategy.name = StrategyKind::Cut;
     o.strategy.cut_len = 30;
@@ -179,9 +174,8 @@ fn cut_strategy_splits_documents() {
 
 #[test]
 fn budget_cuts_original_and_separator_policies() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..20).map(|d| ("a".to_string(), doc_text(d, 50))).collect();
+    let (tmp, tok) = tempdir_with_tokenizer();
+    let texts = one_source_docs(20, 50);
     let mut o = PrepareOptions::new(16);
     o.strategy.budget = Some(100);
     o.separator = harpe::data::tokenize::Separator::BosEos;
@@ -209,8 +203,7 @@ fn write_zst(path: &Path, lines: &[String]) {
 
 #[test]
 fn slimpajama_tree_with_zst_and_meta_as_string() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let tree = tmp.path().join("train/chunk1");
     std::fs::create_dir_all(&tree).unwrap();
     let l0: Vec<String> = (0..5).map(|d| slimpajama_line(&doc_text(d, 20), "RedPajamaBook")).collect();
@@ -270,8 +263,7 @@ fn bad_lines_are_fatal_with_file_and_line_unless_allowed() {
 
 #[test]
 fn truncated_zst_and_empty_corpus_are_reported() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let p = tmp.path().join("x.jsonl.zst");
     // pseudo-random words, so the compressed stream has many blocks
     let word = |d: u64, j: u64| {
@@ -303,8 +295,7 @@ fn truncated_zst_and_empty_corpus_are_reported() {
 
 #[test]
 fn killed_run_resumes_without_redoing_shards_and_gives_same_bytes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let texts = mixed_corpus(&[("a", 10, 200), ("b", 10, 200)]);
     let mut o = PrepareOptions::new(64);
     o.strategy.name = StrategyKind::PerSourceUpsample;
@@ -345,8 +336,7 @@ fn killed_run_resumes_without_redoing_shards_and_gives_same_bytes() {
 
 #[test]
 fn domain_upsample_raises_the_named_source() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     // a: 30000 tokens, b: 10000 tokens -> input shares 0.75 / 0.25; b raised to 0.6 -> 0.75/1.35, 0.6/1.35
     let texts = mixed_corpus(&[("a", 0, 750), ("b", 0, 250)]);
     let mut o = PrepareOptions::new(32);
@@ -361,8 +351,7 @@ fn domain_upsample_raises_the_named_source() {
 
 #[test]
 fn reading_stops_once_known_budgets_are_full() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
+    let (tmp, tok) = tempdir_with_tokenizer();
     let mut paths = Vec::new();
     for f in 0..3 {
         let p = tmp.path().join(format!("part{f}.jsonl"));

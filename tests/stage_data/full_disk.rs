@@ -7,9 +7,8 @@ use harpe::data::{prepare_from_texts, PrepareOptions};
 
 #[test]
 fn prepare_data_on_a_full_disk_stops_clearly_and_a_rerun_completes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tok = write_tokenizer(tmp.path());
-    let texts: Vec<(String, String)> = (0..400).map(|d| ("a".to_string(), doc_text(d, 500))).collect();
+    let (tmp, tok) = tempdir_with_tokenizer();
+    let texts = one_source_docs(400, 500);
     let mut o = PrepareOptions::new(64);
     o.shard_tokens = 64 * 200;
     let reference = tmp.path().join("reference");

@@ -1,9 +1,10 @@
 //! SIGKILL at 20 seeded random moments of `harpe prepare-data` (each in a run of its own): rerunning the
 //! same command completes the dataset, byte for byte the one of the run that was never killed.
-use rand::{Rng, SeedableRng};
+use crate::common::kill_at_random_moment;
+use rand::SeedableRng;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 fn start(input: &Path, out: &Path) -> std::process::Child {
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tokenizer.json");
@@ -59,14 +60,8 @@ fn sigkill_at_random_moments_then_a_rerun_ends_bit_identical() {
             break;
         }
         let out = d.path().join(format!("killed-{k}"));
-        let mut child = start(&input, &out);
-        let at = Duration::from_secs_f64(rng.random_range(0.02..0.8) * full.as_secs_f64());
-        std::thread::sleep(at);
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap();
-            kills += 1;
-        }
-        let _ = child.wait();
+        let (killed, at) = kill_at_random_moment(&mut start(&input, &out), &mut rng, 0.02..0.8, full);
+        kills += usize::from(killed);
         assert!(start(&input, &out).wait().unwrap().success(), "the rerun after kill {k} failed");
         let got = files(&out);
         assert_eq!(got.iter().map(|f| &f.0).collect::<Vec<_>>(), want.iter().map(|f| &f.0).collect::<Vec<_>>());

@@ -284,22 +284,28 @@ fn recipe() -> &'static str {
     T.get_or_init(|| std::fs::read_to_string(root().join("configs/tiny-cpu.toml")).unwrap())
 }
 
+/// TOML values at the edges of every type a recipe key may have.
+const NASTY_TOML: [&str; 12] = [
+    "0",
+    "-1",
+    "18446744073709551615",
+    "9223372036854775807",
+    "1e308",
+    "nan",
+    "inf",
+    "-0.0",
+    "\"\"",
+    "[]",
+    "{}",
+    "true",
+];
+
 fn nasty_toml_value() -> impl Strategy<Value = String> {
+    // each edge value as likely as a random integer or a random float
     prop_oneof![
-        Just("0".to_string()),
-        Just("-1".to_string()),
-        Just("18446744073709551615".to_string()),
-        Just("9223372036854775807".to_string()),
-        Just("1e308".to_string()),
-        Just("nan".to_string()),
-        Just("inf".to_string()),
-        Just("-0.0".to_string()),
-        Just("\"\"".to_string()),
-        Just("[]".to_string()),
-        Just("{}".to_string()),
-        Just("true".to_string()),
-        any::<i64>().prop_map(|x| x.to_string()),
-        any::<f64>().prop_map(|x| format!("{x:e}")),
+        NASTY_TOML.len() as u32 => prop::sample::select(&NASTY_TOML[..]).prop_map(String::from),
+        1 => any::<i64>().prop_map(|x| x.to_string()),
+        1 => any::<f64>().prop_map(|x| format!("{x:e}")),
     ]
 }
 

@@ -32,6 +32,13 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
+/// Random q, k, v and dO of `dims` in T, drawn in that order from `seed`.
+fn inputs<T: AttnFloat>(dims: AttnDims, seed: u64) -> [Vec<T>; 4] {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    [b * h * tq * d, b * hkv * tk * d, b * hkv * tk * d, b * h * tq * d].map(|n| to_t(&uniform(&mut r, n)))
+}
+
 /// Dense attention with every intermediate rounded to T (bf16 or f16): forward (O, lse) and backward
 /// (dQ, dK, dV).
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
@@ -331,12 +338,7 @@ fn tensor_core_decode_chunks() {
 fn a_cp_async_wait_after_its_reads_fails_the_reference_check() {
     let dims = dm(1, 2, 1, 100, 100, 64);
     check_kernel::<bf16>(AttnKernel::TensorCore, dims, true, 990);
-    let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let mut r = ChaCha8Rng::seed_from_u64(991);
-    let q: Vec<bf16> = to_t(&uniform(&mut r, b * h * tq * d));
-    let k: Vec<bf16> = to_t(&uniform(&mut r, b * hkv * tk * d));
-    let v: Vec<bf16> = to_t(&uniform(&mut r, b * hkv * tk * d));
-    let dout: Vec<bf16> = to_t(&uniform(&mut r, b * h * tq * d));
+    let [q, k, v, dout] = inputs::<bf16>(dims, 991);
     let (qf, kf, vf, df) = (of_t(&q), of_t(&k), of_t(&v), of_t(&dout));
     let (o_ref, lse_ref) = attention_fwd_cpu(&qf, &kf, &vf, dims, 0.125, true, None);
     let (o, lse) =
@@ -395,12 +397,8 @@ fn tensor_core_tiles_refuse_what_they_do_not_take() {
 /// the packed output rows, q/O/lse/dO read in place from the backward rows, give exactly the plain buffers'
 /// results, and the backward allocates exactly the op's workspace function's scratch.
 fn check_packed<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, docs: Option<&[u32]>, seed: u64) {
-    let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let mut r = ChaCha8Rng::seed_from_u64(seed);
-    let q: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
-    let k: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
-    let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
-    let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
+    let AttnDims { b, h, tq, d, .. } = dims;
+    let [q, k, v, dout] = inputs::<T>(dims, seed);
     let case = format!("{kernel:?} {dims:?} docs={} {}", docs.is_some(), std::any::type_name::<T>());
     let eb = std::mem::size_of::<T>();
     let lay = PackedRows { d, elem_bytes: eb };
@@ -521,13 +519,8 @@ fn document_masks_tensor_core_tiles_match_the_reference() {
 #[test]
 fn one_document_equals_causal_bit_for_bit() {
     fn go<T: AttnFloat + PartialEq>(kernel: AttnKernel, dims: AttnDims, seed: u64) {
-        let AttnDims { b, h, hkv, tq, tk, d } = dims;
-        let mut r = ChaCha8Rng::seed_from_u64(seed);
-        let q: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
-        let k: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
-        let v: Vec<T> = to_t(&uniform(&mut r, b * hkv * tk * d));
-        let dout: Vec<T> = to_t(&uniform(&mut r, b * h * tq * d));
-        let docs = vec![0u32; b * tk];
+        let [q, k, v, dout] = inputs::<T>(dims, seed);
+        let docs = vec![0u32; dims.b * dims.tk];
         let (o, lse) = ka::attention_fwd(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, None)).unwrap();
         let (od, lsed) = ka::attention_fwd(kernel, (&q, &k, &v), dims, AttnMask::new(0.3, true, Some(&docs))).unwrap();
         assert!(o == od && lse == lsed, "{kernel:?} {dims:?}: forward differs");

@@ -1,10 +1,11 @@
 //! SIGKILL at 20 seeded random moments (each in a run of its own) of a 4-rank run (thread ranks, ZeRO-1) that checkpoints every step:
 //! each following `--resume` finds a consistent state, and the run ends with the same final checkpoint,
 //! byte for byte (model, every optimizer shard, state), as the run that was never killed.
-use rand::{Rng, SeedableRng};
+use crate::common::kill_at_random_moment;
+use rand::SeedableRng;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const RECIPE: &str = concat!(
     tiny_model!(),
@@ -72,15 +73,9 @@ fn sigkill_at_random_moments_then_resume_ends_bit_identical() {
             break;
         }
         let out = d.path().join(format!("killed-{k}"));
-        let mut child = start(&cfg, &out);
         // anywhere in a whole run's time: the process start, steps, and (every step) checkpoint writes
-        let at = Duration::from_secs_f64(rng.random_range(0.05..0.9) * full.as_secs_f64());
-        std::thread::sleep(at);
-        if child.try_wait().unwrap().is_none() {
-            child.kill().unwrap();
-            kills += 1;
-        }
-        let _ = child.wait();
+        let (killed, at) = kill_at_random_moment(&mut start(&cfg, &out), &mut rng, 0.05..0.9, full);
+        kills += usize::from(killed);
         // a save in flight leaves its temporary directory (or a shard's temporary file) behind
         let ckpts = out.join("checkpoints");
         let names: Vec<String> = std::fs::read_dir(&ckpts)

@@ -195,15 +195,7 @@ fn gloo_measured_and_planned(dir: &std::path::Path, t: usize, world: usize, zero
                 .arg("--out")
                 .arg(&out)
                 .args(sets.iter().flat_map(|s| ["--set", s.as_str()]))
-                .envs([
-                    ("RANK", r.to_string()),
-                    ("WORLD_SIZE", world.to_string()),
-                    ("LOCAL_RANK", r.to_string()),
-                    ("LOCAL_WORLD_SIZE", world.to_string()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
-                    ("MASTER_PORT", port.to_string()),
-                    ("HARPE_RUN_TOKEN", format!("mem-{port}")),
-                ])
+                .envs(super::train_dist::rank_env(r, world, port))
                 .stdout(std::process::Stdio::null())
                 .spawn()
                 .unwrap()

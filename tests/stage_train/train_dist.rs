@@ -48,6 +48,13 @@ pub(super) fn write_cfg(dir: &Path) -> PathBuf {
     p
 }
 
+/// `write_cfg` with a first stage that never ends on its own (the signal tests stop it).
+pub(super) fn write_endless_cfg(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.toml");
+    std::fs::write(&p, TINY.replace("seq_len = 32\nsteps = 3", "seq_len = 32\nsteps = 100000")).unwrap();
+    p
+}
+
 /// Train `cfg` into `out` with extra `--set`s (and other flags); panics with the output on failure.
 pub(super) fn train(cfg: &Path, out: &Path, extra: &[&str]) {
     let (ok, text) = common::train_text(cfg, out, extra);
@@ -64,6 +71,16 @@ pub(super) fn train_ranks(cfg: &Path, out: &Path, (n, z): (usize, u8), extra: &[
 
 pub(super) fn losses(run: &Path) -> Vec<(u64, f64)> {
     series(run, "loss")
+}
+
+/// The eval lines of a run's metrics.jsonl, as JSON values.
+pub(super) fn eval_lines(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("eval").is_some())
+        .collect()
 }
 
 /// Every step line's (step, `key`) of a finished run's metrics.jsonl.
@@ -159,6 +176,34 @@ pub(super) fn assert_same_losses(a: &Path, b: &Path, what: &str) {
     }
 }
 
+/// `out`, a 5-step run of `n` ranks, trained like the one-rank run `one` (losses, and weights within `tol`);
+/// every rank wrote its optimizer shard, and rank 0 alone the metrics lines.
+pub(super) fn assert_equals_one_rank(one: &Path, out: &Path, n: usize, what: &str, tol: f64) {
+    assert_same_losses(one, out, what);
+    assert_same_tensors(&model(one), &model(out), what, tol);
+    let shards: Vec<_> = (0..n).map(|r| ckpt(out, 5).join(format!("optim-{r:05}-of-{n:05}.safetensors"))).collect();
+    assert!(shards.iter().all(|p| p.is_file()), "{what}: every rank wrote its shard: {shards:?}");
+    assert_eq!(losses(out).len(), 5, "{what}: one metrics line per step (rank 0 only)");
+}
+
+/// The variables a launcher gives rank `rank` of `world` processes meeting at 127.0.0.1:`port` (the Gloo
+/// tests start processes by hand).
+#[cfg(feature = "gloo")]
+pub(super) fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
+    [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("HARPE_RUN_TOKEN", format!("test-{port}")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 pub(super) fn ckpt(run: &Path, step: u64) -> PathBuf {
     run.join("checkpoints").join(format!("step_{step:06}"))
 }
@@ -187,14 +232,7 @@ fn n_ranks_and_each_zero_stage_equal_one_rank() {
         let (ws, zs) = (format!("dist.world_size={n}"), format!("dist.zero_stage={z}"));
         // a small bucket so ZeRO-2 runs several reduce-scatter rounds
         train(&cfg, &out, &["--set", "dist.backend=local", "--set", &ws, "--set", &zs, "--set", "dist.bucket_mb=0.01"]);
-        let what = format!("{n} ranks, ZeRO-{z}");
-        assert_same_losses(&one, &out, &what);
-        assert_same_tensors(&model(&one), &model(&out), &what, tol);
-        // every rank wrote its optimizer shard; only rank 0 the run files
-        let shards: Vec<_> =
-            (0..n).map(|r| ckpt(&out, 5).join(format!("optim-{r:05}-of-{n:05}.safetensors"))).collect();
-        assert!(shards.iter().all(|p| p.is_file()), "{what}: {shards:?}");
-        assert_eq!(losses(&out).len(), 5, "{what}: one metrics line per step (rank 0 only)");
+        assert_equals_one_rank(&one, &out, n, &format!("{n} ranks, ZeRO-{z}"), tol);
     }
     // the same ranks sum the same partial gradients in the same order under ZeRO 0 and 1 (one all-reduce
     // per step) and under ZeRO 2 and 3 (per-layer reduce-scatters per micro-batch): bit-identical
@@ -512,8 +550,7 @@ fn a_signal_after_the_stop_agreement_on_one_rank_stops_every_rank_together_one_s
 fn sigterms_at_random_moments_into_a_four_rank_run_always_end_cleanly_with_a_complete_checkpoint() {
     use rand::{Rng, SeedableRng};
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_cfg(d.path());
-    std::fs::write(&cfg, TINY.replace("seq_len = 32\nsteps = 3", "seq_len = 32\nsteps = 100000")).unwrap();
+    let cfg = write_endless_cfg(d.path());
     let out = d.path().join("r");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(25);
     let mut last_step = 0;

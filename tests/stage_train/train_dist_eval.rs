@@ -4,7 +4,7 @@
 //! noise of a one-rank run, also across a resume; an evaluation and a checkpoint commit that each
 //! outlast `dist.timeout_s` (test hooks `HARPE_TEST_SLOW_EVAL` / `HARPE_TEST_SLOW_COMMIT` make them slow
 //! deterministically) do not stop the run, while a rank left waiting longer than the timeout still does.
-use super::train_dist::{ckpt, harpe_text, train, TINY};
+use super::train_dist::{ckpt, eval_lines, harpe_text, train, TINY};
 use crate::common::harpe_cmd;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -38,16 +38,6 @@ fn eval_cfg(dir: &Path, name: &str, docs: &[PathBuf], extra: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, format!("{TINY}{table}")).unwrap();
     p
-}
-
-/// The eval lines of a run's metrics.jsonl.
-fn evals(run: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v.get("eval").is_some())
-        .collect()
 }
 
 fn rel(a: f64, b: f64) -> f64 {
@@ -98,7 +88,7 @@ fn eval_on_every_rank_gives_one_ranks_numbers_and_resumes_without_repeating() {
     let dist = ["dist.backend=local", "dist.world_size=4", "dist.sp_degree=2", "dist.zero_stage=3"];
     let sets: Vec<&str> = dist.iter().flat_map(|s| ["--set", s]).collect();
     train(&cfg, &many, &sets);
-    let (a, b) = (evals(&one), evals(&many));
+    let (a, b) = (eval_lines(&one), eval_lines(&many));
     assert_eq!(b.len(), 4, "evaluations at 2, 3 (stage end), 4 and 5: {b:?}");
     // training sums gradients in another order on 4 ranks: the weights, and so the numbers, differ by noise
     assert_same_evals(&a, &b, 1e-4);
@@ -126,7 +116,7 @@ fn eval_on_every_rank_gives_one_ranks_numbers_and_resumes_without_repeating() {
     // so none is repeated and the ranks stay in step; the same lines as the straight run
     train(&cfg, &resumed, &[&sets[..], &["--steps", "2"]].concat());
     train(&cfg, &resumed, &[&sets[..], &["--resume"]].concat());
-    assert_same_evals(&b, &evals(&resumed), 0.0);
+    assert_same_evals(&b, &eval_lines(&resumed), 0.0);
 }
 
 /// `harpe train` of `cfg` on 2 `Local` ranks under ZeRO-3 with `dist.timeout_s = 5`, each evaluated item
@@ -157,9 +147,9 @@ fn an_evaluation_and_a_commit_longer_than_dist_timeout_do_not_stop_the_run() {
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "{text}");
     assert!(t0.elapsed().as_secs_f64() > 2.0 * 8.0 + 2.0 * 7.0, "the hooks did not slow the run:\n{text}");
-    let evs = evals(&slow);
+    let evs = eval_lines(&slow);
     assert_eq!(evs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), [3, 5], "{text}");
-    assert_same_evals(&evals(&one), &evs, 1e-4);
+    assert_same_evals(&eval_lines(&one), &evs, 1e-4);
     for step in [3, 5] {
         let dir = ckpt(&slow, step);
         assert!(dir.join("DONE").is_file() && dir.join("optim-00001-of-00002.safetensors").is_file());

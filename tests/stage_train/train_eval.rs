@@ -2,6 +2,7 @@
 //! the eval lines of metrics.jsonl have the documented keys and the values the eval commands compute on
 //! the saved checkpoint (an independent path: weights read back from disk); a resumed run neither loses
 //! nor repeats evaluations, also when it resumes from before an evaluation that was already logged.
+use super::train_dist::eval_lines;
 use harpe::eval::eval_loss::{self, EvalLossArgs};
 use harpe::eval::ppl::{self, Aggregate, EvalPplArgs, ScoringModel};
 use harpe::train::metrics::{read_evals, read_records, EvalRecord};
@@ -42,16 +43,6 @@ fn args(cfg: &Path, out: &Path) -> TrainArgs {
 
 fn ckpt(out: &Path, step: u64) -> PathBuf {
     out.join("checkpoints").join(format!("step_{step:06}"))
-}
-
-/// The raw eval lines of a metrics file, as JSON values.
-fn eval_lines(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v.get("eval").is_some())
-        .collect()
 }
 
 fn keys(v: &serde_json::Value) -> Vec<String> {

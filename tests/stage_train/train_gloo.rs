@@ -7,10 +7,11 @@
 //! The tolerance is the one train_dist.rs holds thread ranks to (a few times the measured noise floor
 //! of f32 summation order): processes sum the same partial gradients, in Gloo's order.
 use super::train_dist::{
-    assert_same_losses, assert_same_tensors, baseline, bf16_ranks_within_the_noise_floor, ckpt, harpe_text as harpe,
-    losses, losses_or_empty, model, shards_and_done, train, train_ranks, write_cfg, TINY,
+    assert_equals_one_rank, assert_same_losses, assert_same_tensors, baseline, bf16_ranks_within_the_noise_floor, ckpt,
+    harpe_text as harpe, losses_or_empty, model, rank_env, shards_and_done, train, train_ranks, write_cfg,
+    write_endless_cfg,
 };
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -30,13 +31,7 @@ fn gloo_processes_at_every_zero_stage_equal_one_rank() {
     for (n, z) in [(2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 3)] {
         let out = d.path().join(format!("p{n}z{z}"));
         train_procs(&cfg, &out, (n, z), &[]);
-        let what = format!("{n} Gloo processes, ZeRO-{z}");
-        assert_same_losses(&one, &out, &what);
-        assert_same_tensors(&model(&one), &model(&out), &what, tol);
-        let shards: Vec<_> =
-            (0..n).map(|r| ckpt(&out, 5).join(format!("optim-{r:05}-of-{n:05}.safetensors"))).collect();
-        assert!(shards.iter().all(|p| p.is_file()), "{what}: every process wrote its shard: {shards:?}");
-        assert_eq!(losses(&out).len(), 5, "{what}: one metrics line per step (rank 0 only)");
+        assert_equals_one_rank(&one, &out, n, &format!("{n} Gloo processes, ZeRO-{z}"), tol);
     }
     // the same-size thread run: processes and threads differ only in the order Gloo sums
     let local = d.path().join("w4z3-local");
@@ -65,22 +60,6 @@ fn gloo_processes_at_every_zero_stage_equal_one_rank() {
         assert_same_losses(&one, &run, &format!("4-process ZeRO-3 checkpoint resumed {name}"));
         assert_same_tensors(&model(&one), &model(&run), &format!("resumed {name}"), tol);
     }
-}
-
-/// The variables a launcher gives rank `rank` of `world` processes meeting at 127.0.0.1:`port`.
-fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
-    [
-        ("RANK", rank.to_string()),
-        ("WORLD_SIZE", world.to_string()),
-        ("LOCAL_RANK", rank.to_string()),
-        ("LOCAL_WORLD_SIZE", world.to_string()),
-        ("MASTER_ADDR", "127.0.0.1".into()),
-        ("MASTER_PORT", port.to_string()),
-        ("HARPE_RUN_TOKEN", format!("test-{port}")),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
 }
 
 /// Start `world` ranks of `harpe train` by hand (as a launcher would), rank r with `per_rank(r)` extra
@@ -127,12 +106,18 @@ fn wait_for(child: &mut std::process::Child, limit: Duration) -> Option<std::pro
     None
 }
 
+/// A temporary directory (kept while the first value lives) with the TINY recipe in it: (directory,
+/// recipe, run directory, logs directory).
+fn run_and_logs() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_cfg(d.path());
+    let (out, logs) = (d.path().join("run"), d.path().join("logs"));
+    (d, cfg, out, logs)
+}
+
 #[test]
 fn a_process_killed_mid_run_stops_every_other_naming_it() {
-    let d = tempfile::tempdir().unwrap();
-    let cfg = super::train_dist::write_cfg(d.path());
-    let out = d.path().join("run");
-    let logs = d.path().join("logs");
+    let (_d, cfg, out, logs) = run_and_logs();
     let timeout_s = 20;
     let cfg_s = cfg.to_str().unwrap().to_string();
     let out_s = out.to_str().unwrap().to_string();
@@ -183,10 +168,7 @@ fn a_process_killed_mid_run_stops_every_other_naming_it() {
 
 #[test]
 fn processes_with_different_configs_are_refused_before_any_work() {
-    let d = tempfile::tempdir().unwrap();
-    let cfg = super::train_dist::write_cfg(d.path());
-    let out = d.path().join("run");
-    let logs = d.path().join("logs");
+    let (_d, cfg, out, logs) = run_and_logs();
     let (cfg_s, out_s) = (cfg.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
     let args = ["train", "--config", &cfg_s, "--out", &out_s, "--set", "dist.backend=gloo"];
     // rank 1 trains with another learning rate
@@ -268,8 +250,7 @@ fn gloo_processes_in_bf16_stay_within_the_bf16_noise_floor() {
 fn sigterm_to_every_process_at_random_moments_ends_in_an_agreed_stop_with_a_complete_checkpoint() {
     use rand::{Rng, SeedableRng};
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_cfg(d.path());
-    std::fs::write(&cfg, TINY.replace("seq_len = 32\nsteps = 3", "seq_len = 32\nsteps = 100000")).unwrap();
+    let cfg = write_endless_cfg(d.path());
     let out = d.path().join("r");
     let (cfg_s, out_s) = (cfg.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
     let args = [

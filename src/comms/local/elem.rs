@@ -20,39 +20,29 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn finish(a: Self::Acc) -> Self;
 }
 
-impl Elem for f32 {
-    type Acc = f32;
-    const DTYPE: DType = DType::F32;
-    fn acc(self) -> f32 {
-        self
-    }
-    fn add(a: f32, b: f32) -> f32 {
-        a + b
-    }
-    fn div(a: f32, n: usize) -> f32 {
-        a / n as f32
-    }
-    fn finish(a: f32) -> f32 {
-        a
-    }
+/// An element type summed in its own precision (`Acc = Self`).
+macro_rules! full_elem {
+    ($t:ty, $dtype:expr) => {
+        impl Elem for $t {
+            type Acc = $t;
+            const DTYPE: DType = $dtype;
+            fn acc(self) -> $t {
+                self
+            }
+            fn add(a: $t, b: $t) -> $t {
+                a + b
+            }
+            fn div(a: $t, n: usize) -> $t {
+                a / n as $t
+            }
+            fn finish(a: $t) -> $t {
+                a
+            }
+        }
+    };
 }
-
-impl Elem for f64 {
-    type Acc = f64;
-    const DTYPE: DType = DType::F64;
-    fn acc(self) -> f64 {
-        self
-    }
-    fn add(a: f64, b: f64) -> f64 {
-        a + b
-    }
-    fn div(a: f64, n: usize) -> f64 {
-        a / n as f64
-    }
-    fn finish(a: f64) -> f64 {
-        a
-    }
-}
+full_elem!(f32, DType::F32);
+full_elem!(f64, DType::F64);
 
 /// The 16-bit element types: summed in f32, rounded once at the end.
 macro_rules! half_elem {

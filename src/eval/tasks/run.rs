@@ -261,12 +261,9 @@ fn run_fingerprint(args: &EvalTasksArgs, max_length: usize, tok_path: &Path) -> 
     );
     let dir = &args.scoring.model;
     s.push_str(&format!(" config={}", crate::util::sha256_file(&dir.join("config.json"))?));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    files.sort();
+    let files = crate::util::sorted_entries(dir, "hint: --model takes an HF model directory", |p| {
+        p.extension().is_some_and(|e| e == "safetensors")
+    })?;
     for f in files {
         let m = std::fs::metadata(&f).with_context(|| format!("cannot stat {}", f.display()))?;
         let mtime =

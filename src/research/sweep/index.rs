@@ -5,7 +5,8 @@
 use super::spec::{EvalSpec, RunPlan};
 use crate::train::checkpoint::load_state;
 use crate::train::RunDir;
-use anyhow::{anyhow, bail, Context, Result};
+use crate::util::read_json;
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -123,9 +124,7 @@ pub(super) fn check_run_dir(dir: &Path, sweep: &str, plan: &RunPlan) -> Result<(
 /// Read `sweep-run.json` of a run directory.
 pub fn read_marker(dir: &Path) -> Result<RunMarker> {
     let p = RunDir::new(dir).sweep_marker();
-    let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-    let m: RunMarker = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("{}: {e}\nhint: the file is damaged; remove the run directory to retrain", p.display()))?;
+    let m: RunMarker = read_json(&p, "the file is damaged; remove the run directory to retrain")?;
     if m.format != RUN_MARKER_FORMAT {
         bail!(
             "{}: format `{}` is not {RUN_MARKER_FORMAT}\nhint: written by another harpe version",
@@ -179,10 +178,7 @@ pub(super) fn load_index(out: &Path, name: &str) -> Result<Option<SweepIndex>> {
     if !p.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-    let ix: SweepIndex = serde_json::from_str(&text).map_err(|e| {
-        anyhow!("{}: {e}\nhint: the file is damaged; remove it (run directories are kept and checked)", p.display())
-    })?;
+    let ix: SweepIndex = read_json(&p, "the file is damaged; remove it (run directories are kept and checked)")?;
     if ix.name != name {
         bail!("{} belongs to sweep `{}`, not `{name}`\nhint: use another --out for this sweep", out.display(), ix.name);
     }

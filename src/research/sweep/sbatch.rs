@@ -6,7 +6,7 @@
 //! The non-obvious decision: the script maps the array index to its run with a `case`, each run's
 //! `harpe train` line written out with its own `--set` overrides and absolute paths, so the printed
 //! script (`--dry-run`) is exactly what runs, wherever Slurm starts it.
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -338,10 +338,7 @@ pub fn read_jobs(out: &Path) -> Result<JobsFile> {
     if !p.exists() {
         return Ok(JobsFile { format: JOBS_FORMAT.into(), jobs: vec![] });
     }
-    let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-    let f: JobsFile = serde_json::from_str(&text).map_err(|e| {
-        anyhow!("{}: {e}\nhint: the file is damaged; --status cannot name job ids without it", p.display())
-    })?;
+    let f: JobsFile = crate::util::read_json(&p, "the file is damaged; --status cannot name job ids without it")?;
     if f.format != JOBS_FORMAT {
         bail!("{}: format `{}` is not {JOBS_FORMAT}\nhint: written by another harpe version", p.display(), f.format);
     }

@@ -245,6 +245,26 @@ fn run_model(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Mean seconds of `f` over `iters` calls after `warmup` calls, the device synchronised before and after
+/// the timed ones (a GPU's queued work is inside the time).
+fn mean_seconds(
+    dev: &candle_core::Device,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
 /// PyTorch's times for the same shapes, from scripts/bench_kernels_torch.py (None when torch is absent).
 pub fn torch_times(tokens: usize, iters: usize) -> Option<serde_json::Value> {
     torch_script("bench_kernels_torch.py", &["--tokens", &tokens.to_string(), "--iters", &iters.to_string()])
@@ -291,20 +311,10 @@ mod gpu {
     use anyhow::Result;
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
-    use std::time::Instant;
 
     /// Mean milliseconds of `f` over `iters` calls after 3 warm-up calls, synchronised.
-    fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        for _ in 0..3 {
-            f()?;
-        }
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            f()?;
-        }
-        dev.synchronize()?;
-        Ok(t0.elapsed().as_secs_f64() * 1e3 / iters as f64)
+    fn time(dev: &Device, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+        Ok(super::mean_seconds(dev, 3, iters, f)? * 1e3)
     }
 
     pub fn run(args: BenchArgs) -> Result<()> {

@@ -42,7 +42,6 @@ use crate::optim::adamw::{AdamW, AdamWHyper};
 use crate::train::{batch_tensors, forward_backward, trainable_model, Backward, MicroBatch, Params};
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use std::time::Instant;
 
 /// The shapes the rows run at (device defaults, overridden by flags).
 #[derive(Clone)]
@@ -99,15 +98,8 @@ impl Shape {
 const LOSS_CHUNK: usize = 1024;
 
 /// Mean seconds of `f` over `iters` calls after one warm-up call, synchronised.
-fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    dev.synchronize()?;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+fn time(dev: &Device, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    super::mean_seconds(dev, 1, iters, f)
 }
 
 /// The device's copy bandwidth (GB/s, read + write counted) from a 64 MiB tensor copy: the 100% line.

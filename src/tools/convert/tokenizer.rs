@@ -55,6 +55,25 @@ pub struct GgufVocab {
     pub add_eos: Option<bool>,
 }
 
+/// The array at metadata key `k` of `g` (None when absent), each element through `elem` (None: not an
+/// element of the kind the array must hold, named by `kind`).
+fn meta_array<T>(g: &Gguf, k: &str, kind: &str, elem: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>> {
+    let origin = g.path.display();
+    match g.meta(k) {
+        None => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                elem(v).ok_or_else(|| anyhow!("{origin}: `{k}` holds {v:?}, not {kind}\nhint: the file is damaged"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        Some(other) => {
+            bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
+        }
+    }
+}
+
 impl GgufVocab {
     /// Read the vocabulary from the file's metadata; an absent or foreign tokenizer model is an error
     /// naming `tokenizer.ggml.model`.
@@ -71,43 +90,19 @@ impl GgufVocab {
                  (\"gpt2\") and SentencePiece BPE (\"llama\") tokenizers; pass the model's tokenizer.json with --tokenizer"
             );
         }
-        let strings = |k: &str| -> Result<Option<Vec<String>>> {
-            match g.meta(k) {
-                None => Ok(None),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|v| match v {
-                        Value::String(s) => Ok(s.clone()),
-                        other => {
-                            Err(anyhow!("{origin}: `{k}` holds {other:?}, not a string\nhint: the file is damaged"))
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(Some),
-                Some(other) => {
-                    bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
-                }
-            }
+        let strings = |k: &str| {
+            meta_array(g, k, "a string", |v| match v {
+                Value::String(s) => Some(s.clone()),
+                _ => None,
+            })
         };
-        let numbers = |k: &str| -> Result<Option<Vec<f64>>> {
-            match g.meta(k) {
-                None => Ok(None),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|v| match v {
-                        Value::F32(x) => Ok(f64::from(*x)),
-                        Value::F64(x) => Ok(*x),
-                        Value::I32(x) => Ok(f64::from(*x)),
-                        other => {
-                            Err(anyhow!("{origin}: `{k}` holds {other:?}, not a number\nhint: the file is damaged"))
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(Some),
-                Some(other) => {
-                    bail!("{origin}: `{k}` is {:?}, not an array\nhint: the file is damaged", other.value_type())
-                }
-            }
+        let numbers = |k: &str| {
+            meta_array(g, k, "a number", |v| match v {
+                Value::F32(x) => Some(f64::from(*x)),
+                Value::F64(x) => Some(*x),
+                Value::I32(x) => Some(f64::from(*x)),
+                _ => None,
+            })
         };
         let tokens = strings("tokenizer.ggml.tokens")?
             .ok_or_else(|| anyhow!("{origin}: no `tokenizer.ggml.tokens`\nhint: the file carries no vocabulary"))?;

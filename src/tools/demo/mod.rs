@@ -176,21 +176,11 @@ fn harpe(args: &[&str], log: &Path) -> Result<()> {
     Ok(())
 }
 
-fn pretrain_toml(out: &Path, t0: usize, b: &BaseRecipe) -> Result<String> {
+/// The `[data]`, `[rope]` and `[train]` tables both demo recipes share: the prepared dataset `data`,
+/// plain RoPE, f32 on the CPU, `mb` sequences per micro-batch and `gb` tokens per step.
+fn data_and_train_toml(data: &Path, mb: usize, gb: usize) -> Result<String> {
     Ok(format!(
-        r#"# harpe demo: pretraining of a tiny Llama at {t0} tokens with plain RoPE (written by `harpe demo`)
-[model]
-tokenizer = "{tok}"
-
-[model.init]
-vocab_size = 259
-hidden_size = {hidden}
-intermediate_size = {inter}
-num_hidden_layers = {layers}
-num_attention_heads = {heads}
-num_key_value_heads = {heads}
-max_position_embeddings = {t0}
-
+        r#"
 [data]
 source = "prepared"
 path = "{data}"
@@ -207,7 +197,26 @@ micro_batch_size = {mb}
 global_batch_tokens = {gb}
 activation_checkpointing = "none"
 loss_chunk_tokens = 2048
+"#,
+        data = p(data)?,
+    ))
+}
 
+fn pretrain_toml(out: &Path, t0: usize, b: &BaseRecipe) -> Result<String> {
+    Ok(format!(
+        r#"# harpe demo: pretraining of a tiny Llama at {t0} tokens with plain RoPE (written by `harpe demo`)
+[model]
+tokenizer = "{tok}"
+
+[model.init]
+vocab_size = 259
+hidden_size = {hidden}
+intermediate_size = {inter}
+num_hidden_layers = {layers}
+num_attention_heads = {heads}
+num_key_value_heads = {heads}
+max_position_embeddings = {t0}
+{data_and_train}
 [optim]
 lr = {lr:e}
 weight_decay = 0.1
@@ -232,9 +241,7 @@ seq_len = {t0}
 steps = {steps}
 "#,
         tok = p(&out.join("tokenizer.json"))?,
-        data = p(&out.join("data").join(format!("train_T{t0}")))?,
-        mb = 4,
-        gb = step_tokens(t0),
+        data_and_train = data_and_train_toml(&out.join("data").join(format!("train_T{t0}")), 4, step_tokens(t0))?,
         steps = b.steps,
         hidden = b.hidden,
         inter = b.intermediate,
@@ -254,24 +261,7 @@ fn extend_toml(out: &Path, base: &Path, sz: &Size) -> Result<String> {
 # the sweep's arms replace [rope] or the stages
 [model]
 path = "{base}"
-
-[data]
-source = "prepared"
-path = "{data}"
-
-[rope]
-scheme = "default"
-theta = 10000.0
-
-[train]
-seed = 0
-device = "cpu"
-dtype = "f32"
-micro_batch_size = 1
-global_batch_tokens = {gb}
-activation_checkpointing = "none"
-loss_chunk_tokens = 2048
-
+{data_and_train}
 [optim]
 lr = 1e-3
 weight_decay = 0.1
@@ -296,9 +286,8 @@ seq_len = {t}
 tokens = {tokens}
 "#,
         base = p(base)?,
-        data = p(&out.join("data").join(format!("train_T{t}")))?,
+        data_and_train = data_and_train_toml(&out.join("data").join(format!("train_T{t}")), 1, step_tokens(sz.t0))?,
         tokens = sz.ext_tokens,
-        gb = step_tokens(sz.t0),
     ))
 }
 

@@ -217,17 +217,10 @@ fn refuse<T>(shards: &[OptimShard], err: anyhow::Error) -> Result<T> {
 
 /// Every optimizer shard of checkpoint `dir`, ordered by the start of its range.
 pub fn read_optim_shards(dir: &Path) -> Result<Vec<OptimShard>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| {
-            format!("cannot list {}\nhint: pass a checkpoint directory (RUN/checkpoints/step_N)", dir.display())
-        })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let n = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-            n.starts_with("optim-") && n.ends_with(".safetensors")
-        })
-        .collect();
-    files.sort();
+    let files = crate::util::sorted_entries(dir, "hint: pass a checkpoint directory (RUN/checkpoints/step_N)", |p| {
+        let n = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        n.starts_with("optim-") && n.ends_with(".safetensors")
+    })?;
     if files.is_empty() {
         bail!(
             "{} holds no optimizer shard (optim-*.safetensors)\nhint: pass a complete harpe checkpoint directory",
