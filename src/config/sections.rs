@@ -133,6 +133,27 @@ impl Checkpointing {
     }
 }
 
+/// `[train] attention`: which attention kernels a CUDA run trains with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainAttention {
+    /// FlashAttention-2's own kernels where the build has them (`--features flash-attn`) and they take the
+    /// model (CUDA, bf16/f16, head dim 64 or 128); harpe's otherwise
+    #[default]
+    Auto,
+    /// harpe's own kernels (kernels/attention.cu; every dtype and head dim)
+    Harpe,
+    /// FlashAttention-2's own forward and backward (an error where they cannot run)
+    Flash2,
+}
+
+impl TrainAttention {
+    /// `Auto`: left out of the resolved config, so configs hashed before this key keep their hash.
+    pub fn is_auto(&self) -> bool {
+        *self == TrainAttention::Auto
+    }
+}
+
 /// `[train]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -164,6 +185,10 @@ pub struct TrainSection {
     /// left out of the resolved config at its default, so configs hashed before this key keep their hash
     #[serde(default, skip_serializing_if = "is_false")]
     pub document_mask: bool,
+    /// attention kernels on CUDA: "auto" (FlashAttention-2's where built and the model fits them, else
+    /// harpe's), "harpe" or "flash2"; `harpe train --attention` sets it
+    #[serde(default, skip_serializing_if = "TrainAttention::is_auto")]
+    pub attention: TrainAttention,
 }
 
 impl Default for TrainSection {
@@ -178,6 +203,7 @@ impl Default for TrainSection {
             loss_chunk_tokens: d_loss_chunk(),
             max_bad_steps: d_bad_steps(),
             document_mask: false,
+            attention: TrainAttention::Auto,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! What a plan is asked about: the device (`GpuKind`, `Gpu` with its stated peak, links and margin), how
 //! the run is spread (`World`), the model (`Arch`) and one stage's shape (`StageShape`). Apart from the
 //! arithmetic (`memory.rs`, `time.rs`), which reads these and nothing else.
+use super::attention::AttnKernelKind;
 use crate::config::{Checkpointing, DistSection, RunConfig, ZeroStage};
 use crate::model::config::LlamaConfig;
 use crate::util::edit_distance;
@@ -67,6 +68,8 @@ pub struct Gpu {
     pub gpus_per_node: usize,
     /// fraction of memory kept free for fragmentation and transient spikes
     pub margin: f64,
+    /// the attention kernels the run trains with and their forward+backward rate on this device
+    pub attention: super::attention::AttentionRate,
 }
 
 impl Gpu {
@@ -80,7 +83,24 @@ impl Gpu {
             GpuKind::H200 => (143771u64 << 20, 989.0, 900.0, 0.4),
             GpuKind::Cpu => (crate::util::host_memory_bytes().unwrap_or(16 << 30), 0.05, 0.0, 0.5),
         };
-        Gpu { kind, mem_bytes, peak_tflops, mfu, link_gbs, inter_node_gbs: 25.0, gpus_per_node: 8, margin: 0.10 }
+        let attention = super::attention::AttentionRate::prior(AttnKernelKind::Harpe, kind, peak_tflops, mfu);
+        Gpu {
+            kind,
+            mem_bytes,
+            peak_tflops,
+            mfu,
+            link_gbs,
+            inter_node_gbs: 25.0,
+            gpus_per_node: 8,
+            margin: 0.10,
+            attention,
+        }
+    }
+
+    /// This device running `kernel`'s attention at its prior rate (after `peak_tflops` and `mfu` are final).
+    pub fn with_attention_prior(mut self, kernel: AttnKernelKind) -> Gpu {
+        self.attention = super::attention::AttentionRate::prior(kernel, self.kind, self.peak_tflops, self.mfu);
+        self
     }
 
     pub(super) fn is_cpu(&self) -> bool {

@@ -18,12 +18,12 @@ fn launched(err: core::ffi::c_int) -> Result<()> {
     )
 }
 
-/// harpe: an error unless the caller's `harpe_fa2_args` has the size kernels/flash_api.cu was built with.
+/// harpe: an error unless the caller's `harpe_fa2_args` has the size flash_api.cu was built with.
 fn check_args_size(size: usize) -> Result<()> {
     // SAFETY: returns a constant.
     let want = unsafe { ffi::harpe_fa2_args_size() };
     if size != want {
-        candle::bail!("candle-flash-attn: harpe_fa2_args is {size} bytes on the Rust side but {want} in kernels/flash_api.cu\nhint: the two definitions drifted apart; make them field for field the same")
+        candle::bail!("candle-flash-attn: harpe_fa2_args is {size} bytes on the Rust side but {want} in flash_api.cu\nhint: the two definitions drifted apart; make them field for field the same")
     }
     Ok(())
 }
