@@ -57,7 +57,27 @@ pub fn fa2_shape(
     scale: f32,
     docs: Option<&DocStarts>,
 ) -> Result<(Fa2Shape, Option<Vec<u32>>)> {
-    let (b, h, hkv, tq, tk, d) = candle_flash::check_inputs(q, k, v)?;
+    let (b, h, tq, d) = q.dims4()?;
+    let (bk, hkv, tk, dk) = k.dims4()?;
+    if v.dims4()? != (bk, hkv, tk, dk) || bk != b || dk != d {
+        bail!(
+            "flash2 attention: q {:?}, k {:?}, v {:?} do not fit (B, H, T, D), (B, Hkv, T, D) twice\nhint: the same contract as ops::attention",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if hkv == 0 || h % hkv != 0 {
+        bail!("flash2 attention: {h} query heads are not a multiple of {hkv} kv heads\nhint: GQA needs H % Hkv == 0");
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!(
+            "flash2 attention: q is {:?} but k {:?}, v {:?}\nhint: one dtype for q, k, v",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
     check_supported(q.dtype(), d)?;
     if tq != tk {
         bail!("--attention flash2: queries and keys of one length only (Tq {tq}, Tk {tk})\nhint: KV-cached generation runs --attention candle-flash or harpe");

@@ -7,7 +7,7 @@
 use crate::common::harpe_cmd;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
-use harpe::train::plan::{plan_for, Gpu, GpuKind, Plan, World};
+use harpe::train::plan::{plan_for, AttnKernelKind, Gpu, GpuKind, Plan, World, FA2_A100_TFLOPS, HARPE_PEAK_FRACTION};
 use harpe::util::parse_bytes;
 use std::path::Path;
 
@@ -154,6 +154,29 @@ fn step_time_from_flops_with_recompute() {
     assert!(sp.sp_comm_s > 0.0 && sp.step_time_s > sp.compute_s);
     // 6B tokens at that speed
     assert!((z3.run_hours - 6e9 / z3.tokens_per_s / 3600.0).abs() / z3.run_hours < 1e-3);
+}
+
+/// The attention kernel the plan counts: FA2's workspace (f32 dq_accum of D rounded to 32 and rows rounded to
+/// 128, f32 softmax_d, dO made contiguous; no dK/dV per query head for MHA) instead of harpe's packed rows,
+/// and the attention's share of the step at the kernel's forward+backward rate.
+#[test]
+fn the_attention_kernel_sets_its_workspace_and_rate() {
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let world = World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 2 };
+    let harpe_gpu = Gpu::new(GpuKind::A100);
+    assert_eq!(harpe_gpu.attention.kernel, AttnKernelKind::Harpe, "a bare device plans harpe's kernels");
+    assert!((harpe_gpu.attention.tflops - 312.0 * HARPE_PEAK_FRACTION).abs() < 1e-9);
+    let fa2_gpu = Gpu::new(GpuKind::A100).with_attention_prior(AttnKernelKind::Flash2);
+    assert_eq!(fa2_gpu.attention.tflops, FA2_A100_TFLOPS);
+    let (h, f) = (plan_for(&cfg, &world, &harpe_gpu).unwrap(), plan_for(&cfg, &world, &fa2_gpu).unwrap());
+    // SP 2: 16 heads of 128 over the whole 128K sequence, one sequence
+    assert_eq!(f.term("attention_workspace"), T * 16 * (128 * 4 + 4 + 128 * 2));
+    assert_eq!(h.term("attention_workspace"), T * 16 * (400 * 2 + 129 * 4));
+    // everything else alike
+    assert_eq!(f.total_bytes + h.term("attention_workspace"), h.total_bytes + f.term("attention_workspace"));
+    // the same FLOPs; the faster attention shortens the step
+    assert_eq!(f.hw_flops_per_token, h.hw_flops_per_token);
+    assert!(f.tokens_per_s > 1.4 * h.tokens_per_s, "flash2 {} vs harpe {} tokens/s", f.tokens_per_s, h.tokens_per_s);
 }
 
 #[test]

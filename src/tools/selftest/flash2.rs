@@ -155,8 +155,10 @@ mod cuda_run {
             };
             Ok([down(&o)?, down(&grad(&qv, "q")?)?, down(&grad(&kv, "k")?)?, down(&grad(&vv, "v")?)?])
         };
-        let [o, dq, dk, dv] = grads(&|q, k, v| flash2::attention(q, k, v, scale, docs.as_ref()))?;
-        let harpe = grads(&|q, k, v| attention::attention(q, k, v, scale, true, docs.as_ref()))?;
+        let [o, dq, dk, dv] =
+            grads(&|q: &Tensor, k: &Tensor, v: &Tensor| flash2::attention(q, k, v, scale, docs.as_ref()))?;
+        let harpe =
+            grads(&|q: &Tensor, k: &Tensor, v: &Tensor| attention::attention(q, k, v, scale, true, docs.as_ref()))?;
         Ok(([o, lse, dq, dk, dv], harpe))
     }
 }
