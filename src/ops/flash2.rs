@@ -67,7 +67,7 @@ pub fn fa2_shape(
             v.dims()
         );
     }
-    if hkv == 0 || h % hkv != 0 {
+    if hkv == 0 || !h.is_multiple_of(hkv) {
         bail!("flash2 attention: {h} query heads are not a multiple of {hkv} kv heads\nhint: GQA needs H % Hkv == 0");
     }
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {

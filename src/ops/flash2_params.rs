@@ -132,7 +132,7 @@ impl Fa2Shape {
         if self.b == 0 || self.h == 0 || self.hkv == 0 || self.d == 0 || self.total == 0 {
             return Err(format!("flash2: an empty shape ({self:?})"));
         }
-        if self.h % self.hkv != 0 {
+        if !self.h.is_multiple_of(self.hkv) {
             return Err(format!("flash2: {} query heads are not a multiple of {} kv heads", self.h, self.hkv));
         }
         if !self.varlen && self.b * self.max_seqlen != self.total {
@@ -276,6 +276,96 @@ mod tests {
         // harpe_fa2_args has the same size and offsets under any C ABI that aligns int64 to 8 bytes
         assert_eq!(std::mem::size_of::<Fa2Args>(), 14 * 8 + 25 * 8 + 13 * 4 + 6 * 4 + 5 * 4);
         assert_eq!(std::mem::align_of::<Fa2Args>(), 8);
+    }
+
+    /// Every field of `harpe_fa2_args` in flash_api.cu, in order, with its offset under the C rules (pointers
+    /// and int64 8 bytes, int32 and float 4, each aligned to its size): name and offset of the Rust field alike.
+    #[test]
+    fn the_c_struct_has_the_same_fields_at_the_same_offsets() {
+        let src = include_str!("../../third_party/candle-flash-attn/kernels/flash_api.cu");
+        let body = src.split("struct harpe_fa2_args {").nth(1).unwrap().split("};").next().unwrap();
+        let mut c = vec![];
+        let mut at = 0usize;
+        for line in body.lines().map(|l| l.trim()).filter(|l| !l.is_empty() && !l.starts_with("//")) {
+            let (ty, names) = line.trim_end_matches(';').split_once(' ').unwrap();
+            for name in names.split(',') {
+                let name = name.trim();
+                let size = if name.starts_with('*') || ty == "int64_t" { 8 } else { 4 };
+                at = at.div_ceil(size) * size;
+                c.push((name.trim_start_matches('*').to_string(), at));
+                at += size;
+            }
+        }
+        macro_rules! rust_fields {
+            ($($f:ident),* $(,)?) => { vec![$((stringify!($f).to_string(), std::mem::offset_of!(Fa2Args, $f))),*] };
+        }
+        let rust = rust_fields!(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            o_ptr,
+            softmax_lse_ptr,
+            do_ptr,
+            dq_ptr,
+            dk_ptr,
+            dv_ptr,
+            dq_accum_ptr,
+            dsoftmax_sum,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            rng_state,
+            q_batch_stride,
+            k_batch_stride,
+            v_batch_stride,
+            o_batch_stride,
+            q_row_stride,
+            k_row_stride,
+            v_row_stride,
+            o_row_stride,
+            q_head_stride,
+            k_head_stride,
+            v_head_stride,
+            o_head_stride,
+            do_batch_stride,
+            dq_batch_stride,
+            dk_batch_stride,
+            dv_batch_stride,
+            do_row_stride,
+            dq_row_stride,
+            dk_row_stride,
+            dv_row_stride,
+            do_head_stride,
+            dq_head_stride,
+            dk_head_stride,
+            dv_head_stride,
+            dq_accum_split_stride,
+            b,
+            h,
+            h_k,
+            h_h_k_ratio,
+            d,
+            d_rounded,
+            seqlen_q,
+            seqlen_k,
+            seqlen_q_rounded,
+            seqlen_k_rounded,
+            total_q,
+            window_size_left,
+            window_size_right,
+            scale_softmax,
+            scale_softmax_log2,
+            softcap,
+            p_dropout,
+            rp_dropout,
+            scale_softmax_rp_dropout,
+            p_dropout_in_uint8_t,
+            is_bf16,
+            is_causal,
+            unpadded_lse,
+            deterministic,
+        );
+        assert_eq!(c, rust);
+        assert_eq!(at.div_ceil(8) * 8, std::mem::size_of::<Fa2Args>());
     }
 
     /// Llama-2-7B's attention at T = 1000, B 2, GQA 32/8, as mha_fwd + mha_bwd fill the params for

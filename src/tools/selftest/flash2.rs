@@ -20,6 +20,9 @@ use anyhow::Result;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
+/// FA2's [O, lse, dQ, dK, dV] and harpe's [O, dQ, dK, dV] of one case, host f32.
+type Outputs = ([Vec<f32>; 5], [Vec<f32>; 4]);
+
 /// Why `checks` gives no rows on `target`, for the table (None: it gives them).
 pub fn note(target: &Target) -> Option<&'static str> {
     match target {
@@ -116,7 +119,7 @@ mod cuda_run {
         _: AttnDims,
         _: f32,
         _: Option<&[u32]>,
-    ) -> Result<([Vec<f32>; 5], [Vec<f32>; 4])> {
+    ) -> Result<super::Outputs> {
         bail!(crate::ops::flash2::NOT_BUILT)
     }
 }
@@ -140,7 +143,7 @@ mod cuda_run {
         dims: AttnDims,
         scale: f32,
         docs: Option<&[u32]>,
-    ) -> Result<([Vec<f32>; 5], [Vec<f32>; 4])> {
+    ) -> Result<super::Outputs> {
         let AttnDims { b, h, hkv, tq, tk, d } = dims;
         let (qs, ks) = ((b, h, tq, d), (b, hkv, tk, d));
         let (qt, kt, vt, dot) = (up(q, qs, dt, dev)?, up(k, ks, dt, dev)?, up(v, ks, dt, dev)?, up(dout, qs, dt, dev)?);
