@@ -143,7 +143,13 @@ fn step_time_from_flops_with_recompute() {
     let executed = (6.0 * n + 6.0 * (L * C * T) as f64) * (1.0 + 31.0 / 32.0 / 3.0);
     assert!((z3.flops_per_token / model - 1.0).abs() < 1e-9);
     assert!((z3.hw_flops_per_token / executed - 1.0).abs() < 1e-9);
-    let compute = 4_194_304.0 * executed / (8.0 * 312e12 * 0.4);
+    // the attention's share (6·L·C·T, recompute included) at harpe's kernels' rate (a bare A100's plan), in
+    // FlashAttention's count (3.5 forwards of 2·L·C·T a layer, one more per recomputed layer); the rest at 40%
+    let lct = (L * C * T) as f64;
+    let attn = 6.0 * lct * (1.0 + 31.0 / 32.0 / 3.0);
+    let rated = 2.0 * lct * (3.5 + 31.0 / 32.0);
+    let compute =
+        4_194_304.0 * ((executed - attn) / (8.0 * 312e12 * 0.4) + rated / (8.0 * 312e12 * HARPE_PEAK_FRACTION));
     assert!((z3.compute_s / compute - 1.0).abs() < 1e-9);
     assert!(z3.step_time_s >= z3.compute_s);
     assert!((z3.tokens_per_s - 4_194_304.0 / z3.step_time_s).abs() < 1e-6);
@@ -247,7 +253,11 @@ fn cli_json_has_the_contract_fields() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lib = plan(3, 2, &[]); // the recipe's dist.sp_degree
+    // the recipe's dist.sp_degree; `auto` attention plans FlashAttention-2 for a GPU
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let fa2 = Gpu::new(GpuKind::A100).with_attention_prior(AttnKernelKind::Flash2);
+    let lib = plan_for(&cfg, &World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 2 }, &fa2).unwrap();
+    assert_eq!(v["gpu"]["attention"]["kernel"].as_str(), Some("flash2"));
     assert_eq!(v["total_bytes"].as_u64(), Some(lib.total_bytes));
     assert_eq!(v["fits"].as_bool(), Some(true));
     assert_eq!(v["terms"]["layer_inputs"].as_u64(), Some(16 << 30));
@@ -263,9 +273,21 @@ fn cli_json_has_the_contract_fields() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(989.0));
     // the table names every term and the verdict; an unknown GPU is an error with a hint
-    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"]).output().unwrap();
+    let harpe_kernels = ["--set", "train.attention=\"harpe\""];
+    let mut cmd = harpe_cmd();
+    let out = cmd
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"])
+        .args(harpe_kernels)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("DOES NOT FIT") && text.contains("dist.zero_stage = 3"), "{text}");
+    assert!(text.contains("attention: harpe's kernels (harpe) at 90 TFLOP/s"), "{text}");
+    // FlashAttention-2's backward workspace (1.5 GiB against 2.6) lets ZeRO-2 fit, just
+    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"]).output().unwrap();
+    let fa2 = String::from_utf8_lossy(&out.stdout);
+    assert!(fa2.contains("DOES NOT FIT") && fa2.contains("cheapest change that fits: dist.zero_stage = 2"), "{fa2}");
+    assert!(fa2.contains("attention: FlashAttention-2's kernels (flash2) at 185 TFLOP/s"), "{fa2}");
     // the ZeRO traffic's time as a share of the step's compute: how much of it the overlap must hide
     assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
     let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"]).output().unwrap();
@@ -293,6 +315,7 @@ fn the_slurm_scripts_stop_warning_is_the_plans_lead_time() {
     assert!(script.contains(&line), "scripts/slurm-harpe-128k.sh should have `{}`", line.trim());
     let o = harpe_cmd()
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpus", "16", "--zero", "3"])
+        .args(["--set", "train.attention=\"harpe\""])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
