@@ -133,26 +133,8 @@ impl Checkpointing {
     }
 }
 
-/// `[train] attention`: which attention kernels a CUDA run trains with.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TrainAttention {
-    /// FlashAttention-2's own kernels where the build has them (`--features flash-attn`) and they take the
-    /// model (CUDA, bf16/f16, head dim 64 or 128); harpe's otherwise
-    #[default]
-    Auto,
-    /// harpe's own kernels (kernels/attention.cu; every dtype and head dim)
-    Harpe,
-    /// FlashAttention-2's own forward and backward (an error where they cannot run)
-    Flash2,
-}
-
-impl TrainAttention {
-    /// `Auto`: left out of the resolved config, so configs hashed before this key keep their hash.
-    pub fn is_auto(&self) -> bool {
-        *self == TrainAttention::Auto
-    }
-}
+/// `[train] attention` (defined beside the attention seam it chooses for, `model::attention`).
+pub use crate::model::attention::TrainAttention;
 
 /// `[train]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -15,12 +15,33 @@
 //! (candle-flash-attn's forward alone) is forward only: the evaluation commands may choose it with
 //! `--attention` (`AttentionChoice`) and `harpe train` refuses it (`refuse_for_training`).
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
-use crate::config::TrainAttention;
 use crate::ops::attention::{attention, attention_blocked, attention_with, CpuKernel, DocStarts};
 use crate::ops::attention_shape::HEAD_DIMS;
 use crate::ops::{candle_flash, flash2};
 use candle_core::{bail, DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+
+/// `[train] attention`: which attention kernels a CUDA run trains with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainAttention {
+    /// FlashAttention-2's own kernels where the build has them (`--features flash-attn`) and they take the
+    /// model (CUDA, bf16/f16, head dim 64 or 128); harpe's otherwise
+    #[default]
+    Auto,
+    /// harpe's own kernels (kernels/attention.cu; every dtype and head dim)
+    Harpe,
+    /// FlashAttention-2's own forward and backward (an error where they cannot run)
+    Flash2,
+}
+
+impl TrainAttention {
+    /// `Auto`: left out of the resolved config, so configs hashed before this key keep their hash.
+    pub fn is_auto(&self) -> bool {
+        *self == TrainAttention::Auto
+    }
+}
 
 /// Query rows per block of the blocked reference by default.
 pub const DEFAULT_BLOCK: usize = 256;

@@ -59,7 +59,7 @@ pub(super) struct Sizes {
     pub(super) n_seg: usize,
     pub(super) last_seg: usize,
     /// the attention kernels the run trains with (`Gpu::attention`)
-    pub(super) attn: super::attention::AttnKernelKind,
+    pub(super) attn: super::inputs::AttnKernelKind,
 }
 
 impl Sizes {

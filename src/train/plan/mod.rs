@@ -36,10 +36,11 @@ mod inputs;
 mod memory;
 mod time;
 
-pub use attention::{
-    for_run as attention_for_run, AttentionRate, AttnKernelKind, FA2_A100_TFLOPS, FA2_H100_TFLOPS, HARPE_PEAK_FRACTION,
+pub use attention::for_run as attention_for_run;
+pub use inputs::{
+    ckpt_name, Arch, AttentionRate, AttnKernelKind, Gpu, GpuKind, StageShape, World, FA2_A100_TFLOPS, FA2_H100_TFLOPS,
+    GIB, HARPE_PEAK_FRACTION,
 };
-pub use inputs::{ckpt_name, Arch, Gpu, GpuKind, StageShape, World, GIB};
 pub use memory::{
     activations, backward_temporaries, layer_graph, layer_graph_bytes, Activations, LayerPath, Stored, Term,
 };
