@@ -42,8 +42,9 @@
 # (skipped with a note when the budget cannot hold it), selftest's small cases under compute-sanitizer
 # memcheck and racecheck, 2 `Local` ranks sharing the GPU (ZeRO-3; Ulysses SP 2), plan vs measured at 32K.
 # `--flash` (the flash-attn bundle, HARPE_GPU_BUNDLE=gpu-bundle-fa): selftest with the candle-flash-attn
-# rows, attention at 8K/32K and 128K with its column, eval-ppl of one bf16 model through harpe's attention
-# and through candle-flash-attn's. `--multi` (N > 1 GPUs): N NCCL processes (ZeRO 1, 2, 3 and Ulysses SP 2)
+# rows and FlashAttention-2's forward+backward rows (flash2), attention at 8K/32K and 128K with its column
+# and the fa2-* rows, eval-ppl of one bf16 model through harpe's attention and through candle-flash-attn's,
+# and 20 bf16 training steps with --attention harpe against --attention flash2. `--multi` (N > 1 GPUs): N NCCL processes (ZeRO 1, 2, 3 and Ulysses SP 2)
 # against the one-process run, then 2 steps of the 128K recipe's layout (ZeRO-3, SP 2) on a 7B-shaped stack
 # on all N GPUs with every rank's device peak logged; on one GPU each of these rows is reported as
 # NEEDS 2+ GPUS (never left out silently), and the first half names them in one such row. Its rehearsal
@@ -316,15 +317,16 @@ _torch_bench() { # SCRIPT ARGS...
 # one timed call from T = 32K on, attention is quadratic in T (x16 at 128K), and per shape the bench runs one
 # untimed forward (for O) plus warm-up and timed calls of fwd, bwd and fwd+bwd: 16 x (3 fwd + 2 bwd +
 # 2 fwd+bwd) ms, and in a flash-attn build 16 x 2 candle-flash forwards (the last column of a full fwd
-# row), summed over the shapes, plus 20 s of setup, and 30 % slack. Prints the seconds, or nothing when
+# row) and 16 x 2 of each of the fa2-fwd and fa2-fwd+bwd rows (FlashAttention-2's own), summed over the shapes, plus 20 s of setup, and 30 % slack. Prints the seconds, or nothing when
 # FILE has no 32K rows.
 _size_128k() { # FILE FROM
   tail -n +"$2" "$1" | awk '
     $2 == 32768 && $1 == "fwd" { f[$3] = $4; if (NF >= 9 && $NF ~ /^[0-9.]+$/) cf[$3] = $NF }
     $2 == 32768 && $1 == "bwd" { b[$3] = $4 }
     $2 == 32768 && $1 == "fwd+bwd" { fb[$3] = $4 }
+    $2 == 32768 && ($1 == "fa2-fwd" || $1 == "fa2-fwd+bwd") { fa[$3] += $4 }
     END {
-      for (h in fb) { ms += 16 * (3 * f[h] + 2 * b[h] + 2 * fb[h] + 2 * cf[h]); n++ }
+      for (h in fb) { ms += 16 * (3 * f[h] + 2 * b[h] + 2 * fb[h] + 2 * cf[h] + 2 * fa[h]); n++ }
       if (n) printf "%d\n", 1.3 * (ms / 1000 + 20) + 0.5
     }'
 }
@@ -704,10 +706,31 @@ flash_eval() {
     "$d/ppl-reference.json" "$d/ppl-candidate.json" 1e-2
 }
 
+# FlashAttention-2's own backward in training against harpe's kernels: the tiny config at head dim 64 in
+# bf16, 20 steps from the same seed with --attention harpe and with --attention flash2, on the GPU; the
+# losses must agree to 2e-2 relative. The bound: each step's attention outputs and gradients differ by
+# bf16 roundings (2^-9 relative per element, both round once from f32), which the 20 updates carry into the
+# weights; a wrong backward (a lost scale, a wrong mask or GQA sum) bends the loss curve by more than 1e-1
+# within those steps.
+flash_train() {
+  local d="$WORK/flash-train" a=flash2
+  if rehearse; then
+    a=harpe
+    note "rehearsal: FlashAttention-2 is CUDA-only; both training runs use harpe's attention on the CPU (the comparison code is what is rehearsed)"
+  fi
+  step flash-train "tiny config bf16 at head dim 64, --attention harpe (20 steps)" 40 "$BIN" "${TINY[@]}" \
+    "${FLASH_MODEL[@]}" --set 'train.dtype="bf16"' --set "train.device=$(gpu_dev)" --attention harpe --out "$d/harpe"
+  step flash-train "tiny config bf16 at head dim 64, --attention $a (20 steps)" 40 "$BIN" "${TINY[@]}" \
+    "${FLASH_MODEL[@]}" --set 'train.dtype="bf16"' --set "train.device=$(gpu_dev)" --attention "$a" --out "$d/flash2"
+  step flash-train "training losses: --attention $a vs harpe (2e-2 relative)" 3 "$PY" -c "$PARITY_PY" \
+    "$d/harpe/metrics.jsonl" "$d/flash2/metrics.jsonl" 20 2e-2
+}
+
 flash_half() {
   selftest_step
   attention attention 8192,32768 35
   flash_eval
+  flash_train
   attention_128k 60
 }
 

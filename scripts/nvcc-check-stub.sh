@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # nvcc stand-in for type-checking `--features flash-attn` (.ci/run): candle-flash-attn's build script compiles
-# FlashAttention-2 kernel files (9 in harpe's trimmed copy; the whole build took 37 min on 2 cores, and
+# FlashAttention-2 kernel files (13 in harpe's trimmed copy; the forward-only build took 37 min on 2 cores, and
 # `scripts/gpu-check.sh build` does it), while
 # `cargo check`/`cargo clippy` only need its Rust API. cudaforge (the build helper of candle-flash-attn and of
 # candle-kernels) and harpe's build.rs take nvcc from $NVCC, so with NVCC=<this script>:

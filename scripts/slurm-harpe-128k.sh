@@ -25,17 +25,18 @@
 #
 # The stop warning (--signal=TERM@N): a TERM lands mid-step, every rank agrees to stop at the end of the
 # next step (up to 2 steps), then the checkpoint is written. `harpe plan --config configs/harpe-128k.toml
-# --gpus 16 --zero 3` prints the lead time this needs (its "stop:" line): 2 steps of the 128K stage plus
-# rank 0's checkpoint write (its optimizer shard and the bf16 weights at 1 GB/s), plus a quarter, in whole
-# minutes: 2 x 399 s + 19 s (18.5 GB) = 817 s, x 1.25 -> 1080 s at the plan's 40% MFU. tests/tools/plan.rs
-# checks that the number below is the plan's.
+# --gpus 16 --zero 3 --set train.attention='"harpe"'` prints the lead time this needs (its "stop:" line): 2 steps
+# of the 128K stage plus rank 0's checkpoint write (its optimizer shard and the bf16 weights at 1 GB/s), plus a
+# quarter, in whole minutes: 2 x 561 s + 19 s (18.5 GB) = 1141 s, x 1.25 -> 1440 s, with harpe's attention
+# kernels (an nccl build without flash-attn trains on them; FlashAttention-2's shorter steps need less) and the
+# plan's 40% MFU elsewhere. tests/tools/plan.rs checks that the number below is the plan's.
 #SBATCH --job-name=harpe-128k
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=12
 #SBATCH --time=72:00:00
-#SBATCH --signal=TERM@1080
+#SBATCH --signal=TERM@1440
 #SBATCH --requeue
 #SBATCH --output=slurm-harpe-128k-%j.out
 set -euo pipefail

@@ -133,6 +133,9 @@ impl Checkpointing {
     }
 }
 
+/// `[train] attention` (defined beside the attention seam it chooses for, `model::attention`).
+pub use crate::model::attention::TrainAttention;
+
 /// `[train]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -164,6 +167,10 @@ pub struct TrainSection {
     /// left out of the resolved config at its default, so configs hashed before this key keep their hash
     #[serde(default, skip_serializing_if = "is_false")]
     pub document_mask: bool,
+    /// attention kernels on CUDA: "auto" (FlashAttention-2's where built and the model fits them, else
+    /// harpe's), "harpe" or "flash2"; `harpe train --attention` sets it
+    #[serde(default, skip_serializing_if = "TrainAttention::is_auto")]
+    pub attention: TrainAttention,
 }
 
 impl Default for TrainSection {
@@ -178,6 +185,7 @@ impl Default for TrainSection {
             loss_chunk_tokens: d_loss_chunk(),
             max_bad_steps: d_bad_steps(),
             document_mask: false,
+            attention: TrainAttention::Auto,
         }
     }
 }

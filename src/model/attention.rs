@@ -10,15 +10,38 @@
 //! `attend_doc` the same under a per-document causal mask of packed sequences (`ops::attention::DocStarts`,
 //! `train.document_mask`). Every built-in arm does document masks; a `Custom` one says whether it can
 //! (`AttentionFn::supports_document_mask`, default no), so the trainer refuses before the first step.
-//! `CandleFlash` (candle-flash-attn's FA2 forward, `--features flash-attn`) is forward only: the evaluation
-//! commands choose it with `--attention` (`AttentionChoice`, `AttentionImpl::for_eval`) and `harpe train`
-//! refuses it (`refuse_for_training`).
+//! `Flash2` (FlashAttention-2's own forward and backward, `ops::flash2`, `--features flash-attn`) is the
+//! default where it runs (CUDA, bf16/f16, head dim 64/128: `for_train`, `for_eval`); `CandleFlash`
+//! (candle-flash-attn's forward alone) is forward only: the evaluation commands may choose it with
+//! `--attention` (`AttentionChoice`) and `harpe train` refuses it (`refuse_for_training`).
 //! Not done here: the kernels themselves (ops/), the sequence-parallel wrapper (comms/).
 use crate::ops::attention::{attention, attention_blocked, attention_with, CpuKernel, DocStarts};
 use crate::ops::attention_shape::HEAD_DIMS;
-use crate::ops::candle_flash;
+use crate::ops::{candle_flash, flash2};
 use candle_core::{bail, DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+
+/// `[train] attention`: which attention kernels a CUDA run trains with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainAttention {
+    /// FlashAttention-2's own kernels where the build has them (`--features flash-attn`) and they take the
+    /// model (CUDA, bf16/f16, head dim 64 or 128); harpe's otherwise
+    #[default]
+    Auto,
+    /// harpe's own kernels (kernels/attention.cu; every dtype and head dim)
+    Harpe,
+    /// FlashAttention-2's own forward and backward (an error where they cannot run)
+    Flash2,
+}
+
+impl TrainAttention {
+    /// `Auto`: left out of the resolved config, so configs hashed before this key keep their hash.
+    pub fn is_auto(&self) -> bool {
+        *self == TrainAttention::Auto
+    }
+}
 
 /// Query rows per block of the blocked reference by default.
 pub const DEFAULT_BLOCK: usize = 256;
@@ -59,6 +82,10 @@ pub enum AttentionImpl {
     /// bf16/f16, D 64/128; document masks through its varlen entry). NOT differentiable (the crate has no
     /// backward): evaluation and generation only.
     CandleFlash,
+    /// `ops::flash2`: FlashAttention-2's own forward and backward kernels (CUDA, `--features flash-attn`,
+    /// bf16/f16, D 64/128, causal with Tq = Tk; document masks through its varlen entry). Differentiable; full
+    /// attention runs `Flash`'s op, and Tq < Tk (KV-cached generation, no gradient) `CandleFlash`'s forward.
+    Flash2,
     /// Provided by the caller (sequence-parallel wrapper, experiments).
     Custom(Arc<dyn AttentionFn>),
 }
@@ -71,14 +98,38 @@ pub enum AttentionChoice {
     /// candle-flash-attn's FlashAttention-2 forward (CUDA, --features flash-attn, bf16/f16, head dim
     /// 64/128; forward only)
     CandleFlash,
+    /// FlashAttention-2's own forward and backward (CUDA, --features flash-attn, bf16/f16, head dim 64/128)
+    Flash2,
+}
+
+impl AttentionChoice {
+    /// `[train] attention`'s value for `harpe train --attention` (None: candle-flash, which cannot train).
+    pub fn for_train(self) -> Option<TrainAttention> {
+        match self {
+            AttentionChoice::Harpe => Some(TrainAttention::Harpe),
+            AttentionChoice::Flash2 => Some(TrainAttention::Flash2),
+            AttentionChoice::CandleFlash => None,
+        }
+    }
 }
 
 /// An error for an attention `harpe train` cannot run: candle-flash-attn has no backward.
-pub fn refuse_for_training(choice: AttentionChoice) -> Result<()> {
-    if choice == AttentionChoice::CandleFlash {
-        bail!("harpe train: --attention candle-flash has no backward (candle-flash-attn is forward only; gradients would stop silently)\nhint: train with --attention harpe (the default); candle-flash is for eval-ppl, eval-loss, eval-niah, eval-tasks and generate");
+pub fn refuse_for_training(choice: Option<AttentionChoice>) -> Result<()> {
+    if choice == Some(AttentionChoice::CandleFlash) {
+        bail!("harpe train: --attention candle-flash has no backward (candle-flash-attn is forward only; gradients would stop silently)\nhint: train with --attention flash2 (FlashAttention-2's own backward) or harpe; candle-flash is for eval-ppl, eval-loss, eval-niah, eval-tasks and generate");
     }
     Ok(())
+}
+
+/// The refusal of `flash2` where it cannot run, naming the limit (build, device, dtype, head dim).
+fn flash2_fits(dev: &Device, dtype: DType, head_dim: usize) -> Result<()> {
+    if !cfg!(feature = "flash-attn") {
+        bail!("{}", flash2::NOT_BUILT);
+    }
+    if !dev.is_cuda() {
+        bail!("--attention flash2 runs on CUDA only, and the device is {dev:?}\nhint: pass --device cuda, or --attention harpe");
+    }
+    flash2::check_supported(dtype, head_dim)
 }
 
 impl AttentionImpl {
@@ -92,9 +143,24 @@ impl AttentionImpl {
         }
     }
 
+    /// The attention `harpe train` runs on `dev` for a model of `dtype` and `head_dim` (`[train] attention`):
+    /// `Flash2` when asked (checked: built, CUDA, dtype, head dim) or, for `auto`, where it runs; harpe's
+    /// kernels (`for_device`) otherwise.
+    pub fn for_train(want: TrainAttention, dev: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
+        Ok(match want {
+            TrainAttention::Harpe => Self::for_device(dev),
+            TrainAttention::Flash2 => {
+                flash2_fits(dev, dtype, head_dim)?;
+                AttentionImpl::Flash2
+            }
+            TrainAttention::Auto if flash2::available(dev, dtype, head_dim) => AttentionImpl::Flash2,
+            TrainAttention::Auto => Self::for_device(dev),
+        })
+    }
+
     /// The attention of an evaluation command on `dev` for a model of `dtype` and `head_dim`: `choice` when
-    /// given (candle-flash checked: built, CUDA, dtype, head dim; each refusal names its limit), else
-    /// candle-flash where it is built and takes the model, else the device's default (`for_device`).
+    /// given (flash2 and candle-flash checked: built, CUDA, dtype, head dim; each refusal names its limit),
+    /// else flash2 where it is built and takes the model, else the device's default (`for_device`).
     pub fn for_eval(choice: Option<AttentionChoice>, dev: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
         let fits = || -> Result<()> {
             if !cfg!(feature = "flash-attn") {
@@ -111,13 +177,17 @@ impl AttentionImpl {
                 fits()?;
                 AttentionImpl::CandleFlash
             }
-            None if fits().is_ok() => AttentionImpl::CandleFlash,
+            Some(AttentionChoice::Flash2) => {
+                flash2_fits(dev, dtype, head_dim)?;
+                AttentionImpl::Flash2
+            }
+            None if flash2::available(dev, dtype, head_dim) => AttentionImpl::Flash2,
             None => Self::for_device(dev),
         })
     }
 
     /// Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D); differentiable (except
-    /// `CandleFlash`).
+    /// `CandleFlash`, and `Flash2` where it hands a call to it).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
         match self {
             AttentionImpl::Cpu => attention(q, k, v, scale, causal, None),
@@ -129,6 +199,11 @@ impl AttentionImpl {
             AttentionImpl::CpuReference => attention_with(q, k, v, scale, causal, None, CpuKernel::Reference),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, causal, None, *block),
             AttentionImpl::CandleFlash => candle_flash::attention(q, k, v, scale, causal),
+            AttentionImpl::Flash2 if causal && q.dim(2)? == k.dim(2)? => flash2::attention(q, k, v, scale, None),
+            // FA2's backward is built causal only: a full-attention call keeps harpe's differentiable op
+            AttentionImpl::Flash2 if !causal => attention(q, k, v, scale, false, None),
+            // KV-cached generation (Tq < Tk): forward only, nothing to differentiate
+            AttentionImpl::Flash2 => candle_flash::attention(q, k, v, scale, true),
             AttentionImpl::Custom(f) => f.attend(q, k, v, scale, causal),
         }
     }
@@ -145,6 +220,7 @@ impl AttentionImpl {
             AttentionImpl::Flash => attention(q, k, v, scale, true, Some(docs)),
             AttentionImpl::Blocked { block } => attention_blocked(q, k, v, scale, true, Some(docs), *block),
             AttentionImpl::CandleFlash => candle_flash::attention_doc(q, k, v, scale, docs),
+            AttentionImpl::Flash2 => flash2::attention(q, k, v, scale, Some(docs)),
             AttentionImpl::Custom(f) => f.attend_doc(q, k, v, scale, docs),
         }
     }

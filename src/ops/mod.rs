@@ -8,6 +8,8 @@ pub mod cpu_gemm;
 pub mod cpu_vec;
 pub mod cross_entropy_chunk;
 pub mod emu;
+pub mod flash2;
+pub mod flash2_params;
 pub mod linear;
 pub mod rms_norm;
 pub mod rotary;
@@ -16,6 +18,8 @@ pub mod swiglu;
 pub mod attention_cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "flash-attn")]
+pub mod flash2_cuda;
 
 /// Element types an output buffer may start uninitialised for (`for_overwrite`).
 ///

@@ -45,6 +45,11 @@ pub struct PlanArgs {
     /// fraction of device memory kept free [default: 0.10]
     #[arg(long, value_name = "F")]
     pub margin: Option<f64>,
+    /// `harpe bench attention --json` output measured on the GPU: its forward+backward rate of the run's
+    /// attention kernels replaces the published prior [default: FlashAttention-2's published rate, or
+    /// harpe's kernels' estimate]
+    #[arg(long, value_name = "FILE")]
+    pub attn_bench: Option<PathBuf>,
     /// plan this stage instead of the one with the longest sequences
     #[arg(long, value_name = "I")]
     pub stage: Option<usize>,
@@ -136,6 +141,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
         gpu.margin = m;
     }
+    // the attention kernels the run trains with, planned as a GPU build (--features flash-attn) runs them
+    let arch = Arch::of_run(&cfg, "[model]")?;
+    let gpu = attention_for_run(&cfg, &arch, gpu, kind != GpuKind::Cpu, args.attn_bench.as_deref())?;
     let default_gpus = if kind == GpuKind::Cpu { 1 } else { 8 };
     let world = World {
         gpus: args.gpus.or(keys.world_size).unwrap_or(default_gpus),
@@ -147,7 +155,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         if si >= cfg.stages.len() {
             bail!("--stage {si}: the config has {} stage(s)\nhint: stages count from 0", cfg.stages.len());
         }
-        let arch = Arch::of_run(&cfg, "[model]")?.for_stage(&cfg, si);
+        let arch = arch.for_stage(&cfg, si);
         let run_hours = plan.run_hours;
         plan = plan_stage(&arch, &stage_shape(&cfg, si, &gpu), &world, &gpu);
         plan.stage = si;
@@ -219,7 +227,7 @@ fn render_time(s: &mut String, p: &Plan, div: f64) {
     let gib = |b: u64| b as f64 / div;
     let _ = writeln!(
         s,
-        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s; ZeRO traffic {:.2} GB/GPU/step ({:.2} s = {:.1}% of the compute, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s = {:.1}%, not overlapped)",
+        "\ntime: {:.4} PFLOP per step ({:.3} GFLOP/token executed), compute {:.3} s/step at {:.0}% of {} TFLOP/s (the attention at its rate below); ZeRO traffic {:.2} GB/GPU/step ({:.2} s = {:.1}% of the compute, overlapped); Ulysses all-to-all {:.2} GB ({:.2} s = {:.1}%, not overlapped)",
         p.hw_flops_per_token * p.shape.tokens_per_step as f64 / 1e15,
         p.hw_flops_per_token / 1e9,
         p.compute_s,
@@ -231,6 +239,17 @@ fn render_time(s: &mut String, p: &Plan, div: f64) {
         p.sp_comm_bytes / 1e9,
         p.sp_comm_s,
         100.0 * p.sp_comm_s / p.compute_s.max(1e-12),
+    );
+    let a = &p.gpu.attention;
+    let _ = writeln!(
+        s,
+        "attention: {} at {:.0} TFLOP/s forward+backward ({}); its backward workspace is the attention_workspace row",
+        match a.kernel {
+            AttnKernelKind::Flash2 => "FlashAttention-2's kernels (flash2)",
+            AttnKernelKind::Harpe => "harpe's kernels (harpe)",
+        },
+        a.tflops,
+        a.source
     );
     let _ = writeln!(
         s,

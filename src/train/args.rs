@@ -44,9 +44,11 @@ pub struct TrainArgs {
     /// host path there (a CUDA run always uses it)
     #[arg(long, hide = true)]
     pub device_resident_state: bool,
-    /// attention: harpe's kernels only (candle-flash, the eval commands' other choice, has no backward)
-    #[arg(long, value_enum, default_value = "harpe")]
-    pub attention: crate::model::attention::AttentionChoice,
+    /// attention kernels on CUDA: flash2 (FlashAttention-2's forward and backward) or harpe; sets
+    /// `[train] attention` (default "auto": flash2 where the build has it and it takes the model).
+    /// candle-flash, the eval commands' forward-only choice, is refused
+    #[arg(long, value_enum)]
+    pub attention: Option<crate::model::attention::AttentionChoice>,
 }
 
 impl TrainArgs {
@@ -63,8 +65,22 @@ impl TrainArgs {
             nproc_per_node: None,
             nodes: Default::default(),
             device_resident_state: false,
-            attention: crate::model::attention::AttentionChoice::Harpe,
+            attention: None,
         }
+    }
+
+    /// The `--set` overrides with `--attention` as the `train.attention` one it stands for (last, so it wins).
+    pub fn sets(&self) -> Vec<String> {
+        let mut sets = self.set.clone();
+        if let Some(a) = self.attention.and_then(|c| c.for_train()) {
+            let name = match a {
+                crate::config::TrainAttention::Auto => "auto",
+                crate::config::TrainAttention::Harpe => "harpe",
+                crate::config::TrainAttention::Flash2 => "flash2",
+            };
+            sets.push(format!("train.attention=\"{name}\""));
+        }
+        sets
     }
 
     /// The run directory: `--out`, else `runs/<config file name without .toml>`.

@@ -23,7 +23,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     crate::testing::hooks().check()?;
     crate::model::attention::refuse_for_training(args.attention)?;
     let origin = args.config.display().to_string();
-    let cfg = RunConfig::load(&args.config, &args.set)?.cfg;
+    let cfg = RunConfig::load(&args.config, &args.sets())?.cfg;
     // the driver and glibc this build needs, before any weight is read (and before workers are spawned)
     crate::floors::check_for(&cfg.train.device)
         .with_context(|| format!("{origin}: train.device = \"{}\"", cfg.train.device))?;
@@ -114,7 +114,7 @@ fn run_process_rank(args: &TrainArgs, cfg: &RunConfig, origin: &str) -> Result<(
         DeviceSpec::Cpu => (DeviceSpec::Cpu, env.local_world_size.unwrap_or(env.world_size).max(1)),
     };
     plan_check(cfg, origin, args.force, Ranks { world: env.world_size, sharing, device })?;
-    let resolved = RunConfig::load(&args.config, &args.set)?.toml;
+    let resolved = RunConfig::load(&args.config, &args.sets())?.toml;
     // the collective signature check (`launch::signature`): a window every SIG_EVERY collectives
     let check_every = if dist.check_collectives { crate::launch::signature::SIG_EVERY } else { 0 };
     let joining =
@@ -228,6 +228,8 @@ fn plan_check(cfg: &RunConfig, origin: &str, force: bool, ranks: Ranks) -> Resul
         }
     };
     gpu.mem_bytes /= sharing as u64;
+    let arch = crate::train::plan::Arch::of_run(cfg, "[model]")?;
+    let gpu = crate::train::plan::attention_for_run(cfg, &arch, gpu, cfg!(feature = "flash-attn"), None)?;
     let world = World { gpus: ranks, zero_stage: dist.zero_stage, sp_degree: dist.sp_degree };
     let plan = plan_for(cfg, &world, &gpu).with_context(|| format!("{origin}: planning the run (harpe plan)"))?;
     crate::train::oom::remember_plan(&plan.terms.iter().map(|t| (t.name, t.bytes)).collect::<Vec<_>>());

@@ -144,7 +144,7 @@ impl Run {
     /// half is the `Run` literal itself.
     pub(super) fn open(args: &TrainArgs, comm: Comm, sp: Option<SpGroup>) -> Result<Run> {
         let origin = args.config.display().to_string();
-        let resolved = RunConfig::load(&args.config, &args.set)?;
+        let resolved = RunConfig::load(&args.config, &args.sets())?;
         if let Some(e) = &resolved.cfg.eval {
             crate::eval::tasks::check_section(e, &origin)?;
         }

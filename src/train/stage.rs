@@ -72,13 +72,13 @@ impl Stage {
         mc.validate(&format!("{}: stage {si}", r.origin))?;
         // the weights as the run's sharding places them (resident, or gathered per use)
         let (model, vars) = r.sharding().stage_model(&mc)?;
-        // the attention seam: the device's attention, inside the Ulysses exchange under sequence parallelism
+        // the attention seam: `[train] attention` on this device, inside the Ulysses exchange under sequence
+        // parallelism
+        let local = AttentionImpl::for_train(cfg.train.attention, &r.device, cfg.train.dtype.dtype(), mc.head_dim)
+            .map_err(|e| anyhow!("{}: train.attention: {e}", r.origin))?;
         let attention = match &r.sp {
-            Some(g) => AttentionImpl::Custom(Arc::new(Ulysses {
-                group: g.clone(),
-                inner: AttentionImpl::for_device(&r.device),
-            })),
-            None => AttentionImpl::for_device(&r.device),
+            Some(g) => AttentionImpl::Custom(Arc::new(Ulysses { group: g.clone(), inner: local })),
+            None => local,
         };
         check_document_mask(&r.origin, cfg.train.document_mask, &attention)?;
         let model = model.with_attention(attention);

@@ -254,8 +254,9 @@ fn maybe_evaluate(r: &mut Run, s: &Stage, ev: Option<&mut TrainEval>) -> Result<
         Some(w) => Llama::from_tensors(s.mc.clone(), w.into_iter().collect(), "the gathered training weights")?,
         None => s.model.clone(),
     };
-    // with the device's own attention (never the sequence-parallel exchange: each rank scores alone)
-    let model = &model.with_attention(AttentionImpl::for_device(&r.device));
+    // with the run's attention on this device (never the sequence-parallel exchange: each rank scores alone)
+    let local = AttentionImpl::for_train(r.cfg.train.attention, &r.device, r.cfg.train.dtype.dtype(), s.mc.head_dim)?;
+    let model = &model.with_attention(local);
     let window = r.cfg.eval_ppl_window(s.si).ok_or_else(|| anyhow!("internal: [eval] without a table"))?;
     let at = EvalPoint { step: r.state.step, stage: s.si, window, last: r.state.step == r.total_steps };
     let rec = ev.evaluate(model, &r.comm, at)?;

@@ -1,10 +1,12 @@
-//! `--attention harpe|candle-flash` as a user meets it: every evaluation command (eval-ppl, eval-loss,
-//! eval-niah, eval-tasks, generate) takes the flag; where candle-flash-attn cannot run (a build without
-//! `--features flash-attn`, or a CPU device) asking for it is an error that says why, with a hint, and the
-//! default falls back to harpe's attention; `--attention harpe` is what the CPU default computes; `harpe
-//! train` refuses candle-flash before reading anything (the crate has no backward).
-//! The GPU side (the crate's forward against harpe's) is `harpe selftest` on CUDA.
+//! `--attention harpe|candle-flash|flash2` as a user meets it: every evaluation command (eval-ppl, eval-loss,
+//! eval-niah, eval-tasks, generate) takes the flag; where candle-flash-attn or FlashAttention-2's own kernels
+//! cannot run (a build without `--features flash-attn`, or a CPU device) asking for them is an error that says
+//! why, with a hint, and the default falls back to harpe's attention; `--attention harpe` is what the CPU
+//! default computes; `harpe train` refuses candle-flash before reading anything (the crate has no backward),
+//! takes flash2 and harpe, and `[train] attention = "auto"` trains on harpe's attention on a CPU.
+//! The GPU side (both forwards, and FA2's backward, against harpe's) is `harpe selftest` on CUDA.
 use crate::common::harpe;
+use harpe::config::TrainAttention;
 use harpe::model::attention::{refuse_for_training, AttentionChoice, AttentionImpl};
 use std::path::{Path, PathBuf};
 
@@ -34,7 +36,7 @@ fn every_evaluation_command_takes_the_flag() {
     }
     let (ok, _, err) = harpe(&["generate", "--model", "m", "--prompt-ids", "1", "--attention", "flash"]);
     assert!(!ok);
-    assert!(err.contains("possible values: harpe, candle-flash"), "{err}");
+    assert!(err.contains("possible values: harpe, candle-flash, flash2"), "{err}");
 }
 
 #[test]
@@ -90,13 +92,43 @@ fn harpe_attention_scores_what_the_default_scores_on_cpu() {
 fn train_refuses_candle_flash_before_reading_the_config() {
     let (ok, _, err) = harpe(&["train", "--config", "no/such/run.toml", "--attention", "candle-flash"]);
     assert!(!ok);
-    assert!(err.contains("no backward") && err.contains("hint: train with --attention harpe"), "{err}");
+    assert!(err.contains("no backward") && err.contains("hint: train with --attention flash2"), "{err}");
     assert!(!err.contains("no/such/run.toml"), "refused before the config is read: {err}");
-    // --attention harpe parses and goes on to the config
-    let (ok, _, err) = harpe(&["train", "--config", "no/such/run.toml", "--attention", "harpe"]);
-    assert!(!ok);
-    assert!(err.contains("no/such/run.toml") && !err.contains("no backward"), "{err}");
-    assert!(refuse_for_training(AttentionChoice::Harpe).is_ok());
+    // --attention harpe and flash2 parse and go on to the config
+    for a in ["harpe", "flash2"] {
+        let (ok, _, err) = harpe(&["train", "--config", "no/such/run.toml", "--attention", a]);
+        assert!(!ok);
+        assert!(err.contains("no/such/run.toml") && !err.contains("no backward"), "{a}: {err}");
+    }
+    assert!(refuse_for_training(Some(AttentionChoice::Harpe)).is_ok());
+    assert!(refuse_for_training(Some(AttentionChoice::Flash2)).is_ok());
+    assert!(refuse_for_training(None).is_ok());
+}
+
+/// What a CPU run says when asked for flash2.
+fn flash2_refusal_of_this_build() -> &'static str {
+    if cfg!(feature = "flash-attn") {
+        "--attention flash2 runs on CUDA only"
+    } else {
+        "--attention flash2: this harpe was built without --features flash-attn"
+    }
+}
+
+#[test]
+fn for_train_on_a_cpu_device() {
+    let cpu = candle_core::Device::Cpu;
+    for dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
+        // auto and harpe: the device's attention
+        for want in [TrainAttention::Auto, TrainAttention::Harpe] {
+            let imp = AttentionImpl::for_train(want, &cpu, dtype, 64).unwrap();
+            assert!(matches!(imp, AttentionImpl::Cpu), "{want:?}: {imp:?}");
+        }
+        // flash2 asked for where it cannot run: an error naming why
+        let e = AttentionImpl::for_train(TrainAttention::Flash2, &cpu, dtype, 64).unwrap_err().to_string();
+        assert!(e.contains(flash2_refusal_of_this_build()) && e.contains("hint:"), "{e}");
+        let e = AttentionImpl::for_eval(Some(AttentionChoice::Flash2), &cpu, dtype, 64).unwrap_err().to_string();
+        assert!(e.contains(flash2_refusal_of_this_build()) && e.contains("hint:"), "{e}");
+    }
 }
 
 #[test]

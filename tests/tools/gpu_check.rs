@@ -191,6 +191,22 @@ fn flash_half_rehearsal_compares_two_eval_ppl_runs_of_one_model() {
     assert!(text(&o).contains("the options are --second, --flash and --multi"), "{}", text(&o));
 }
 
+#[test]
+fn flash_half_rehearsal_compares_the_training_losses_of_two_attentions() {
+    // `run --flash` trains the head-dim-64 tiny model in bf16 with --attention harpe and with --attention
+    // flash2 and compares the losses; in a rehearsal both runs are harpe's on the CPU, so they agree exactly
+    let (o, r) = rehearse(&["rehearse", "--flash"], "flash-train", &[]);
+    assert!(o.status.success(), "{}\n{r}", text(&o));
+    for section in [
+        "## tiny config bf16 at head dim 64, --attention harpe (20 steps)",
+        "## training losses: --attention harpe vs harpe (2e-2 relative)",
+    ] {
+        assert!(r.contains(section), "no {section:?} in:\n{r}");
+    }
+    assert!(r.contains("FlashAttention-2 is CUDA-only"), "{r}");
+    assert!(r.contains("Run exit code: 0"), "{r}");
+}
+
 /// The 128K attention step's limit from 32K rows as `harpe bench attention` prints them: per shape one
 /// untimed forward plus a warm-up and a timed call of each pass (and of candle-flash-attn's forward where
 /// built), x16 (quadratic in T), +20 s setup, +30 %.
@@ -210,6 +226,13 @@ fn the_128k_limit_comes_from_the_32k_rows_before_it() {
     let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
     // 16 x (60 + 100 + 140 + 20) ms = 5.12 s; (5.12 + 20) x 1.3 = 32.66
     assert_eq!(text(&o).trim(), "33", "{}", text(&o));
+    // FlashAttention-2's own rows: a warm-up and a timed call of fa2-fwd and of fa2-fwd+bwd (fa2-bwd is their
+    // difference, not a call of its own)
+    let fa2 = format!("{full}fa2-fwd 32768 8 50.000\nfa2-bwd 32768 8 100.000\nfa2-fwd+bwd 32768 8 150.000\n");
+    std::fs::write(&f, fa2).unwrap();
+    let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);
+    // 16 x (60 + 100 + 140 + 20 + 100 + 300) ms = 11.52 s; (11.52 + 20) x 1.3 = 40.98
+    assert_eq!(text(&o).trim(), "41", "{}", text(&o));
     // no 32K rows: nothing (the step is skipped with a note)
     std::fs::write(&f, "fwd 8192 8 1.0\n").unwrap();
     let o = gpu_check(&["_size_128k", f.to_str().unwrap(), "1"], &[]);

@@ -7,7 +7,7 @@
 use crate::common::harpe_cmd;
 use harpe::config::ZeroStage;
 use harpe::tools::plan::load_config;
-use harpe::train::plan::{plan_for, Gpu, GpuKind, Plan, World};
+use harpe::train::plan::{plan_for, AttnKernelKind, Gpu, GpuKind, Plan, World, FA2_A100_TFLOPS, HARPE_PEAK_FRACTION};
 use harpe::util::parse_bytes;
 use std::path::Path;
 
@@ -160,7 +160,13 @@ fn step_time_from_flops_with_recompute() {
     let executed = (6.0 * n + 6.0 * (L * C * T) as f64) * (1.0 + 31.0 / 32.0 / 3.0);
     assert!((z3.flops_per_token / model - 1.0).abs() < 1e-9);
     assert!((z3.hw_flops_per_token / executed - 1.0).abs() < 1e-9);
-    let compute = 4_194_304.0 * executed / (8.0 * 312e12 * 0.4);
+    // the attention's share (6·L·C·T, recompute included) at harpe's kernels' rate (a bare A100's plan), in
+    // FlashAttention's count (3.5 forwards of 2·L·C·T a layer, one more per recomputed layer); the rest at 40%
+    let lct = (L * C * T) as f64;
+    let attn = 6.0 * lct * (1.0 + 31.0 / 32.0 / 3.0);
+    let rated = 2.0 * lct * (3.5 + 31.0 / 32.0);
+    let compute =
+        4_194_304.0 * ((executed - attn) / (8.0 * 312e12 * 0.4) + rated / (8.0 * 312e12 * HARPE_PEAK_FRACTION));
     assert!((z3.compute_s / compute - 1.0).abs() < 1e-9);
     assert!(z3.step_time_s >= z3.compute_s);
     assert!((z3.tokens_per_s - 4_194_304.0 / z3.step_time_s).abs() < 1e-6);
@@ -171,6 +177,29 @@ fn step_time_from_flops_with_recompute() {
     assert!(sp.sp_comm_s > 0.0 && sp.step_time_s > sp.compute_s);
     // 6B tokens at that speed
     assert!((z3.run_hours - 6e9 / z3.tokens_per_s / 3600.0).abs() / z3.run_hours < 1e-3);
+}
+
+/// The attention kernel the plan counts: FA2's workspace (f32 dq_accum of D rounded to 32 and rows rounded to
+/// 128, f32 softmax_d, dO made contiguous; no dK/dV per query head for MHA) instead of harpe's packed rows,
+/// and the attention's share of the step at the kernel's forward+backward rate.
+#[test]
+fn the_attention_kernel_sets_its_workspace_and_rate() {
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let world = World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 2 };
+    let harpe_gpu = Gpu::new(GpuKind::A100);
+    assert_eq!(harpe_gpu.attention.kernel, AttnKernelKind::Harpe, "a bare device plans harpe's kernels");
+    assert!((harpe_gpu.attention.tflops - 312.0 * HARPE_PEAK_FRACTION).abs() < 1e-9);
+    let fa2_gpu = Gpu::new(GpuKind::A100).with_attention_prior(AttnKernelKind::Flash2);
+    assert_eq!(fa2_gpu.attention.tflops, FA2_A100_TFLOPS);
+    let (h, f) = (plan_for(&cfg, &world, &harpe_gpu).unwrap(), plan_for(&cfg, &world, &fa2_gpu).unwrap());
+    // SP 2: 16 heads of 128 over the whole 128K sequence, one sequence
+    assert_eq!(f.term("attention_workspace"), T * 16 * (128 * 4 + 4 + 128 * 2));
+    assert_eq!(h.term("attention_workspace"), T * 16 * (400 * 2 + 129 * 4));
+    // everything else alike
+    assert_eq!(f.total_bytes + h.term("attention_workspace"), h.total_bytes + f.term("attention_workspace"));
+    // the same FLOPs; the faster attention shortens the step
+    assert_eq!(f.hw_flops_per_token, h.hw_flops_per_token);
+    assert!(f.tokens_per_s > 1.4 * h.tokens_per_s, "flash2 {} vs harpe {} tokens/s", f.tokens_per_s, h.tokens_per_s);
 }
 
 #[test]
@@ -241,7 +270,11 @@ fn cli_json_has_the_contract_fields() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lib = plan(3, 2, &[]); // the recipe's dist.sp_degree
+    // the recipe's dist.sp_degree; `auto` attention plans FlashAttention-2 for a GPU
+    let (cfg, _) = load_config(Path::new(MISSION), &[LLAMA2_7B.to_string()]).unwrap();
+    let fa2 = Gpu::new(GpuKind::A100).with_attention_prior(AttnKernelKind::Flash2);
+    let lib = plan_for(&cfg, &World { gpus: 8, zero_stage: ZeroStage::Parameters, sp_degree: 2 }, &fa2).unwrap();
+    assert_eq!(v["gpu"]["attention"]["kernel"].as_str(), Some("flash2"));
     assert_eq!(v["total_bytes"].as_u64(), Some(lib.total_bytes));
     assert_eq!(v["fits"].as_bool(), Some(true));
     assert_eq!(v["terms"]["layer_inputs"].as_u64(), Some(16 << 30));
@@ -257,8 +290,13 @@ fn cli_json_has_the_contract_fields() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["gpu"]["peak_tflops"].as_f64(), Some(989.0));
     // the table names every term and the verdict; an unknown GPU is an error with a hint
-    // ZeRO-1 at SP 2 does not fit; ZeRO-2 is the cheapest change (71.5 of 72.0 usable GiB)
-    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"]).output().unwrap();
+    let harpe_kernels = ["--set", "train.attention=\"harpe\""];
+    let mut cmd = harpe_cmd();
+    let out = cmd
+        .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"])
+        .args(harpe_kernels)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success()
@@ -266,6 +304,13 @@ fn cli_json_has_the_contract_fields() {
             && text.contains("cheapest change that fits: dist.zero_stage = 2"),
         "{text}"
     );
+    assert!(text.contains("attention: harpe's kernels (harpe) at 90 TFLOP/s"), "{text}");
+    // ZeRO-1 at SP 2 does not fit with either kernel; ZeRO-2 does (harpe's: 71.5 of 72.0 usable GiB;
+    // FlashAttention-2's backward workspace, 1.5 GiB against 2.6, leaves more)
+    let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--zero", "1"]).output().unwrap();
+    let fa2 = String::from_utf8_lossy(&out.stdout);
+    assert!(fa2.contains("DOES NOT FIT") && fa2.contains("cheapest change that fits: dist.zero_stage = 2"), "{fa2}");
+    assert!(fa2.contains("attention: FlashAttention-2's kernels (flash2) at 185 TFLOP/s"), "{fa2}");
     // the ZeRO traffic's time as a share of the step's compute: how much of it the overlap must hide
     assert!(text.contains("ZeRO traffic") && text.contains("% of the compute, overlapped"), "{text}");
     let out = harpe_cmd().args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpu", "b200"]).output().unwrap();
@@ -293,6 +338,7 @@ fn the_slurm_scripts_stop_warning_is_the_plans_lead_time() {
     assert!(script.contains(&line), "scripts/slurm-harpe-128k.sh should have `{}`", line.trim());
     let o = harpe_cmd()
         .args(["plan", "--config", MISSION, "--set", LLAMA2_7B, "--gpus", "16", "--zero", "3"])
+        .args(["--set", "train.attention=\"harpe\""])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);

@@ -6,9 +6,14 @@ use std::{fs, path::PathBuf};
 const CUTLASS_COMMIT: &str = "7d49e6c7e2f8896c47f586706e67e1fb215529dc";
 
 // harpe: trimmed to what harpe calls (HARPE.md): head dims 64 and 128, bf16/fp16, causal or not; no split-KV
-// (paged) kernels. The 0.11.1 crate lists 53 files.
-const KERNEL_FILES: [&str; 9] = [
+// (paged) kernels. The 0.11.1 crate lists 53 files. Beside them FA2's own backward (FlashAttention 2.8.3's
+// flash_bwd_* files), causal only: what training needs.
+const KERNEL_FILES: [&str; 13] = [
     "kernels/flash_api.cu",
+    "kernels/flash_bwd_hdim64_bf16_causal_sm80.cu",
+    "kernels/flash_bwd_hdim64_fp16_causal_sm80.cu",
+    "kernels/flash_bwd_hdim128_bf16_causal_sm80.cu",
+    "kernels/flash_bwd_hdim128_fp16_causal_sm80.cu",
     "kernels/flash_fwd_hdim64_bf16_sm80.cu",
     "kernels/flash_fwd_hdim64_bf16_causal_sm80.cu",
     "kernels/flash_fwd_hdim64_fp16_sm80.cu",
@@ -19,12 +24,15 @@ const KERNEL_FILES: [&str; 9] = [
     "kernels/flash_fwd_hdim128_fp16_causal_sm80.cu",
 ];
 
-const HEADER_FILES: [&str; 18] = [
+const HEADER_FILES: [&str; 22] = [
     "kernels/alibi.h",
     "kernels/block_info.h",
     "kernels/dropout.h",
     "kernels/error.h",
     "kernels/flash.h",
+    "kernels/flash_bwd_kernel.h",
+    "kernels/flash_bwd_launch_template.h",
+    "kernels/flash_bwd_preprocess_kernel.h",
     "kernels/flash_fwd_kernel.h",
     "kernels/flash_fwd_launch_template.h",
     "kernels/hardware_info.h",
@@ -33,6 +41,7 @@ const HEADER_FILES: [&str; 18] = [
     "kernels/kernel_traits_sm90.h",
     "kernels/kernels.h",
     "kernels/mask.h",
+    "kernels/namespace_config.h",
     "kernels/philox.cuh",
     "kernels/rotary.h",
     "kernels/softmax.h",

@@ -14,7 +14,10 @@
 //! Each row is printed (and flushed) as it is measured, so a run stopped by a time limit keeps its rows;
 //! with torch the table is printed again at the end with the SDPA columns filled in.
 //! With `--features flash-attn` the forward rows also time candle-flash-attn's FA2 forward on the same
-//! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make).
+//! q, k, v (`ops::candle_flash`, the autograd-free call the eval commands make), and rows of their own
+//! (`fa2-fwd`, `fa2-bwd`, `fa2-fwd+bwd`, `"kernel": "flash2"` in JSON) time FlashAttention-2's own forward
+//! and backward as training runs them (`ops::flash2` through autograd: its layout copies, and under GQA
+//! the dK/dV group sum, included; bwd = fwd+bwd - fwd). `harpe plan --attn-bench` reads the JSON.
 //! `--target emulated --profile` (`run_emulated`) runs no GPU: it measures the tensor-core kernels on the host
 //! emulation (`ops::emu::profile`: sectors, bank conflicts, barriers, atomics, mma) with a roofline bound.
 //! Does not: the decode (Tq < Tk) path, f16, or head dim 64 (the training case it measures is bf16 at Llama-2-7B's D = 128).
@@ -25,6 +28,8 @@ use serde::Serialize;
 /// One timed attention pass.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttnRow {
+    /// "harpe" (kernels/attention.cu's launchers) or "flash2" (FlashAttention-2's, through `ops::flash2`)
+    pub kernel: String,
     pub pass: String,
     pub t: usize,
     pub hkv: usize,
@@ -69,7 +74,7 @@ pub fn print_rows(device: &str, rows: &[AttnRow]) {
 pub fn print_header(device: &str) {
     println!("harpe bench attention — {device}; B 1, H 32, D 128, causal, bf16 (tensor-core tiles)");
     println!(
-        "{:<8} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7} {:>10}",
+        "{:<11} {:>7} {:>4} {:>10} {:>8} {:>6}  {:<44} {:>7} {:>10}",
         "pass",
         "T",
         "Hkv",
@@ -92,9 +97,10 @@ pub fn print_row(r: &AttnRow) {
     let best = r.torch_ms.iter().filter_map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
     let x = if best.is_finite() { format!("{:.2}", best / r.ms) } else { "-".into() };
     let cf = r.candle_flash_ms.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
+    let pass = if r.kernel == "flash2" { format!("fa2-{}", r.pass) } else { r.pass.clone() };
     println!(
-        "{:<8} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7} {:>10}",
-        r.pass,
+        "{:<11} {:>7} {:>4} {:>10.3} {:>8.1} {:>6}  {:<44} {:>7} {:>10}",
+        pass,
         r.t,
         r.hkv,
         r.ms,
@@ -262,7 +268,7 @@ mod gpu {
     use crate::ops::attention_cuda::{bwd, fwd};
     use crate::ops::attention_shape::AttnMask;
     use anyhow::{bail, Result};
-    use candle_core::{DType, Device, Storage, Tensor};
+    use candle_core::{DType, Device, Storage, Tensor, Var};
     use std::time::Instant;
 
     /// From this T on, a row is one warm-up and one timed call.
@@ -348,6 +354,8 @@ mod gpu {
             Ok(Tensor::randn(0f32, 1.0, (1, heads, t, d), dev)?.to_dtype(DType::BF16)?)
         };
         let (q, k, v, dout) = (mk(h)?, mk(hkv)?, mk(hkv)?, mk(h)?);
+        let fa2 =
+            if cfg!(feature = "flash-attn") { Some(time_flash2(dev, sh, seconds, (&q, &k, &v, &dout))?) } else { None };
         // candle-flash-attn's forward on the same q, k, v (before the storage guards below)
         let cf_ms = cfg!(feature = "flash-attn")
             .then(|| {
@@ -369,6 +377,7 @@ mod gpu {
         let mut emit = |pass: &str, ms: f64| {
             let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
             let r = AttnRow {
+                kernel: "harpe".into(),
                 pass: pass.into(),
                 t,
                 hkv,
@@ -390,8 +399,47 @@ mod gpu {
                 Ok(bwd(q, k, v, ((&o2, &lo), &lse2), dout, mask, None).map(|_| ())?)
             })?,
         );
+        if let Some((f, fb)) = fa2 {
+            for (pass, ms) in [("fwd", f), ("bwd", fb - f), ("fwd+bwd", fb)] {
+                let tflops = flops(pass, h, t, d) / (ms * 1e-3) / 1e12;
+                let r = AttnRow {
+                    kernel: "flash2".into(),
+                    pass: pass.into(),
+                    t,
+                    hkv,
+                    ms,
+                    tflops,
+                    pct_peak: peak.map(|p| 100.0 * tflops / p),
+                    torch_ms: Vec::new(),
+                    candle_flash_ms: None,
+                };
+                done(&r);
+                rows.push(r);
+            }
+        }
         eprintln!("bench attention: T {t} Hkv {hkv}: {kernel:?} tiles");
         Ok(rows)
+    }
+
+    /// FlashAttention-2's (forward ms, forward+backward ms) through `ops::flash2` with autograd, dO as the
+    /// upstream gradient.
+    fn time_flash2(
+        dev: &Device,
+        sh: Shape,
+        seconds: f64,
+        (q, k, v, dout): (&Tensor, &Tensor, &Tensor, &Tensor),
+    ) -> Result<(f64, f64)> {
+        let scale = 1.0 / (sh.d as f32).sqrt();
+        let (qv, kv, vv) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+        let fwd = || -> Result<Tensor> {
+            Ok(crate::ops::flash2::attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, None)?)
+        };
+        let f = time(dev, sh.t, seconds, || fwd().map(|_| ()))?;
+        let fb = time(dev, sh.t, seconds, || {
+            (fwd()? * dout)?.sum_all()?.backward()?;
+            Ok(())
+        })?;
+        Ok((f, fb))
     }
 
     /// PyTorch SDPA's backends beside each row, where torch runs.

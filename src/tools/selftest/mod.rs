@@ -48,11 +48,13 @@
 //! Not done here: the CPU-vs-GPU training run (scripts/gpu-check.sh), timing (`harpe bench`).
 //!
 //! The files: `check.rs` (targets, dtypes, a row and the bounds it is held to), `kernels.rs` (RoPE,
-//! RMSNorm, cross-entropy and AdamW rows), `attention.rs` and `candle_flash.rs` (the attention rows);
+//! RMSNorm, cross-entropy and AdamW rows), `attention.rs`, `candle_flash.rs` and `flash2.rs` (the attention
+//! rows);
 //! this file runs them and prints the table.
 pub mod attention;
 pub mod candle_flash;
 pub mod check;
+pub mod flash2;
 pub mod kernels;
 
 pub use check::{check16, Bound16, Check, Dt, Exact, Target};
@@ -75,6 +77,7 @@ pub fn run_all(target: &Target, seed: u64, sink: &mut dyn FnMut(&[Check])) -> Re
     }
     attention::checks_each(target, &mut r, sink)?;
     sink(&candle_flash::checks(target, &mut r)?);
+    sink(&flash2::checks(target, &mut r)?);
     Ok(())
 }
 
@@ -212,6 +215,9 @@ pub fn run(args: SelftestArgs) -> Result<()> {
             }
             all.extend_from_slice(cs);
         })?;
+    }
+    if let (false, Some(n)) = (args.json, flash2::note(&target)) {
+        println!("{n}");
     }
     let ok = if args.json {
         println!("{}", serde_json::json!({"target": target.name(), "seed": seed, "checks": all}));

@@ -1,12 +1,14 @@
-//! What a plan is asked about: the device (`GpuKind`, `Gpu` with its stated peak, links and margin), how
+//! What a plan is asked about: the device (`GpuKind`, `Gpu` with its stated peak, links and margin, and the
+//! attention kernels' rate on it: `AttnKernelKind`, `AttentionRate`, whose priors `attention.rs` explains), how
 //! the run is spread (`World`), the model (`Arch`) and one stage's shape (`StageShape`). Apart from the
 //! arithmetic (`memory.rs`, `time.rs`), which reads these and nothing else.
-use crate::config::{Checkpointing, DistSection, RunConfig, ZeroStage};
+use crate::config::{Checkpointing, DistSection, RunConfig, TrainAttention, ZeroStage};
 use crate::model::config::LlamaConfig;
 use crate::model::rope::RopeScheme;
 use crate::util::edit_distance;
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
+use std::path::Path;
 
 pub const GIB: f64 = (1u64 << 30) as f64;
 
@@ -68,6 +70,8 @@ pub struct Gpu {
     pub gpus_per_node: usize,
     /// fraction of memory kept free for fragmentation and transient spikes
     pub margin: f64,
+    /// the attention kernels the run trains with and their forward+backward rate on this device
+    pub attention: AttentionRate,
 }
 
 impl Gpu {
@@ -81,7 +85,24 @@ impl Gpu {
             GpuKind::H200 => (143771u64 << 20, 989.0, 900.0, 0.4),
             GpuKind::Cpu => (crate::util::host_memory_bytes().unwrap_or(16 << 30), 0.05, 0.0, 0.5),
         };
-        Gpu { kind, mem_bytes, peak_tflops, mfu, link_gbs, inter_node_gbs: 25.0, gpus_per_node: 8, margin: 0.10 }
+        let attention = AttentionRate::prior(AttnKernelKind::Harpe, kind, peak_tflops, mfu);
+        Gpu {
+            kind,
+            mem_bytes,
+            peak_tflops,
+            mfu,
+            link_gbs,
+            inter_node_gbs: 25.0,
+            gpus_per_node: 8,
+            margin: 0.10,
+            attention,
+        }
+    }
+
+    /// This device running `kernel`'s attention at its prior rate (after `peak_tflops` and `mfu` are final).
+    pub fn with_attention_prior(mut self, kernel: AttnKernelKind) -> Gpu {
+        self.attention = AttentionRate::prior(kernel, self.kind, self.peak_tflops, self.mfu);
+        self
     }
 
     pub(super) fn is_cpu(&self) -> bool {
@@ -236,5 +257,115 @@ impl World {
             sp_degree: self.sp_degree,
             ..DistSection::default()
         }
+    }
+}
+
+/// FA2's published forward+backward rate on an A100 SXM (causal, D 128, bf16, long T), TFLOP/s.
+pub const FA2_A100_TFLOPS: f64 = 185.0;
+/// The same on an H100 SXM (and an H200: the same SMs and clocks), TFLOP/s.
+pub const FA2_H100_TFLOPS: f64 = 335.0;
+/// harpe's own kernels' forward+backward rate as a fraction of the dense bf16 peak (90 of an A100's 312).
+pub const HARPE_PEAK_FRACTION: f64 = 90.0 / 312.0;
+
+/// Which attention kernels the plan counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttnKernelKind {
+    /// harpe's own (kernels/attention.cu, `ops::attention`)
+    Harpe,
+    /// FlashAttention-2's own forward and backward (`ops::flash2`)
+    Flash2,
+}
+
+impl AttnKernelKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            AttnKernelKind::Harpe => "harpe",
+            AttnKernelKind::Flash2 => "flash2",
+        }
+    }
+
+    /// The kernels a run with `[train] attention = want` trains a model of `head_dim` with: `auto` plans FA2's
+    /// where they take the model (`flash16`: a 16-bit run of a build that has them), `flash2` and `harpe` as
+    /// asked (`train` itself refuses flash2 where it cannot run).
+    pub fn for_run(want: TrainAttention, flash16: bool, head_dim: usize) -> AttnKernelKind {
+        let fits = flash16 && crate::ops::flash2::HEAD_DIMS.contains(&head_dim);
+        match want {
+            TrainAttention::Harpe => AttnKernelKind::Harpe,
+            TrainAttention::Flash2 => AttnKernelKind::Flash2,
+            TrainAttention::Auto if fits => AttnKernelKind::Flash2,
+            TrainAttention::Auto => AttnKernelKind::Harpe,
+        }
+    }
+}
+
+/// The attention kernel of a plan and its forward+backward rate on one device.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttentionRate {
+    pub kernel: AttnKernelKind,
+    /// causal forward+backward TFLOP/s of one device
+    pub tflops: f64,
+    /// where `tflops` comes from
+    pub source: String,
+}
+
+impl AttentionRate {
+    /// The prior rate of `kernel` on a device of `kind` with dense peak `peak` (TFLOP/s). On the CPU the
+    /// attention runs at the same `mfu` of the peak as everything else.
+    pub fn prior(kernel: AttnKernelKind, kind: GpuKind, peak: f64, mfu: f64) -> AttentionRate {
+        let (tflops, source) = match (kernel, kind) {
+            (_, GpuKind::Cpu) => (peak * mfu, "the CPU's peak x mfu, as the rest of the step".to_string()),
+            (AttnKernelKind::Flash2, GpuKind::A100) => {
+                (FA2_A100_TFLOPS, "FlashAttention-2's published A100 rate".into())
+            }
+            (AttnKernelKind::Flash2, GpuKind::H100 | GpuKind::H200) => {
+                (FA2_H100_TFLOPS, "FlashAttention-2's published H100 rate".into())
+            }
+            (AttnKernelKind::Harpe, _) => (
+                peak * HARPE_PEAK_FRACTION,
+                format!("{:.0}% of peak, harpe's kernels by reading", 100.0 * HARPE_PEAK_FRACTION),
+            ),
+        };
+        AttentionRate { kernel, tflops, source }
+    }
+
+    /// The measured rate of `kernel` in a `harpe bench attention --json` file: its forward+backward row
+    /// of the longest T (the kv-head count closest to `arch`'s when both were measured).
+    pub fn from_bench(path: &Path, kernel: AttnKernelKind, arch: &Arch) -> Result<AttentionRate> {
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "--attn-bench {}: cannot read it\nhint: write it with `harpe bench attention --json > FILE` on the GPU",
+                path.display()
+            )
+        })?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            anyhow!(
+                "--attn-bench {}: not JSON ({e})\nhint: the file `harpe bench attention --json` prints",
+                path.display()
+            )
+        })?;
+        let rows = v.get("rows").and_then(|r| r.as_array()).ok_or_else(|| {
+            anyhow!(
+                "--attn-bench {}: no \"rows\" list\nhint: the file `harpe bench attention --json` prints",
+                path.display()
+            )
+        })?;
+        let field = |r: &serde_json::Value, k: &str| r.get(k).and_then(|x| x.as_f64());
+        let best = rows
+            .iter()
+            .filter(|r| r.get("pass").and_then(|p| p.as_str()) == Some("fwd+bwd"))
+            // rows of benches from before the kernel column are harpe's
+            .filter(|r| r.get("kernel").and_then(|p| p.as_str()).unwrap_or("harpe") == kernel.name())
+            .filter_map(|r| Some((field(r, "t")?, field(r, "hkv")?, field(r, "tflops")?)))
+            .max_by(|a, b| {
+                let key = |x: &(f64, f64, f64)| (x.0, -(x.1 - arch.kv_heads as f64).abs());
+                key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)
+            });
+        let Some((t, hkv, tflops)) = best else {
+            bail!("--attn-bench {}: no fwd+bwd row of the {} kernels\nhint: measure them with a build that has them (`--features flash-attn` for flash2)", path.display(), kernel.name());
+        };
+        let device = v.get("device").and_then(|d| d.as_str()).unwrap_or("?");
+        let source = format!("measured on {device} at T {t}, Hkv {hkv} ({})", path.display());
+        Ok(AttentionRate { kernel, tflops, source })
     }
 }

@@ -58,6 +58,8 @@ pub(super) struct Sizes {
     pub(super) seg: usize,
     pub(super) n_seg: usize,
     pub(super) last_seg: usize,
+    /// the attention kernels the run trains with (`Gpu::attention`)
+    pub(super) attn: super::inputs::AttnKernelKind,
 }
 
 impl Sizes {
@@ -84,6 +86,7 @@ impl Sizes {
             seg,
             n_seg,
             last_seg: l - (n_seg - 1) * seg,
+            attn: gpu.attention.kernel,
         }
     }
 
@@ -188,27 +191,11 @@ pub(super) fn activation_terms(sz: &Sizes, arch: &Arch, shape: &StageShape, term
         format!("{which} phase: recompute {:.2} GiB, loss chunk {:.2} GiB; {ws_note}", gib(recompute), gib(loss)),
     );
     if !sz.cpu {
-        // one layer's flash-attention backward at a time: the op's own workspace function (Ulysses: H/p heads
-        // over the whole sequence)
-        let dims = crate::ops::attention_shape::AttnDims {
-            b: shape.micro_batch,
-            h: (arch.heads / sz.p).max(1),
-            hkv: (arch.kv_heads / sz.p).max(1),
-            tq: shape.seq_len,
-            tk: shape.seq_len,
-            d: arch.head_dim,
-        };
-        let aw = crate::ops::attention_shape::attention_workspace(dims, wb as usize);
-        add_term(
-            terms,
-            "attention_workspace",
-            aw.total() as f64,
-            format!(
-                "one layer's attention backward: packed [q|O|lse|dO] rows {:.2} GiB + f32 delta and dQ accumulator {:.2} GiB",
-                gib(aw.bwd_packed as f64),
-                gib(aw.bwd_scratch as f64)
-            ),
-        );
+        // one layer's flash-attention backward at a time: the kernel's own workspace (Ulysses: H/p heads over
+        // the whole sequence)
+        let heads = ((arch.heads / sz.p).max(1), (arch.kv_heads / sz.p).max(1));
+        let (bytes, note) = super::attention::workspace(sz.attn, arch, shape, heads, wb);
+        add_term(terms, "attention_workspace", bytes, note);
     }
 }
 

@@ -28,13 +28,19 @@
 //! fragmentation beyond the stated margin; it predicts, the training loop measures (`metrics.jsonl`).
 //!
 //! The files: `inputs.rs` (device, world, model, stage shape), `memory.rs` (the memory terms and the
-//! activation count), `time.rs` (step time and checkpoint time); this file puts them together into a
+//! activation count), `time.rs` (step time and checkpoint time), `attention.rs` (the attention kernel's
+//! rate and backward workspace); this file puts them together into a
 //! `Plan` and searches the cheapest change that fits.
+mod attention;
 mod inputs;
 mod memory;
 mod time;
 
-pub use inputs::{ckpt_name, Arch, Gpu, GpuKind, StageShape, World, GIB};
+pub use attention::for_run as attention_for_run;
+pub use inputs::{
+    ckpt_name, Arch, AttentionRate, AttnKernelKind, Gpu, GpuKind, StageShape, World, FA2_A100_TFLOPS, FA2_H100_TFLOPS,
+    GIB, HARPE_PEAK_FRACTION,
+};
 pub use memory::{
     activations, backward_temporaries, layer_graph, layer_graph_bytes, Activations, LayerPath, Stored, Term,
 };

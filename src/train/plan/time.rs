@@ -1,5 +1,5 @@
-//! The time side of a plan: FLOPs per token with recompute at the stated MFU, ZeRO's and Ulysses'
-//! collectives over the interconnect, and how long a checkpointed stop takes (the warning a scheduler
+//! The time side of a plan: FLOPs per token with recompute at the stated MFU (the attention's at its
+//! kernel's rate, `attention.rs`), ZeRO's and Ulysses' collectives over the interconnect, and how long a checkpointed stop takes (the warning a scheduler
 //! must give). Apart from the memory terms (`memory.rs`), whose `Sizes` it reads.
 use super::inputs::{Arch, Gpu, StageShape, World};
 use super::memory::Sizes;
@@ -18,7 +18,8 @@ pub(super) struct StepTime {
     pub(super) step_time_s: f64,
 }
 
-/// FLOPs with recompute at the stated MFU; collectives over the interconnect.
+/// FLOPs with recompute at the stated MFU and the attention's at its kernel's rate; collectives over the
+/// interconnect.
 pub(super) fn step_time(sz: &Sizes, arch: &Arch, shape: &StageShape, world: &World, gpu: &Gpu) -> StepTime {
     let (n, w, p, l, wb, gb, tl) = (sz.n, sz.w, sz.p, sz.l, sz.wb, sz.gb, sz.tl);
     let flops_per_token = crate::model::flops_per_token(arch.params as usize, l, arch.hidden, shape.seq_len);
@@ -26,9 +27,18 @@ pub(super) fn step_time(sz: &Sizes, arch: &Arch, shape: &StageShape, world: &Wor
     // Executed FLOPs: causal flash attention skips the masked half of 12·L·C·T; recompute repeats the
     // forward (a third) of the recomputed layers.
     let executed = flops_per_token - 6.0 * (l * arch.hidden * shape.seq_len) as f64;
-    let hw_flops_per_token = executed * (1.0 + recomputed as f64 / l as f64 / 3.0);
+    let recompute = 1.0 + recomputed as f64 / l as f64 / 3.0;
+    let hw_flops_per_token = executed * recompute;
     let tokens = shape.tokens_per_step as f64;
-    let compute_s = tokens * hw_flops_per_token / (w * gpu.peak_tflops * 1e12 * gpu.mfu);
+    // The causal attention's share of those FLOPs (6·L·C·T, recompute included) runs at its kernel's rate
+    // (`Gpu::attention`), the rest at mfu of the peak. Attention rates are stated in FlashAttention's count
+    // (causal forward 2·C·T per token and layer, backward 2.5x the forward), so its time is that count over
+    // the rate: 3.5 forwards per layer plus one per recomputed layer.
+    let lct = (l * arch.hidden * shape.seq_len) as f64;
+    let attn_share = 6.0 * lct * recompute;
+    let attn_rated = 2.0 * lct * (3.5 + recomputed as f64 / l as f64);
+    let compute_s = tokens * (hw_flops_per_token - attn_share) / (w * gpu.peak_tflops * 1e12 * gpu.mfu)
+        + tokens * attn_rated / (w * gpu.attention.tflops * 1e12);
     let accum = (tokens / (shape.micro_batch * shape.seq_len) as f64 * p as f64 / w).max(1.0); // per rank
     let ring = (w - 1.0) / w;
     let zero_comm_bytes = if world.gpus > 1 {

@@ -63,4 +63,9 @@ extern "C" {
     // harpe: the text of a CUDA error code run_mha returned.
     pub(crate) fn harpe_flash_error_string(err: c_int) -> *const core::ffi::c_char;
 
+    // harpe: FA2's forward and backward from a filled harpe_fa2_args (flash_api.cu).
+    pub(crate) fn harpe_fa2_args_size() -> usize;
+    pub(crate) fn harpe_mha_fwd(args: *const c_void, stream_ptr: *mut c_void) -> c_int;
+    pub(crate) fn run_mha_bwd(args: *const c_void, stream_ptr: *mut c_void) -> c_int;
+
 }

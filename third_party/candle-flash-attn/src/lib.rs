@@ -18,6 +18,37 @@ fn launched(err: core::ffi::c_int) -> Result<()> {
     )
 }
 
+/// harpe: an error unless the caller's `harpe_fa2_args` has the size flash_api.cu was built with.
+fn check_args_size(size: usize) -> Result<()> {
+    // SAFETY: returns a constant.
+    let want = unsafe { ffi::harpe_fa2_args_size() };
+    if size != want {
+        candle::bail!("candle-flash-attn: harpe_fa2_args is {size} bytes on the Rust side but {want} in flash_api.cu\nhint: the two definitions drifted apart; make them field for field the same")
+    }
+    Ok(())
+}
+
+/// harpe: FA2's forward on the parameters `args` points to (a `harpe_fa2_args` of `size` bytes, every
+/// pointer a device address on the stream `stream`), head dims 64 and 128.
+///
+/// # Safety
+/// `args` points to a filled `harpe_fa2_args` whose pointers address device buffers of the sizes its
+/// shape implies, alive until the stream has run the kernel.
+pub unsafe fn harpe_mha_fwd(args: *const core::ffi::c_void, size: usize, stream: *mut core::ffi::c_void) -> Result<()> {
+    check_args_size(size)?;
+    launched(ffi::harpe_mha_fwd(args, stream))
+}
+
+/// harpe: FA2's backward (`run_mha_bwd`: dot(dO, O), the dQ/dK/dV kernel, the dQ conversion) on the parameters
+/// `args` points to; causal, bf16/fp16, head dims 64 and 128 (any other call returns cudaErrorNotSupported).
+///
+/// # Safety
+/// As `harpe_mha_fwd`, with the backward's buffers too (dO, dQ, dK, dV, the f32 dq_accum and softmax_d).
+pub unsafe fn harpe_mha_bwd(args: *const core::ffi::c_void, size: usize, stream: *mut core::ffi::c_void) -> Result<()> {
+    check_args_size(size)?;
+    launched(ffi::run_mha_bwd(args, stream))
+}
+
 pub struct FlashAttn {
     pub softmax_scale: f32,
     pub alibi_slopes: Option<Tensor>,
