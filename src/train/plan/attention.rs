@@ -135,6 +135,8 @@ mod tests {
             kv_heads: 32,
             head_dim: 128,
             tied: false,
+            rope_rows: 1,
+            rope_tables: 1,
         };
         let r = AttentionRate::from_bench(&p, AttnKernelKind::Flash2, &arch).unwrap();
         assert_eq!(r.tflops, 171.0, "the longest T, the kv heads of the model");
