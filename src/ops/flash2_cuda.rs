@@ -39,6 +39,21 @@ fn input<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, n: usize, what: &str)
     view::<T>(s, l, "flash2", what)
 }
 
+/// One of the shim's FA2 entries (`harpe_mha_fwd`, `harpe_mha_bwd`) on `args`, queued on `stream`.
+type Fa2Entry = unsafe fn(*const core::ffi::c_void, usize, *mut core::ffi::c_void) -> Result<()>;
+
+/// Hand `args` (with its size, which the shim checks against its own struct) to `entry` on `stream`.
+///
+/// # Safety
+/// Every pointer in `args` addresses a live buffer of the size its shape implies, usable on `stream`.
+unsafe fn launch(entry: Fa2Entry, args: &Fa2Args, stream: &CudaStream) -> Result<()> {
+    entry(
+        args as *const Fa2Args as *const core::ffi::c_void,
+        std::mem::size_of::<Fa2Args>(),
+        stream.cu_stream() as *mut core::ffi::c_void,
+    )
+}
+
 /// The cu_seqlens pointer (0 for the dense form) with the view that keeps it borrowed.
 fn cu_addr(cu: Option<&Tensor>, shape: &Fa2Shape, stream: &CudaStream) -> Result<u64> {
     let Some(t) = cu else { return Ok(0) };
@@ -95,13 +110,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     };
     // SAFETY: every pointer addresses a live buffer of the size `shape` implies (checked above or allocated
     // here), on candle's stream, which runs the kernels before any later use or free of them.
-    unsafe {
-        candle_flash_attn::harpe_mha_fwd(
-            &args as *const Fa2Args as *const core::ffi::c_void,
-            std::mem::size_of::<Fa2Args>(),
-            stream.cu_stream() as *mut core::ffi::c_void,
-        )?;
-    }
+    unsafe { launch(candle_flash_attn::harpe_mha_fwd, &args, &stream)? };
     drop(rng); // after the launch is queued: the stream-ordered free waits for the kernels
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
@@ -183,13 +192,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     };
     // SAFETY: as in `forward_t`, for the backward's buffers (all sized from `shape`, checked or allocated
     // here, on candle's stream).
-    unsafe {
-        candle_flash_attn::harpe_mha_bwd(
-            &args as *const Fa2Args as *const core::ffi::c_void,
-            std::mem::size_of::<Fa2Args>(),
-            stream.cu_stream() as *mut core::ffi::c_void,
-        )?;
-    }
+    unsafe { launch(candle_flash_attn::harpe_mha_bwd, &args, &stream)? };
     drop((dq_accum, softmax_d, rng)); // stream-ordered frees, after the kernels
     let heads_kv = if ws.dkv_expanded > 0 { shape.h } else { shape.hkv };
     let wrap = |s: CudaSlice<T>, heads: usize| {
