@@ -64,10 +64,7 @@ pub fn checks_each(target: &Target, r: &mut ChaCha8Rng, sink: &mut dyn FnMut(&[C
         // a document mask: packed sequences with 1-4 random document starts each
         let t = ragged(r, 2, if big { 1000 } else { 80 });
         let dims = AttnDims { tq: t, tk: t, ..dims };
-        let starts: Vec<Vec<usize>> =
-            (0..dims.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
-        let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
-        let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
+        let docs = random_docs(r, dims.b, t)?;
         sink(&case(target, dt, kernel, dims, true, Some(docs.host()), r)?);
     }
     if big && !crate::testing::hooks().selftest_small {
@@ -109,6 +106,23 @@ fn of_t<T: AttnFloat>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
+/// Random q, k, v of `dims` (uniform in [-1, 1), rounded to `dt`), drawn in that order.
+pub(super) fn qkv(r: &mut ChaCha8Rng, dims: AttnDims, dt: Dt) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let AttnDims { b, h, hkv, tq, tk, d } = dims;
+    let q = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
+    let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    (q, k, v)
+}
+
+/// A document mask for `b` packed sequences of `t` tokens: 1-4 document starts each, anywhere.
+pub(super) fn random_docs(r: &mut ChaCha8Rng, b: usize, t: usize) -> Result<DocStarts> {
+    let starts: Vec<Vec<usize>> =
+        (0..b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
+    let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
+    Ok(DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?)
+}
+
 /// One shape: O, lse, dQ, dK, dV of the kernel against the reference; `docs` a document mask (per key,
 /// the start of its document).
 fn case(
@@ -121,9 +135,7 @@ fn case(
     r: &mut ChaCha8Rng,
 ) -> Result<Vec<Check>> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let q = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
-    let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
-    let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let (q, k, v) = qkv(r, dims, dt);
     let dout = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
     let scale = 1.0 / (d as f32).sqrt();
     let (inputs, mask) = ((&q[..], &k[..], &v[..], &dout[..]), AttnMask::new(scale, causal, docs));

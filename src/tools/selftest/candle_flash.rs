@@ -14,9 +14,8 @@
 //! the f32 reference is too slow to run.
 //! Does not: compare backward (the crate has none), f32 (the crate takes none), or time anything
 //! (`harpe bench attention` has a candle-flash-attn column).
-use super::attention::{exact16, Inputs};
-use super::check::{as_dt, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
-use crate::ops::attention::DocStarts;
+use super::attention::{exact16, qkv, random_docs, Inputs};
+use super::check::{check16, ragged, Bound16, Check, Dt, Exact, Target};
 use crate::ops::attention_shape::AttnDims;
 use anyhow::Result;
 use rand::Rng;
@@ -36,10 +35,7 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
     out.extend(case(dev, Dt::Bf16, gqa, None, r)?);
     out.extend(case(dev, Dt::Bf16, AttnDims { h: 8, hkv: 1, d: 64, ..gqa }, None, r)?);
     // a document mask: 1-4 random document starts per sequence
-    let starts: Vec<Vec<usize>> =
-        (0..gqa.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
-    let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
-    let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
+    let docs = random_docs(r, gqa.b, t)?;
     out.extend(case(dev, Dt::Bf16, AttnDims { d: 64, ..gqa }, Some(docs.host()), r)?);
     // Tq < Tk: a prefill chunk or a decode step against a longer cache, f16
     let tq = if r.random_bool(0.5) { 1 } else { ragged(r, 2, t) };
@@ -63,9 +59,7 @@ fn case(
     r: &mut ChaCha8Rng,
 ) -> Result<Vec<Check>> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let q = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
-    let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
-    let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let (q, k, v) = qkv(r, dims, dt);
     let scale = 1.0 / (d as f32).sqrt();
     let (harpe, cflash) = cuda_run::run(dev, dt, (&q, &k, &v), dims, scale, docs)?;
     // the forward's exact values (the backward inputs are unused: dO = 0)

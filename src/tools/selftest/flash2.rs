@@ -12,12 +12,10 @@
 //! value), so a wrong tile in either kernel shows up twice.
 //! Does not: the sampled rows at T 32K and 128K (the f64 reference here computes every row), time anything
 //! (`harpe bench attention` has FA2 rows), or run anywhere but CUDA with the feature (`note` says so).
-use super::attention::{exact16, Inputs};
+use super::attention::{exact16, qkv, random_docs, Inputs};
 use super::check::{as_dt, check16, ragged, uniform, Bound16, Check, Dt, Exact, Target};
-use crate::ops::attention::DocStarts;
 use crate::ops::attention_shape::AttnDims;
 use anyhow::Result;
-use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 /// FA2's [O, lse, dQ, dK, dV] and harpe's [O, dQ, dK, dV] of one case, host f32.
@@ -44,10 +42,7 @@ pub fn checks(target: &Target, r: &mut ChaCha8Rng) -> Result<Vec<Check>> {
     let gqa = AttnDims { b: 2, h: 8, hkv: 2, tq: t, tk: t, d: 128 };
     out.extend(case(dev, Dt::Bf16, gqa, None, r)?);
     out.extend(case(dev, Dt::Bf16, AttnDims { h: 8, hkv: 1, d: 64, ..gqa }, None, r)?);
-    let starts: Vec<Vec<usize>> =
-        (0..gqa.b).map(|_| (0..r.random_range(1..5)).map(|_| r.random_range(0..t)).collect()).collect();
-    let starts: Vec<&[usize]> = starts.iter().map(|s| s.as_slice()).collect();
-    let docs = DocStarts::from_starts(&starts, t, &candle_core::Device::Cpu)?;
+    let docs = random_docs(r, gqa.b, t)?;
     out.extend(case(dev, Dt::Bf16, AttnDims { d: 64, ..gqa }, Some(docs.host()), r)?);
     out.extend(case(dev, Dt::F16, gqa, None, r)?);
     if !crate::testing::hooks().selftest_small {
@@ -67,9 +62,7 @@ fn case(
     r: &mut ChaCha8Rng,
 ) -> Result<Vec<Check>> {
     let AttnDims { b, h, hkv, tq, tk, d } = dims;
-    let q = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
-    let k = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
-    let v = as_dt(uniform(r, b * hkv * tk * d, 1.0), dt);
+    let (q, k, v) = qkv(r, dims, dt);
     let dout = as_dt(uniform(r, b * h * tq * d, 1.0), dt);
     let scale = 1.0 / (d as f32).sqrt();
     let (fa2, harpe) = cuda_run::run(dev, dt, (&q, &k, &v, &dout), dims, scale, docs)?;
